@@ -1,0 +1,31 @@
+"""``llmgw ctl``: the operator's commands (status, models, idle)."""
+
+from __future__ import annotations
+
+import click
+
+from llmgw.cli.options import LazyGroup
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "status": "llmgw.cli.status:status",
+        "idle": "llmgw.cli.idle:idle",
+    },
+)
+def ctl() -> None:
+    """Ask the control plane: plans, status, what can be stopped."""
+
+
+@ctl.group(
+    cls=LazyGroup,
+    lazy={
+        "plan": "llmgw.cli.plan:plan",
+        "deploy": "llmgw.cli.models:deploy",
+        "scale": "llmgw.cli.models:scale",
+        "remove": "llmgw.cli.models:remove",
+    },
+)
+def model() -> None:
+    """Plan, deploy, scale and remove models."""

@@ -1,0 +1,108 @@
+"""What every command shares: NATS options, --json, and turning errors into ``Error: …``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import json
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import click
+
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError
+
+T = TypeVar("T")
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported when used, so ``--help`` stays fast.
+
+    ``lazy`` maps a command name to ``"module:attribute"``.
+    """
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy or {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module_name, attr = self.lazy[cmd_name].split(":")
+            cmd = getattr(importlib.import_module(module_name), attr)
+            assert isinstance(cmd, click.Command)
+            return cmd
+        return super().get_command(ctx, cmd_name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LlmgwError as e:
+            raise click.ClickException(str(e)) from e
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine the way every command does: uvloop when present, errors as ``Error: …``."""
+    try:
+        import uvloop
+
+        runner: Callable[[Coroutine[Any, Any, T]], T] = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        return runner(coro)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def settings_from(kwargs: dict[str, Any]) -> Settings:
+    """Pop the NATS options out of a command's kwargs and build Settings."""
+    try:
+        return Settings.from_env(
+            nats_url=kwargs.pop("nats_url", None),
+            creds_file=kwargs.pop("nats_creds", None),
+            user=kwargs.pop("nats_user", None),
+            password=kwargs.pop("nats_password", None),
+            tls_ca=kwargs.pop("tls_ca", None),
+            tls_cert=kwargs.pop("tls_cert", None),
+            tls_key=kwargs.pop("tls_key", None),
+        )
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--nats-url and credentials; the command receives ``settings: Settings``."""
+    opts = [
+        click.option("--nats-url", envvar="LLMGW_NATS_URL", help="NATS server(s), comma-separated [env LLMGW_NATS_URL; default nats://127.0.0.1:4222]."),
+        click.option("--nats-creds", envvar="LLMGW_NATS_CREDS", help="NATS credentials file [env LLMGW_NATS_CREDS]."),
+        click.option("--nats-user", envvar="LLMGW_NATS_USER", help="NATS user [env LLMGW_NATS_USER]."),
+        click.option("--nats-password", envvar="LLMGW_NATS_PASSWORD", help="NATS password [env LLMGW_NATS_PASSWORD]."),
+        click.option("--tls-ca", envvar="LLMGW_NATS_TLS_CA", help="CA bundle for TLS to NATS."),
+        click.option("--tls-cert", envvar="LLMGW_NATS_TLS_CERT", help="Client certificate for TLS to NATS."),
+        click.option("--tls-key", envvar="LLMGW_NATS_TLS_KEY", help="Client key for TLS to NATS."),
+    ]
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["settings"] = settings_from(kwargs)
+        return f(*args, **kwargs)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
+
+
+def echo_json(data: Any) -> None:
+    """One JSON document on stdout."""
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))

@@ -1,0 +1,79 @@
+"""Settings every process shares: where NATS is and how to log in to it.
+
+Read from flags first, then ``LLMGW_*`` environment variables, then defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from llmgw.errors import ConfigError
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def data_dir() -> Path:
+    """Where ``llmgw up``/``llmgw nats`` keep JetStream and DuckDB files by default."""
+    if env := os.environ.get("LLMGW_DATA_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "llmgw"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to reach NATS; everything optional but the URL."""
+
+    nats_url: str = DEFAULT_NATS_URL
+    creds_file: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    nkey_seed_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    stream_replicas: int = 1
+    connect_timeout_s: float = 3.0
+    request_timeout_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        """Settings from ``LLMGW_*`` variables, with explicit values (not None) winning."""
+        env = os.environ
+        replicas_raw = env.get("LLMGW_STREAM_REPLICAS", "1")
+        try:
+            replicas = int(replicas_raw)
+        except ValueError as e:
+            raise ConfigError(f"LLMGW_STREAM_REPLICAS must be 1, 3 or 5 (got {replicas_raw!r})") from e
+        base = cls(
+            nats_url=env.get("LLMGW_NATS_URL", DEFAULT_NATS_URL),
+            creds_file=env.get("LLMGW_NATS_CREDS") or None,
+            user=env.get("LLMGW_NATS_USER") or None,
+            password=env.get("LLMGW_NATS_PASSWORD") or None,
+            nkey_seed_file=env.get("LLMGW_NATS_NKEY") or None,
+            tls_ca=env.get("LLMGW_NATS_TLS_CA") or None,
+            tls_cert=env.get("LLMGW_NATS_TLS_CERT") or None,
+            tls_key=env.get("LLMGW_NATS_TLS_KEY") or None,
+            stream_replicas=replicas,
+        )
+        settings = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.stream_replicas not in (1, 3, 5):
+            raise ConfigError(
+                f"stream replicas must be 1 (a single server) or 3/5 (a cluster), got {self.stream_replicas}"
+            )
+        for name in ("creds_file", "nkey_seed_file", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name.replace('_', ' ')} {path} does not exist")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS client auth needs both a certificate and a key (--tls-cert and --tls-key)")
+
+    @property
+    def uses_tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert) or self.nats_url.startswith("tls://")

@@ -1,0 +1,167 @@
+"""The fleet file (TOML): a fleet described without touching one.
+
+Simulated agents run it and the planner plans against it (what-if). Every
+mistake is reported as one line naming the file, the field and the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from llmgw import messages as m
+from llmgw.errors import FleetFileError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_CLASS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*-\d+GB$")
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    name: str
+    fabric: str
+    gpu_class: str
+    gpu_count: int
+    gpu_memory_mib: int
+    unhealthy: tuple[int, ...] = ()
+    gpu_name: str = ""
+
+    def gpu_uuid(self, index: int) -> str:
+        """A stable, UUID-shaped id for a simulated GPU."""
+        h = hashlib.blake2b(f"{self.name}/{index}".encode(), digest_size=16).hexdigest()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    def default_gpu_name(self) -> str:
+        """What NVML would call this GPU: ``NVIDIA H100 80GB``-style."""
+        model, _, mem = self.gpu_class.rpartition("-")
+        return self.gpu_name or f"NVIDIA {model} {mem}"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    path: str
+    nodes: tuple[FleetNode, ...]
+    raw: dict[str, Any]  # the whole document, for sections later modules read (faults, …)
+
+    def node(self, name: str) -> FleetNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        names = ", ".join(n.name for n in self.nodes[:5])
+        raise FleetFileError(self.path, "", f"has no node named {name!r} (nodes: {names}{', …' if len(self.nodes) > 5 else ''})")
+
+
+def _field(path: str, where: str, value: Any, kind: type, problem: str) -> Any:
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise FleetFileError(path, where, f"{problem} (got {value!r})")
+    if kind is str and not isinstance(value, str):
+        raise FleetFileError(path, where, f"{problem} (got {value!r})")
+    return value
+
+
+def parse(text: str, path: str = "<fleet>") -> Fleet:
+    """A validated fleet from TOML text."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise FleetFileError(path, "", f"is not valid TOML: {e}") from e
+    nodes_raw = doc.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise FleetFileError(path, "nodes", "must be a non-empty array of tables ([[nodes]])")
+    known = {"name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib", "unhealthy", "gpu_name"}
+    nodes: list[FleetNode] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(nodes_raw):
+        at = f"nodes[{i}]"
+        if not isinstance(raw, dict):
+            raise FleetFileError(path, at, "must be a table")
+        for key in raw:
+            if key not in known:
+                raise FleetFileError(path, f"{at}.{key}", f"is not a known field (known: {', '.join(sorted(known))})")
+        for key in ("name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib"):
+            if key not in raw:
+                raise FleetFileError(path, f"{at}.{key}", "is missing")
+        name = _field(path, f"{at}.name", raw["name"], str, "must be a string")
+        if not _NAME.match(name):
+            raise FleetFileError(path, f"{at}.name", f"must be a host name of letters, digits, '.', '-' or '_' (got {name!r})")
+        if name in seen:
+            raise FleetFileError(path, f"{at}.name", f"repeats node {name!r}")
+        seen.add(name)
+        fabric = _field(path, f"{at}.fabric", raw["fabric"], str, "must be a string")
+        if not _NAME.match(fabric):
+            raise FleetFileError(path, f"{at}.fabric", f"must be a name of letters, digits, '.', '-' or '_' (got {fabric!r})")
+        gpu_class = _field(path, f"{at}.gpu_class", raw["gpu_class"], str, "must be a string")
+        if not _CLASS.match(gpu_class):
+            raise FleetFileError(path, f"{at}.gpu_class", f"must look like H100-80GB (model, '-', memory in GB) (got {gpu_class!r})")
+        count = _field(path, f"{at}.gpu_count", raw["gpu_count"], int, "must be a positive integer")
+        if not 1 <= count <= 64:
+            raise FleetFileError(path, f"{at}.gpu_count", f"must be a positive integer of at most 64 (got {count!r})")
+        mem = _field(path, f"{at}.gpu_memory_mib", raw["gpu_memory_mib"], int, "must be a positive integer (MiB)")
+        if not 1024 <= mem <= 4 * 1024 * 1024:
+            raise FleetFileError(path, f"{at}.gpu_memory_mib", f"must be between 1024 and 4194304 MiB (got {mem!r})")
+        unhealthy_raw = raw.get("unhealthy", [])
+        if not isinstance(unhealthy_raw, list):
+            raise FleetFileError(path, f"{at}.unhealthy", f"must be an array of GPU indices (got {unhealthy_raw!r})")
+        for j, idx in enumerate(unhealthy_raw):
+            if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < count:
+                raise FleetFileError(path, f"{at}.unhealthy[{j}]", f"must be a GPU index from 0 to {count - 1} (got {idx!r})")
+        gpu_name = _field(path, f"{at}.gpu_name", raw.get("gpu_name", ""), str, "must be a string")
+        nodes.append(
+            FleetNode(
+                name=name,
+                fabric=fabric,
+                gpu_class=gpu_class,
+                gpu_count=count,
+                gpu_memory_mib=mem,
+                unhealthy=tuple(sorted(set(unhealthy_raw))),
+                gpu_name=gpu_name,
+            )
+        )
+    return Fleet(path=path, nodes=tuple(nodes), raw=doc)
+
+
+def load(path: str | Path) -> Fleet:
+    """A validated fleet from a file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError as e:
+        raise FleetFileError(str(path), "", "does not exist; see examples/fleet.toml for the format") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise FleetFileError(str(path), "", f"cannot be read: {e}") from e
+    return parse(text, str(path))
+
+
+def inventory(node: FleetNode, at: datetime, boot_id: str = "fleet-file") -> m.NodeInventoryReported:
+    """The inventory an agent would report for a node of the file."""
+    return m.NodeInventoryReported(
+        at=at,
+        node=node.name,
+        fabric=node.fabric,
+        fabric_source="fleet-file",
+        boot_id=boot_id,
+        simulated=True,
+        gpus=tuple(
+            m.GpuInfo(
+                index=i,
+                uuid=node.gpu_uuid(i),
+                name=node.default_gpu_name(),
+                gpu_class=node.gpu_class,
+                memory_mib=node.gpu_memory_mib,
+                pci_bus_id=f"00000000:{0x18 + i:02X}:00.0",
+                healthy=i not in node.unhealthy,
+                reasons=("marked unhealthy in the fleet file",) if i in node.unhealthy else (),
+            )
+            for i in range(node.gpu_count)
+        ),
+    )
+
+
+def inventories(fleet: Fleet, at: datetime) -> list[m.NodeInventoryReported]:
+    """Every node's inventory: what the planner folds in what-if mode."""
+    return [inventory(n, at) for n in fleet.nodes]

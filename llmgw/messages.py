@@ -1,0 +1,263 @@
+"""The one schema: every event, command and API body llmgw puts on the bus.
+
+Events are facts in the past tense, frozen keyword-only msgspec Structs in
+tagged unions, one union per stream. They evolve only by adding fields with
+defaults; a breaking change is a new tag. ``v`` says which schema version wrote
+an event; a reader accepts newer versions and ignores fields it does not know.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+def utcnow() -> datetime:
+    """The publisher's clock; folds never call it, they take ``at`` from events."""
+    return datetime.now(UTC)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every event: when it happened, and which schema wrote it."""
+
+    at: datetime
+    v: int = SCHEMA_VERSION
+
+
+# --- fleet stream: llmgw.fleet.<node>.* -------------------------------------
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU as NVML (or the simulator) reports it."""
+
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str
+    memory_mib: int
+    pci_bus_id: str = ""
+    mig_enabled: bool = False
+    nvlink_active_links: int = 0
+    fabric_cluster_uuid: str = ""
+    healthy: bool = True
+    reasons: tuple[str, ...] = ()
+
+
+class NodeInventoryReported(Event, tag="NodeInventoryReported"):
+    """A full snapshot of a node's GPUs, health included; replaces what was known."""
+
+    node: str
+    fabric: str
+    fabric_source: str  # flag | nvml-fabric | infiniband | fleet-file | default
+    boot_id: str
+    gpus: tuple[GpuInfo, ...]
+    driver_version: str = ""
+    simulated: bool = False
+
+
+class GpuHealthChanged(Event, tag="GpuHealthChanged"):
+    """A GPU went from healthy to unhealthy or back; only transitions are events."""
+
+    node: str
+    gpu_index: int
+    gpu_uuid: str
+    healthy: bool
+    reasons: tuple[str, ...] = ()
+    boot_id: str = ""
+
+
+class NodeLost(Event, tag="NodeLost"):
+    """A node missed its heartbeats for longer than the timeout."""
+
+    node: str
+    last_heartbeat_at: datetime | None = None
+    timeout_s: float = 60.0
+
+
+class NodeReturned(Event, tag="NodeReturned"):
+    """A lost node is heard from again."""
+
+    node: str
+    boot_id: str = ""
+
+
+FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
+
+
+# --- heartbeat stream: llmgw.heartbeat.<node> (latest only, never replayed) --
+
+
+class HeartbeatSent(Event, tag="HeartbeatSent"):
+    """An agent is alive; kept out of the history that status replays."""
+
+    node: str
+    boot_id: str
+    seq: int
+
+
+HeartbeatEvent = HeartbeatSent
+
+
+# --- usage stream: llmgw.usage.<router>.idle ---------------------------------
+
+
+class IdleMapPublished(Event, tag="IdleMapPublished"):
+    """One router's last request time per replica, once a tick.
+
+    A replica the router has not served since it started is absent: unknown is
+    not idle.
+    """
+
+    router: str
+    boot_id: str
+    tick: int
+    last_request: dict[str, datetime] = {}
+    # Replicas in this router's pool with no request since it started routing
+    # to them, and since when: "nobody asked since X", never "idle forever".
+    serving_since: dict[str, datetime] = {}
+
+
+UsageEvent = IdleMapPublished
+
+
+# --- control stream: llmgw.control.model.<name>.*, llmgw.control.replica.<id>.* --
+
+Engine = Literal["vllm", "llama.cpp"]
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to run one replica of a declared model."""
+
+    name: str
+    source: str
+    precision: str
+    engine: Engine
+    gpu_class: str
+    context: int
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    quantization: str | None = None
+    file: str | None = None
+    gpu_memory_utilization: float = 0.9
+    engine_args: tuple[str, ...] = ()
+    gib_per_gpu: float = 0.0
+    idle_ttl_s: float | None = None
+
+
+class ModelDeclared(Event, tag="ModelDeclared"):
+    """An operator asked for a model to serve with this spec."""
+
+    spec: ModelSpec
+
+
+class ModelScaled(Event, tag="ModelScaled"):
+    """An operator changed how many replicas a model should have."""
+
+    name: str
+    replicas: int
+
+
+class ModelRemoved(Event, tag="ModelRemoved"):
+    """An operator asked for a model to stop serving everywhere."""
+
+    name: str
+
+
+class ModelUnplaceable(Event, tag="ModelUnplaceable"):
+    """The scheduler could not place replicas of a model, and says why."""
+
+    name: str
+    reason: str
+    missing_replicas: int = 1
+
+
+class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU a replica holds."""
+
+    node: str
+    index: int
+    uuid: str
+
+
+class ReplicaPlaced(Event, tag="ReplicaPlaced"):
+    """The scheduler put a replica on these GPUs (tp per node, pp nodes)."""
+
+    replica_id: str
+    model: str
+    nodes: tuple[str, ...]
+    gpus: tuple[GpuRef, ...]
+    spec: ModelSpec
+    fabric: str = ""
+    reason: str = ""
+
+
+ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
+
+
+class ReplicaStateChanged(Event, tag="ReplicaStateChanged"):
+    """An agent reports how the engine of a replica is doing."""
+
+    replica_id: str
+    model: str
+    node: str
+    state: ReplicaState
+    endpoint: str = ""
+    detail: str = ""
+    restarts: int = 0
+
+
+class ReplicaStopped(Event, tag="ReplicaStopped"):
+    """A replica must stop and give its GPUs back (idle, removed, re-placed, …)."""
+
+    replica_id: str
+    model: str
+    reason: str
+
+
+ControlEvent = (
+    ModelDeclared
+    | ModelScaled
+    | ModelRemoved
+    | ModelUnplaceable
+    | ReplicaPlaced
+    | ReplicaStateChanged
+    | ReplicaStopped
+)
+
+AnyEvent = FleetEvent | HeartbeatEvent | UsageEvent | ControlEvent
+
+
+# --- service bodies (request/reply, not stored) -----------------------------
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
+    """What a service answers to a request it cannot serve."""
+
+    error: str
+    code: int = 400
+
+
+# --- codecs, built once -------------------------------------------------------
+
+ENCODER = msgspec.json.Encoder()
+FLEET_DECODER = msgspec.json.Decoder(FleetEvent)
+HEARTBEAT_DECODER = msgspec.json.Decoder(HeartbeatEvent)
+USAGE_DECODER = msgspec.json.Decoder(UsageEvent)
+CONTROL_DECODER = msgspec.json.Decoder(ControlEvent)
+ANY_DECODER = msgspec.json.Decoder(AnyEvent)
+ERROR_DECODER = msgspec.json.Decoder(ErrorReply)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Bytes for the bus."""
+    return ENCODER.encode(message)
+
+
+def decode_event(data: bytes) -> AnyEvent:
+    """An event from bytes of any stream; raises msgspec.DecodeError or ValidationError."""
+    return ANY_DECODER.decode(data)

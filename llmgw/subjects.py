@@ -1,0 +1,202 @@
+"""Subject and stream names: the only module that writes a subject literal.
+
+Every subject an agent publishes carries its node name as a token, so that
+nats.conf can let an agent speak only for its own node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from llmgw import messages as m
+
+PREFIX = "llmgw"
+
+STREAM_FLEET = "LLMGW_FLEET"
+STREAM_HEARTBEAT = "LLMGW_HEARTBEAT"
+STREAM_USAGE = "LLMGW_USAGE"
+STREAM_CONTROL = "LLMGW_CONTROL"
+
+# Request/reply services (not stored).
+PLAN = f"{PREFIX}.plan"
+STATUS = f"{PREFIX}.status"
+PLANNER_QUEUE = "llmgw-planners"
+
+# A KV bucket that holds the scheduler's lease (one decider at a time).
+SCHEDULER_LEASE_BUCKET = "LLMGW_SCHEDULER"
+
+_SAFE = re.compile(r"[A-Za-z0-9_-]")
+
+GIB = 1024**3
+DAY = 86_400.0
+
+
+def token(name: str) -> str:
+    """A name as one subject token: [A-Za-z0-9_-] kept, anything else ``~hh``.
+
+    Node names may hold dots (FQDNs) and model names slashes; a dot would split
+    the token and ``*``/``>`` would be wildcards. The encoding is reversible.
+    """
+    if not name:
+        raise ValueError("an empty name cannot be a subject token")
+    return "".join(c if _SAFE.match(c) else "".join(f"~{b:02x}" for b in c.encode()) for c in name)
+
+
+def untoken(tok: str) -> str:
+    """The name a token was made from."""
+    out = bytearray()
+    i = 0
+    while i < len(tok):
+        if tok[i] == "~":
+            out.append(int(tok[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.extend(tok[i].encode())
+            i += 1
+    return out.decode()
+
+
+# --- builders -------------------------------------------------------------------
+
+
+def fleet(node: str, kind: str) -> str:
+    """``llmgw.fleet.<node>.<kind>``: inventory, health, lost, returned."""
+    return f"{PREFIX}.fleet.{token(node)}.{kind}"
+
+
+def heartbeat(node: str) -> str:
+    return f"{PREFIX}.heartbeat.{token(node)}"
+
+
+def usage_idle(router: str) -> str:
+    return f"{PREFIX}.usage.{token(router)}.idle"
+
+
+def model(name: str, kind: str) -> str:
+    """``llmgw.control.model.<name>.<kind>``: declared, scaled, removed, unplaceable."""
+    return f"{PREFIX}.control.model.{token(name)}.{kind}"
+
+
+def replica(replica_id: str, kind: str, node: str | None = None) -> str:
+    """``llmgw.control.replica.<id>.<kind>``; state reports end with the agent's node."""
+    base = f"{PREFIX}.control.replica.{token(replica_id)}.{kind}"
+    return f"{base}.{token(node)}" if node is not None else base
+
+
+def subject_for(event: m.Event) -> str:
+    """The subject an event is published on."""
+    match event:
+        case m.NodeInventoryReported(node=node):
+            return fleet(node, "inventory")
+        case m.GpuHealthChanged(node=node):
+            return fleet(node, "health")
+        case m.NodeLost(node=node):
+            return fleet(node, "lost")
+        case m.NodeReturned(node=node):
+            return fleet(node, "returned")
+        case m.HeartbeatSent(node=node):
+            return heartbeat(node)
+        case m.IdleMapPublished(router=router):
+            return usage_idle(router)
+        case m.ModelDeclared(spec=spec):
+            return model(spec.name, "declared")
+        case m.ModelScaled(name=name):
+            return model(name, "scaled")
+        case m.ModelRemoved(name=name):
+            return model(name, "removed")
+        case m.ModelUnplaceable(name=name):
+            return model(name, "unplaceable")
+        case m.ReplicaPlaced(replica_id=rid):
+            return replica(rid, "placed")
+        case m.ReplicaStateChanged(replica_id=rid, node=node):
+            return replica(rid, "state", node)
+        case m.ReplicaStopped(replica_id=rid):
+            return replica(rid, "stopped")
+    raise TypeError(f"no subject for {type(event).__name__}")
+
+
+def msg_id(event: m.Event, payload: bytes) -> str:
+    """A deterministic ``Nats-Msg-Id``: the same event retried is stored once.
+
+    The id is the event's type and a hash of its bytes, which include ``at``;
+    a publisher that must dedupe across processes passes its own key instead.
+    """
+    digest = hashlib.blake2b(payload, digest_size=16).hexdigest()
+    return f"{type(event).__name__}:{digest}"
+
+
+# --- streams ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One JetStream stream as llmgw declares it."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float  # 0 = keep forever
+    max_bytes: int  # -1 = unlimited
+    duplicate_window_s: float
+    discard_new: bool  # refuse writes when full rather than drop history silently
+    max_msgs_per_subject: int = -1
+    sync_always: bool = False  # documented production setting; see docs/reliability.md
+
+
+# Fleet and control are the source of truth for status and placement: they are
+# never aged out (a lost inventory would make a node vanish from replay) and
+# refuse new writes when full, loudly, instead of dropping old facts.
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(
+        name=STREAM_FLEET,
+        subjects=(f"{PREFIX}.fleet.>",),
+        max_age_s=0,
+        max_bytes=8 * GIB,
+        duplicate_window_s=20 * 60,
+        discard_new=True,
+        sync_always=True,
+    ),
+    StreamSpec(
+        name=STREAM_CONTROL,
+        subjects=(f"{PREFIX}.control.>",),
+        max_age_s=0,
+        max_bytes=2 * GIB,
+        duplicate_window_s=20 * 60,
+        discard_new=True,
+        sync_always=True,
+    ),
+    StreamSpec(
+        name=STREAM_USAGE,
+        subjects=(f"{PREFIX}.usage.>",),
+        max_age_s=30 * DAY,
+        max_bytes=32 * GIB,
+        duplicate_window_s=20 * 60,
+        discard_new=False,
+    ),
+    StreamSpec(
+        name=STREAM_HEARTBEAT,
+        subjects=(f"{PREFIX}.heartbeat.*",),
+        max_age_s=1 * DAY,
+        max_bytes=256 * 1024**2,
+        duplicate_window_s=60,
+        discard_new=False,
+        max_msgs_per_subject=1,
+    ),
+)
+
+# The streams that status and the projections replay, in fold order.
+HISTORY_STREAMS: tuple[str, ...] = (STREAM_FLEET, STREAM_CONTROL, STREAM_USAGE)
+
+STREAM_BY_NAME = {s.name: s for s in STREAMS}
+
+
+def stream_for_subject(subject: str) -> str:
+    """The stream that stores a subject."""
+    parts = subject.split(".")
+    if len(parts) >= 2 and parts[0] == PREFIX:
+        kind = {"fleet": STREAM_FLEET, "control": STREAM_CONTROL, "usage": STREAM_USAGE,
+                "heartbeat": STREAM_HEARTBEAT}.get(parts[1])
+        if kind:
+            return kind
+    raise ValueError(f"{subject!r} is not an llmgw stream subject")

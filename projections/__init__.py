@@ -1,0 +1,1 @@
+"""Projections: pure folds of the streams, and the DuckDB store they write."""

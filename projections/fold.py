@@ -1,0 +1,233 @@
+"""The pure fold: ``apply(state, event)`` for every event of the history streams.
+
+One fold serves the projector, the planner, the scheduler and ``ctl status
+--replay``, so that they can never disagree. It reads no clock and does no I/O;
+``at`` comes from the events. For speed it mutates the state it is given.
+
+Each stream folds into its own part of the state (fleet → nodes, control →
+models and replicas, usage → idle), and the views that join them (used, free,
+idle) are computed when asked. So the result does not depend on how the
+streams' events interleave, only on each stream's own order, which JetStream
+fixes: a live projector and a fresh replay agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from llmgw import messages as m
+
+
+@dataclass
+class GpuView:
+    node: str
+    index: int
+    uuid: str
+    name: str
+    gpu_class: str
+    memory_mib: int
+    healthy: bool = True
+    reasons: tuple[str, ...] = ()
+    since: datetime | None = None
+
+
+@dataclass
+class NodeView:
+    name: str
+    fabric: str
+    fabric_source: str
+    boot_id: str
+    gpus: dict[int, GpuView]
+    lost: bool = False
+    lost_at: datetime | None = None
+    simulated: bool = False
+    updated_at: datetime | None = None
+
+
+@dataclass
+class ModelView:
+    spec: m.ModelSpec
+    replicas_wanted: int
+    declared_at: datetime
+    unplaceable_reason: str | None = None
+    unplaceable_at: datetime | None = None
+
+
+@dataclass
+class ReplicaView:
+    replica_id: str
+    model: str
+    nodes: tuple[str, ...]
+    gpus: tuple[m.GpuRef, ...]
+    fabric: str
+    spec: m.ModelSpec
+    placed_at: datetime
+    state: str = "placed"  # placed | starting | healthy | unhealthy | failed
+    state_at: datetime | None = None
+    endpoint: str = ""
+    detail: str = ""
+    restarts: int = 0
+
+
+@dataclass
+class RouterView:
+    boot_id: str
+    tick: int
+    at: datetime
+    serving_since: dict[str, datetime] = field(default_factory=dict)
+
+
+@dataclass
+class FleetState:
+    """Everything the history streams say, as of the last event applied."""
+
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    models: dict[str, ModelView] = field(default_factory=dict)
+    replicas: dict[str, ReplicaView] = field(default_factory=dict)
+    routers: dict[str, RouterView] = field(default_factory=dict)
+    last_request: dict[str, datetime] = field(default_factory=dict)
+    as_of: datetime | None = None
+
+    # --- derived views, computed when asked ----------------------------------
+
+    def held_gpus(self) -> dict[tuple[str, int], str]:
+        """(node, gpu index) → the replica holding it."""
+        return {(g.node, g.index): r.replica_id for r in self.replicas.values() for g in r.gpus}
+
+    def gpus(self) -> Iterator[GpuView]:
+        for node in self.nodes.values():
+            yield from node.gpus.values()
+
+    def usable(self, gpu: GpuView) -> bool:
+        """Healthy on a node that is not lost: the only GPUs that are used or free."""
+        return gpu.healthy and not self.nodes[gpu.node].lost
+
+    def free_gpus(self, node: NodeView, held: dict[tuple[str, int], str] | None = None) -> list[GpuView]:
+        """Healthy GPUs of a live node that no replica holds."""
+        if node.lost:
+            return []
+        held = self.held_gpus() if held is None else held
+        return [g for g in node.gpus.values() if g.healthy and (node.name, g.index) not in held]
+
+    def idle_since(self, replica_id: str) -> datetime | None:
+        """Since when nobody has asked for a replica, or None when no router knows.
+
+        The newest of: the last request any router ever reported, and the time
+        each router's latest map says it began routing to the replica without a
+        request since. Taking the newest never overstates idleness.
+        """
+        candidates = [r.serving_since[replica_id] for r in self.routers.values() if replica_id in r.serving_since]
+        last = self.last_request.get(replica_id)
+        if last is not None:
+            candidates.append(last)
+        return max(candidates) if candidates else None
+
+
+def _touch(state: FleetState, at: datetime) -> None:
+    if state.as_of is None or at > state.as_of:
+        state.as_of = at
+
+
+def apply(state: FleetState, event: m.Event) -> FleetState:
+    """Fold one event into the state and return it."""
+    _touch(state, event.at)
+    match event:
+        case m.NodeInventoryReported():
+            old = state.nodes.get(event.node)
+            state.nodes[event.node] = NodeView(
+                name=event.node,
+                fabric=event.fabric,
+                fabric_source=event.fabric_source,
+                boot_id=event.boot_id,
+                gpus={
+                    g.index: GpuView(
+                        node=event.node,
+                        index=g.index,
+                        uuid=g.uuid,
+                        name=g.name,
+                        gpu_class=g.gpu_class,
+                        memory_mib=g.memory_mib,
+                        healthy=g.healthy,
+                        reasons=g.reasons,
+                        since=event.at,
+                    )
+                    for g in event.gpus
+                },
+                # An inventory is the agent speaking: the node is not lost.
+                lost=False,
+                simulated=event.simulated,
+                updated_at=event.at,
+            )
+            if old is not None:
+                for idx, gpu in state.nodes[event.node].gpus.items():
+                    prev = old.gpus.get(idx)
+                    if prev is not None and prev.uuid == gpu.uuid and (prev.healthy, prev.reasons) == (gpu.healthy, gpu.reasons):
+                        gpu.since = prev.since
+        case m.GpuHealthChanged():
+            node = state.nodes.get(event.node)
+            gpu = node.gpus.get(event.gpu_index) if node else None
+            if node is not None and gpu is not None:
+                gpu.healthy, gpu.reasons, gpu.since = event.healthy, event.reasons, event.at
+                node.updated_at = event.at
+        case m.NodeLost():
+            node = state.nodes.get(event.node)
+            if node is not None:
+                node.lost, node.lost_at, node.updated_at = True, event.at, event.at
+        case m.NodeReturned():
+            node = state.nodes.get(event.node)
+            if node is not None:
+                node.lost, node.lost_at, node.updated_at = False, None, event.at
+        case m.ModelDeclared(spec=spec):
+            state.models[spec.name] = ModelView(spec=spec, replicas_wanted=spec.replicas, declared_at=event.at)
+        case m.ModelScaled():
+            model = state.models.get(event.name)
+            if model is not None:
+                model.replicas_wanted = event.replicas
+        case m.ModelRemoved():
+            state.models.pop(event.name, None)
+        case m.ModelUnplaceable():
+            model = state.models.get(event.name)
+            if model is not None:
+                model.unplaceable_reason, model.unplaceable_at = event.reason, event.at
+        case m.ReplicaPlaced():
+            state.replicas[event.replica_id] = ReplicaView(
+                replica_id=event.replica_id,
+                model=event.model,
+                nodes=event.nodes,
+                gpus=event.gpus,
+                fabric=event.fabric,
+                spec=event.spec,
+                placed_at=event.at,
+                state_at=event.at,
+            )
+            model = state.models.get(event.model)
+            if model is not None:
+                model.unplaceable_reason = model.unplaceable_at = None
+        case m.ReplicaStateChanged():
+            replica = state.replicas.get(event.replica_id)
+            if replica is not None and event.state != "stopped":
+                replica.state, replica.state_at = event.state, event.at
+                replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
+        case m.ReplicaStopped():
+            state.replicas.pop(event.replica_id, None)
+        case m.IdleMapPublished():
+            state.routers[event.router] = RouterView(
+                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since)
+            )
+            for rid, t in event.last_request.items():
+                prev = state.last_request.get(rid)
+                if prev is None or t > prev:
+                    state.last_request[rid] = t
+        case _:
+            pass  # heartbeats and anything newer than this fold: not part of history
+    return state
+
+
+def fold(events: Iterable[m.Event], state: FleetState | None = None) -> FleetState:
+    """Fold many events; a fresh state when none is given."""
+    state = FleetState() if state is None else state
+    for event in events:
+        apply(state, event)
+    return state

