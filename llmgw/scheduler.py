@@ -1,0 +1,270 @@
+"""Pure placement: what should run where, decided from the folded fleet state.
+
+``decide(state, memory, now)`` returns the events a scheduler should publish
+(``ReplicaStopped``, ``ReplicaPlaced``, ``ModelUnplaceable``), each paired
+with a deterministic ``Nats-Msg-Id``: two schedulers that see the same history
+make the same decisions under the same ids, and JetStream keeps one of each.
+
+A replica takes ``tp`` healthy free GPUs of its class on one node, or, with
+``pp > 1``, ``tp`` GPUs on each of ``pp`` nodes of ONE fabric; never across.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from llmgw import messages as m
+from llmgw.projections.fold import FleetState, GpuView, NodeView, ReplicaView
+
+# Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
+BACKOFF_BASE_S = 5.0
+BACKOFF_MAX_S = 300.0
+
+
+@dataclass
+class SchedulerMemory:
+    """What the scheduler needs beyond the shared fold, itself a pure fold of the control stream.
+
+    ``parked`` counts replicas stopped for idleness that must not come back
+    until the operator deploys or scales again; ``failures`` drives back-off.
+    """
+
+    placed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    parked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failed_at: dict[str, datetime] = field(default_factory=dict)
+
+
+def observe(memory: SchedulerMemory, event: m.Event, state: FleetState) -> SchedulerMemory:
+    """Fold one event into the memory; call it BEFORE ``fold.apply`` of the same event."""
+    match event:
+        case m.ModelDeclared(spec=spec):
+            memory.parked.pop(spec.name, None)
+            memory.failures.pop(spec.name, None)
+            memory.failed_at.pop(spec.name, None)
+        case m.ModelScaled(name=name):
+            memory.parked.pop(name, None)
+        case m.ModelRemoved(name=name):
+            memory.parked.pop(name, None)
+            memory.failures.pop(name, None)
+            memory.failed_at.pop(name, None)
+        case m.ReplicaPlaced(model=model):
+            memory.placed[model] += 1
+        case m.ReplicaStateChanged(model=model, state="healthy"):
+            memory.failures.pop(model, None)
+            memory.failed_at.pop(model, None)
+        case m.ReplicaStopped(replica_id=rid, model=model, reason=reason):
+            if rid in state.replicas:
+                if reason.startswith("idle"):
+                    memory.parked[model] += 1
+                elif reason.startswith("failed"):
+                    memory.failures[model] += 1
+                    memory.failed_at[model] = event.at
+        case _:
+            pass
+    return memory
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One event to publish and the id that makes publishing it idempotent."""
+
+    event: m.Event
+    msg_id: str
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds to wait before placing a model again after ``failures`` failed replicas."""
+    if failures <= 0:
+        return 0.0
+    return min(BACKOFF_BASE_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+
+
+def replica_id(model: str, n: int) -> str:
+    """The n-th replica ever placed for a model: the same in every scheduler that folds the same history."""
+    return f"{model}-r{n}"
+
+
+def _lost_reason(state: FleetState, replica: ReplicaView) -> str | None:
+    """Why a replica can no longer run where it is, or None when its GPUs are fine."""
+    for ref in replica.gpus:
+        node = state.nodes.get(ref.node)
+        if node is None:
+            return f"node {ref.node} is unknown"
+        if node.lost:
+            return f"node {ref.node} lost (no heartbeat)"
+        gpu = node.gpus.get(ref.index)
+        if gpu is None or gpu.uuid != ref.uuid:
+            return f"GPU {ref.index} ({ref.uuid}) on {ref.node} is gone"
+        if not gpu.healthy:
+            why = ", ".join(gpu.reasons) or "no reason given"
+            return f"GPU {ref.index} ({ref.uuid}) on {ref.node} unhealthy: {why}"
+    return None
+
+
+def _free_by_node(state: FleetState, held: set[tuple[str, int]], gpu_class: str) -> dict[str, list[GpuView]]:
+    out: dict[str, list[GpuView]] = {}
+    for node in state.nodes.values():
+        if node.lost:
+            continue
+        free = [
+            g
+            for g in sorted(node.gpus.values(), key=lambda g: g.index)
+            if g.healthy and g.gpu_class == gpu_class and (node.name, g.index) not in held
+        ]
+        if free:
+            out[node.name] = free
+    return out
+
+
+def place(
+    state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]], avoid: set[str] | frozenset[str] = frozenset()
+) -> tuple[tuple[str, ...], tuple[m.GpuRef, ...], str] | None:
+    """Nodes, GPUs and fabric for one replica of ``spec``, or None when nothing fits.
+
+    Best fit: the node (or fabric) with the fewest free GPUs that still fits,
+    so large holes stay open for large models; nodes in ``avoid`` (already
+    serving this model) come last, so one lost node does not take every replica.
+    """
+    free = _free_by_node(state, held, spec.gpu_class)
+    fits = [n for n, gpus in free.items() if len(gpus) >= spec.tp]
+    if spec.pp <= 1:
+        if not fits:
+            return None
+        best = min(fits, key=lambda n: (n in avoid, len(free[n]), n))
+        gpus = free[best][: spec.tp]
+        refs = tuple(m.GpuRef(node=best, index=g.index, uuid=g.uuid) for g in gpus)
+        return (best,), refs, state.nodes[best].fabric
+    by_fabric: dict[str, list[str]] = defaultdict(list)
+    for n in fits:
+        by_fabric[state.nodes[n].fabric].append(n)
+    options = []
+    for fabric, nodes in by_fabric.items():
+        if len(nodes) < spec.pp:
+            continue
+        chosen = sorted(nodes, key=lambda n: (n in avoid, len(free[n]), n))[: spec.pp]
+        options.append((sum(len(free[n]) for n in chosen), fabric, chosen))
+    if not options:
+        return None
+    _, fabric, chosen = min(options)
+    refs = tuple(m.GpuRef(node=n, index=g.index, uuid=g.uuid) for n in chosen for g in free[n][: spec.tp])
+    return tuple(chosen), refs, fabric
+
+
+def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]]) -> str:
+    """Why a replica does not fit, with what each fabric has free, and what to do next."""
+    cls = spec.gpu_class
+    if spec.pp <= 1:
+        need = f"needs {spec.tp} × {cls} on one node"
+    else:
+        need = f"needs {spec.pp} nodes with {spec.tp} × {cls} each, in one fabric"
+    fabrics: dict[str, list[NodeView]] = defaultdict(list)
+    for node in state.nodes.values():
+        if any(g.gpu_class == cls for g in node.gpus.values()):
+            fabrics[node.fabric].append(node)
+    if not fabrics:
+        classes = sorted({g.gpu_class for g in state.gpus()})
+        have = ", ".join(classes) if classes else "none reported yet"
+        return f"{need}; no node has {cls} GPUs (classes in the fleet: {have}); deploy with another --gpu-class"
+    free = _free_by_node(state, held, cls)
+    parts = []
+    for fabric in sorted(fabrics):
+        nodes = sorted(n.name for n in fabrics[fabric] if n.name in free)
+        if not nodes:
+            lost = sum(1 for n in fabrics[fabric] if n.lost)
+            extra = f" ({lost} node{'s' if lost != 1 else ''} lost)" if lost else ""
+            parts.append(f"fabric {fabric} has none free{extra}")
+        else:
+            first, *rest = nodes
+            tail = "".join(f", {len(free[n])} on {n}" for n in rest)
+            parts.append(f"fabric {fabric} has {len(free[first])} free on {first}{tail}")
+    return f"{need}; " + "; ".join(parts) + "; free cards with `llmgw ctl idle --stop` or choose a smaller plan candidate"
+
+
+def _key(*parts: object) -> str:
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=12).hexdigest()
+
+
+def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[Decision]:
+    """Everything to publish now so that the fleet converges on what was declared."""
+    out: list[Decision] = []
+    held = {(g.node, g.index) for r in state.replicas.values() for g in r.gpus}
+    live: dict[str, list[ReplicaView]] = defaultdict(list)
+    # Stops decided in this pass count as if already folded: an idle stop parks
+    # the replica and a failure starts the back-off now, not one pass later.
+    parked_now: dict[str, int] = defaultdict(int)
+    failed_now: set[str] = set()
+
+    def stop(replica: ReplicaView, reason: str) -> None:
+        event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason)
+        out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
+        held.difference_update((g.node, g.index) for g in replica.gpus)
+
+    for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
+        model = state.models.get(replica.model)
+        if model is None:
+            stop(replica, "model removed")
+            continue
+        if (lost := _lost_reason(state, replica)) is not None:
+            stop(replica, f"re-placing: {lost}")
+            continue
+        if replica.state == "failed":
+            stop(replica, f"failed: {replica.detail or 'the engine did not start'}")
+            failed_now.add(replica.model)
+            continue
+        ttl = model.spec.idle_ttl_s
+        if ttl is not None and ttl > 0:
+            since = state.idle_since(replica.replica_id)
+            # Unknown idle time is never idle: without a router's word, nothing is stopped.
+            if since is not None and (now - since).total_seconds() >= ttl:
+                stop(replica, f"idle: no request for {(now - since).total_seconds():.0f}s (idle_ttl {ttl:g}s)")
+                parked_now[replica.model] += 1
+                continue
+        live[replica.model].append(replica)
+
+    for name in sorted(state.models):
+        model = state.models[name]
+        spec = model.spec
+        running = live.get(name, [])
+        wanted = max(model.replicas_wanted - memory.parked.get(name, 0) - parked_now[name], 0)
+        if len(running) > wanted:
+            for replica in sorted(running, key=lambda r: (r.placed_at, r.replica_id))[wanted:]:
+                stop(replica, f"scaled down to {model.replicas_wanted}")
+            continue
+        missing = wanted - len(running)
+        if missing <= 0:
+            continue
+        if name in failed_now:
+            continue
+        failures = memory.failures.get(name, 0)
+        failed_at = memory.failed_at.get(name)
+        if failures and failed_at is not None and now < failed_at + timedelta(seconds=backoff_s(failures)):
+            continue  # backing off: a replica that keeps failing must not loop hot
+        n = memory.placed.get(name, 0)
+        avoid = {node for r in running for node in r.nodes}
+        placed_now = 0
+        for _ in range(missing):
+            where = place(state, spec, held, avoid)
+            if where is None:
+                break
+            nodes, gpus, fabric = where
+            n += 1
+            rid = replica_id(name, n)
+            event = m.ReplicaPlaced(
+                at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric,
+                reason=f"{len(running) + placed_now} of {wanted} running",
+            )
+            out.append(Decision(event, f"ReplicaPlaced:{rid}"))
+            held.update((g.node, g.index) for g in gpus)
+            avoid.update(nodes)
+            placed_now += 1
+        if placed_now < missing:
+            reason = unplaceable_reason(state, spec, held)
+            if reason != model.unplaceable_reason:
+                left = missing - placed_now
+                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=left)
+                out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{_key(reason, model.declared_at)}"))
+    return out
