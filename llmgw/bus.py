@@ -96,6 +96,16 @@ def _describe_connect_error(settings: Settings, err: BaseException | None) -> st
     return f"cannot reach NATS at {url}; start one with `llmgw nats` or `llmgw up`, or point --nats-url (LLMGW_NATS_URL) at a running server"
 
 
+async def _abandon(nc: NatsClient) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), timeout=2)
+    transport = getattr(nc, "_transport", None)
+    with contextlib.suppress(Exception):
+        if transport is not None:
+            transport.close()
+            await asyncio.wait_for(transport.wait_closed(), timeout=1)
+
+
 class Bus:
     """A connection to NATS with JetStream, and the operations llmgw needs of it."""
 
@@ -153,10 +163,13 @@ class Bus:
             opts["nkeys_seed"] = settings.nkey_seed_file
         if settings.user:
             opts["user"], opts["password"] = settings.user, settings.password or ""
+        nc = NatsClient()
         try:
-            nc = await asyncio.wait_for(nats.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
+            await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
         except (OSError, asyncio.TimeoutError, nats.errors.Error, ssl.SSLError) as e:
             cause = first_error[0] if first_error else e
+            # A refused login leaves nats-py's socket open; close it rather than leak it.
+            await _abandon(nc)
             raise ConnectError(_describe_connect_error(settings, cause)) from e
         bus = cls(nc, settings)
         holder.append(bus)
@@ -180,9 +193,11 @@ class Bus:
         text = str(e)
         if "permissions violation" in text.lower():
             subject = text.split('"')[1] if text.count('"') >= 2 else ""
-            for fut in self._denied.pop(subject, []):
-                if not fut.done():
-                    fut.set_result(text)
+            # nats-py lowercases the server's message, so "$JS.API…" comes back as "$js.api…".
+            for key in [k for k in self._denied if k.lower() == subject.lower()]:
+                for fut in self._denied.pop(key, []):
+                    if not fut.done():
+                        fut.set_result(text)
             log.error("NATS refused: %s", text)
         else:
             log.warning("NATS: %s", text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -53,6 +54,23 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+def _config_sets_store_dir(path: Path | None) -> bool:
+    if path is None:
+        return False
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return re.search(r"^\s*store_dir\s*[:=]", text, re.MULTILINE) is not None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (for servers that must keep theirs across restarts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass
 class EmbeddedServer:
     """A nats-server child process with JetStream."""
@@ -63,6 +81,7 @@ class EmbeddedServer:
     config_file: Path | None = None
     extra_args: tuple[str, ...] = ()
     log_file: Path | None = None
+    env: dict[str, str] | None = None  # added to the environment (nats.conf reads $VARS from it)
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     bound_port: int = field(default=0, init=False)
 
@@ -81,9 +100,11 @@ class EmbeddedServer:
         args = [server_binary()]
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
+        args += ["-js"]
+        if not _config_sets_store_dir(self.config_file):
+            # nats-server refuses -sd next to a config that names store_dir ("Duplicate store_dir").
+            args += ["-sd", str(self.data_dir)]
         args += [
-            "-js",
-            "-sd", str(self.data_dir),
             "-a", self.host,
             "-p", str(self.port if self.port else -1),
             "--ports_file_dir", str(ports_dir),
@@ -92,7 +113,8 @@ class EmbeddedServer:
         log_path = self.log_file or (self.data_dir / "nats-server.log")
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env = {**os.environ, **self.env} if self.env else None
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         except OSError as e:
             raise ServerError(f"cannot start {args[0]}: {e}") from e
         finally:
@@ -148,3 +170,64 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class Cluster:
+    """A JetStream cluster of nats-servers on loopback ports, one store per node (fault tests)."""
+
+    servers: list[EmbeddedServer]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated, as Settings.nats_url takes them."""
+        return ",".join(f"nats://{s.host}:{s.port}" for s in self.servers)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _free_ports(count: int, host: str) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        p = free_port(host)
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def start_cluster(base_dir: Path, size: int = 3, *, name: str = "llmgw", host: str = "127.0.0.1") -> Cluster:
+    """Start ``size`` nodes (``n0``…) with fixed ports, so a killed node restarts where it was.
+
+    JetStream needs a moment after this returns to elect a meta leader; callers
+    retry their first stream declaration.
+    """
+    ports = _free_ports(2 * size, host)
+    client, route = ports[:size], ports[size:]
+    servers = []
+    for i in range(size):
+        routes = ",".join(f"nats://{host}:{route[j]}" for j in range(size) if j != i)
+        servers.append(
+            EmbeddedServer(
+                base_dir / f"n{i}",
+                port=client[i],
+                host=host,
+                extra_args=("--name", f"n{i}", "--cluster_name", name,
+                            "--cluster", f"nats://{host}:{route[i]}", "--routes", routes),
+            )
+        )
+    cluster = Cluster(servers)
+    try:
+        for s in servers:
+            s.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

@@ -1,0 +1,278 @@
+"""nats.conf for production: one llmgw account, one user per role, one per agent node.
+
+A static nats-server config cannot template permissions on a user's name
+(``{{name()}}`` works in JWT/operator mode only), so each agent node gets its
+own user whose publish rights end in that node's subject token. ``render`` is
+the one source of the permission blocks: the shipped ``nats.conf`` is its
+output for ``examples/fleet.toml``, and the tests start nats-server with it.
+Passwords are environment references (``$LLMGW_PW_…``), never literals.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterable, Sequence
+
+from llmgw import subjects as s
+
+ACCOUNT = "LLMGW"
+SYSTEM_ACCOUNT = "SYS"
+ROLES = ("admin", "projector", "planner", "scheduler", "router", "cli")
+MIN_SERVER_VERSION = (2, 12, 3)
+
+P = s.PREFIX
+INBOX = "_INBOX.>"
+JS_INFO = "$JS.API.INFO"
+
+# JetStream API subjects as llmgw's bus uses them (Bus.ensure_streams, StreamReader, key_value).
+
+
+def _stream_info(stream: str) -> str:
+    return f"$JS.API.STREAM.INFO.{stream}"
+
+
+def _read(stream: str) -> list[str]:
+    """What a StreamReader needs: an ephemeral consumer, pull requests, and deleting it."""
+    return [
+        _stream_info(stream),
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+        f"$JS.API.CONSUMER.DELETE.{stream}.*",
+        f"$JS.API.CONSUMER.INFO.{stream}.*",
+    ]
+
+
+def _declare(stream: str) -> list[str]:
+    """Create or update (never delete or purge) a stream: Bus.ensure_streams."""
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+
+
+def _kv(bucket: str) -> list[str]:
+    stream = f"KV_{bucket}"
+    return [
+        _stream_info(stream),
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$KV.{bucket}.>",
+        *_read(stream)[1:],
+    ]
+
+
+ALL_STREAMS = tuple(spec.name for spec in s.STREAMS)
+# Whatever a role's allow list says, these stay refused for every role but admin.
+NEVER = [
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.ACCOUNT.PURGE.>",
+]
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def permissions(role: str, node: str | None = None) -> dict[str, object]:
+    """The publish/subscribe rules of one role (``agent`` needs its node)."""
+    pub: list[str] = [JS_INFO]
+    sub: list[str] = [INBOX]
+    responses = False
+    deny_pub = list(NEVER)
+    if role == "admin":
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if role == "agent":
+        if not node:
+            raise ValueError("an agent user needs its node name")
+        tok = s.token(node)
+        pub += [
+            f"{P}.fleet.{tok}.>",
+            f"{P}.heartbeat.{tok}",
+            f"{P}.control.replica.*.state.{tok}",
+            *_read(s.STREAM_CONTROL),
+        ]
+        pub += [_stream_info(x) for x in ALL_STREAMS]
+        deny_pub += [f"{P}.usage.>", f"{P}.control.model.>"]
+    elif role == "router":
+        pub += [f"{P}.usage.*.idle", *_read(s.STREAM_CONTROL), *_read(s.STREAM_USAGE)]
+        pub += [_stream_info(x) for x in ALL_STREAMS]
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
+    elif role == "projector":
+        for stream in ALL_STREAMS:
+            pub += [*_read(stream), *_declare(stream)]
+        sub += [s.STATUS]
+        responses = True
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]
+    elif role == "planner":
+        for stream in (s.STREAM_FLEET, s.STREAM_CONTROL):
+            pub += _read(stream)
+        pub += [_stream_info(x) for x in ALL_STREAMS]
+        sub += [s.PLAN]
+        responses = True
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]
+    elif role == "scheduler":
+        pub += [
+            f"{P}.fleet.*.lost",
+            f"{P}.fleet.*.returned",
+            f"{P}.control.model.*.unplaceable",
+            f"{P}.control.replica.*.placed",
+            f"{P}.control.replica.*.stopped",
+            *_kv(s.SCHEDULER_LEASE_BUCKET),
+        ]
+        for stream in ALL_STREAMS:
+            pub += [*_read(stream), *_declare(stream)]
+        deny_pub += [f"{P}.fleet.*.inventory", f"{P}.fleet.*.health", f"{P}.usage.>"]
+    elif role == "cli":
+        pub += [
+            f"{P}.control.model.*.declared",
+            f"{P}.control.model.*.scaled",
+            f"{P}.control.model.*.removed",
+            s.PLAN,
+            s.STATUS,
+        ]
+        for stream in ALL_STREAMS:
+            pub += _read(stream)
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.>"]
+    else:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
+    out: dict[str, object] = {
+        "publish": {"allow": _unique(pub), "deny": _unique(deny_pub)},
+        "subscribe": {"allow": _unique(sub)},
+    }
+    if responses:
+        # Services answer on the asker's inbox without a blanket publish right to _INBOX.>.
+        out["allow_responses"] = {"max": 1, "expires": "1m"}
+    return out
+
+
+def user_name(role: str, node: str | None = None) -> str:
+    return f"agent-{s.token(node)}" if role == "agent" and node else role
+
+
+def password_env(user: str) -> str:
+    """The environment variable nats.conf reads a user's password from."""
+    return "LLMGW_PW_" + re.sub(r"[^A-Za-z0-9]", "_", user).upper()
+
+
+def users(nodes: Sequence[str]) -> list[tuple[str, str, str | None]]:
+    """(user, role, node) for every login nats.conf defines."""
+    out: list[tuple[str, str, str | None]] = [(user_name(r), r, None) for r in ROLES]
+    out += [(user_name("agent", n), "agent", n) for n in nodes]
+    return out
+
+
+def make_passwords(nodes: Sequence[str]) -> dict[str, str]:
+    """Random passwords for every login, keyed by environment variable (and the system user's)."""
+    env = {password_env(u): secrets.token_urlsafe(18) for u, _, _ in users(nodes)}
+    env[password_env("sys")] = secrets.token_urlsafe(18)
+    return env
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _list(items: Sequence[str], indent: str) -> str:
+    inner = ",\n".join(f"{indent}  {_q(x)}" for x in items)
+    return f"[\n{inner}\n{indent}]"
+
+
+def _perm_block(perms: dict[str, object], indent: str) -> str:
+    lines = [f"{indent}permissions: {{"]
+    for direction in ("publish", "subscribe"):
+        rules = perms[direction]
+        assert isinstance(rules, dict)
+        lines.append(f"{indent}  {direction}: {{")
+        for kind in ("allow", "deny"):
+            if kind in rules:
+                lines.append(f"{indent}    {kind}: {_list(rules[kind], indent + '    ')}")
+        lines.append(f"{indent}  }}")
+    if "allow_responses" in perms:
+        r = perms["allow_responses"]
+        assert isinstance(r, dict)
+        lines.append(f"{indent}  allow_responses: {{ max: {r['max']}, expires: {_q(str(r['expires']))} }}")
+    lines.append(f"{indent}}}")
+    return "\n".join(lines)
+
+
+HEADER = """\
+# nats.conf for llmgw: generated by `llmgw nats-conf` (llmgw/natsconf.py); regenerate, don't hand-edit.
+#
+# Requires nats-server >= 2.12.3. Jepsen's 2025 analysis of NATS 2.12.1 found
+# acknowledged writes lost when the server fsyncs lazily (the default syncs every
+# 2 minutes), so this file sets `sync_interval: always`: every acknowledged
+# publish is on disk before the ack. llmgw's fleet and control streams are its
+# source of truth; run them at 3 replicas (LLMGW_STREAM_REPLICAS=3) on a cluster.
+#
+# Passwords are read from the environment (nats-server expands $VARS); make test
+# credentials with `llmgw nats-conf --env-file creds.env` and `set -a; . creds.env`.
+# Each agent node has its own user: it may publish only its own node's subjects.
+"""
+
+TLS_BLOCK = """\
+# TLS between every component and NATS: uncomment, point at your CA and the
+# server's certificate, and give clients --tls-ca (and --tls-cert/--tls-key when
+# verify is on; LLMGW_NATS_TLS_CA/_CERT/_KEY). Clients then use tls://host:4222.
+# tls {
+#   ca_file: "/etc/nats/ca.pem"
+#   cert_file: "/etc/nats/server.pem"
+#   key_file: "/etc/nats/server-key.pem"
+#   verify: true        # require a client certificate signed by ca_file
+#   timeout: 2
+# }
+"""
+
+CLUSTER_BLOCK = """\
+# A 3-node cluster (R3 streams survive one lost node): uncomment on each server
+# with its own server_name and the other two in routes.
+# server_name: "nats-1"
+# cluster {
+#   name: "llmgw"
+#   listen: "0.0.0.0:6222"
+#   routes: ["nats-route://nats-2:6222", "nats-route://nats-3:6222"]
+# }
+"""
+
+
+def render(nodes: Sequence[str], *, store_dir: str = "/data/jetstream", port: int = 4222) -> str:
+    """The whole nats.conf for a fleet with these agent nodes."""
+    out = [HEADER, f"port: {port}", "http: 8222  # monitoring: /healthz, /jsz", ""]
+    out += [
+        "jetstream {",
+        f"  store_dir: {_q(store_dir)}",
+        "  max_memory_store: 1GB",
+        "  max_file_store: 200GB",
+        "  sync_interval: always  # fsync before every ack (see above)",
+        "}",
+        "",
+        "max_payload: 8MB  # the largest inventory of a 16-GPU node is ~10 KB; 8 MB is a guard, not a need",
+        "",
+        TLS_BLOCK,
+        CLUSTER_BLOCK,
+        f"system_account: {SYSTEM_ACCOUNT}",
+        "",
+        "accounts {",
+        f"  {SYSTEM_ACCOUNT} {{",
+        f"    users: [ {{ user: \"sys\", password: ${password_env('sys')} }} ]",
+        "  }",
+        f"  {ACCOUNT} {{",
+        "    jetstream: enabled",
+        "    users: [",
+    ]
+    for user, role, node in users(nodes):
+        who = f"agent on node {node}" if node else role
+        out.append(f"      # {who}")
+        out.append("      {")
+        out.append(f"        user: {_q(user)}")
+        out.append(f"        password: ${password_env(user)}")
+        out.append(_perm_block(permissions(role, node), "        "))
+        out.append("      }")
+    out += ["    ]", "  }", "}", ""]
+    return "\n".join(out)
+
+
+def env_file(passwords: dict[str, str]) -> str:
+    """``NAME=value`` lines for ``set -a; . file`` or compose's env_file."""
+    return "".join(f"{k}={v}\n" for k, v in sorted(passwords.items()))

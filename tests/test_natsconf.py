@@ -1,0 +1,203 @@
+"""nats.conf roles, enforced by a real nats-server started with the rendered config.
+
+The shipped nats.conf is ``natsconf.render`` for examples/fleet.toml (checked
+byte for byte below); the server here runs the same render with a temporary
+store directory and random passwords in its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from llmgw import fleetfile, natsconf, subjects
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.cli.natsconf import nats_conf
+from llmgw.config import Settings
+from llmgw.errors import ConnectError, PermissionDeniedError
+from llmgw.natsserver import EmbeddedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+FLEET = fleetfile.load(ROOT / "examples" / "fleet.toml")
+NODES = [n.name for n in FLEET.nodes]
+AT = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Secured:
+    def __init__(self, server: EmbeddedServer, passwords: dict[str, str]) -> None:
+        self.server, self.passwords = server, passwords
+
+    def settings(self, user: str, password: str | None = None) -> Settings:
+        pw = password if password is not None else self.passwords[natsconf.password_env(user)]
+        return Settings(nats_url=self.server.url, user=user, password=pw, connect_timeout_s=2, request_timeout_s=2)
+
+    async def connect(self, user: str) -> Bus:
+        return await Bus.connect(self.settings(user), f"test-{user}", reconnect=False)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    base = tmp_path_factory.mktemp("natsconf")
+    conf = base / "nats.conf"
+    conf.write_text(natsconf.render(NODES, store_dir=str(base / "js")))
+    passwords = natsconf.make_passwords(NODES)
+    server = EmbeddedServer(base / "data", port=0, config_file=conf, env=passwords, extra_args=("-m", "0"))
+    server.start()
+    try:
+        yield Secured(server, passwords)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def admin(secured: Secured) -> AsyncIterator[Bus]:
+    bus = await secured.connect("admin")
+    await bus.ensure_streams()
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+def inventory(node: str) -> m.NodeInventoryReported:
+    return fleetfile.inventory(FLEET.node(node), AT)
+
+
+async def denied(bus: Bus, event: m.Event) -> str:
+    """Publish an event that must be refused; the refusal, not a timeout, must come back."""
+    with pytest.raises(PermissionDeniedError) as info:
+        # A silent timeout would surface as PublishError after 5 s, and fail this test.
+        await bus.publish(event, timeout=5)
+    return str(info.value)
+
+
+def test_shipped_conf_is_the_render_for_the_example_fleet() -> None:
+    assert (ROOT / "nats.conf").read_text() == natsconf.render(NODES)
+
+
+def test_shipped_conf_is_durable() -> None:
+    text = (ROOT / "nats.conf").read_text()
+    assert "sync_interval: always" in text
+    assert "2.12.3" in text
+    # No password literal: every password line reads the environment.
+    pw_lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("password:")]
+    assert len(pw_lines) == len(natsconf.users(NODES))
+    assert all(ln.startswith("password: $LLMGW_PW_") for ln in pw_lines)
+
+
+async def test_agent_publishes_its_own_node_only(secured: Secured, admin: Bus) -> None:
+    agent = await secured.connect("agent-h100-a-01")
+    try:
+        ack = await agent.publish(inventory("h100-a-01"))
+        assert ack.stream == subjects.STREAM_FLEET and not ack.duplicate
+        await agent.publish(m.ReplicaStateChanged(at=AT, replica_id="r1", model="x", node="h100-a-01", state="healthy"))
+        text = await denied(agent, inventory("h100-a-02"))
+        assert "llmgw.fleet.h100-a-02.inventory" in text
+        await denied(agent, m.ReplicaStateChanged(at=AT, replica_id="r1", model="x", node="h100-a-02", state="healthy"))
+        await denied(agent, m.IdleMapPublished(at=AT, router="r", boot_id="b", tick=1))
+        await denied(agent, m.ModelRemoved(at=AT, name="x"))
+        await denied(agent, m.ReplicaPlaced(at=AT, replica_id="r1", model="x", nodes=("h100-a-01",), gpus=(),
+                                            spec=m.ModelSpec(name="x", source="x", precision="bf16", engine="vllm",
+                                                             gpu_class="H100-80GB", context=4096)))
+        # The connection survives a refusal: the next allowed publish still works.
+        await agent.publish(m.GpuHealthChanged(at=AT, node="h100-a-01", gpu_index=0, gpu_uuid="u", healthy=False))
+    finally:
+        await agent.close()
+    assert await admin.stream_last_seq(subjects.STREAM_FLEET) == 2
+    assert await admin.stream_last_seq(subjects.STREAM_CONTROL) == 1
+
+
+async def test_router_cannot_publish_fleet_events(secured: Secured, admin: Bus) -> None:
+    router = await secured.connect("router")
+    try:
+        await router.publish(m.IdleMapPublished(at=AT, router="gw-1", boot_id="b", tick=1))
+        await denied(router, inventory("h100-a-01"))
+        await denied(router, m.NodeLost(at=AT, node="h100-a-01"))
+        await denied(router, m.ModelRemoved(at=AT, name="x"))
+    finally:
+        await router.close()
+
+
+async def test_cli_cannot_publish_fleet_events_or_delete_streams(secured: Secured, admin: Bus) -> None:
+    cli = await secured.connect("cli")
+    try:
+        await cli.publish(m.ModelScaled(at=AT, name="qwen", replicas=2))
+        await denied(cli, inventory("h100-a-01"))
+        await denied(cli, m.NodeReturned(at=AT, node="h100-a-01"))
+        for stream in (subjects.STREAM_FLEET, subjects.STREAM_CONTROL):
+            with pytest.raises(PermissionDeniedError):
+                await cli.request(f"$JS.API.STREAM.DELETE.{stream}", b"", timeout=5)
+            with pytest.raises(PermissionDeniedError):
+                await cli.request(f"$JS.API.STREAM.PURGE.{stream}", b"", timeout=5)
+    finally:
+        await cli.close()
+    assert await admin.stream_last_seq(subjects.STREAM_CONTROL) >= 1  # still there
+
+
+async def test_scheduler_places_but_cannot_report_inventory(secured: Secured, admin: Bus) -> None:
+    sched = await secured.connect("scheduler")
+    try:
+        await sched.ensure_streams()  # create/update allowed, idempotent
+        await sched.publish(m.NodeLost(at=AT, node="h100-b-01"))
+        await sched.publish(m.ModelUnplaceable(at=AT, name="x", reason="no room"))
+        await denied(sched, inventory("h100-b-01"))
+        kv = await sched.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)
+        await kv.put("leader", b"sched-1")
+        assert (await kv.get("leader")).value == b"sched-1"
+    finally:
+        await sched.close()
+
+
+async def test_unknown_user_and_wrong_password_are_refused(secured: Secured) -> None:
+    for settings in (secured.settings("mallory", "nope"), secured.settings("agent-h100-a-01", "wrong")):
+        with pytest.raises(ConnectError, match="refused the credentials"):
+            await Bus.connect(settings, "test-intruder", reconnect=False)
+
+
+async def test_projector_reads_every_stream_and_planner_answers_cli(secured: Secured, admin: Bus) -> None:
+    agent = await secured.connect("agent-l40s-01")
+    projector = await secured.connect("projector")
+    planner = await secured.connect("planner")
+    cli = await secured.connect("cli")
+    try:
+        for i in range(5):
+            await agent.publish(m.GpuHealthChanged(at=AT, node="l40s-01", gpu_index=i, gpu_uuid=f"u{i}", healthy=True))
+        last = await projector.stream_last_seq(subjects.STREAM_FLEET)
+        seen: list[m.AnyEvent] = []
+        reader = projector.reader(subjects.STREAM_FLEET, 1, stop_at=last)
+        async with asyncio.timeout(15):
+            async for batch in reader.batches():
+                seen += [m.decode_event(x.data) for x in batch]
+        assert len(seen) == last and sum(isinstance(e, m.GpuHealthChanged) and e.node == "l40s-01" for e in seen) == 5
+
+        async def answer(data: bytes) -> bytes:
+            return b'{"ok":' + str(len(data)).encode() + b"}"
+
+        await planner.serve(subjects.PLAN, answer)
+        await planner.nc.flush()
+        assert msgspec.json.decode(await cli.request(subjects.PLAN, b"abc", timeout=5)) == {"ok": 3}
+        # The planner may answer but not publish on its own.
+        with pytest.raises(PermissionDeniedError):
+            await planner.publish(m.ModelRemoved(at=AT, name="x"), timeout=5)
+    finally:
+        for b in (agent, projector, planner, cli):
+            await b.close()
+
+
+def test_gen_conf_command_writes_conf_and_credentials(tmp_path: Path) -> None:
+    out, env = tmp_path / "nats.conf", tmp_path / "creds.env"
+    result = CliRunner().invoke(nats_conf, ["--node", "gpu-1.example.com", "-o", str(out), "--env-file", str(env)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert '"llmgw.fleet.gpu-1~2eexample~2ecom.>"' in text
+    names = {line.split("=")[0] for line in env.read_text().splitlines()}
+    assert natsconf.password_env("agent-gpu-1~2eexample~2ecom") in names and "LLMGW_PW_SYS" in names
+    bad = CliRunner().invoke(nats_conf, [])
+    assert bad.exit_code == 2 and "--fleet FILE or --node NAME" in bad.output
