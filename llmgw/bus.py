@@ -166,7 +166,7 @@ class Bus:
         nc = NatsClient()
         try:
             await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
-        except (OSError, asyncio.TimeoutError, nats.errors.Error, ssl.SSLError) as e:
+        except (TimeoutError, OSError, nats.errors.Error, ssl.SSLError) as e:
             cause = first_error[0] if first_error else e
             # A refused login leaves nats-py's socket open; close it rather than leak it.
             await _abandon(nc)
@@ -296,13 +296,13 @@ class Bus:
 
     # --- publish -----------------------------------------------------------------------
 
-    async def publish(self, event: m.Event, *, msg_id: str | None = None, timeout: float | None = 30.0) -> Ack:
+    async def publish(self, event: m.Event, *, msg_id: str | None = None, timeout: float | None = 30.0) -> Ack:  # noqa: ASYNC109 - public API; None means forever
         """Store an event once; retry with the same id until acked or ``timeout`` (None: forever)."""
         payload = m.encode(event)
         subject = subjects.subject_for(event)
         return await self.publish_bytes(subject, payload, msg_id or subjects.msg_id(event, payload), timeout=timeout)
 
-    async def publish_bytes(self, subject: str, payload: bytes, msg_id: str, *, timeout: float | None = 30.0) -> Ack:
+    async def publish_bytes(self, subject: str, payload: bytes, msg_id: str, *, timeout: float | None = 30.0) -> Ack:  # noqa: ASYNC109 - public API; None means forever
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         delay = 0.05
@@ -345,7 +345,7 @@ class Bus:
 
     # --- request/reply -------------------------------------------------------------------
 
-    async def request(self, subject: str, payload: bytes, *, timeout: float | None = None, service: str = "") -> bytes:
+    async def request(self, subject: str, payload: bytes, *, timeout: float | None = None, service: str = "") -> bytes:  # noqa: ASYNC109 - public API
         """Ask a service; no responder or no answer in time is a ServiceError naming it."""
         timeout = timeout or self.settings.request_timeout_s
         who = service or subject
@@ -353,7 +353,7 @@ class Bus:
             msg = await self._guarded(subject, self.nc.request(subject, payload, timeout=timeout))
         except nats.errors.NoRespondersError as e:
             raise ServiceError(f"no {who} is running on {self.settings.nats_url}; start one (`llmgw up` starts them all)") from e
-        except (asyncio.TimeoutError, nats.errors.TimeoutError) as e:
+        except (TimeoutError, nats.errors.TimeoutError) as e:
             raise ServiceError(f"the {who} did not answer within {timeout:.0f}s") from e
         except nats.errors.ConnectionClosedError as e:
             raise ServiceError(f"the NATS connection closed while asking the {who}") from e
@@ -543,7 +543,7 @@ class StreamReader:
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), timeout=self._idle_s + 3)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         # No message and no status for a whole request: the consumer is gone
                         # (a server restart drops memory consumers). Recreate it.
                         if asyncio.get_running_loop().time() - silent_since > self._idle_s + 3:
@@ -632,9 +632,9 @@ class Outbox:
             self.delivered += 1
             self.duplicates += ack.duplicate
 
-    async def flush(self, timeout: float = 10.0) -> None:
+    async def flush(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109 - public API
         """Wait until everything queued is acknowledged."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=timeout)
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise PublishError(f"{len(self._queue)} events still undelivered after {timeout:.0f}s") from e
