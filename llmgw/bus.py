@@ -435,6 +435,8 @@ class StreamReader:
         self._credit = 0
         self._expected_dseq = 1
         self._reset = False
+        # Nothing more matches right now: with a filter, ``stop_at`` may never be reached.
+        self._drained = False
         self._consumer = ""
         self._inbox = ""
         self._sub: Any = None
@@ -469,6 +471,7 @@ class StreamReader:
         self._credit = 0
         self._expected_dseq = 1
         self._reset = False
+        self._drained = int(resp.get("num_pending", 1)) == 0
 
     async def _delete_consumer(self) -> None:
         if self._consumer and not self.bus.nc.is_closed:
@@ -483,9 +486,9 @@ class StreamReader:
         if reply.startswith("$JS.ACK."):
             t = reply.split(".")
             if len(t) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>…
-                consumer, sseq, dseq, ts = t[5], int(t[7]), int(t[8]), int(t[9])
+                consumer, sseq, dseq, ts, pending = t[5], int(t[7]), int(t[8]), int(t[9]), t[10]
             else:  # $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>
-                consumer, sseq, dseq, ts = t[3], int(t[5]), int(t[6]), int(t[7])
+                consumer, sseq, dseq, ts, pending = t[3], int(t[5]), int(t[6]), int(t[7]), t[8]
             if consumer != self._consumer:
                 return  # still in flight from a consumer we replaced
             self._credit -= 1
@@ -496,7 +499,8 @@ class StreamReader:
             else:
                 self._expected_dseq += 1
                 self._buf.append(RawMsg(sseq, msg.subject, msg.data, ts))
-            if len(self._buf) >= self.batch or self._reset:
+                self._drained = pending == "0"
+            if len(self._buf) >= self.batch or self._reset or self._drained:
                 self._wake.set()
             return
         headers = msg.headers or {}
@@ -538,6 +542,8 @@ class StreamReader:
                     await self._delete_consumer()
                     self._buf.clear()
                     await self._create_consumer()
+                if self.stop_at is not None and self._drained and not self._buf:
+                    return
                 await self._pull()
                 if not self._buf:
                     self._wake.clear()
@@ -553,9 +559,9 @@ class StreamReader:
                 if not self._buf:
                     continue
                 out, self._buf = self._buf, []
-                if self.stop_at is not None and out[-1].seq >= self.stop_at:
+                if self.stop_at is not None and (out[-1].seq >= self.stop_at or self._drained):
                     out = [x for x in out if x.seq <= self.stop_at]
-                    self.next_seq = self.stop_at + 1
+                    self.next_seq = max(self.next_seq, min(out[-1].seq if out else 0, self.stop_at) + 1)
                     if out:
                         yield out
                     return
