@@ -1,0 +1,47 @@
+"""``llmgw fake-engine``: an OpenAI-compatible stand-in for vLLM in tests and demos."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from llmgw.cli.options import run
+
+from llmgw.fake_engine import EngineOptions, bind, serve
+
+
+@click.command("fake-engine")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True, help="Port; 0 picks a free one.")
+@click.option("--model", "model", required=True, help="The served model name it answers for.")
+@click.option("--name", default="", help="Replica name it reports in replies [default: the model name].")
+@click.option("--latency-ms", type=click.FloatRange(0), default=0.0, show_default=True, help="Delay before each reply or first chunk.")
+@click.option("--chunks", type=click.IntRange(0), default=5, show_default=True, help="Content chunks per streamed reply.")
+@click.option("--chunk-interval-ms", type=click.FloatRange(0), default=0.0, show_default=True, help="Pause between streamed chunks.")
+@click.option("--die-after-chunks", type=int, default=-1, show_default=True, help="Exit the process after sending N chunks of a stream (-1: never).")
+@click.option("--die-on-request", is_flag=True, help="Exit the process on the first completion request, before any byte.")
+@click.option("--refuse", is_flag=True, help="Answer every completion request with 503.")
+def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
+                chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool) -> None:
+    """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
+
+    Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
+    /health, /stats. Replies name the replica (system_fingerprint, header
+    x-llmgw-replica) so callers can tell which replica answered.
+
+    Example:
+
+        llmgw fake-engine --host 127.0.0.1 --port 0 --model qwen --latency-ms 20 --chunks 20
+    """
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or use --port 0") from e
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"http://{shown}:{bound}")
+    sys.stdout.flush()
+    opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
+                         chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
+                         die_on_request=die_on_request, refuse=refuse)
+    run(serve(opts, sock))

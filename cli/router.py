@@ -1,0 +1,63 @@
+"""``llmgw router``: the OpenAI-compatible gateway in front of the replicas."""
+
+from __future__ import annotations
+
+import socket
+
+import click
+from llmgw.cli.options import nats_options, run
+
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.router import load_api_keys, serve_router
+from llmgw.upstream import Timeouts
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT; try 127.0.0.1:8080 (port 0 picks a free one)")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@click.command("router")
+@click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to serve the OpenAI API on.")
+@click.option("--name", default=socket.gethostname, show_default="hostname",
+              help="Router name in idle maps; give each router of a fleet its own.")
+@click.option("--tick", "tick_s", type=click.FloatRange(min=0.05), default=10.0, show_default=True,
+              help="Seconds between idle maps.")
+@click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False),
+              help="File of sha256 hex digests of accepted keys, one per line (# comments); off when absent.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=32.0, show_default=True,
+              help="Largest request body accepted; larger gets 413.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Seconds to connect to a replica before trying another.")
+@click.option("--read-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
+              help="Seconds to wait for a replica's answer, and between streamed chunks.")
+@click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
+@nats_options
+def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body_mb: float,
+           connect_timeout: float, read_timeout: float, no_idle_tracking: bool, settings: Settings) -> None:
+    """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
+
+    Endpoints come from the control stream; an idle map goes to the usage
+    stream once a tick. GET /metrics is Prometheus text, GET /health readiness.
+
+    Example:
+
+        llmgw router --listen 127.0.0.1:8080 --name router-a --api-keys keys.sha256
+    """
+    host, port = _listen(listen)
+    keys = load_api_keys(api_keys) if api_keys else frozenset()
+
+    async def main() -> None:
+        bus = await Bus.connect(settings, f"llmgw-router-{name}")
+        try:
+            await serve_router(bus, name, host, port, tick_s=tick_s, api_keys=keys,
+                               max_body_bytes=int(max_body_mb * 1024 * 1024),
+                               timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
+                               idle_tracking=not no_idle_tracking)
+        finally:
+            await bus.close()
+
+    run(main())

@@ -1,0 +1,164 @@
+"""The EndpointSink: where each replica runs, learned from the control stream.
+
+The control plane decides what should run; the router only follows replica
+events from sequence 1 and keeps, per model, the pool of replicas that may
+receive traffic. Only a replica whose latest state is ``healthy`` with an
+endpoint is in the pool; unhealthy, failed, stopping or stopped leaves it at
+once. The pool also carries the outstanding-request counts that Acquire uses,
+so membership and load live in one place and change without awaiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica as the router sees it: where it is, how it is, how busy it is."""
+
+    replica_id: str
+    model: str
+    state: str = "placed"
+    endpoint: str = ""
+    outstanding: int = 0
+    in_pool: bool = False
+    # Wall clock when this router put the replica in its pool (for serving_since).
+    pooled_at: float = 0.0
+
+
+@dataclass
+class Pool:
+    """Replicas by id and the healthy ones by model; mutated only by the sink."""
+
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    healthy: dict[str, list[Replica]] = field(default_factory=dict)
+    # Models anyone declared or placed: "no such model" (404) differs from
+    # "no healthy replica right now" (503).
+    known_models: set[str] = field(default_factory=set)
+
+    def models(self) -> list[str]:
+        """Models with at least one healthy replica."""
+        return sorted(name for name, reps in self.healthy.items() if reps)
+
+    def states(self) -> dict[str, int]:
+        """How many replicas are in each state."""
+        out: dict[str, int] = {}
+        for r in self.replicas.values():
+            out[r.state] = out.get(r.state, 0) + 1
+        return out
+
+    def _enter(self, rep: Replica, now: float) -> None:
+        if not rep.in_pool:
+            rep.in_pool, rep.pooled_at = True, now
+            self.healthy.setdefault(rep.model, []).append(rep)
+
+    def _leave(self, rep: Replica) -> None:
+        if rep.in_pool:
+            rep.in_pool = False
+            reps = self.healthy.get(rep.model, [])
+            if rep in reps:
+                reps.remove(rep)
+            if not reps:
+                self.healthy.pop(rep.model, None)
+
+    def apply(self, event: m.ControlEvent, now: float) -> bool:
+        """Fold one control event; True when the pool changed. ``now`` is the router's wall clock."""
+        match event:
+            case m.ModelDeclared(spec=spec):
+                self.known_models.add(spec.name)
+            case m.ModelRemoved(name=name):
+                if not any(r.model == name for r in self.replicas.values()):
+                    self.known_models.discard(name)
+            case m.ReplicaPlaced(replica_id=rid, model=model):
+                self.known_models.add(model)
+                if rid not in self.replicas:
+                    self.replicas[rid] = Replica(replica_id=rid, model=model)
+            case m.ReplicaStateChanged(replica_id=rid, model=model, state=state, endpoint=endpoint):
+                self.known_models.add(model)
+                rep = self.replicas.get(rid)
+                if rep is None:
+                    # A state report may arrive without the placement (a control plane
+                    # that places elsewhere); the agent's report is what routing needs.
+                    rep = self.replicas[rid] = Replica(replica_id=rid, model=model)
+                if state == "stopped":
+                    self._leave(rep)
+                    del self.replicas[rid]
+                    return True
+                was = (rep.in_pool, rep.endpoint)
+                rep.state = state
+                if endpoint:
+                    rep.endpoint = endpoint.rstrip("/")
+                if state == "healthy" and rep.endpoint:
+                    if rep.in_pool and was[1] != rep.endpoint:
+                        self._leave(rep)  # moved: count it as new from now
+                    self._enter(rep, now)
+                else:
+                    self._leave(rep)
+                return was != (rep.in_pool, rep.endpoint)
+            case m.ReplicaStopped(replica_id=rid):
+                gone = self.replicas.pop(rid, None)
+                if gone is not None:
+                    self._leave(gone)
+                    return True
+        return False
+
+
+class EndpointSink:
+    """Follows the control stream from sequence 1 into a Pool."""
+
+    def __init__(self, bus: Bus, pool: Pool | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.bus = bus
+        self.pool = pool or Pool()
+        self.on_change = on_change
+        self.applied_seq = 0
+        self.bad_events = 0
+        self.caught_up = asyncio.Event()
+        self._changed = asyncio.Condition()
+
+    async def run(self) -> None:
+        """Follow forever; cancel to stop. ``caught_up`` is set once history is in."""
+        target = await self.bus.stream_last_seq(subjects.STREAM_CONTROL)
+        if target == 0:
+            self.caught_up.set()
+        reader = self.bus.reader(subjects.STREAM_CONTROL, 1, idle_expires_s=1.0)
+        async for batch in reader.batches():
+            changed = False
+            now = time.time()
+            for msg in batch:
+                try:
+                    event = m.CONTROL_DECODER.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    # Recorded and skipped: one bad event must not stop routing.
+                    self.bad_events += 1
+                    log.warning("control seq %d on %s is not a control event (%s); skipped", msg.seq, msg.subject, e)
+                    continue
+                changed |= self.pool.apply(event, now)
+            self.applied_seq = batch[-1].seq
+            if self.applied_seq >= target:
+                self.caught_up.set()
+            if changed and self.on_change is not None:
+                self.on_change()
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def wait_for(self, predicate: Callable[[Pool], bool], within: float = 10.0) -> None:
+        """Wait until the pool satisfies ``predicate``; TimeoutError after ``within`` seconds."""
+        async def waiter() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: predicate(self.pool))
+
+        await asyncio.wait_for(waiter(), within)

@@ -1,0 +1,243 @@
+"""A small OpenAI-compatible engine for tests and benchmarks: no GPU, no model.
+
+It answers /v1/chat/completions (plain and streamed), /v1/completions,
+/v1/embeddings, /v1/models and /health, names itself in every reply
+(``system_fingerprint``, an ``x-llmgw-replica`` header, ``replica`` in
+embeddings) so a test can tell which replica answered, and can misbehave on
+purpose: slow replies, paced chunks, refusing, or dying before the first byte
+or in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class _Body(msgspec.Struct):
+    """The parts of a request the fake engine looks at."""
+
+    model: str = ""
+    stream: bool = False
+    input: str | list[object] = ""
+
+
+_DECODER = msgspec.json.Decoder(_Body)
+
+
+@dataclass
+class EngineOptions:
+    """How the fake engine behaves; every default is a healthy, instant engine."""
+
+    model: str
+    name: str = ""
+    latency_ms: float = 0.0  # before the reply (or the first chunk)
+    chunks: int = 5  # content chunks in a stream, before the final one and [DONE]
+    chunk_interval_ms: float = 0.0  # pacing between chunks
+    die_after_chunks: int = -1  # exit the process after sending this many chunks (-1: never)
+    die_on_request: bool = False  # exit the process on the first completion request, before any byte
+    refuse: bool = False  # answer every completion request with 503
+    embedding_dim: int = 8
+
+
+class FakeEngine:
+    """The aiohttp application and the counters tests read back through /stats."""
+
+    def __init__(self, opts: EngineOptions) -> None:
+        self.opts = opts
+        self.name = opts.name or opts.model
+        self.requests = 0
+        self._headers = {"x-llmgw-replica": self.name}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/stats", self.stats)
+        return app
+
+    async def _begin(self, request: web.Request) -> _Body | web.Response:
+        """Count the request, apply the injected faults, and decode the body."""
+        self.requests += 1
+        if self.opts.die_on_request:
+            os._exit(3)  # like an engine that crashed: the connection drops with no byte sent
+        if self.opts.refuse:
+            return web.json_response(
+                {"error": {"message": f"{self.name} refuses requests (--refuse)", "type": "server_error"}},
+                status=503,
+                headers=self._headers,
+            )
+        try:
+            body = _DECODER.decode(await request.read())
+        except msgspec.DecodeError as e:
+            return web.json_response({"error": {"message": f"bad JSON: {e}", "type": "invalid_request_error"}}, status=400)
+        if self.opts.latency_ms > 0:
+            await asyncio.sleep(self.opts.latency_ms / 1000)
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._begin(request)
+        if isinstance(body, web.Response):
+            return body
+        rid = f"chatcmpl-{self.name}-{self.requests}"
+        if body.stream:
+            return await self._stream(request, rid, "chat.completion.chunk", chat=True)
+        reply = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.opts.model,
+            "system_fingerprint": self.name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._begin(request)
+        if isinstance(body, web.Response):
+            return body
+        rid = f"cmpl-{self.name}-{self.requests}"
+        if body.stream:
+            return await self._stream(request, rid, "text_completion", chat=False)
+        reply = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.opts.model,
+            "system_fingerprint": self.name,
+            "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+        }
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
+
+    async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers})
+        await resp.prepare(request)
+        created = int(time.time())
+        pause = self.opts.chunk_interval_ms / 1000
+        for i in range(self.opts.chunks + 1):
+            if 0 <= self.opts.die_after_chunks <= i:
+                await asyncio.sleep(0.05)  # let the chunks leave the socket before the crash
+                os._exit(3)
+            last = i == self.opts.chunks
+            text = "" if last else f"tok{i} "
+            choice: dict[str, object] = {"index": 0, "finish_reason": "stop" if last else None}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if i == 0 else {"content": text}
+            else:
+                choice["text"] = text
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.opts.model,
+                     "system_fingerprint": self.name, "choices": [choice]}
+            await resp.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
+            if pause > 0 and not last:
+                await asyncio.sleep(pause)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        body = await self._begin(request)
+        if isinstance(body, web.Response):
+            return body
+        inputs = body.input if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int) else [body.input]
+        dim = self.opts.embedding_dim
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float((i + j) % 7) / 7 for j in range(dim)]}
+            for i in range(len(inputs))
+        ]
+        reply = {
+            "object": "list",
+            "data": data,
+            "model": self.opts.model,
+            "replica": self.name,
+            "usage": {"prompt_tokens": len(inputs), "total_tokens": len(inputs)},
+        }
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.opts.model, "object": "model", "created": 0, "owned_by": self.name}]}
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": self.name, "requests": self.requests})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the server starts so port 0 can be reported."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(opts: EngineOptions, sock: socket.socket) -> None:
+    """Serve on an already bound socket until cancelled."""
+    runner = web.AppRunner(FakeEngine(opts).app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class EngineProcess:
+    """A ``llmgw fake-engine`` child process and the URL it printed."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self) -> None:
+        """Kill it (it holds no state worth a graceful stop) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def spawn(model: str, *args: str, name: str = "", host: str = "127.0.0.1", timeout: float = 20.0) -> EngineProcess:
+    """Start ``llmgw fake-engine`` on a free port and wait (bounded) for its URL line."""
+    cmd = [sys.executable, "-c", "from llmgw.cli.main import main; main()", "fake-engine",
+           "--host", host, "--port", "0", "--model", model, *(("--name", name) if name else ()), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    line = proc.stdout.readline().decode().strip() if ready else ""
+    if not line.startswith("http"):
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+        raise RuntimeError(f"fake engine {name or model} did not print its URL within {timeout:.0f}s (exit {proc.poll()})")
+    return EngineProcess(proc, line)

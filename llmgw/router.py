@@ -1,0 +1,522 @@
+"""The router: an OpenAI-compatible gateway that knows whether anyone wants a replica.
+
+* Endpoints come from the control stream (``endpoints.EndpointSink``); only
+  healthy replicas with an endpoint receive traffic.
+* ``acquire`` picks the replica of the requested model with the fewest
+  outstanding requests, rotating the start so ties spread the load, and
+  writes the request time for idle tracking. It never awaits: on the event
+  loop that makes it the critical section the seed's lock was, at no cost.
+* Once a tick the router publishes one ``IdleMapPublished``; a replica with no
+  request since this router started is absent from ``last_request``: unknown
+  is not idle.
+* Bodies pass through untouched; streams are written on chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.endpoints import EndpointSink, Pool, Replica
+from llmgw.errors import ConfigError, LlmgwError
+from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+RETRY_AFTER_S = 5
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _Head(msgspec.Struct):
+    """The only fields the router reads from a request body."""
+
+    model: str = ""
+    stream: bool = False
+
+
+_HEAD = msgspec.json.Decoder(_Head)
+_ENC = msgspec.json.Encoder()
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    """An OpenAI-style error document, so clients raise their usual exceptions."""
+    return _ENC.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _error(status: int, message: str, type_: str, code: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message, type_, code, param),
+                        content_type="application/json", headers=headers)
+
+
+# --- API keys ---------------------------------------------------------------------
+
+
+def load_api_keys(path: str | Path) -> frozenset[str]:
+    """SHA-256 hex digests, one per line; ``#`` starts a comment. Raises ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read API key file {p} ({e.strerror}); pass a file of sha256 hex digests, one per line") from e
+    keys = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        digest = line.split("#", 1)[0].strip().lower()
+        if not digest:
+            continue
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ConfigError(
+                f"{p}:{n}: not a sha256 hex digest ({len(digest)} characters); "
+                "write `printf %s \"$KEY\" | sha256sum` output, one per line"
+            )
+        keys.add(digest)
+    if not keys:
+        raise ConfigError(f"{p} holds no keys; add sha256 hex digests or drop --api-keys")
+    return frozenset(keys)
+
+
+def hash_key(key: str) -> str:
+    """The digest an API key file stores for ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# --- idle tracking ----------------------------------------------------------------
+
+
+class IdleFor(NamedTuple):
+    """How long nobody asked for a replica; ``seconds`` means something only when ``known``."""
+
+    seconds: float
+    known: bool
+
+
+class IdleTracker:
+    """Last request time per replica, written by acquire, read once a tick."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.tick = 0
+
+    def idle_for(self, replica_id: str, now: float) -> IdleFor:
+        """A value and a flag: a replica this router has not served is unknown, not idle."""
+        t = self.last.get(replica_id)
+        if t is None:
+            return IdleFor(-1.0, False)
+        return IdleFor(max(0.0, now - t), True)
+
+    def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime) -> m.IdleMapPublished:
+        """The next tick's map: requests seen, and pooled replicas with none since they joined."""
+        self.tick += 1
+        last = {rid: datetime.fromtimestamp(t, UTC) for rid, t in self.last.items()}
+        since = {
+            r.replica_id: datetime.fromtimestamp(r.pooled_at, UTC)
+            for reps in pool.healthy.values()
+            for r in reps
+            if r.replica_id not in self.last
+        }
+        return m.IdleMapPublished(at=at, router=router, boot_id=boot_id, tick=self.tick,
+                                  last_request=last, serving_since=since)
+
+
+# --- metrics ----------------------------------------------------------------------
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    """Counters and histograms in Prometheus text format, written by hand."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, int], int] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+        self.latency: dict[tuple[str, bool], list[float]] = {}  # bucket counts..., sum, count
+        self.retries = 0
+
+    def observe(self, model: str, route: str, status: int, stream: bool, seconds: float) -> None:
+        key = (model, route, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        hist = self.latency.get((model, stream))
+        if hist is None:
+            hist = self.latency[(model, stream)] = [0.0] * (len(LATENCY_BUCKETS) + 2)
+        hist[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        hist[-2] += seconds
+        hist[-1] += 1
+
+    def error(self, model: str, kind: str) -> None:
+        key = (model, kind)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def render(self, pool: Pool, bad_events: int, idle_maps: int) -> str:
+        out: list[str] = []
+        out.append("# HELP llmgw_router_requests_total Requests answered, by model, route and status.")
+        out.append("# TYPE llmgw_router_requests_total counter")
+        for (model, route, status), n in sorted(self.requests.items()):
+            out.append(f'llmgw_router_requests_total{{model="{_label(model)}",route="{route}",code="{status}"}} {n}')
+        out.append("# HELP llmgw_router_errors_total Requests that failed, by model and kind.")
+        out.append("# TYPE llmgw_router_errors_total counter")
+        for (model, kind), n in sorted(self.errors.items()):
+            out.append(f'llmgw_router_errors_total{{model="{_label(model)}",kind="{kind}"}} {n}')
+        out.append("# HELP llmgw_router_retries_total Requests retried on another replica after a connection failure.")
+        out.append("# TYPE llmgw_router_retries_total counter")
+        out.append(f"llmgw_router_retries_total {self.retries}")
+        out.append("# HELP llmgw_router_request_seconds Time from request to the last byte, by model and stream.")
+        out.append("# TYPE llmgw_router_request_seconds histogram")
+        for (model, stream), hist in sorted(self.latency.items()):
+            labels = f'model="{_label(model)}",stream="{str(stream).lower()}"'
+            acc = 0
+            for bound, count in zip(LATENCY_BUCKETS, hist, strict=False):
+                acc += int(count)
+                out.append(f'llmgw_router_request_seconds_bucket{{{labels},le="{bound}"}} {acc}')
+            out.append(f'llmgw_router_request_seconds_bucket{{{labels},le="+Inf"}} {int(hist[-1])}')
+            out.append(f"llmgw_router_request_seconds_sum{{{labels}}} {hist[-2]:.6f}")
+            out.append(f"llmgw_router_request_seconds_count{{{labels}}} {int(hist[-1])}")
+        out.append("# HELP llmgw_router_in_flight Requests in flight per replica.")
+        out.append("# TYPE llmgw_router_in_flight gauge")
+        per_model: dict[str, int] = {}
+        for r in sorted(pool.replicas.values(), key=lambda r: r.replica_id):
+            out.append(f'llmgw_router_in_flight{{replica="{_label(r.replica_id)}",model="{_label(r.model)}"}} {r.outstanding}')
+            per_model[r.model] = per_model.get(r.model, 0) + r.outstanding
+        out.append("# HELP llmgw_router_model_in_flight Requests in flight per model.")
+        out.append("# TYPE llmgw_router_model_in_flight gauge")
+        for model, n in sorted(per_model.items()):
+            out.append(f'llmgw_router_model_in_flight{{model="{_label(model)}"}} {n}')
+        out.append("# HELP llmgw_router_replicas Replicas this router knows, by state.")
+        out.append("# TYPE llmgw_router_replicas gauge")
+        for state, n in sorted(pool.states().items()):
+            out.append(f'llmgw_router_replicas{{state="{state}"}} {n}')
+        out.append("# HELP llmgw_router_bad_events_total Control events that could not be decoded and were skipped.")
+        out.append("# TYPE llmgw_router_bad_events_total counter")
+        out.append(f"llmgw_router_bad_events_total {bad_events}")
+        out.append("# HELP llmgw_router_idle_maps_total Idle maps published.")
+        out.append("# TYPE llmgw_router_idle_maps_total counter")
+        out.append(f"llmgw_router_idle_maps_total {idle_maps}")
+        return "\n".join(out) + "\n"
+
+
+# --- the router -------------------------------------------------------------------
+
+
+class Router:
+    """The gateway: an aiohttp app, the endpoint pool, the upstream session, the idle ticker."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        name: str,
+        *,
+        tick_s: float = 10.0,
+        api_keys: Iterable[str] = (),
+        max_body_bytes: int = 32 * 1024 * 1024,
+        timeouts: Timeouts | None = None,
+        idle_tracking: bool = True,
+    ) -> None:
+        if tick_s <= 0:
+            raise ConfigError(f"--tick must be positive (got {tick_s})")
+        self.bus = bus
+        self.name = name
+        self.boot_id = uuid.uuid4().hex
+        self.tick_s = tick_s
+        self.keys = tuple(api_keys)
+        self.max_body_bytes = max_body_bytes
+        self.idle_tracking = idle_tracking
+        self.pool = Pool()
+        self.sink = EndpointSink(bus, self.pool)
+        self.upstream = Upstream(timeouts)
+        self.idle = IdleTracker()
+        self.metrics = Metrics()
+        self.idle_maps = 0
+        self._rr = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # --- acquire / release ------------------------------------------------------
+
+    def acquire(self, model: str, exclude: Replica | None = None) -> Replica | None:
+        """The healthy replica with the fewest outstanding requests, or None; never awaits."""
+        reps = self.pool.healthy.get(model)
+        if not reps:
+            return None
+        n = len(reps)
+        self._rr += 1
+        start = self._rr % n
+        best: Replica | None = None
+        for i in range(n):
+            r = reps[(start + i) % n]
+            if r is not exclude and (best is None or r.outstanding < best.outstanding):
+                best = r
+        if best is None:
+            return None
+        best.outstanding += 1
+        if self.idle_tracking:
+            self.idle.last[best.replica_id] = time.time()
+        return best
+
+    @staticmethod
+    def release(rep: Replica) -> None:
+        rep.outstanding -= 1
+
+    def idle_for(self, replica_id: str, now: float | None = None) -> IdleFor:
+        return self.idle.idle_for(replica_id, time.time() if now is None else now)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        for route in ROUTES:
+            app.router.add_post(route, self._handler(route))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.render_metrics)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_caught_up: float = 10.0) -> str:
+        """Follow the control stream, start ticking, listen; returns the base URL."""
+        await self.upstream.start()
+        self._tasks.append(asyncio.create_task(self._follow(), name="router-endpoints"))
+        if self.idle_tracking:
+            self._tasks.append(asyncio.create_task(self._ticker(), name="router-idle"))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.sink.caught_up.wait(), wait_caught_up)
+        # handler_cancellation: a client that goes away cancels the upstream request.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.stop()
+            raise ConfigError(f"router cannot listen on {host}:{port} ({e.strerror}); pick another --listen") from e
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{bound}"
+        return self.url
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.upstream.close()
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                await self.sink.run()
+            except asyncio.CancelledError:
+                raise
+            except LlmgwError as e:
+                # The pool keeps routing to what it knew; a fresh sink replays from 1.
+                log.warning("router %s: control stream: %s; retrying", self.name, e)
+                self.pool.replicas.clear()
+                self.pool.healthy.clear()
+                await asyncio.sleep(1.0)
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self.publish_idle_map()
+            except LlmgwError as e:
+                # The next map carries everything this one would have: maps are cumulative.
+                log.warning("router %s: idle map not published: %s", self.name, e)
+
+    async def publish_idle_map(self) -> m.IdleMapPublished:
+        """Publish this tick's idle map now and return it."""
+        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow())
+        await self.bus.publish(event, timeout=max(1.0, self.tick_s))
+        self.idle_maps += 1
+        return event
+
+    # --- handlers -----------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        auth = request.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            return False
+        digest = hashlib.sha256(auth[7:].strip().encode()).hexdigest()
+        ok = False
+        for key in self.keys:  # every key compared, so timing says nothing about which matched
+            ok |= hmac.compare_digest(digest, key)
+        return ok
+
+    def _handler(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self.proxy(request, route)
+
+        return handle
+
+    async def proxy(self, request: web.Request, route: str) -> web.StreamResponse:
+        """Pass one OpenAI request to a replica and its answer back."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        model, stream, status = "", False, 500
+        try:
+            if self.keys and not self._authorized(request):
+                status = 401
+                self.metrics.error("", "unauthorized")
+                return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
+                              "invalid_request_error", "invalid_api_key")
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                status = 413
+                self.metrics.error("", "too_large")
+                return _error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
+                                   "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
+            try:
+                head = _HEAD.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                status = 400
+                self.metrics.error("", "bad_request")
+                return _error(400, f"request body is not a valid JSON object with a string `model` ({e})",
+                              "invalid_request_error", "invalid_json")
+            model, stream = head.model, head.stream
+            if not model:
+                status = 400
+                self.metrics.error("", "bad_request")
+                return _error(400, "the request has no `model`; name one of GET /v1/models",
+                              "invalid_request_error", "missing_model", "model")
+            resp = await self._forward(request, route, model, stream, body)
+            status = resp.status
+            return resp
+        finally:
+            self.metrics.observe(model, route, status, stream, loop.time() - t0)
+
+    async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
+                       body: bytes) -> web.StreamResponse:
+        rep = self.acquire(model)
+        if rep is None:
+            return self._unavailable(model)
+        retried = False
+        while True:
+            try:
+                up = await self.upstream.post(rep.endpoint + route, body, {"Content-Type": "application/json"})
+            except CONNECT_ERRORS as e:
+                self.release(rep)
+                self.metrics.error(model, "upstream_connect")
+                other = None if retried else self.acquire(model, exclude=rep)
+                if other is None:
+                    return _error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
+                                       "and no other replica could take the request; retry shortly",
+                                  "server_error", "upstream_unreachable")
+                self.metrics.retries += 1
+                retried, rep = True, other
+                continue
+            except TimeoutError:
+                self.release(rep)
+                self.metrics.error(model, "upstream_timeout")
+                return _error(504, f"replica {rep.replica_id} of {model} did not answer within "
+                                   f"{self.upstream.timeouts.read_s:.0f}s", "server_error", "upstream_timeout")
+            except BaseException:
+                self.release(rep)
+                raise
+            try:
+                if stream and up.status == 200:
+                    return await self._pipe(request, up, rep, model)
+                try:
+                    data = await up.read()
+                except READ_ERRORS as e:
+                    up.close()
+                    self.metrics.error(model, "upstream_broken")
+                    return _error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
+                                  "server_error", "upstream_broken")
+                return web.Response(status=up.status, body=data, headers={
+                    "Content-Type": up.headers.get("Content-Type", "application/json"),
+                    "x-llmgw-replica": rep.replica_id,
+                })
+            except BaseException:
+                up.close()  # a client gone or a write failed: never reuse a half-read connection
+                raise
+            finally:
+                up.release()
+                self.release(rep)
+
+    async def _pipe(self, request: web.Request, up: aiohttp.ClientResponse, rep: Replica,
+                    model: str) -> web.StreamResponse:
+        """Write the engine's stream on as it arrives; a break becomes an error event, not a hang."""
+        resp = web.StreamResponse(status=up.status, headers={
+            "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "x-llmgw-replica": rep.replica_id,
+        })
+        await resp.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+        except READ_ERRORS as e:
+            up.close()
+            self.metrics.error(model, "upstream_broken")
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError):
+                await resp.write(b"\n\ndata: " + error_body(
+                    f"replica {rep.replica_id} of {model} broke off the stream ({type(e).__name__}); "
+                    "the reply is incomplete", "server_error", "upstream_broken") + b"\n\n")
+                await resp.write_eof()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _unavailable(self, model: str) -> web.Response:
+        if model in self.pool.known_models:
+            self.metrics.error(model, "no_replica")
+            return _error(503, f"model {model!r} has no healthy replica right now; retry after {RETRY_AFTER_S}s",
+                          "server_error", "no_healthy_replica", "model",
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.metrics.error(model, "unknown_model")
+        return _error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
+                      "invalid_request_error", "model_not_found", "model")
+
+    async def models(self, request: web.Request) -> web.Response:
+        if self.keys and not self._authorized(request):
+            return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
+                          "invalid_request_error", "invalid_api_key")
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"} for name in self.pool.models()]
+        return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self.sink.caught_up.is_set()
+        body = {"status": "ok" if ready else "starting", "router": self.name, "boot_id": self.boot_id,
+                "healthy_replicas": sum(len(r) for r in self.pool.healthy.values()),
+                "control_seq": self.sink.applied_seq}
+        return web.Response(status=200 if ready else 503, body=_ENC.encode(body), content_type="application/json")
+
+    async def render_metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(self.pool, self.sink.bad_events, self.idle_maps)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: object) -> None:
+    """Run a router until cancelled (the CLI's and ``llmgw up``'s entry point)."""
+    router = Router(bus, name, **kwargs)  # type: ignore[arg-type]
+    url = await router.start(host, port)
+    print(url, flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await router.stop()

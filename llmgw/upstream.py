@@ -1,0 +1,67 @@
+"""The router's upstream client: the only module in the router that does outbound HTTP.
+
+One aiohttp ClientSession for the whole process, created once: a session per
+request would cost a connector, a DNS cache and a TLS context each time, and
+keep-alive connections to the engines are what keeps added latency low.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+# Errors that mean the request never reached an engine that could answer it:
+# nothing was sent to the client yet, so another replica may try.
+CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+
+# Errors while reading an answer that has begun.
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientConnectionError,
+    TimeoutError,
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every upstream wait is bounded: connecting, and each read (headers, each chunk)."""
+
+    connect_s: float = 5.0
+    read_s: float = 300.0
+
+
+class Upstream:
+    """A shared aiohttp session towards the engines."""
+
+    def __init__(self, timeouts: Timeouts | None = None, *, max_connections: int = 0) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self._max = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.timeouts.connect_s, sock_connect=self.timeouts.connect_s,
+            sock_read=self.timeouts.read_s,
+        )
+
+    async def start(self) -> None:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max, limit_per_host=0, keepalive_timeout=30,
+                                             enable_cleanup_closed=False)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def post(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.client._RequestContextManager:
+        """POST ``body`` to ``url``; use as ``async with`` so the connection is released."""
+        assert self._session is not None, "Upstream.start() was not awaited"
+        return self._session.post(url, data=body, headers=headers)

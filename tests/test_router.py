@@ -1,0 +1,304 @@
+"""The router with the official openai client, in front of two fake engine processes.
+
+Endpoints are learned from replica events published on the session's real
+nats-server, the way the control plane will publish them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+
+import aiohttp
+import openai
+import pytest
+from click.testing import CliRunner
+
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.cli.main import cli
+from llmgw.endpoints import Pool
+from llmgw.fake_engine import EngineProcess, spawn
+from llmgw.router import Router, hash_key
+
+MODEL = "qwen-test"
+SPEC = m.ModelSpec(name=MODEL, source="Qwen/Qwen3-8B", precision="bf16", engine="vllm", gpu_class="H100", context=8192)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def place(bus: Bus, rid: str, model: str, endpoint: str, state: str = "healthy") -> None:
+    """What the control plane and an agent publish for a replica that came up."""
+    spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
+    await bus.publish(m.ReplicaPlaced(at=now(), replica_id=rid, model=model, nodes=("n1",),
+                                      gpus=(m.GpuRef(node="n1", index=0, uuid=f"GPU-{rid}"),), spec=spec))
+    await set_state(bus, rid, model, state, endpoint)
+
+
+async def set_state(bus: Bus, rid: str, model: str, state: str, endpoint: str = "") -> None:
+    await bus.publish(m.ReplicaStateChanged(at=now(), replica_id=rid, model=model, node="n1",
+                                            state=state, endpoint=endpoint))  # type: ignore[arg-type]
+
+
+def in_pool(*rids: str):  # noqa: ANN201 - a predicate for EndpointSink.wait_for
+    return lambda pool: {r.replica_id for reps in pool.healthy.values() for r in reps} == set(rids)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, EngineProcess]]:
+    """Two healthy engines of one model; 150 ms replies so concurrent requests overlap."""
+    a = spawn(MODEL, "--latency-ms", "150", "--chunks", "4", name="A")
+    try:
+        b = spawn(MODEL, "--latency-ms", "150", "--chunks", "4", name="B")
+    except BaseException:
+        a.stop()
+        raise
+    yield {"A": a, "B": b}
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture
+async def router(bus: Bus, engines: dict[str, EngineProcess]) -> AsyncIterator[Router]:
+    r = Router(bus, "router-test", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    await place(bus, "A", MODEL, engines["A"].url)
+    await place(bus, "B", MODEL, engines["B"].url)
+    await r.sink.wait_for(in_pool("A", "B"))
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+@pytest.fixture
+async def client(router: Router) -> AsyncIterator[openai.AsyncOpenAI]:
+    c = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_chat_plain_and_streamed(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == f"hello from {reply.system_fingerprint}"
+    assert reply.system_fingerprint in {"A", "B"}
+
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+    pieces = [chunk.choices[0].delta.content async for chunk in stream]
+    assert pieces == ["tok0 ", "tok1 ", "tok2 ", "tok3 ", ""]
+
+
+async def test_completions_embeddings_and_models(client: openai.AsyncOpenAI) -> None:
+    done = await client.completions.create(model=MODEL, prompt="hi")
+    assert done.choices[0].text.startswith("hello from ")
+    emb = await client.embeddings.create(model=MODEL, input=["a", "b", "c"])
+    assert [d.index for d in emb.data] == [0, 1, 2]
+    assert len(emb.data[0].embedding) == 8
+    listed = await client.models.list()
+    assert [x.id for x in listed.data] == [MODEL]
+
+
+async def test_least_outstanding_spreads_concurrent_requests(client: openai.AsyncOpenAI, router: Router) -> None:
+    # All six are acquired while the first are still outstanding (150 ms replies),
+    # so least-outstanding must split them evenly.
+    replies = await asyncio.gather(*(
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": str(i)}]) for i in range(6)
+    ))
+    assert Counter(r.system_fingerprint for r in replies) == {"A": 3, "B": 3}
+    assert all(r.outstanding == 0 for r in router.pool.replicas.values())
+
+
+def test_acquire_takes_least_outstanding_and_rotates_ties(bus: Bus) -> None:
+    r = Router(bus, "pure")
+    pool: Pool = r.pool
+    for rid in ("x", "y", "z"):
+        pool.apply(m.ReplicaStateChanged(at=now(), replica_id=rid, model="m", node="n", state="healthy",
+                                         endpoint=f"http://{rid}"), 0.0)
+    pool.replicas["x"].outstanding = 2
+    pool.replicas["y"].outstanding = 1
+    pool.replicas["z"].outstanding = 1
+    picks = []
+    for _ in range(4):
+        rep = r.acquire("m")
+        assert rep is not None
+        picks.append(rep.replica_id)
+        r.release(rep)
+    assert "x" not in picks and set(picks) == {"y", "z"}
+    assert r.acquire("nope") is None
+
+
+async def test_unhealthy_replica_receives_nothing_more(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
+    await set_state(bus, "A", MODEL, "unhealthy")
+    await router.sink.wait_for(in_pool("B"))
+    for _ in range(5):
+        reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        assert reply.system_fingerprint == "B"
+    listed = await client.models.list()
+    assert [x.id for x in listed.data] == [MODEL]
+
+    await bus.publish(m.ReplicaStopped(at=now(), replica_id="B", model=MODEL, reason="idle"))
+    await router.sink.wait_for(in_pool())
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 503
+    assert err.value.response.headers["Retry-After"] == "5"
+    assert (await client.models.list()).data == []
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert err.value.code == "model_not_found"
+    assert "no-such-model" in err.value.message
+
+
+async def test_model_still_starting_is_503(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
+    await place(bus, "S", "starting-model", "", state="starting")
+    await router.sink.wait_for(lambda p: "starting-model" in p.known_models)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.embeddings.create(model="starting-model", input="x")
+    assert err.value.status_code == 503
+    assert err.value.response.headers["Retry-After"] == "5"
+
+
+async def test_engine_dead_before_first_byte_is_retried_elsewhere(bus: Bus, client: openai.AsyncOpenAI,
+                                                                   router: Router) -> None:
+    dying = spawn("flaky", "--die-on-request", name="D")
+    good = spawn("flaky", name="G")
+    try:
+        await place(bus, "D", "flaky", dying.url)
+        await place(bus, "G", "flaky", good.url)
+        await router.sink.wait_for(lambda p: len(p.healthy.get("flaky", [])) == 2)
+        # Rotating ties send one of the first two requests to D, which dies mid-request.
+        answered = [
+            (await client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": "x"}])).system_fingerprint
+            for _ in range(4)
+        ]
+        assert answered == ["G"] * 4
+        assert dying.proc.wait(timeout=10) == 3
+        assert router.metrics.retries >= 1
+        assert router.metrics.errors[("flaky", "upstream_connect")] >= 1
+    finally:
+        dying.stop()
+        good.stop()
+
+
+async def test_engine_dead_mid_stream_is_an_error_not_a_hang(bus: Bus, client: openai.AsyncOpenAI,
+                                                              router: Router) -> None:
+    dying = spawn("brittle", "--chunks", "10", "--die-after-chunks", "2", name="M")
+    try:
+        await place(bus, "M", "brittle", dying.url)
+        await router.sink.wait_for(lambda p: "brittle" in p.healthy)
+        got: list[str | None] = []
+
+        async def consume() -> None:
+            stream = await client.chat.completions.create(model="brittle", messages=[{"role": "user", "content": "x"}],
+                                                          stream=True)
+            async for chunk in stream:
+                got.append(chunk.choices[0].delta.content)
+
+        with pytest.raises(openai.APIError) as err:
+            await asyncio.wait_for(consume(), timeout=20)
+        assert "broke off the stream" in err.value.message
+        assert got == ["tok0 ", "tok1 "]
+        assert router.metrics.retries == 0
+    finally:
+        dying.stop()
+
+
+async def test_client_disconnect_releases_the_replica(bus: Bus, router: Router) -> None:
+    slow = spawn("slow", "--chunks", "200", "--chunk-interval-ms", "50", name="W")
+    try:
+        await place(bus, "W", "slow", slow.url)
+        await router.sink.wait_for(lambda p: "slow" in p.healthy)
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(router.url + "/v1/chat/completions", json={"model": "slow", "stream": True})
+            assert (await resp.content.readline()).startswith(b"data: ")
+            assert router.pool.replicas["W"].outstanding == 1
+            resp.close()
+        for _ in range(100):
+            if router.pool.replicas["W"].outstanding == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert router.pool.replicas["W"].outstanding == 0
+    finally:
+        slow.stop()
+
+
+async def test_bad_requests_get_clear_4xx(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    r = Router(bus, "router-small", tick_s=3600, max_body_bytes=1024)
+    await r.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            cases = [
+                (b"{not json", 400, "invalid_json"),
+                (b'{"messages": []}', 400, "missing_model"),
+                (b'{"model": 7}', 400, "invalid_json"),
+                (b'{"model": "m", "pad": "' + b"x" * 4096 + b'"}', 413, "request_too_large"),
+            ]
+            for body, status, code in cases:
+                async with s.post(r.url + "/v1/chat/completions", data=body) as resp:
+                    assert resp.status == status, body[:20]
+                    assert (await resp.json())["error"]["code"] == code
+            async with s.get(r.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'llmgw_router_errors_total{model="",kind="bad_request"} 3' in text
+            assert 'llmgw_router_errors_total{model="",kind="too_large"} 1' in text
+    finally:
+        await r.stop()
+
+
+async def test_api_keys(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    secret = "sk-test-1234567890"
+    r = Router(bus, "router-keys", tick_s=3600, api_keys=[hash_key(secret)])
+    await r.start("127.0.0.1", 0)
+    await place(bus, "A", MODEL, engines["A"].url)
+    await r.sink.wait_for(in_pool("A"))
+    try:
+        async with openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="wrong", max_retries=0, timeout=10) as c:
+            with pytest.raises(openai.AuthenticationError):
+                await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        async with aiohttp.ClientSession() as s, s.post(r.url + "/v1/chat/completions", json={"model": MODEL}) as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        async with openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=secret, max_retries=0, timeout=10) as c:
+            reply = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+            assert reply.system_fingerprint == "A"
+        async with aiohttp.ClientSession() as s, s.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        assert secret not in text and hash_key(secret) not in text
+        assert 'kind="unauthorized"} 2' in text
+    finally:
+        await r.stop()
+
+
+async def test_metrics_and_health(client: openai.AsyncOpenAI, router: Router) -> None:
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    async with aiohttp.ClientSession() as s:
+        async with s.get(router.url + "/metrics") as resp:
+            text = await resp.text()
+        async with s.get(router.url + "/health") as resp:
+            health = await resp.json()
+    assert f'llmgw_router_requests_total{{model="{MODEL}",route="/v1/chat/completions",code="200"}} 1' in text
+    assert f'llmgw_router_request_seconds_count{{model="{MODEL}",stream="false"}} 1' in text
+    assert f'llmgw_router_in_flight{{replica="A",model="{MODEL}"}} 0' in text
+    assert 'llmgw_router_replicas{state="healthy"} 2' in text
+    assert health["status"] == "ok" and health["healthy_replicas"] == 2
+
+
+def test_cli_router_bad_listen_and_key_file(tmp_path) -> None:  # noqa: ANN001
+    runner = CliRunner()
+    res = runner.invoke(cli, ["router", "--listen", "nonsense"])
+    assert res.exit_code != 0 and "is not HOST:PORT" in res.output
+    keys = tmp_path / "keys"
+    keys.write_text("not-a-digest\n")
+    res = runner.invoke(cli, ["router", "--api-keys", str(keys), "--nats-url", "nats://127.0.0.1:1"])
+    assert res.exit_code == 1
+    assert "Error:" in res.output and "not a sha256 hex digest" in res.output
+    assert "Traceback" not in res.output
