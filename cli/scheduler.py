@@ -1,0 +1,53 @@
+"""``llmgw scheduler``: place replicas, re-place them after faults, one decider at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import click
+from llmgw.cli.options import nats_options, run
+
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.liveness import HeartbeatMonitor
+from llmgw.scheduler_service import SchedulerService
+
+
+async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float) -> None:
+    """Run one scheduler and the liveness monitor until SIGINT/SIGTERM."""
+    bus = await Bus.connect(settings, name or "llmgw-scheduler")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def liveness(b: Bus) -> None:
+        await HeartbeatMonitor(b, timeout_s=heartbeat_timeout_s).run()
+
+    try:
+        await bus.ensure_streams()
+        sched = SchedulerService(bus, name=name, lease_ttl_s=lease_ttl_s, tick_s=tick_s, services=(liveness,))
+        click.echo(f"scheduler {sched.name} on {settings.nats_url}: waiting for the lease (ttl {lease_ttl_s:g}s)", err=True)
+        await sched.run(stop)
+    finally:
+        await bus.close()
+
+
+@click.command("scheduler")
+@nats_options
+@click.option("--name", default="", help="This scheduler's name in the lease [default: a random one].")
+@click.option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(0.5), default=10.0, show_default=True, help="Seconds before a dead leader's lease passes to another scheduler.")
+@click.option("--tick", "tick_s", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Seconds between decision passes when nothing happens.")
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(0.5), default=60.0, show_default=True, help="Seconds of silence before a node is declared lost.")
+def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float) -> None:
+    """Place declared models on free healthy GPUs; re-place after faults (one leader at a time).
+
+    Example:
+
+        llmgw scheduler --nats-url nats://127.0.0.1:4222 --lease-ttl 10 --heartbeat-timeout 30
+    """
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger("llmgw.scheduler_service").setLevel(logging.INFO)
+    run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s))

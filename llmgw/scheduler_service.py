@@ -1,0 +1,231 @@
+"""The scheduler process: fold fleet, control and usage live, hold the lease, publish decisions.
+
+Exactly one scheduler decides at a time. A NATS KV key holds the lease: it is
+created by the one that gets it, renewed by revision (an update that names a
+stale revision fails, so a scheduler that slept through its TTL learns it lost
+the lease before it publishes), and expires by the bucket's TTL when its
+holder dies. A leader also decides only once its fold has caught up to every
+stream's last sequence, and after publishing waits until its own decisions
+come back through the fold, so it never decides twice on a stale view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import scheduler, subjects
+from llmgw.bus import Bus
+from llmgw.projections.fold import FleetState, apply
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "leader"
+FOLLOWED = (subjects.STREAM_FLEET, subjects.STREAM_CONTROL, subjects.STREAM_USAGE)
+
+Service = Callable[[Bus], Awaitable[None]]
+
+
+class Lease:
+    """A KV lease: ``acquire`` creates the key, ``renew`` updates it by revision."""
+
+    def __init__(self, bus: Bus, holder: str, ttl_s: float) -> None:
+        self.bus = bus
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.revision: int | None = None
+        self._kv: Any = None
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            self._kv = await self.bus.key_value(subjects.SCHEDULER_LEASE_BUCKET, self.ttl_s)
+        return self._kv
+
+    @property
+    def held(self) -> bool:
+        return self.revision is not None
+
+    async def acquire(self) -> bool:
+        """Take the lease if nobody holds it; any refusal or error means "not now"."""
+        try:
+            kv = await self._bucket()
+            self.revision = int(await kv.create(LEASE_KEY, self.holder.encode()))
+        except Exception as e:  # noqa: BLE001 - key exists, or the bus is away: either way, not leader
+            log.debug("lease not acquired: %s", e)
+            self.revision = None
+        return self.held
+
+    async def renew(self) -> bool:
+        """Extend the lease; fails when someone else took it since our revision."""
+        if self.revision is None:
+            return False
+        try:
+            kv = await self._bucket()
+            self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision))
+        except Exception as e:  # noqa: BLE001 - wrong revision or no answer: stop deciding
+            log.warning("scheduler %s lost the lease: %s", self.holder, e)
+            self.revision = None
+        return self.held
+
+    async def release(self) -> None:
+        """Give the lease up at once so another scheduler need not wait for the TTL."""
+        if self.revision is None:
+            return
+        with contextlib.suppress(Exception):
+            kv = await self._bucket()
+            await kv.delete(LEASE_KEY, last=self.revision)
+        self.revision = None
+
+
+@dataclass
+class SchedulerStats:
+    decisions: int = 0
+    duplicates: int = 0
+    malformed: int = 0
+    passes: int = 0
+    applied: dict[str, int] = field(default_factory=dict)
+
+
+class SchedulerService:
+    """One scheduler: folds live, decides while it holds the lease."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        name: str = "",
+        lease_ttl_s: float = 10.0,
+        tick_s: float = 1.0,
+        clock: Callable[[], datetime] = m.utcnow,
+        services: tuple[Service, ...] = (),
+    ) -> None:
+        self.bus = bus
+        self.name = name or f"scheduler-{uuid.uuid4().hex[:8]}"
+        self.lease = Lease(bus, self.name, lease_ttl_s)
+        self.tick_s = tick_s
+        self.clock = clock
+        self.services = services
+        self.state = FleetState()
+        self.memory = scheduler.SchedulerMemory()
+        self.stats = SchedulerStats(applied={s: 0 for s in FOLLOWED})
+        self.published: list[m.Event] = []
+        self._changed = asyncio.Event()
+
+    def _fold(self, data: bytes, seq: int, stream: str) -> None:
+        try:
+            event = m.decode_event(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # A malformed event is recorded and skipped; it must not stop placement.
+            self.stats.malformed += 1
+            log.warning("scheduler: skipped malformed event %s#%d: %s", stream, seq, e)
+            return
+        scheduler.observe(self.memory, event, self.state)
+        apply(self.state, event)
+
+    async def _follow(self, stream: str) -> None:
+        reader = self.bus.reader(stream, 1, idle_expires_s=1.0)
+        async for batch in reader.batches():
+            for raw in batch:
+                self._fold(raw.data, raw.seq, stream)
+            self.stats.applied[stream] = batch[-1].seq
+            self._changed.set()
+
+    async def _caught_up(self) -> bool:
+        for stream in FOLLOWED:
+            if self.stats.applied[stream] < await self.bus.stream_last_seq(stream):
+                return False
+        return True
+
+    async def _wait_applied(self, stream: str, seq: int, within_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while self.stats.applied[stream] < seq and loop.time() < deadline:
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=max(deadline - loop.time(), 0.01))
+
+    async def step(self) -> list[m.Event]:
+        """One pass: decide and publish if leader and caught up; what was published."""
+        self.stats.passes += 1
+        if not self.lease.held and not await self.lease.acquire():
+            return []
+        if not await self._caught_up():
+            return []
+        # Renewing by revision right before publishing is the fence: a scheduler
+        # whose lease expired while it was stalled finds out here, not after.
+        if not await self.lease.renew():
+            return []
+        decisions = scheduler.decide(self.state, self.memory, self.clock())
+        if not decisions:
+            return []
+        last_seq = 0
+        out: list[m.Event] = []
+        for d in decisions:
+            ack = await self.bus.publish(d.event, msg_id=d.msg_id)
+            last_seq = max(last_seq, ack.seq)
+            self.stats.decisions += 1
+            self.stats.duplicates += ack.duplicate
+            out.append(d.event)
+            log.info("scheduler %s: %s", self.name, _describe(d.event))
+        self.published.extend(out)
+        await self._wait_applied(subjects.STREAM_CONTROL, last_seq, within_s=max(self.tick_s * 5, 5.0))
+        return out
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Fold and decide until ``stop`` is set (or forever); releases the lease on the way out."""
+        stop = stop or asyncio.Event()
+        tasks = [asyncio.create_task(self._follow(s), name=f"follow-{s}") for s in FOLLOWED]
+        tasks += [asyncio.create_task(_as_coro(svc(self.bus)), name="service") for svc in self.services]
+        try:
+            while not stop.is_set():
+                for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
+                try:
+                    await self.step()
+                except Exception as e:  # noqa: BLE001 - an outage must not kill the scheduler
+                    log.warning("scheduler %s: pass failed: %s", self.name, e)
+                self._changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_first(stop, self._changed), timeout=self.tick_s)
+                # Let a burst of events land before deciding on it.
+                await asyncio.sleep(min(0.05, self.tick_s))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.lease.release()
+
+
+async def _as_coro(aw: Awaitable[None]) -> None:
+    await aw
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def _describe(event: m.Event) -> str:
+    match event:
+        case m.ReplicaPlaced():
+            where = ", ".join(f"{g.node}:{g.index}" for g in event.gpus)
+            return f"placed {event.replica_id} on {where} (fabric {event.fabric})"
+        case m.ReplicaStopped():
+            return f"stopped {event.replica_id}: {event.reason}"
+        case m.ModelUnplaceable():
+            return f"cannot place {event.name}: {event.reason}"
+    return type(event).__name__
