@@ -34,3 +34,7 @@ def cli(verbose: int) -> None:
 
 def main() -> None:
     cli(prog_name="llmgw")
+
+
+if __name__ == "__main__":
+    main()
