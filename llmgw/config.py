@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from llmgw.errors import ConfigError
 
@@ -39,7 +40,7 @@ class Settings:
     request_timeout_s: float = 5.0
 
     @classmethod
-    def from_env(cls, **overrides: object) -> Settings:
+    def from_env(cls, **overrides: Any) -> Settings:
         """Settings from ``LLMGW_*`` variables, with explicit values (not None) winning."""
         env = os.environ
         replicas_raw = env.get("LLMGW_STREAM_REPLICAS", "1")

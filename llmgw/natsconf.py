@@ -211,18 +211,24 @@ HEADER = """\
 # Each agent node has its own user: it may publish only its own node's subjects.
 """
 
+def tls_block(ca_file: str, cert_file: str, key_file: str, *, verify: bool = True) -> str:
+    """The server's tls {} block; the shipped nats.conf carries it commented out."""
+    return (
+        "tls {\n"
+        f"  ca_file: {_q(ca_file)}\n"
+        f"  cert_file: {_q(cert_file)}\n"
+        f"  key_file: {_q(key_file)}\n"
+        f"  verify: {'true' if verify else 'false'}  # require a client certificate signed by ca_file\n"
+        "  timeout: 2\n"
+        "}\n"
+    )
+
+
 TLS_BLOCK = """\
 # TLS between every component and NATS: uncomment, point at your CA and the
 # server's certificate, and give clients --tls-ca (and --tls-cert/--tls-key when
 # verify is on; LLMGW_NATS_TLS_CA/_CERT/_KEY). Clients then use tls://host:4222.
-# tls {
-#   ca_file: "/etc/nats/ca.pem"
-#   cert_file: "/etc/nats/server.pem"
-#   key_file: "/etc/nats/server-key.pem"
-#   verify: true        # require a client certificate signed by ca_file
-#   timeout: 2
-# }
-"""
+""" + "".join(f"# {line}\n" for line in tls_block("/etc/nats/ca.pem", "/etc/nats/server.pem", "/etc/nats/server-key.pem").splitlines())
 
 CLUSTER_BLOCK = """\
 # A 3-node cluster (R3 streams survive one lost node): uncomment on each server
