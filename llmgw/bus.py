@@ -341,6 +341,31 @@ class Bus:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    async def publish_many(self, events: Sequence[m.Event], *, window: int = 2048) -> list[Ack]:
+        """Store many events fast: pipelined, each with its own id, stragglers retried.
+
+        Order on the stream follows ``events`` unless a publish must be retried
+        (an outage mid-batch); use ``publish``/``Outbox`` where order matters.
+        """
+        acks: list[Ack] = []
+        for start in range(0, len(events), window):
+            chunk = events[start : start + window]
+            items = []
+            for e in chunk:
+                payload = m.encode(e)
+                items.append((subjects.subject_for(e), payload, subjects.msg_id(e, payload)))
+            futures = [
+                await self.js.publish_async(subj, payload, headers={"Nats-Msg-Id": mid})
+                for subj, payload, mid in items
+            ]
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            for (subj, payload, mid), res in zip(items, results, strict=True):
+                if isinstance(res, BaseException):
+                    acks.append(await self.publish_bytes(subj, payload, mid))
+                else:
+                    acks.append(Ack(res.stream, res.seq, bool(res.duplicate)))
+        return acks
+
     async def publish_core(self, subject: str, payload: bytes) -> None:
         """Fire-and-forget (heartbeats): the stream keeps only the latest per node."""
         try:
