@@ -15,16 +15,15 @@ import aiohttp
 import openai
 import pytest
 from click.testing import CliRunner
+from llmgw.cli.main import cli
 
 from llmgw import messages as m
 from llmgw.bus import Bus
-from llmgw.cli.main import cli
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess, spawn
 from llmgw.router import Router, hash_key
 
 MODEL = "qwen-test"
-SPEC = m.ModelSpec(name=MODEL, source="Qwen/Qwen3-8B", precision="bf16", engine="vllm", gpu_class="H100", context=8192)
 
 
 def now() -> datetime:

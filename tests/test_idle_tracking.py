@@ -1,0 +1,174 @@
+"""Idle maps on a real nats-server: exactly the replicas that were asked for, and
+nothing that a restarted router could mistake for idleness."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+
+import aiohttp
+import pytest
+from llmgw.projections.fold import FleetState, apply
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.endpoints import Pool
+from llmgw.fake_engine import EngineProcess, spawn
+from llmgw.router import IdleFor, IdleTracker, Router
+
+
+async def up(bus: Bus, rid: str, model: str, endpoint: str) -> None:
+    await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model=model, node="n1",
+                                            state="healthy", endpoint=endpoint))
+
+
+async def idle_maps(bus: Bus) -> list[m.IdleMapPublished]:
+    last = await bus.stream_last_seq(subjects.STREAM_USAGE)
+    if last == 0:
+        return []
+    out: list[m.IdleMapPublished] = []
+    async for batch in bus.reader(subjects.STREAM_USAGE, 1, stop_at=last).batches():
+        out.extend(m.USAGE_DECODER.decode(x.data) for x in batch)
+    return out
+
+
+async def ask(url: str, model: str) -> str:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json={"model": model}) as resp:
+        assert resp.status == 200
+        return resp.headers["x-llmgw-replica"]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, EngineProcess]]:
+    a = spawn("model-a", name="A")
+    try:
+        b = spawn("model-b", name="B")
+    except BaseException:
+        a.stop()
+        raise
+    yield {"A": a, "B": b}
+    a.stop()
+    b.stop()
+
+
+@pytest.fixture
+async def router(bus: Bus, engines: dict[str, EngineProcess]) -> AsyncIterator[Router]:
+    r = Router(bus, "idle-router", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    await up(bus, "A", "model-a", engines["A"].url)
+    await up(bus, "B", "model-b", engines["B"].url)
+    await r.sink.wait_for(lambda p: set(p.models()) == {"model-a", "model-b"})
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+def test_idle_for_is_a_value_and_a_flag() -> None:
+    tracker = IdleTracker()
+    assert tracker.idle_for("never-seen", now=1000.0) == IdleFor(-1.0, False)
+    tracker.last["r1"] = 940.0
+    assert tracker.idle_for("r1", now=1000.0) == IdleFor(60.0, True)
+    # A clock that stepped back never yields a negative idle time that looks known.
+    assert tracker.idle_for("r1", now=900.0) == IdleFor(0.0, True)
+
+
+def test_idle_map_without_requests_lists_pooled_replicas_as_serving_since() -> None:
+    pool = Pool()
+    pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r1", model="m", node="n", state="healthy",
+                                     endpoint="http://x"), 1_000_000.0)
+    pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r2", model="m", node="n", state="starting"),
+               1_000_000.0)
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    event = IdleTracker().idle_map("r", "boot", pool, at)
+    assert event.last_request == {}
+    assert event.serving_since == {"r1": datetime.fromtimestamp(1_000_000.0, UTC)}
+    assert event.tick == 1 and event.at == at
+
+
+async def test_idle_map_holds_exactly_the_replicas_asked_for(bus: Bus, router: Router) -> None:
+    before = datetime.now(UTC)
+    for _ in range(3):
+        assert await ask(router.url, "model-a") == "A"
+    after = datetime.now(UTC)
+    assert router.idle_for("A").known and not router.idle_for("B").known
+
+    await router.publish_idle_map()
+    (event,) = await idle_maps(bus)
+    assert event.router == "idle-router" and event.boot_id == router.boot_id
+    assert set(event.last_request) == {"A"}
+    assert before <= event.last_request["A"] <= after
+    # B was routable but nobody asked: "nobody since X", and X is when this router learned of it.
+    assert set(event.serving_since) == {"B"}
+    assert event.serving_since["B"] <= before
+
+
+async def test_ticker_publishes_without_being_asked(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    r = Router(bus, "ticking", tick_s=0.2)
+    await r.start("127.0.0.1", 0)
+    try:
+        for _ in range(100):
+            maps = await idle_maps(bus)
+            if len(maps) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(maps) >= 2
+        assert [x.tick for x in maps[:2]] == [1, 2]
+        assert {x.boot_id for x in maps} == {r.boot_id}
+    finally:
+        await r.stop()
+
+
+async def test_restarted_router_marks_nothing_idle(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    first = Router(bus, "restarting", tick_s=3600)
+    await first.start("127.0.0.1", 0)
+    await up(bus, "A", "model-a", engines["A"].url)
+    await first.sink.wait_for(lambda p: "model-a" in p.models())
+    await ask(first.url, "model-a")
+    await first.publish_idle_map()
+    await first.stop()
+
+    restarted_at = datetime.now(UTC)
+    second = Router(bus, "restarting", tick_s=3600)
+    await second.start("127.0.0.1", 0)
+    try:
+        await second.sink.wait_for(lambda p: "model-a" in p.models())
+        event = await second.publish_idle_map()
+        assert event.boot_id != first.boot_id
+        assert event.last_request == {}  # it has seen no request: it claims nothing
+        assert event.serving_since["A"] >= restarted_at - timedelta(seconds=1)
+        assert second.idle_for("A") == IdleFor(-1.0, False)
+
+        # Folded as the projector folds it, A's idleness starts no earlier than the restart.
+        state = FleetState()
+        for e in await idle_maps(bus):
+            apply(state, e)
+        since = state.idle_since("A")
+        assert since is not None and since >= restarted_at - timedelta(seconds=1)
+
+        # A request afterwards makes it known again, with its own time.
+        t0 = time.time()
+        await ask(second.url, "model-a")
+        seen = second.idle_for("A")
+        assert seen.known and seen.seconds <= time.time() - t0
+        event = await second.publish_idle_map()
+        assert set(event.last_request) == {"A"} and "A" not in event.serving_since
+    finally:
+        await second.stop()
+
+
+async def test_tracking_off_writes_no_times(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    r = Router(bus, "untracked", tick_s=0.1, idle_tracking=False)
+    await r.start("127.0.0.1", 0)
+    try:
+        await up(bus, "A", "model-a", engines["A"].url)
+        await r.sink.wait_for(lambda p: "model-a" in p.models())
+        await ask(r.url, "model-a")
+        assert r.idle.last == {}
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "router-idle"]
+        assert await idle_maps(bus) == []
+    finally:
+        await r.stop()
