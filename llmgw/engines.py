@@ -1,0 +1,329 @@
+"""Engine supervision on an agent: run the engines the scheduler placed on this node.
+
+The supervisor follows the control stream from the start, so on start it
+reconciles: every replica placed here and not stopped should run. Each
+replica gets a free port and ``CUDA_VISIBLE_DEVICES`` set to its GPUs, is
+health-checked (``/health``, then a one-token completion), and is reported
+through the agent's outbox as ``starting`` → ``healthy`` (with its endpoint)
+or ``failed`` (with the engine's last log lines). A crashed engine is
+restarted with back-off; one that keeps crashing is reported failed and left
+to the scheduler, which re-places it with its own back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import shutil
+import signal
+import socket
+import sys
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import aiohttp
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus, Outbox
+from llmgw.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENGINE_KEYS = ("vllm", "llama.cpp", "fake")
+
+
+def _llmgw_program() -> list[str]:
+    exe = Path(sys.executable).parent / "llmgw"
+    if exe.is_file():
+        return [str(exe)]
+    found = shutil.which("llmgw")
+    return [found] if found else [sys.executable, "-c", "from llmgw.cli.main import main; main()"]
+
+
+def default_commands() -> dict[str, list[str]]:
+    """The program prefix each engine starts with, before llmgw's arguments."""
+    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*_llmgw_program(), "fake-engine"]}
+
+
+def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
+    """``vllm=/opt/vllm/bin/vllm serve`` → {"vllm": [...]}; a bad one is a ConfigError naming it."""
+    out = default_commands()
+    for raw in values:
+        key, sep, cmd = raw.partition("=")
+        key = key.strip()
+        if not sep or key not in ENGINE_KEYS or not cmd.strip():
+            raise ConfigError(
+                f"--engine-cmd {raw!r} must be ENGINE=COMMAND with ENGINE one of {', '.join(ENGINE_KEYS)}, "
+                "e.g. --engine-cmd 'vllm=/opt/vllm/bin/vllm serve'"
+            )
+        out[key] = shlex.split(cmd)
+    return out
+
+
+def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "") -> list[str]:
+    """The command line for one replica's engine."""
+    if simulate:
+        return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name]
+    if spec.engine == "vllm":
+        argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
+        if spec.pp > 1:
+            argv += ["--pipeline-parallel-size", str(spec.pp)]
+        if spec.quantization:
+            argv += ["--quantization", spec.quantization]
+        argv += [
+            "--max-model-len", str(spec.context),
+            "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",
+            "--host", host, "--port", str(port),
+            "--served-model-name", spec.name,
+        ]
+        return [*argv, *spec.engine_args]
+    model_file = spec.file or spec.source
+    if spec.file and not Path(spec.file).exists():
+        # A GGUF file named inside a repository: llama-server downloads it itself.
+        where = ["--hf-repo", spec.source, "--hf-file", spec.file]
+    else:
+        where = ["-m", model_file]
+    argv = [*cmds["llama.cpp"], *where, "-c", str(spec.context), "-ngl", "999",
+            "--host", host, "--port", str(port), "--alias", spec.name]
+    return [*argv, *spec.engine_args]
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EngineConfig:
+    """How this node runs engines."""
+
+    cmds: dict[str, list[str]] = field(default_factory=default_commands)
+    simulate: bool = False
+    host: str = "127.0.0.1"  # where engines listen
+    advertise_host: str = ""  # what the router dials [default: host]
+    health_timeout_s: float = 900.0  # vLLM loading a 70B model takes minutes
+    health_interval_s: float = 0.5
+    max_restarts: int = 3
+    backoff_base_s: float = 2.0
+    backoff_max_s: float = 60.0
+    log_lines: int = 20
+    log_dir: Path | None = None
+
+
+class EngineRun:
+    """One replica's engine and its restarts."""
+
+    def __init__(self, node: str, placed: m.ReplicaPlaced, config: EngineConfig, outbox: Outbox) -> None:
+        self.node = node
+        self.placed = placed
+        self.config = config
+        self.outbox = outbox
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port = 0
+        self.restarts = 0
+        self.state = "placed"
+        self.endpoint = ""
+        self.tail: deque[str] = deque(maxlen=config.log_lines)
+
+    @property
+    def replica_id(self) -> str:
+        return self.placed.replica_id
+
+    def report(self, state: m.ReplicaState, detail: str = "") -> None:
+        self.state = state
+        self.outbox.put(m.ReplicaStateChanged(
+            at=m.utcnow(), replica_id=self.replica_id, model=self.placed.model, node=self.node,
+            state=state, endpoint=self.endpoint if state == "healthy" else "", detail=detail, restarts=self.restarts,
+        ))
+        log.info("engine %s: %s %s", self.replica_id, state, detail)
+
+    def _last_lines(self) -> str:
+        return " | ".join(self.tail) or "(no output)"
+
+    async def _pump(self, stream: asyncio.StreamReader, sink: BinaryIO | None) -> None:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                self.tail.append(text[-300:])
+            if sink is not None:
+                sink.write(line)
+
+    def _open_log(self) -> BinaryIO | None:
+        if self.config.log_dir is None:
+            return None
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.config.log_dir / f"{subjects.token(self.replica_id)}.log", "ab")  # noqa: SIM115 - the pump closes it
+
+    async def _start(self) -> asyncio.Task[None]:
+        host = self.config.host
+        self.port = free_port(host)
+        argv = engine_argv(self.placed.spec, self.port, host, self.config.cmds, simulate=self.config.simulate, name=self.replica_id)
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
+        self.endpoint = f"http://{self.config.advertise_host or host}:{self.port}"
+        self.tail.clear()
+        self.tail.append(f"$ {shlex.join(argv)}")
+        sink = self._open_log()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as e:
+            if sink is not None:
+                sink.close()
+            self.tail.append(f"cannot start {argv[0]}: {e.strerror or e}; set --engine-cmd {self.placed.spec.engine}=…")
+            raise
+        assert self.proc.stdout is not None
+
+        async def pump() -> None:
+            try:
+                await self._pump(self.proc.stdout, sink)  # type: ignore[union-attr,arg-type]
+            finally:
+                if sink is not None:
+                    sink.close()
+
+        return asyncio.create_task(pump())
+
+    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+        """/health answers 200, then a one-token completion does too."""
+        base = f"http://{self.config.host}:{self.port}"
+        try:
+            async with session.get(f"{base}/health") as r:
+                if r.status != 200:
+                    return False
+            body = {"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}
+            async with session.post(f"{base}/v1/completions", json=body) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def _wait_healthy(self) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.health_timeout_s
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while loop.time() < deadline:
+                if self.proc is None or self.proc.returncode is not None:
+                    return False
+                if await self._healthy(session):
+                    return True
+                await asyncio.sleep(self.config.health_interval_s)
+        self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s")
+        return False
+
+    async def stop(self) -> None:
+        """SIGTERM the engine's process group; SIGKILL if it does not go within 10 s."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def run(self) -> None:
+        """Start, check, watch, restart with back-off; report failed when restarts run out."""
+        try:
+            while True:
+                self.report("starting", f"restart {self.restarts}" if self.restarts else "")
+                try:
+                    pump = await self._start()
+                except OSError:
+                    self.report("failed", self._last_lines())
+                    return
+                if await self._wait_healthy():
+                    self.report("healthy")
+                    await self.proc.wait()  # type: ignore[union-attr]
+                await self.stop()
+                await asyncio.gather(pump, return_exceptions=True)
+                code = self.proc.returncode if self.proc else None
+                if self.restarts >= self.config.max_restarts:
+                    self.report("failed", f"exit {code} after {self.restarts} restarts: {self._last_lines()}")
+                    return
+                self.restarts += 1
+                delay = min(self.config.backoff_base_s * 2 ** (self.restarts - 1), self.config.backoff_max_s)
+                self.report("unhealthy", f"engine exited ({code}); restart {self.restarts} of {self.config.max_restarts} in {delay:g}s: {self._last_lines()}")
+                await asyncio.sleep(delay)
+        finally:
+            await asyncio.shield(self.stop())
+
+
+class EngineSupervisor:
+    """Keep this node's engines in line with the placements on the control stream."""
+
+    def __init__(self, node: str, config: EngineConfig | None = None) -> None:
+        self.node = node
+        self.config = config or EngineConfig()
+        self.placed: dict[str, m.ReplicaPlaced] = {}
+        self.runs: dict[str, EngineRun] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.caught_up = asyncio.Event()
+
+    def _fold(self, event: m.Event) -> None:
+        match event:
+            case m.ReplicaPlaced() if event.nodes and event.nodes[0] == self.node:
+                # pp > 1: the engine runs on the first node; the other nodes' GPUs are held for it.
+                self.placed[event.replica_id] = event
+            case m.ReplicaStopped(replica_id=rid):
+                self.placed.pop(rid, None)
+            case m.ModelRemoved(name=name):
+                for rid in [r for r, p in self.placed.items() if p.model == name]:
+                    del self.placed[rid]
+            case _:
+                pass
+
+    async def _reconcile(self, outbox: Outbox) -> None:
+        for rid in [r for r in self._tasks if r not in self.placed]:
+            task = self._tasks.pop(rid)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            run = self.runs.pop(rid)
+            run.report("stopped", "stopped on request")
+        for rid, placed in self.placed.items():
+            if rid not in self._tasks:
+                run = EngineRun(self.node, placed, self.config, outbox)
+                self.runs[rid] = run
+                self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
+
+    async def run(self, bus: Bus, outbox: Outbox) -> None:
+        """Follow the control stream; the agent runs this next to itself (``services=``)."""
+        target = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+        reader = bus.reader(subjects.STREAM_CONTROL, 1, idle_expires_s=1.0)
+        try:
+            if target == 0:
+                self.caught_up.set()
+            async for batch in reader.batches():
+                for raw in batch:
+                    try:
+                        event = m.CONTROL_DECODER.decode(raw.data)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        log.warning("engines: skipped malformed control event #%d: %s", raw.seq, e)
+                        continue
+                    self._fold(event)
+                # Reconcile only on what the whole history says, never on a prefix of it.
+                if batch[-1].seq >= target:
+                    self.caught_up.set()
+                if self.caught_up.is_set():
+                    await self._reconcile(outbox)
+        finally:
+            tasks = list(self._tasks.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __call__(self, bus: Bus, outbox: Outbox) -> None:
+        await self.run(bus, outbox)

@@ -1,0 +1,147 @@
+"""Engine supervision against a real nats-server and real ``llmgw fake-engine`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus, Outbox
+from llmgw.engines import (
+    EngineConfig,
+    EngineSupervisor,
+    default_commands,
+    engine_argv,
+    parse_engine_cmds,
+)
+from llmgw.errors import ConfigError
+
+NODE = "n1"
+
+
+def spec(**kw: object) -> m.ModelSpec:
+    base: dict[str, object] = dict(name="qwen", source="Qwen/Qwen2.5-14B-Instruct", precision="bf16", engine="vllm",
+                                   gpu_class="H100-80GB", context=8192, tp=2)
+    base.update(kw)
+    return m.ModelSpec(**base)  # type: ignore[arg-type]
+
+
+def placed(rid: str, node: str = NODE, s: m.ModelSpec | None = None) -> m.ReplicaPlaced:
+    s = s or spec()
+    gpus = tuple(m.GpuRef(node=node, index=i + 2, uuid=f"GPU-{i}") for i in range(s.tp))
+    return m.ReplicaPlaced(at=m.utcnow(), replica_id=rid, model=s.name, nodes=(node,), gpus=gpus, spec=s, fabric="f")
+
+
+async def states(bus: Bus) -> list[m.ReplicaStateChanged]:
+    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+    out: list[m.ReplicaStateChanged] = []
+    async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
+        out += [e for r in batch if isinstance(e := m.decode_event(r.data), m.ReplicaStateChanged)]
+    return out
+
+
+async def wait_for(bus: Bus, cond: Callable[[list[m.ReplicaStateChanged]], bool], within_s: float = 20.0) -> list[m.ReplicaStateChanged]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        got = await states(bus)
+        if cond(got):
+            return got
+        assert loop.time() < deadline, f"states so far: {[(s.replica_id, s.state, s.detail) for s in got]}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def agent(bus: Bus) -> AsyncIterator[tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]]:
+    """An outbox delivering like the agent's, and supervisors started on demand (stopped after)."""
+    outbox = bus.outbox()
+    tasks = [asyncio.create_task(outbox.run())]
+
+    def start(config: EngineConfig) -> EngineSupervisor:
+        sup = EngineSupervisor(NODE, config)
+        tasks.append(asyncio.create_task(sup.run(bus, outbox)))
+        return sup
+
+    try:
+        yield outbox, start
+    finally:
+        for t in reversed(tasks):
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+
+
+def test_engine_command_lines() -> None:
+    cmds = parse_engine_cmds(["vllm=/opt/v/bin/vllm serve"])
+    argv = engine_argv(spec(quantization="fp8", pp=2), 8001, "0.0.0.0", cmds, simulate=False)
+    assert argv == ["/opt/v/bin/vllm", "serve", "Qwen/Qwen2.5-14B-Instruct", "--tensor-parallel-size", "2",
+                    "--pipeline-parallel-size", "2", "--quantization", "fp8", "--max-model-len", "8192",
+                    "--gpu-memory-utilization", "0.9", "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "qwen"]
+    gguf = spec(engine="llama.cpp", source="/models/q.gguf", precision="q4_K_M", tp=1)
+    assert engine_argv(gguf, 9, "h", default_commands(), simulate=False) == [
+        "llama-server", "-m", "/models/q.gguf", "-c", "8192", "-ngl", "999", "--host", "h", "--port", "9", "--alias", "qwen"]
+    sim = engine_argv(spec(), 7, "h", default_commands(), simulate=True, name="qwen-r1")
+    assert sim[-9:] == ["fake-engine", "--host", "h", "--port", "7", "--model", "qwen", "--name", "qwen-r1"]
+    with pytest.raises(ConfigError, match="ENGINE=COMMAND"):
+        parse_engine_cmds(["sglang=python -m sglang"])
+
+
+async def test_reconciles_on_start_serves_restarts_and_stops(bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    # Placed before the supervisor starts: reconciling must start it anyway.
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    await bus.publish(placed("other-r1", node="n2"))
+    _, start = agent
+    sup = start(EngineConfig(simulate=True, health_timeout_s=20, backoff_base_s=0.1))
+    got = await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
+    healthy = next(s for s in got if s.state == "healthy")
+    assert healthy.replica_id == "qwen-r1" and healthy.node == NODE and healthy.endpoint.startswith("http://127.0.0.1:")
+    assert {s.replica_id for s in got} == {"qwen-r1"}  # n2's replica is not ours
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{healthy.endpoint}/v1/chat/completions",
+                             json={"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status == 200
+            assert r.headers["x-llmgw-replica"] == "qwen-r1"
+    run = sup.runs["qwen-r1"]
+    assert run.proc is not None
+
+    # A crash: restarted, reported with its restart count, healthy again.
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    got = await wait_for(bus, lambda ss: any(s.state == "healthy" and s.restarts == 1 for s in ss))
+    assert [s.state for s in got] == ["starting", "healthy", "unhealthy", "starting", "healthy"]
+    assert "engine exited (-9); restart 1 of 3" in got[2].detail
+
+    # Stopped on request: the process is gone and the stop is on record.
+    pid = sup.runs["qwen-r1"].proc.pid  # type: ignore[union-attr]
+    await bus.publish(m.ReplicaStopped(at=m.utcnow(), replica_id="qwen-r1", model="qwen", reason="idle"))
+    got = await wait_for(bus, lambda ss: ss[-1].state == "stopped")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def test_engine_that_keeps_failing_reports_its_log(bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    oom = "import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)"
+    cmds = default_commands() | {"fake": [sys.executable, "-c", oom]}
+    _, start = agent
+    start(EngineConfig(cmds=cmds, simulate=True, health_timeout_s=5, max_restarts=1, backoff_base_s=0.05))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    got = await wait_for(bus, lambda ss: any(s.state == "failed" for s in ss))
+    failed = got[-1]
+    assert failed.state == "failed" and failed.restarts == 1
+    assert "exit 1 after 1 restarts" in failed.detail and "CUDA out of memory" in failed.detail
+
+
+async def test_missing_engine_binary_fails_with_next_step(bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    _, start = agent
+    start(EngineConfig(cmds=default_commands() | {"vllm": ["/nonexistent/vllm", "serve"]}))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    got = await wait_for(bus, lambda ss: any(s.state == "failed" for s in ss))
+    assert "cannot start /nonexistent/vllm" in got[-1].detail and "--engine-cmd vllm=" in got[-1].detail
