@@ -242,6 +242,78 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_fie
     code: int = 400
 
 
+# --- status service: llmgw.status (request/reply) ------------------------------
+
+
+class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the projector for the fleet status; idle is judged against this threshold."""
+
+    idle_threshold_s: float = 1800.0
+
+
+class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
+    """GPUs of one class: used + free + unhealthy + lost == total."""
+
+    gpu_class: str
+    total: int
+    used: int
+    free: int
+    unhealthy: int
+    lost: int = 0
+
+
+class FabricNodes(msgspec.Struct, frozen=True, kw_only=True):
+    """Whole nodes of one class on one fabric with every GPU healthy and free."""
+
+    fabric: str
+    gpu_class: str
+    free_nodes: int
+    live_nodes: int
+
+
+class UnplaceableModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A declared model the scheduler could not place, and why."""
+
+    name: str
+    reason: str
+    since: datetime | None = None
+
+
+class IdleReplica(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica nobody asked for; ``idle_s`` < 0 means no router knows."""
+
+    replica_id: str
+    model: str
+    gpus: int
+    nodes: tuple[str, ...]
+    state: str
+    idle_s: float
+    idle_since: datetime | None = None
+
+
+class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The fleet at ``now``, computed only from the events folded up to ``positions``."""
+
+    now: datetime | None
+    idle_threshold_s: float
+    positions: dict[str, int]
+    nodes: int
+    lost_nodes: tuple[str, ...]
+    capacity: tuple[ClassCapacity, ...]
+    free_nodes: tuple[FabricNodes, ...]
+    models: int
+    replicas: int
+    replicas_by_state: dict[str, int]
+    unplaceable: tuple[UnplaceableModel, ...]
+    idle: tuple[IdleReplica, ...]
+    unknown_idle: int
+    unprojected_events: int
+
+
+STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
+STATUS_REQUEST_DECODER = msgspec.json.Decoder(StatusRequest)
+
+
 # --- codecs, built once -------------------------------------------------------
 
 ENCODER = msgspec.json.Encoder()

@@ -89,6 +89,10 @@ class FleetState:
     routers: dict[str, RouterView] = field(default_factory=dict)
     last_request: dict[str, datetime] = field(default_factory=dict)
     as_of: datetime | None = None
+    # Set by whoever reads the streams (projector, replay), not by apply():
+    # the last sequence folded per stream, and events that could not be decoded.
+    positions: dict[str, int] = field(default_factory=dict)
+    unprojected: int = 0
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -167,9 +171,9 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                         gpu.since = prev.since
         case m.GpuHealthChanged():
             node = state.nodes.get(event.node)
-            gpu = node.gpus.get(event.gpu_index) if node else None
-            if node is not None and gpu is not None:
-                gpu.healthy, gpu.reasons, gpu.since = event.healthy, event.reasons, event.at
+            changed = node.gpus.get(event.gpu_index) if node else None
+            if node is not None and changed is not None:
+                changed.healthy, changed.reasons, changed.since = event.healthy, event.reasons, event.at
                 node.updated_at = event.at
         case m.NodeLost():
             node = state.nodes.get(event.node)
@@ -217,8 +221,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since)
             )
             for rid, t in event.last_request.items():
-                prev = state.last_request.get(rid)
-                if prev is None or t > prev:
+                known = state.last_request.get(rid)
+                if known is None or t > known:
                     state.last_request[rid] = t
         case _:
             pass  # heartbeats and anything newer than this fold: not part of history

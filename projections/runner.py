@@ -1,0 +1,292 @@
+"""The projector: read the history streams from the checkpoint, fold, commit, serve status.
+
+Reading, decoding and folding happen on the event loop; DuckDB commits run on
+one writer thread, so a slow disk never stalls the NATS connection into a slow
+consumer. A commit carries the rows, the encoded state and the positions of
+the same instant, so what is on disk is always a prefix of every stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from llmgw.projections import status as status_report
+from llmgw.projections.fold import FleetState, apply
+from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus, RawMsg
+from llmgw.errors import ProjectionError
+
+log = logging.getLogger(__name__)
+
+DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    subjects.STREAM_FLEET: m.FLEET_DECODER,
+    subjects.STREAM_CONTROL: m.CONTROL_DECODER,
+    subjects.STREAM_USAGE: m.USAGE_DECODER,
+}
+# One decode call per batch: the stream's messages joined as a JSON array.
+BATCH_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    subjects.STREAM_FLEET: msgspec.json.Decoder(list[m.FleetEvent]),
+    subjects.STREAM_CONTROL: msgspec.json.Decoder(list[m.ControlEvent]),
+    subjects.STREAM_USAGE: msgspec.json.Decoder(list[m.UsageEvent]),
+}
+
+CRASH_ENV = "LLMGW_PROJECT_CRASH_AT"  # test hook: "N" (inside a commit) or "N:fold" (on the loop)
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Where a finite read of one stream ends: at ``seq``, or at the last message stored by ``ts_ns``."""
+
+    seq: int
+    ts_ns: int | None = None
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Projector:
+    """Folds the history streams into a FleetState and, when given a store, into DuckDB."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        store: Store | None = None,
+        *,
+        streams: Sequence[str] = subjects.HISTORY_STREAMS,
+        commit_every: int = 100_000,
+        commit_interval_s: float = 1.0,
+        snapshot_path: str | Path | None = None,
+        snapshot_interval_s: float = 60.0,
+        batch: int = 8192,
+        progress: Progress | None = None,
+    ) -> None:
+        self.bus = bus
+        self.store = store
+        self.streams = tuple(streams)
+        self.commit_every = commit_every
+        self.commit_interval_s = commit_interval_s
+        self.snapshot_path = Path(snapshot_path) if snapshot_path else None
+        self.snapshot_interval_s = snapshot_interval_s
+        self.read_batch = batch
+        self.progress = progress
+        self.state = store.load() if store is not None else FleetState()
+        self.batch = Batch()
+        self.folded = 0
+        self.committed = 0
+        self._total = 0
+        self._lock = asyncio.Lock()
+        self._inflight: asyncio.Future[None] | None = None
+        self._last_commit = time.monotonic()
+        self._last_snapshot = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
+        self._crash_at, self._crash_on_loop = self._crash_hook()
+
+    @staticmethod
+    def _crash_hook() -> tuple[int | None, bool]:
+        raw = os.environ.get(CRASH_ENV, "")
+        if not raw:
+            return None, False
+        n, _, where = raw.partition(":")
+        return int(n), where == "fold"
+
+    # --- folding -------------------------------------------------------------------
+
+    def ingest(self, stream: str, msgs: list[RawMsg]) -> None:
+        """Decode and fold one batch of a stream; what cannot be decoded is kept raw."""
+        try:
+            decoded: list[Any] = BATCH_DECODERS[stream].decode(b"[" + b",".join([x.data for x in msgs]) + b"]")
+            if len(decoded) != len(msgs):
+                raise msgspec.DecodeError("batch framing")
+        except msgspec.DecodeError:  # ValidationError is a DecodeError
+            decoded = []
+            for x in msgs:
+                try:
+                    decoded.append(DECODERS[stream].decode(x.data))
+                except msgspec.DecodeError as e:
+                    decoded.append(e)
+        state, batch = self.state, self.batch
+        for raw, event in zip(msgs, decoded, strict=True):
+            if isinstance(event, Exception):
+                log.warning("%s:%d (%s) cannot be decoded, kept in unprojected_events: %s", stream, raw.seq, raw.subject, event)
+                add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, str(event))
+                state.unprojected += 1
+            else:
+                apply(state, event)
+                if self.store is not None:
+                    add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event)
+            if self._crash_on_loop and self._crash_at is not None and self.folded + 1 >= self._crash_at:
+                _kill_self()
+            self.folded += 1
+        state.positions[stream] = msgs[-1].seq
+        if self.progress is not None:
+            self.progress(self.folded, self._total)
+
+    # --- committing -----------------------------------------------------------------
+
+    def _write(self, batch: Batch, snapshot: bytes) -> None:
+        assert self.store is not None
+        hook = None
+        if self._crash_at is not None and not self._crash_on_loop and self.committed + batch.events >= self._crash_at:
+            hook = _kill_self
+        self.store.commit(batch, snapshot, before_commit=hook)
+        self.committed += batch.events
+        if self.snapshot_path is not None and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
+            self.store.export_snapshot(self.snapshot_path)
+            self._last_snapshot = time.monotonic()
+
+    async def commit(self, *, force: bool = False) -> None:
+        """Hand the rows folded so far, with the state and positions they lead to, to the writer."""
+        if self.store is None or self._pool is None:
+            return
+        async with self._lock:
+            if self._inflight is not None:
+                await self._inflight
+                self._inflight = None
+            if not self.batch.events and not force:
+                return
+            batch, self.batch = self.batch, Batch()
+            # Streams arrive in any order; sorted positions make the same state the same bytes.
+            self.state.positions = dict(sorted(self.state.positions.items()))
+            snapshot = encode_state(self.state)
+            self._last_commit = time.monotonic()
+            loop = asyncio.get_running_loop()
+            self._inflight = loop.run_in_executor(self._pool, self._write, batch, snapshot)
+
+    async def flush(self) -> None:
+        """Commit what is folded and wait until it is on disk."""
+        await self.commit()
+        async with self._lock:
+            if self._inflight is not None:
+                await self._inflight
+                self._inflight = None
+
+    async def _maybe_commit(self) -> None:
+        if self.batch.events >= self.commit_every or (
+            self.batch.events and time.monotonic() - self._last_commit >= self.commit_interval_s
+        ):
+            await self.commit()
+
+    # --- reading --------------------------------------------------------------------
+
+    async def _read(self, stream: str, stop: Stop | None) -> None:
+        start = self.state.positions.get(stream, 0) + 1
+        stop_at = stop.seq if stop is not None else None
+        if stop_at is not None and start > stop_at:
+            return
+        reader = self.bus.reader(stream, start, batch=self.read_batch, stop_at=stop_at)
+        async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+            async for msgs in batches:
+                if stop is not None and stop.ts_ns is not None and msgs[-1].ts_ns > stop.ts_ns:
+                    msgs = [x for x in msgs if x.ts_ns <= stop.ts_ns]
+                    if msgs:
+                        self.ingest(stream, msgs)
+                    return
+                self.ingest(stream, msgs)
+                await self._maybe_commit()
+
+    async def stops(self, at_ns: int | None = None) -> dict[str, Stop]:
+        """Where each stream ends now (and, with ``at_ns``, the last message stored by then)."""
+        out = {}
+        for stream in self.streams:
+            out[stream] = Stop(await self.bus.stream_last_seq(stream), at_ns)
+        return out
+
+    async def run_once(self, stops: dict[str, Stop] | None = None) -> FleetState:
+        """Fold every stream up to ``stops`` (default: what is stored now), commit, return the state."""
+        stops = stops if stops is not None else await self.stops()
+        self._total = sum(max(0, s.seq - self.state.positions.get(k, 0)) for k, s in stops.items())
+        try:
+            await asyncio.gather(*(self._read(stream, stops.get(stream)) for stream in self.streams))
+            await self.flush()
+        finally:
+            self.close()
+        return self.state
+
+    async def run_forever(self, *, serve_status: bool = True) -> None:
+        """Follow every stream, commit on an interval, serve status; until cancelled."""
+        sub = await self.bus.serve(subjects.STATUS, self.handle_status) if serve_status else None
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await asyncio.gather(*(self._read(stream, None) for stream in self.streams))
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            with contextlib.suppress(ProjectionError):
+                await asyncio.shield(self.flush())
+            self.close()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_interval_s)
+            await self._maybe_commit()
+
+    async def handle_status(self, data: bytes) -> bytes:
+        """The status service: a StatusRequest in, the StatusReport of the folded state out."""
+        req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
+        return m.encode(status_report.report(self.state, None, req.idle_threshold_s))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+async def replay(
+    bus: Bus,
+    *,
+    at: datetime | None = None,
+    at_seq: tuple[str, int] | None = None,
+    progress: Progress | None = None,
+) -> FleetState:
+    """Fold the history streams in-process into an in-memory DuckDB, up to a moment if given."""
+    at_ns = int(at.timestamp() * 1e9) if at is not None else None
+    projector = Projector(bus, Store(":memory:"), progress=progress)
+    try:
+        if at_seq is not None:
+            stream, seq = at_seq
+            at_ns = await message_ts_ns(bus, stream, seq)
+        stops = await projector.stops(at_ns)
+        if at_seq is not None:
+            stops[at_seq[0]] = Stop(at_seq[1])
+        return await projector.run_once(stops)
+    finally:
+        projector.close()
+        if projector.store is not None:
+            projector.store.close()
+
+
+async def message_ts_ns(bus: Bus, stream: str, seq: int) -> int:
+    """When the stream stored message ``seq``."""
+    last = await bus.stream_last_seq(stream)
+    if not 1 <= seq <= last:
+        raise ProjectionError(f"{stream} holds sequences 1..{last}; there is no {stream}:{seq}")
+    reader = bus.reader(stream, seq, batch=1, stop_at=seq)
+    async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+        async for msgs in batches:
+            for x in msgs:
+                if x.seq == seq:
+                    return x.ts_ns
+            break
+    raise ProjectionError(f"{stream}:{seq} was deleted from the stream; pick another sequence or use --at TIME")

@@ -1,0 +1,108 @@
+"""The fleet status report: one pure function of a FleetState, ``now`` and an idle threshold.
+
+The live projector, ``ctl status --replay`` and a projector resumed after a
+crash all call ``report`` on the state they folded, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime
+
+from llmgw.projections.fold import FleetState
+
+from llmgw import messages as m
+
+UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
+
+
+def _utc(t: datetime | None) -> datetime | None:
+    return t.astimezone(UTC) if t is not None else None
+
+
+def capacity(state: FleetState, held: dict[tuple[str, int], str]) -> tuple[m.ClassCapacity, ...]:
+    """Per GPU class: total, used, free, unhealthy, lost; unhealthy is neither used nor free."""
+    counts: dict[str, list[int]] = {}
+    for node in state.nodes.values():
+        for gpu in node.gpus.values():
+            c = counts.setdefault(gpu.gpu_class, [0, 0, 0, 0, 0])
+            c[0] += 1
+            if node.lost:
+                c[4] += 1
+            elif not gpu.healthy:
+                c[3] += 1
+            elif (node.name, gpu.index) in held:
+                c[1] += 1
+            else:
+                c[2] += 1
+    return tuple(
+        m.ClassCapacity(gpu_class=k, total=c[0], used=c[1], free=c[2], unhealthy=c[3], lost=c[4])
+        for k, c in sorted(counts.items())
+    )
+
+
+def free_nodes(state: FleetState, held: dict[tuple[str, int], str]) -> tuple[m.FabricNodes, ...]:
+    """Whole free nodes per (fabric, class): what decides whether a multi-node replica lands."""
+    live: Counter[tuple[str, str]] = Counter()
+    free: Counter[tuple[str, str]] = Counter()
+    for node in state.nodes.values():
+        if not node.gpus:
+            continue
+        classes = {g.gpu_class for g in node.gpus.values()}
+        key = (node.fabric, classes.pop() if len(classes) == 1 else "mixed")
+        live[key] += 0  # a fabric whose nodes are all lost still shows, with 0
+        if node.lost:
+            continue
+        live[key] += 1
+        if all(g.healthy and (node.name, g.index) not in held for g in node.gpus.values()):
+            free[key] += 1
+    return tuple(
+        m.FabricNodes(fabric=f, gpu_class=c, free_nodes=free[(f, c)], live_nodes=n)
+        for (f, c), n in sorted(live.items())
+    )
+
+
+def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -> tuple[list[m.IdleReplica], int]:
+    """Replicas idle past the threshold (most GPU-seconds first), then those nobody knows about."""
+    idle: list[m.IdleReplica] = []
+    unknown: list[m.IdleReplica] = []
+    for r in state.replicas.values():
+        since = state.idle_since(r.replica_id)
+        row = dict(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes, state=r.state)
+        if since is None or now is None:
+            unknown.append(m.IdleReplica(**row, idle_s=UNKNOWN_IDLE))
+            continue
+        idle_s = max(0.0, (now - since).total_seconds())
+        if idle_s >= threshold_s:
+            idle.append(m.IdleReplica(**row, idle_s=idle_s, idle_since=_utc(since)))
+    idle.sort(key=lambda x: (-x.gpus * x.idle_s, x.replica_id))
+    unknown.sort(key=lambda x: (-x.gpus, x.replica_id))
+    return idle + unknown, len(unknown)
+
+
+def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0) -> m.StatusReport:
+    """The status of the fleet at ``now`` (default: the time of the last event folded)."""
+    now = state.as_of if now is None else now
+    held = state.held_gpus()
+    idle, unknown = idle_replicas(state, now, idle_threshold_s)
+    unplaceable = tuple(
+        m.UnplaceableModel(name=v.spec.name, reason=v.unplaceable_reason, since=_utc(v.unplaceable_at))
+        for _, v in sorted(state.models.items())
+        if v.unplaceable_reason is not None
+    )
+    return m.StatusReport(
+        now=_utc(now),
+        idle_threshold_s=float(idle_threshold_s),
+        positions=dict(sorted(state.positions.items())),
+        nodes=len(state.nodes),
+        lost_nodes=tuple(sorted(n.name for n in state.nodes.values() if n.lost)),
+        capacity=capacity(state, held),
+        free_nodes=free_nodes(state, held),
+        models=len(state.models),
+        replicas=len(state.replicas),
+        replicas_by_state=dict(sorted(Counter(r.state for r in state.replicas.values()).items())),
+        unplaceable=unplaceable,
+        idle=tuple(idle),
+        unknown_idle=unknown,
+        unprojected_events=state.unprojected,
+    )

@@ -1,0 +1,265 @@
+"""The DuckDB store: schema, row batches, and the checkpoint; the only module importing duckdb.
+
+One ``commit`` writes a batch's history rows (through the appender), rebuilds
+the current views from the folded state, and records the stream positions and
+an encoded FleetState, all in one transaction. A resumed projector loads that
+state and those positions and goes on exactly where the commit left it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import msgspec
+from llmgw.projections.fold import FleetState
+
+from llmgw import messages as m
+from llmgw.errors import ProjectionError
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS checkpoint (stream VARCHAR PRIMARY KEY, seq BIGINT NOT NULL);
+CREATE TABLE IF NOT EXISTS projector_state (
+    id INTEGER PRIMARY KEY, schema_version INTEGER, as_of TIMESTAMPTZ, events BIGINT,
+    unprojected BIGINT, snapshot BLOB);
+CREATE TABLE IF NOT EXISTS events (
+    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, ts TIMESTAMPTZ,
+    stored_at TIMESTAMPTZ, node VARCHAR, model VARCHAR, replica_id VARCHAR, json VARCHAR);
+CREATE TABLE IF NOT EXISTS gpu_health (
+    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, node VARCHAR, gpu_index INTEGER,
+    gpu_uuid VARCHAR, healthy BOOLEAN, reasons VARCHAR);
+CREATE TABLE IF NOT EXISTS replica_lifecycle (
+    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, replica_id VARCHAR, model VARCHAR,
+    kind VARCHAR, state VARCHAR, node VARCHAR, gpus INTEGER, detail VARCHAR);
+CREATE TABLE IF NOT EXISTS idle_history (
+    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, router VARCHAR, tick BIGINT,
+    replica_id VARCHAR, last_request TIMESTAMPTZ, serving_since TIMESTAMPTZ, idle_s DOUBLE);
+CREATE TABLE IF NOT EXISTS unprojected_events (
+    stream VARCHAR, seq BIGINT, subject VARCHAR, raw BLOB, error VARCHAR);
+CREATE TABLE IF NOT EXISTS nodes (
+    name VARCHAR, fabric VARCHAR, fabric_source VARCHAR, boot_id VARCHAR, gpus INTEGER,
+    healthy_gpus INTEGER, lost BOOLEAN, lost_at TIMESTAMPTZ, simulated BOOLEAN,
+    updated_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS gpus (
+    node VARCHAR, gpu_index INTEGER, uuid VARCHAR, name VARCHAR, gpu_class VARCHAR,
+    memory_mib BIGINT, healthy BOOLEAN, reasons VARCHAR, since TIMESTAMPTZ, replica_id VARCHAR);
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id VARCHAR, model VARCHAR, state VARCHAR, nodes VARCHAR, gpus INTEGER,
+    fabric VARCHAR, placed_at TIMESTAMPTZ, state_at TIMESTAMPTZ, endpoint VARCHAR,
+    restarts INTEGER, idle_since TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS models (
+    name VARCHAR, engine VARCHAR, precision VARCHAR, gpu_class VARCHAR, tp INTEGER, pp INTEGER,
+    replicas_wanted INTEGER, replicas_placed INTEGER, declared_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS unplaceable (name VARCHAR, reason VARCHAR, since TIMESTAMPTZ);
+"""
+
+HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "unprojected_events")
+VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
+TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
+
+_STATE_ENCODER = msgspec.msgpack.Encoder()
+_STATE_DECODER = msgspec.msgpack.Decoder(FleetState)
+
+
+def encode_state(state: FleetState) -> bytes:
+    """A FleetState as bytes for the checkpoint row."""
+    return _STATE_ENCODER.encode(state)
+
+
+def decode_state(data: bytes) -> FleetState:
+    return _STATE_DECODER.decode(data)
+
+
+@dataclass
+class Batch:
+    """Everything one commit writes: history rows, the state they lead to, positions."""
+
+    rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=lambda: {t: [] for t in HISTORY_TABLES})
+    events: int = 0
+
+    def __len__(self) -> int:
+        return self.events
+
+
+def _join(items: tuple[str, ...]) -> str:
+    return ",".join(items)
+
+
+def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event) -> None:
+    """The analyst rows one decoded event adds to the history tables."""
+    rows = batch.rows
+    at = event.at
+    stored = datetime.fromtimestamp(ts_ns / 1e9, UTC)
+    typ = type(event).__name__
+    node = getattr(event, "node", None)
+    model = getattr(event, "model", None) or getattr(event, "name", None)
+    rid = getattr(event, "replica_id", None)
+    match event:
+        case m.ModelDeclared(spec=spec):
+            model = spec.name
+        case m.GpuHealthChanged():
+            rows["gpu_health"].append(
+                (stream, seq, at, event.node, event.gpu_index, event.gpu_uuid, event.healthy, _join(event.reasons))
+            )
+        case m.ReplicaPlaced():
+            node = event.nodes[0] if event.nodes else None
+            rows["replica_lifecycle"].append(
+                (stream, seq, at, event.replica_id, event.model, "placed", "placed", _join(event.nodes), len(event.gpus), event.reason)
+            )
+        case m.ReplicaStateChanged():
+            rows["replica_lifecycle"].append(
+                (stream, seq, at, event.replica_id, event.model, "state", event.state, event.node, None, event.detail)
+            )
+        case m.ReplicaStopped():
+            rows["replica_lifecycle"].append(
+                (stream, seq, at, event.replica_id, event.model, "stopped", "stopped", None, None, event.reason)
+            )
+        case m.IdleMapPublished():
+            last, serving = event.last_request, event.serving_since
+            hist = rows["idle_history"]
+            router, tick = event.router, event.tick
+            for r in sorted(last.keys() | serving.keys()):
+                lr, ss = last.get(r), serving.get(r)
+                since = max(t for t in (lr, ss) if t is not None)
+                hist.append((stream, seq, at, router, tick, r, lr, ss, max(0.0, (at - since).total_seconds())))
+    rows["events"].append((stream, seq, subject, typ, at, stored, node, model, rid, data.decode("utf-8", "replace")))
+    batch.events += 1
+
+
+def add_unprojected(batch: Batch, stream: str, seq: int, subject: str, data: bytes, error: str) -> None:
+    batch.rows["unprojected_events"].append((stream, seq, subject, data, error))
+    batch.events += 1
+
+
+def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
+    """The current views, rebuilt whole from the folded state."""
+    held = state.held_gpus()
+    placed: dict[str, int] = {}
+    for r in state.replicas.values():
+        placed[r.model] = placed.get(r.model, 0) + 1
+    return {
+        "nodes": [
+            (n.name, n.fabric, n.fabric_source, n.boot_id, len(n.gpus), sum(g.healthy for g in n.gpus.values()),
+             n.lost, n.lost_at, n.simulated, n.updated_at)
+            for n in state.nodes.values()
+        ],
+        "gpus": [
+            (g.node, g.index, g.uuid, g.name, g.gpu_class, g.memory_mib, g.healthy, _join(g.reasons), g.since,
+             held.get((g.node, g.index)))
+            for g in state.gpus()
+        ],
+        "replicas": [
+            (r.replica_id, r.model, r.state, _join(r.nodes), len(r.gpus), r.fabric, r.placed_at, r.state_at,
+             r.endpoint, r.restarts, state.idle_since(r.replica_id))
+            for r in state.replicas.values()
+        ],
+        "models": [
+            (v.spec.name, v.spec.engine, v.spec.precision, v.spec.gpu_class, v.spec.tp, v.spec.pp,
+             v.replicas_wanted, placed.get(v.spec.name, 0), v.declared_at)
+            for v in state.models.values()
+        ],
+        "unplaceable": [
+            (v.spec.name, v.unplaceable_reason, v.unplaceable_at)
+            for v in state.models.values()
+            if v.unplaceable_reason is not None
+        ],
+    }
+
+
+class Store:
+    """One DuckDB database (a file, or ``:memory:``) owned by one projector."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        try:
+            self.con = duckdb.connect(self.path)
+        except duckdb.IOException as e:
+            raise ProjectionError(
+                f"cannot open {self.path}: {e}; another projector may hold it (DuckDB allows one writer per "
+                "file); query its snapshot (<db>.snapshot.duckdb) or build a private copy with "
+                "`llmgw project --once --db mine.duckdb`"
+            ) from e
+        self.con.execute("SET TimeZone = 'UTC'")
+        self.con.execute(SCHEMA)
+
+    def close(self) -> None:
+        self.con.close()
+
+    def load(self) -> FleetState:
+        """The state of the last commit (positions included), or an empty one."""
+        row = self.con.execute("SELECT schema_version, snapshot FROM projector_state WHERE id = 1").fetchone()
+        if row is None:
+            return FleetState()
+        version, blob = row
+        if version != SCHEMA_VERSION:
+            raise ProjectionError(
+                f"{self.path} was written by projector schema {version}, this is {SCHEMA_VERSION}; "
+                "project into a new file (history replays from the streams)"
+            )
+        state = decode_state(blob)
+        positions = dict(self.con.execute("SELECT stream, seq FROM checkpoint").fetchall())
+        if positions != state.positions:
+            raise ProjectionError(f"{self.path}: checkpoint {positions} disagrees with its state {state.positions}")
+        return state
+
+    def commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None = None) -> None:
+        """Write a batch, the views of ``snapshot`` and its positions in one transaction."""
+        state = decode_state(snapshot)
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for table, rows in batch.rows.items():
+                if rows:
+                    app = con.appender(table)
+                    app.append_rows(rows)
+                    app.flush()
+            for table, rows in view_rows(state).items():
+                con.execute(f"DELETE FROM {table}")
+                if rows:
+                    app = con.appender(table)
+                    app.append_rows(rows)
+                    app.flush()
+            con.execute("DELETE FROM checkpoint")
+            if state.positions:
+                con.executemany("INSERT INTO checkpoint VALUES (?, ?)", sorted(state.positions.items()))
+            con.execute(
+                "INSERT OR REPLACE INTO projector_state VALUES (1, ?, ?, "
+                "(SELECT count(*) FROM events) + (SELECT count(*) FROM unprojected_events), ?, ?)",
+                [SCHEMA_VERSION, state.as_of, state.unprojected, snapshot],
+            )
+            if before_commit is not None:
+                before_commit()
+            con.execute("COMMIT")
+        except duckdb.Error as e:
+            con.execute("ROLLBACK")
+            raise ProjectionError(f"cannot commit to {self.path}: {e}; nothing of this batch was written") from e
+
+    def export_snapshot(self, dest: str | Path) -> Path:
+        """Copy the database to ``dest`` atomically, for analysts to open read-only."""
+        dest = Path(dest)
+        tmp = dest.with_name(dest.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        name = self.con.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        self.con.execute(f"ATTACH '{tmp}' AS llmgw_snapshot")
+        try:
+            self.con.execute(f'COPY FROM DATABASE "{name}" TO llmgw_snapshot')
+        finally:
+            self.con.execute("DETACH llmgw_snapshot")
+        os.replace(tmp, dest)
+        return dest
+
+    def table_rows(self, table: str) -> list[tuple[Any, ...]]:
+        """Every row of a table in a stable order (for comparing two stores)."""
+        if table not in TABLES:
+            raise ProjectionError(f"no table {table!r}; tables: {', '.join(TABLES)}")
+        return sorted(self.con.execute(f"SELECT * FROM {table}").fetchall(), key=repr)
+
+    def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+        return self.con.execute(sql, params or []).fetchall()

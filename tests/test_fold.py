@@ -1,0 +1,159 @@
+"""Table-driven tests of the pure fold: events in, state out, no clock, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+import pytest
+from llmgw.projections.fold import FleetState, fold
+from llmgw.projections.store import decode_state, encode_state
+from projection_events import inventory, placed, small_fleet, spec, t
+
+from llmgw import messages as m
+
+QWEN = spec("qwen-8b")
+LLAMA = spec("llama-70b", tp=4, pp=2)
+
+
+def gpu_health(state: FleetState) -> dict[tuple[str, int], tuple[bool, datetime | None]]:
+    return {(g.node, g.index): (g.healthy, g.since) for g in state.gpus()}
+
+
+CASES: list[tuple[str, list[m.Event], Callable[[FleetState], object], object]] = [
+    (
+        "inventory lists every GPU with class and memory",
+        [inventory("n1", "ib-a", 2, t(0)), inventory("n2", "pcie", 1, t(0), gpu_class="L40S-48GB")],
+        lambda s: sorted((g.node, g.index, g.gpu_class, g.memory_mib) for g in s.gpus()),
+        [("n1", 0, "H100-80GB", 81559), ("n1", 1, "H100-80GB", 81559), ("n2", 0, "L40S-48GB", 46068)],
+    ),
+    (
+        "a second inventory replaces the first (a GPU fell off the bus)",
+        [inventory("n1", "ib-a", 4, t(0)), inventory("n1", "ib-b", 3, t(5))],
+        lambda s: (s.nodes["n1"].fabric, sorted(s.nodes["n1"].gpus)),
+        ("ib-b", [0, 1, 2]),
+    ),
+    (
+        "an unchanged GPU keeps its health time across inventories",
+        [inventory("n1", "ib-a", 1, t(0)), inventory("n1", "ib-a", 1, t(5))],
+        lambda s: s.nodes["n1"].gpus[0].since,
+        t(0),
+    ),
+    (
+        "health goes bad then recovers, with the time of each transition",
+        [
+            inventory("n1", "ib-a", 2, t(0)),
+            m.GpuHealthChanged(at=t(1), node="n1", gpu_index=1, gpu_uuid="GPU-n1-1", healthy=False, reasons=("xid-79",)),
+            m.GpuHealthChanged(at=t(9), node="n1", gpu_index=0, gpu_uuid="GPU-n1-0", healthy=False),
+            m.GpuHealthChanged(at=t(12), node="n1", gpu_index=0, gpu_uuid="GPU-n1-0", healthy=True),
+        ],
+        gpu_health,
+        {("n1", 0): (True, t(12)), ("n1", 1): (False, t(1))},
+    ),
+    (
+        "health of a node never inventoried is ignored, not a crash",
+        [m.GpuHealthChanged(at=t(1), node="ghost", gpu_index=0, gpu_uuid="x", healthy=False)],
+        lambda s: (s.nodes, s.as_of),
+        ({}, t(1)),
+    ),
+    (
+        "NodeLost takes a node's GPUs out of free; NodeReturned brings them back",
+        [inventory("n1", "ib-a", 2, t(0)), m.NodeLost(at=t(3), node="n1")],
+        lambda s: (s.nodes["n1"].lost, s.nodes["n1"].lost_at, len(s.free_gpus(s.nodes["n1"]))),
+        (True, t(3), 0),
+    ),
+    (
+        "NodeReturned",
+        [inventory("n1", "ib-a", 2, t(0)), m.NodeLost(at=t(3), node="n1"), m.NodeReturned(at=t(4), node="n1")],
+        lambda s: (s.nodes["n1"].lost, len(s.free_gpus(s.nodes["n1"]))),
+        (False, 2),
+    ),
+    (
+        "an inventory after NodeLost means the agent speaks again",
+        [inventory("n1", "ib-a", 2, t(0)), m.NodeLost(at=t(3), node="n1"), inventory("n1", "ib-a", 2, t(4))],
+        lambda s: s.nodes["n1"].lost,
+        False,
+    ),
+    (
+        "a placed multi-node replica holds GPUs on both nodes",
+        [inventory("n1", "ib-a", 4, t(0)), inventory("n2", "ib-a", 4, t(0)),
+         placed("r1", LLAMA, [("n1", i) for i in range(4)] + [("n2", i) for i in range(4)], t(1))],
+        lambda s: (s.replicas["r1"].state, len(s.held_gpus()), len(s.free_gpus(s.nodes["n2"]))),
+        ("placed", 8, 0),
+    ),
+    (
+        "replica states follow the agent; a stopped state report keeps the last real state",
+        [placed("r1", QWEN, [("n1", 0)], t(1)),
+         m.ReplicaStateChanged(at=t(2), replica_id="r1", model="qwen-8b", node="n1", state="starting"),
+         m.ReplicaStateChanged(at=t(3), replica_id="r1", model="qwen-8b", node="n1", state="healthy", endpoint="http://n1:8000"),
+         m.ReplicaStateChanged(at=t(4), replica_id="r1", model="qwen-8b", node="n1", state="stopped")],
+        lambda s: (s.replicas["r1"].state, s.replicas["r1"].state_at, s.replicas["r1"].endpoint),
+        ("healthy", t(3), "http://n1:8000"),
+    ),
+    (
+        "ReplicaStopped gives the GPUs back",
+        [inventory("n1", "ib-a", 1, t(0)), placed("r1", QWEN, [("n1", 0)], t(1)),
+         m.ReplicaStopped(at=t(2), replica_id="r1", model="qwen-8b", reason="idle")],
+        lambda s: (s.replicas, len(s.free_gpus(s.nodes["n1"]))),
+        ({}, 1),
+    ),
+    (
+        "unplaceable until a replica lands",
+        [m.ModelDeclared(at=t(0), spec=QWEN), m.ModelUnplaceable(at=t(1), name="qwen-8b", reason="no free H100"),
+         placed("r1", QWEN, [("n1", 0)], t(2))],
+        lambda s: (s.models["qwen-8b"].unplaceable_reason, s.models["qwen-8b"].replicas_wanted),
+        (None, 1),
+    ),
+    (
+        "two routers: the newest last request wins, whichever router saw it",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r1": t(9)}),
+         m.IdleMapPublished(at=t(10), router="b", boot_id="b1", tick=1, last_request={"r1": t(4)}),
+         m.IdleMapPublished(at=t(20), router="b", boot_id="b1", tick=2, last_request={"r1": t(5)})],
+        lambda s: s.idle_since("r1"),
+        t(9),
+    ),
+    (
+        "a restarted router that knows nothing does not make a replica look idle",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r1": t(9)}),
+         m.IdleMapPublished(at=t(60), router="a", boot_id="a2", tick=1)],
+        lambda s: s.idle_since("r1"),
+        t(9),
+    ),
+    (
+        "never asked for since the router began routing: idle since then, not forever",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, serving_since={"r1": t(2)})],
+        lambda s: s.idle_since("r1"),
+        t(2),
+    ),
+    (
+        "no router knows: unknown, not idle",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r2": t(9)})],
+        lambda s: s.idle_since("r1"),
+        None,
+    ),
+    (
+        "heartbeats are not history",
+        [m.HeartbeatSent(at=t(1), node="n1", boot_id="b", seq=1)],
+        lambda s: (s.nodes, s.as_of),
+        ({}, t(1)),
+    ),
+]
+
+
+@pytest.mark.parametrize(("events", "view", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_fold(events: list[m.Event], view: Callable[[FleetState], object], expected: object) -> None:
+    assert view(fold(events)) == expected
+
+
+def test_fold_is_independent_of_how_streams_interleave() -> None:
+    events = small_fleet()
+    fleet = [e for e in events if isinstance(e, m.FleetEvent)]
+    other = [e for e in events if e not in fleet]
+    assert fold(fleet + other) == fold(other + fleet) == fold(events)
+
+
+def test_state_round_trips_through_the_checkpoint_encoding() -> None:
+    state = fold(small_fleet())
+    state.positions = {"LLMGW_FLEET": 7}
+    state.unprojected = 2
+    assert decode_state(encode_state(state)) == state

@@ -1,0 +1,255 @@
+"""The projector against a real nats-server and real DuckDB files: commit, crash, resume, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import msgspec
+import nats.js.errors
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from llmgw.projections import status as status_report
+from llmgw.projections.runner import CRASH_ENV, Projector, replay
+from llmgw.projections.store import TABLES, Store
+from projection_events import inventory, placed, small_fleet, spec, t
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+
+BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
+LLMGW = str(Path(sys.executable).with_name("llmgw"))
+
+
+async def publish(bus: Bus, events: Sequence[m.Event | bytes]) -> dict[str, int]:
+    """Publish events (bytes go to the fleet stream raw); the last sequence per stream."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, bytes):
+            ack = await bus.publish_bytes(subjects.fleet("n1", "inventory"), e, f"bad-{i}")
+        else:
+            ack = await bus.publish(e)
+        last[ack.stream] = max(last.get(ack.stream, 0), ack.seq)
+    return last
+
+
+async def fresh_streams(bus: Bus) -> None:
+    for spec_ in subjects.STREAMS:
+        try:
+            await bus.js.delete_stream(spec_.name)
+        except nats.js.errors.NotFoundError:
+            pass
+    await bus.ensure_streams()
+
+
+def tables(path: Path) -> dict[str, list[Any]]:
+    store = Store(path)
+    try:
+        return {name: store.table_rows(name) for name in TABLES}
+    finally:
+        store.close()
+
+
+async def project_once(bus: Bus, path: Path, commit_every: int = 100_000) -> None:
+    store = Store(path)
+    try:
+        await Projector(bus, store, commit_every=commit_every).run_once()
+    finally:
+        store.close()
+
+
+async def crash_then_resume(settings: Settings, bus: Bus, path: Path, crash_at: str, commit_every: int) -> int:
+    """Run `llmgw project --once` in a child that SIGKILLs itself at ``crash_at``, then finish here."""
+    env = {**os.environ, CRASH_ENV: crash_at, "LLMGW_NATS_URL": settings.nats_url}
+    proc = await asyncio.create_subprocess_exec(
+        LLMGW, "project", "--once", "--db", str(path), "--commit-every", str(commit_every),
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    rc = proc.returncode
+    assert rc in (-signal.SIGKILL, 0), err.decode()
+    await project_once(bus, path, commit_every)
+    return rc or 0
+
+
+async def test_once_writes_history_views_checkpoint_and_keeps_bad_events(bus: Bus, duckdb_path: Path) -> None:
+    events: list[m.Event | bytes] = [*small_fleet()[:8], BAD, *small_fleet()[8:]]
+    last = await publish(bus, events)
+    await project_once(bus, duckdb_path, commit_every=5)
+    rows = tables(duckdb_path)
+    assert dict(rows["checkpoint"]) == last
+    assert len(rows["events"]) == len(small_fleet())
+    assert [(r[0], r[2], r[3]) for r in rows["unprojected_events"]] == [
+        (subjects.STREAM_FLEET, subjects.fleet("n1", "inventory"), BAD)]
+    assert [(r[3], r[4], r[6]) for r in rows["gpu_health"]] == [("n1", 2, False)]
+    assert sorted((r[0], r[4]) for r in rows["replicas"]) == [("r-gemma", 1), ("r-llama", 8), ("r-qwen", 1)]
+    assert [r[0] for r in rows["unplaceable"]] == ["deepseek-v3"]
+    assert len(rows["gpus"]) == 18
+    # idle history: one row per replica per router map that mentions it
+    assert len(rows["idle_history"]) == 5
+    state = Store(duckdb_path)
+    try:
+        assert status_report.report(state.load()).unprojected_events == 1
+    finally:
+        state.close()
+
+
+async def test_second_once_run_adds_only_new_events(bus: Bus, duckdb_path: Path) -> None:
+    first = await publish(bus, small_fleet()[:10])
+    await project_once(bus, duckdb_path)
+    assert dict(tables(duckdb_path)["checkpoint"]) == first
+    last = {**first, **await publish(bus, small_fleet()[10:])}
+    await project_once(bus, duckdb_path)
+    rows = tables(duckdb_path)
+    assert dict(rows["checkpoint"]) == last
+    assert sorted(r[1] for r in rows["events"] if r[0] == subjects.STREAM_CONTROL) == list(range(1, last[subjects.STREAM_CONTROL] + 1))
+
+
+async def _caught_up(projector: Projector, last: dict[str, int]) -> None:
+    for _ in range(400):  # bounded: 20 s
+        if all(projector.state.positions.get(k, 0) >= v for k, v in last.items()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"projector at {projector.state.positions}, streams at {last}")
+
+
+async def _live_status(bus: Bus, path: Path, last: dict[str, int], snapshot: Path | None = None) -> bytes:
+    store = Store(path)
+    projector = Projector(bus, store, commit_interval_s=0.05, snapshot_path=snapshot, snapshot_interval_s=0)
+    task = asyncio.create_task(projector.run_forever())
+    try:
+        await _caught_up(projector, last)
+        req = m.encode(m.StatusRequest(idle_threshold_s=600))
+        return await bus.request(subjects.STATUS, req, service="projector")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        store.close()
+
+
+async def test_live_replay_and_resumed_status_are_identical(
+    bus: Bus, settings: Settings, tmp_path: Path
+) -> None:
+    last = await publish(bus, [*small_fleet(), BAD])
+    live = await _live_status(bus, tmp_path / "live.duckdb", last)
+    replayed = m.encode(status_report.report(await replay(bus), None, 600))
+    rc = await crash_then_resume(settings, bus, tmp_path / "crashed.duckdb", "9", 4)
+    assert rc == -signal.SIGKILL
+    resumed = await _live_status(bus, tmp_path / "crashed.duckdb", last)
+    assert live == replayed == resumed
+    report = m.STATUS_REPORT_DECODER.decode(live)
+    assert (report.unprojected_events, report.positions) == (1, last)
+    assert tables(tmp_path / "crashed.duckdb") == tables(tmp_path / "live.duckdb")
+
+
+async def test_analyst_can_read_the_snapshot_while_the_projector_runs(bus: Bus, tmp_path: Path) -> None:
+    last = await publish(bus, small_fleet())
+    snapshot = tmp_path / "llmgw.snapshot.duckdb"
+    store = Store(tmp_path / "llmgw.duckdb")
+    projector = Projector(bus, store, commit_interval_s=0.05, snapshot_path=snapshot, snapshot_interval_s=0)
+    task = asyncio.create_task(projector.run_forever())
+    try:
+        await _caught_up(projector, last)
+        for _ in range(200):  # bounded: 10 s
+            if snapshot.exists() and projector.committed == sum(last.values()):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # one more snapshot after the last commit
+        con = duckdb.connect(str(snapshot), read_only=True)
+        try:
+            n = con.execute("SELECT count(*) FROM events").fetchone()
+            idle = con.execute("SELECT replica_id FROM replicas WHERE idle_since IS NULL").fetchall()
+        finally:
+            con.close()
+        assert not task.done()
+        assert n == (len(small_fleet()),)
+        assert idle == [("r-gemma",)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        store.close()
+
+
+async def test_projector_refuses_a_file_another_process_holds(bus: Bus, tmp_path: Path) -> None:
+    path = tmp_path / "held.duckdb"
+    code = f"import duckdb, time; c = duckdb.connect({str(path)!r}); print('ok', flush=True); time.sleep(30)"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), timeout=20) == b"ok\n"
+        with pytest.raises(Exception, match="another projector may hold it"):
+            Store(path)
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+# --- property: crash anywhere, resume, and the rows are those of a clean replay ---------------
+
+NODES = ("n0", "n1", "n2")
+MODEL = spec("qwen-8b")
+
+
+def _event(kind: int, i: int, a: int, b: int) -> m.Event | bytes:
+    node = NODES[a % 3]
+    at = t(i)
+    rid = f"r{b % 3}"
+    match kind:
+        case 0:
+            return inventory(node, "ib-a" if a % 2 else "ib-b", 1 + b % 3, at)
+        case 1:
+            return m.GpuHealthChanged(at=at, node=node, gpu_index=b % 3, gpu_uuid=f"GPU-{node}-{b % 3}", healthy=bool(a % 2))
+        case 2:
+            return m.NodeLost(at=at, node=node) if b % 2 else m.NodeReturned(at=at, node=node)
+        case 3:
+            return m.ModelDeclared(at=at, spec=MODEL) if b % 2 else m.ModelUnplaceable(at=at, name=MODEL.name, reason=f"r{a}")
+        case 4:
+            return placed(rid, MODEL, [(node, b % 3)], at)
+        case 5:
+            return m.ReplicaStateChanged(at=at, replica_id=rid, model=MODEL.name, node=node,
+                                         state=("starting", "healthy", "failed", "stopped")[a % 4])
+        case 6:
+            return m.ReplicaStopped(at=at, replica_id=rid, model=MODEL.name, reason="idle")
+        case 7:
+            return m.IdleMapPublished(at=at, router=f"rt{a % 2}", boot_id=f"b{b % 2}", tick=i,
+                                      last_request={rid: t(i - a % 5)} if b % 3 else {},
+                                      serving_since={f"r{a % 3}": t(i - 1)} if b % 2 else {})
+        case _:
+            return BAD + str(i).encode()
+
+
+event_lists = st.lists(
+    st.tuples(st.integers(0, 8), st.integers(0, 7), st.integers(0, 7)), min_size=2, max_size=24
+).map(lambda xs: [_event(k, i, a, b) for i, (k, a, b) in enumerate(xs)])
+
+
+@hsettings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=event_lists, crash=st.data(), commit_every=st.integers(1, 6), on_loop=st.booleans())
+async def test_crash_anywhere_then_resume_equals_clean_replay(
+    bus: Bus, settings: Settings, tmp_path: Path, events: list[m.Event | bytes], crash: st.DataObject,
+    commit_every: int, on_loop: bool,
+) -> None:
+    await fresh_streams(bus)
+    await publish(bus, events)
+    at = crash.draw(st.integers(1, len(events)), label="crash at event")
+    name = f"{abs(hash((repr(events), at, commit_every, on_loop)))}"
+    clean, crashed = tmp_path / f"clean-{name}.duckdb", tmp_path / f"crashed-{name}.duckdb"
+    await project_once(bus, clean)
+    await crash_then_resume(settings, bus, crashed, f"{at}:fold" if on_loop else str(at), commit_every)
+    assert tables(crashed) == tables(clean)
+    clean_store = Store(clean)
+    try:
+        expected = msgspec.json.encode(status_report.report(clean_store.load()))
+    finally:
+        clean_store.close()
+    assert expected == m.encode(status_report.report(await replay(bus)))

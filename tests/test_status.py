@@ -1,0 +1,73 @@
+"""The pure status report: capacity, free whole nodes, unplaceable, idle; time is an argument."""
+
+from __future__ import annotations
+
+from llmgw.projections.fold import fold
+from llmgw.projections.status import UNKNOWN_IDLE, report
+from projection_events import inventory, placed, small_fleet, spec, t
+
+from llmgw import messages as m
+
+
+def test_capacity_counts_unhealthy_and_lost_as_neither_used_nor_free() -> None:
+    r = report(fold(small_fleet()))
+    assert r.capacity == (
+        m.ClassCapacity(gpu_class="H100-80GB", total=16, used=9, free=2, unhealthy=1, lost=4),
+        m.ClassCapacity(gpu_class="L40S-48GB", total=2, used=1, free=1, unhealthy=0, lost=0),
+    )
+    for c in r.capacity:
+        assert c.used + c.free + c.unhealthy + c.lost == c.total
+
+
+def test_free_whole_nodes_per_fabric() -> None:
+    events = [
+        inventory("a1", "ib-a", 4, t(0)),
+        inventory("a2", "ib-a", 4, t(0)),
+        inventory("a3", "ib-a", 4, t(0), unhealthy=(1,)),
+        inventory("b1", "ib-b", 4, t(0)),
+        placed("r1", spec("m"), [("a1", 0)], t(1)),
+        m.NodeLost(at=t(2), node="b1"),
+    ]
+    assert report(fold(events)).free_nodes == (
+        m.FabricNodes(fabric="ib-a", gpu_class="H100-80GB", free_nodes=1, live_nodes=3),
+        m.FabricNodes(fabric="ib-b", gpu_class="H100-80GB", free_nodes=0, live_nodes=0),
+    )
+
+
+def test_idle_sorted_by_gpu_seconds_and_unknown_last() -> None:
+    big, small = spec("big", tp=8), spec("small")
+    events = [
+        placed("r-big", big, [("n1", i) for i in range(8)], t(0)),
+        placed("r-small", small, [("n2", 0)], t(0)),
+        placed("r-new", small, [("n2", 1)], t(0)),
+        placed("r-dunno", big, [("n3", i) for i in range(8)], t(0)),
+        # r-small idle 5 h × 1 GPU, r-big idle 1 h × 8 GPUs: r-big first.
+        m.IdleMapPublished(at=t(300), router="a", boot_id="a", tick=1,
+                           last_request={"r-big": t(240), "r-small": t(0), "r-new": t(290)}),
+    ]
+    r = report(fold(events), None, 1800)
+    assert [(i.replica_id, i.idle_s) for i in r.idle] == [("r-big", 3600.0), ("r-small", 18000.0), ("r-dunno", UNKNOWN_IDLE)]
+    assert r.unknown_idle == 1
+    assert r.idle[0].idle_since == t(240)
+
+
+def test_now_is_an_argument() -> None:
+    state = fold(small_fleet())
+    later = report(state, t(200), 1800)
+    assert later.now == t(200)
+    assert [(i.replica_id, i.idle_s) for i in later.idle] == [
+        ("r-llama", 105 * 60.0), ("r-qwen", 192 * 60.0), ("r-gemma", UNKNOWN_IDLE)]
+    # The state was not changed by asking.
+    assert report(state) == report(fold(small_fleet()))
+
+
+def test_unplaceable_and_counts() -> None:
+    r = report(fold(small_fleet()))
+    assert [u.name for u in r.unplaceable] == ["deepseek-v3"]
+    assert (r.nodes, r.lost_nodes, r.models, r.replicas) == (5, ("n5",), 4, 3)
+    assert r.replicas_by_state == {"healthy": 2, "starting": 1}
+
+
+def test_empty_fleet() -> None:
+    r = report(fold([]))
+    assert (r.now, r.capacity, r.idle, r.nodes) == (None, (), (), 0)
