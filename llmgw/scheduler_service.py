@@ -229,3 +229,19 @@ def _describe(event: m.Event) -> str:
         case m.ModelUnplaceable():
             return f"cannot place {event.name}: {event.reason}"
     return type(event).__name__
+
+
+async def replay_state(bus: Bus, streams: tuple[str, ...] = FOLLOWED) -> FleetState:
+    """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
+    state = FleetState()
+    for stream in streams:
+        last = await bus.stream_last_seq(stream)
+        if last == 0:
+            continue
+        async for batch in bus.reader(stream, 1, stop_at=last).batches():
+            for raw in batch:
+                try:
+                    apply(state, m.decode_event(raw.data))
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    log.warning("skipped malformed event %s#%d: %s", stream, raw.seq, e)
+    return state

@@ -1,0 +1,180 @@
+"""``llmgw ctl model deploy|scale|remove``: declare what should serve; the scheduler places it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+from llmgw.cli.options import echo_json, json_option, nats_options, run
+
+from llmgw import messages as m
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError, PlanError
+
+
+def choose(reply: m.PlanReply, *, candidate: int | None, gpu_class: str | None, engine: str | None,
+           pp: int | None = None) -> m.Candidate:
+    """The candidate to deploy: the N-th the planner listed, or the best one matching the flags.
+
+    Refuses (PlanError) with the planner's reason when what was asked for does not fit.
+    """
+    fitting = [c for c in reply.candidates if c.fits]
+    if candidate is not None:
+        if not 1 <= candidate <= len(fitting):
+            listed = f"candidates 1 to {len(fitting)}" if fitting else "no candidate that fits"
+            why = f" ({'; '.join(reply.notes)})" if reply.notes else ""
+            raise PlanError(f"--candidate {candidate}: the planner lists {listed} for {reply.model}{why}; "
+                            f"see `llmgw ctl model plan {reply.model}`")
+        chosen = fitting[candidate - 1]
+    else:
+        pool = list(reply.candidates)
+        if gpu_class is not None:
+            classes = sorted({c.gpu_class for c in reply.candidates})
+            pool = [c for c in pool if c.gpu_class == gpu_class]
+            if not pool:
+                have = ", ".join(classes) if classes else "none with a live healthy GPU"
+                raise PlanError(f"no node has {gpu_class} GPUs (classes in the fleet: {have}); choose --gpu-class from those")
+        if pp is not None:
+            pool = [c for c in pool if c.pp == pp]
+        if not pool:
+            raise PlanError(f"the planner found no split of {reply.model}: {'; '.join(reply.notes) or 'nothing fits'}")
+        fits = [c for c in pool if c.fits]
+        if not fits:
+            best = pool[0]
+            raise PlanError(f"{reply.model} at {best.precision}, tp={best.tp}, pp={best.pp} on {best.gpu_class} does not fit: "
+                            f"{best.reason}; see `llmgw ctl model plan {reply.model} --all` for what does")
+        chosen = fits[0]
+    if engine is not None and engine != chosen.engine:
+        raise PlanError(f"precision {chosen.precision} is served by {chosen.engine}, not {engine}; "
+                        f"{'GGUF precisions (q8_0, q6_K, q5_K_M, q4_K_M)' if engine == 'llama.cpp' else 'bf16, fp16, fp8, awq or gptq'} "
+                        f"are served by {engine}: change --precision or drop --engine")
+    return chosen
+
+
+def _plan(model: str, request: m.PlanRequest, fleet: Path | None, models_dir: str | None, settings: Settings) -> m.PlanReply:
+    from llmgw.cli.plan import _local_model, plan_locally, plan_remotely
+
+    if fleet is not None:
+        return plan_locally(model, fleet, request, models_dir)
+    info = _local_model(model, models_dir, None)
+    return run(plan_remotely(settings, msgspec.structs.replace(request, info=info)))
+
+
+async def _publish(settings: Settings, event: m.Event, *, must_exist: str | None = None) -> int:
+    """Publish one control event; with ``must_exist``, only if that model is declared now."""
+    from llmgw import subjects
+    from llmgw.bus import Bus
+    from llmgw.scheduler_service import replay_state
+
+    bus = await Bus.connect(settings, "llmgw-ctl-model", reconnect=False)
+    try:
+        if must_exist is not None:
+            state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+            if must_exist not in state.models:
+                names = ", ".join(sorted(state.models)) or "none"
+                raise click.ClickException(f"no model named {must_exist!r} is declared (declared: {names}); "
+                                           f"deploy it first with `llmgw ctl model deploy {must_exist} MODEL --from-plan`")
+        return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+def _describe(spec: m.ModelSpec) -> str:
+    split = f"tp {spec.tp}" + (f" × pp {spec.pp}" if spec.pp > 1 else "")
+    return (f"{spec.name}: {spec.source} {spec.precision} ({spec.engine}) on {spec.tp * spec.pp} × {spec.gpu_class} "
+            f"({split}), context {spec.context:,}, {spec.replicas} replica{'s' if spec.replicas != 1 else ''}")
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    from llmgw.cli.progress import parse_duration
+
+    return None if value is None else parse_duration(value, "--idle-ttl")
+
+
+@click.command("deploy")
+@click.argument("name")
+@click.argument("model")
+@click.option("--from-plan", is_flag=True, required=True, help="Take the spec from the planner (required: nothing is deployed unplanned).")
+@click.option("--candidate", type=click.IntRange(1), help="The N-th candidate `ctl model plan MODEL` lists (with the same flags).")
+@click.option("--precision", help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M.")
+@click.option("--engine", type=click.Choice(["vllm", "llama.cpp"]), help="Check the precision's engine is this one.")
+@click.option("--tp", type=click.IntRange(1), help="GPUs per node.")
+@click.option("--pp", type=click.IntRange(1), help="Nodes (pipeline stages) in one fabric [default with --tp: 1].")
+@click.option("--gpu-class", help="e.g. H100-80GB.")
+@click.option("--context", type=click.IntRange(1), help="Context length (max_model_len).")
+@click.option("--replicas", type=click.IntRange(1), default=1, show_default=True, help="How many replicas.")
+@click.option("--idle-ttl", callback=_duration, help="Stop a replica nobody asked for this long (e.g. 2h); the scheduler enforces it.")
+@click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
+@click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
+@click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
+@json_option
+@nats_options
+def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
+           tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, replicas: int, idle_ttl: float | None,
+           engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
+    """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
+
+    Example:
+
+        llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct
+        llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --candidate 1 --replicas 2
+        llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --precision fp8 --tp 1 --gpu-class L40S-48GB
+    """
+    if candidate is not None and gpu_class is not None:
+        raise click.UsageError("--candidate already names the GPU class; give one or the other")
+    request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
+                            context=context, all=candidate is None)
+    try:
+        reply = _plan(model, request, fleet, models_dir, settings)
+        if pp is None and tp is not None and candidate is None:
+            pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
+        chosen = choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args)
+    seq = run(_publish(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
+    if as_json:
+        echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})
+    else:
+        click.echo(f"declared {_describe(spec)}")
+        click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
+
+
+@click.command("scale")
+@click.argument("name")
+@click.option("--replicas", type=click.IntRange(0), required=True, help="How many replicas NAME should have (0 stops them all, keeps the declaration).")
+@json_option
+@nats_options
+def scale(name: str, replicas: int, as_json: bool, settings: Settings) -> None:
+    """Change how many replicas a declared model has (also brings back idle-stopped ones).
+
+    Example:
+
+        llmgw ctl model scale qwen14 --replicas 3
+    """
+    seq = run(_publish(settings, m.ModelScaled(at=m.utcnow(), name=name, replicas=replicas), must_exist=name))
+    out: dict[str, Any] = {"scaled": name, "replicas": replicas, "seq": seq}
+    if as_json:
+        echo_json(out)
+    else:
+        click.echo(f"scaled {name} to {replicas} replica{'s' if replicas != 1 else ''}; watch with `llmgw ctl status`")
+
+
+@click.command("remove")
+@click.argument("name")
+@json_option
+@nats_options
+def remove(name: str, as_json: bool, settings: Settings) -> None:
+    """Stop every replica of a model and forget its declaration.
+
+    Example:
+
+        llmgw ctl model remove qwen14
+    """
+    seq = run(_publish(settings, m.ModelRemoved(at=m.utcnow(), name=name), must_exist=name))
+    if as_json:
+        echo_json({"removed": name, "seq": seq})
+    else:
+        click.echo(f"removed {name}; its replicas stop and their GPUs are freed")
