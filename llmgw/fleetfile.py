@@ -165,3 +165,77 @@ def inventory(node: FleetNode, at: datetime, boot_id: str = "fleet-file") -> m.N
 def inventories(fleet: Fleet, at: datetime) -> list[m.NodeInventoryReported]:
     """Every node's inventory: what the planner folds in what-if mode."""
     return [inventory(n, at) for n in fleet.nodes]
+
+
+# --- [[faults]]: a schedule of injected faults for simulated agents ----------------
+
+FAULT_KINDS = ("xid", "ecc", "lost", "thermal", "clear")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault a simulated agent injects ``after_s`` after it starts, optionally cleared later."""
+
+    node: str
+    gpu: int
+    after_s: float
+    kind: str  # xid | ecc | lost | thermal | clear
+    xid: int = 0
+    clear_after_s: float | None = None
+
+
+def parse_fault_kind(text: str) -> tuple[str, int]:
+    """``xid=79`` → ("xid", 79); ``ecc`` → ("ecc", 0); ValueError says what is accepted."""
+    kind, _, arg = text.strip().partition("=")
+    if kind == "xid":
+        if not arg.isdigit() or not 0 < int(arg) < 1000:
+            raise ValueError(f"xid needs a number, like xid=79 (got {text!r})")
+        return kind, int(arg)
+    if kind in FAULT_KINDS and not arg:
+        return kind, 0
+    raise ValueError(f"must be one of xid=N, ecc, lost, thermal, clear (got {text!r})")
+
+
+def _seconds(path: str, where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise FleetFileError(path, where, f"must be a number of seconds, 0 or more (got {value!r})")
+    return float(value)
+
+
+def faults(fleet: Fleet) -> tuple[FaultSpec, ...]:
+    """The validated ``[[faults]]`` schedule of a fleet file (empty when it has none)."""
+    path, raw_list = fleet.path, fleet.raw.get("faults", [])
+    if not isinstance(raw_list, list):
+        raise FleetFileError(path, "faults", "must be an array of tables ([[faults]])")
+    known = {"node", "gpu", "after_s", "kind", "clear_after_s"}
+    out: list[FaultSpec] = []
+    for i, raw in enumerate(raw_list):
+        at = f"faults[{i}]"
+        if not isinstance(raw, dict):
+            raise FleetFileError(path, at, "must be a table")
+        for key in raw:
+            if key not in known:
+                raise FleetFileError(path, f"{at}.{key}", f"is not a known field (known: {', '.join(sorted(known))})")
+        for key in ("node", "gpu", "after_s", "kind"):
+            if key not in raw:
+                raise FleetFileError(path, f"{at}.{key}", "is missing")
+        name = _field(path, f"{at}.node", raw["node"], str, "must be a node name")
+        node = next((n for n in fleet.nodes if n.name == name), None)
+        if node is None:
+            raise FleetFileError(path, f"{at}.node", f"names no node of this file (got {name!r})")
+        gpu = raw["gpu"]
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < node.gpu_count:
+            raise FleetFileError(path, f"{at}.gpu", f"must be a GPU index from 0 to {node.gpu_count - 1} (got {gpu!r})")
+        after = _seconds(path, f"{at}.after_s", raw["after_s"])
+        kind_text = _field(path, f"{at}.kind", raw["kind"], str, "must be a string like \"xid=79\"")
+        try:
+            kind, xid = parse_fault_kind(kind_text)
+        except ValueError as e:
+            raise FleetFileError(path, f"{at}.kind", str(e)) from e
+        clear_after = None
+        if "clear_after_s" in raw:
+            clear_after = _seconds(path, f"{at}.clear_after_s", raw["clear_after_s"])
+            if clear_after <= 0:
+                raise FleetFileError(path, f"{at}.clear_after_s", f"must be more than 0 seconds (got {raw['clear_after_s']!r})")
+        out.append(FaultSpec(node=name, gpu=gpu, after_s=after, kind=kind, xid=xid, clear_after_s=clear_after))
+    return tuple(out)

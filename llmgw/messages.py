@@ -232,6 +232,29 @@ ControlEvent = (
 AnyEvent = FleetEvent | HeartbeatEvent | UsageEvent | ControlEvent
 
 
+# --- agent commands: llmgw.agent.<node>.fault (request/reply, not stored) ------
+
+
+class InjectFault(msgspec.Struct, frozen=True, kw_only=True, tag="InjectFault", tag_field="type"):
+    """Make a simulated GPU go bad, or clear it: a command for demos and tests."""
+
+    node: str
+    gpu: int
+    kind: str  # xid | ecc | lost | thermal | clear
+    xid: int = 0
+
+
+class FaultInjected(msgspec.Struct, frozen=True, kw_only=True, tag="FaultInjected", tag_field="type"):
+    """A simulated GPU's health right after a fault was injected."""
+
+    node: str
+    gpu: int
+    kind: str
+    healthy: bool
+    reasons: tuple[str, ...] = ()
+    changed: bool = False  # the state changed, so a GpuHealthChanged was queued
+
+
 # --- service bodies (request/reply, not stored) -----------------------------
 
 

@@ -70,6 +70,11 @@ def heartbeat(node: str) -> str:
     return f"{PREFIX}.heartbeat.{token(node)}"
 
 
+def agent_fault(node: str) -> str:
+    """``llmgw.agent.<node>.fault``: a simulated agent's fault injection (request/reply, not stored)."""
+    return f"{PREFIX}.agent.{token(node)}.fault"
+
+
 def usage_idle(router: str) -> str:
     return f"{PREFIX}.usage.{token(router)}.idle"
 

@@ -1,0 +1,211 @@
+"""``llmgw agent``: run a node agent (real NVML or simulated), inject faults, watch liveness."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+from llmgw.cli.options import echo_json, json_option, nats_options, run
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.agent import Agent
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError
+from llmgw.fleetfile import faults, load, parse_fault_kind
+from llmgw.liveness import HeartbeatMonitor
+from llmgw.nvml import NvmlPort, RealNvml
+from llmgw.simnvml import SimNvml
+
+_REPLY_DECODER = msgspec.json.Decoder(m.FaultInjected)
+
+
+def _engine_cmds(values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values:
+        engine, sep, cmd = v.partition("=")
+        if not sep or not engine or not cmd:
+            raise click.BadParameter(f"expected ENGINE=CMD, like vllm=/opt/vllm/bin/vllm (got {v!r})", param_hint="--engine-cmd")
+        out[engine] = cmd
+    return out
+
+
+def _print_inventory(inv: m.NodeInventoryReported, as_json: bool) -> None:
+    if as_json:
+        echo_json(msgspec.to_builtins(inv))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"{inv.node}  fabric {inv.fabric} ({inv.fabric_source})  boot {inv.boot_id}  driver {inv.driver_version or '-'}"
+    table = Table(title=title, title_justify="left")
+    for col in ("gpu", "class", "name", "MiB", "pci", "mig", "nvlink", "health"):
+        table.add_column(col)
+    for g in inv.gpus:
+        health = "ok" if g.healthy else "UNHEALTHY"
+        if g.reasons:
+            health += ": " + "; ".join(g.reasons)
+        table.add_row(str(g.index), g.gpu_class, g.name, str(g.memory_mib), g.pci_bus_id,
+                      "on" if g.mig_enabled else "off", str(g.nvlink_active_links), health)
+    console = Console()
+    if not console.is_terminal:
+        console.width = 200  # a pipe or a log: one row per GPU, never wrapped
+    console.print(table)
+
+
+def _stop_all(agents: list[Agent]) -> None:
+    for a in agents:
+        a.stop()
+
+
+async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settings: Settings, opts: dict[str, Any]) -> None:
+    bus = await Bus.connect(settings, f"llmgw-agent-{ports[0][0]}" if len(ports) == 1 else "llmgw-agent-sim")
+    agents: list[Agent] = []
+    try:
+        agents = [
+            Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
+                  heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"])
+            for node, port, fabric, source in ports
+        ]
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, _stop_all, agents)
+        tasks = [asyncio.create_task(a.run()) for a in agents]
+        started = asyncio.ensure_future(asyncio.gather(*(a.started.wait() for a in agents)))
+        waiters: list[asyncio.Future[Any]] = [*tasks, started]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        for t in tasks:
+            if t.done() and t.exception():
+                raise t.exception()  # type: ignore[misc]
+        for a in agents:
+            if a.inventory is not None:
+                _print_inventory(a.inventory, opts["as_json"])
+        if opts["once"]:
+            for a in agents:
+                await a.outbox.flush(timeout=15)
+                a.stop()
+        else:
+            click.echo(f"{len(agents)} agent(s) running on {settings.nats_url}; Ctrl-C stops", err=True)
+        await asyncio.gather(*tasks)
+    finally:
+        await bus.close()
+
+
+@click.group("agent", invoke_without_command=True)
+@click.option("--node", help="This node's name [default: the host name; with --simulate: every node of the file].")
+@click.option("--fabric", help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
+@click.option("--simulate", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), help="Simulate the node(s) of this fleet file instead of reading NVML.")
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
+@click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")
+@click.option("--engine-cmd", multiple=True, metavar="ENGINE=CMD", help="How to start an engine (e.g. vllm=/opt/vllm/bin/vllm); accepted for engine supervision, which a later release wires in; unused for now.")
+@click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
+@json_option
+@nats_options
+@click.pass_context
+def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
+          poll_s: float, engine_cmd: tuple[str, ...], once: bool, as_json: bool, settings: Settings) -> None:
+    """Report this node's GPUs (NVML) and their health to the fleet stream.
+
+    Example:
+
+    \b
+        llmgw agent --node gpu-01 --fabric ib-a --nats-url nats://ctl:4222
+        llmgw agent --simulate examples/fleet.toml
+        llmgw agent fault h100-a-01 3 xid=79
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    opts: dict[str, Any] = {"heartbeat_s": heartbeat_s, "poll_s": poll_s, "once": once, "as_json": as_json,
+                            "simulated": fleet_path is not None, "faults": (),
+                            # For engine supervision, which the control plane wires in; nothing reads it yet.
+                            "engine_cmds": _engine_cmds(engine_cmd)}
+    ports: list[tuple[str, NvmlPort, str | None, str]] = []
+    try:
+        if fleet_path is not None:
+            fleet = load(fleet_path)
+            opts["faults"] = faults(fleet)
+            for n in [fleet.node(node)] if node else list(fleet.nodes):
+                ports.append((n.name, SimNvml(n), fabric or n.fabric, "flag" if fabric else "fleet-file"))
+        else:
+            ports.append((node or socket.gethostname(), RealNvml(), fabric, "flag"))
+        opened: list[NvmlPort] = []
+        try:
+            for _, port, _, _ in ports:
+                port.open()  # before NATS: no driver is the first thing to say
+                opened.append(port)
+            run(_run_agents(ports, settings, opts))
+        finally:
+            for port in opened:
+                port.close()
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+
+
+@agent.command("fault")
+@click.argument("node")
+@click.argument("gpu", type=click.IntRange(min=0))
+@click.argument("kind", metavar="xid=N|ecc|lost|thermal|clear")
+@json_option
+@nats_options
+def fault(node: str, gpu: int, kind: str, as_json: bool, settings: Settings) -> None:
+    """Inject a fault into a GPU of a running simulated agent (or clear it).
+
+    Example:
+
+    \b
+        llmgw agent fault h100-a-01 3 xid=79
+        llmgw agent fault h100-a-01 3 clear
+    """
+    try:
+        fkind, xid = parse_fault_kind(kind)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="KIND") from e
+    reply = run(_ask_fault(settings, m.InjectFault(node=node, gpu=gpu, kind=fkind, xid=xid)))
+    if as_json:
+        echo_json(msgspec.to_builtins(reply))
+        return
+    state = "healthy" if reply.healthy else "UNHEALTHY"
+    why = f" ({'; '.join(reply.reasons)})" if reply.reasons else ""
+    change = "" if reply.changed else " (unchanged; nothing published)"
+    click.echo(f"{reply.node} GPU {reply.gpu}: {state}{why}{change}")
+
+
+async def _ask_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
+    bus = await Bus.connect(settings, "llmgw-agent-fault", reconnect=False)
+    try:
+        data = await bus.request(subjects.agent_fault(cmd.node), m.encode(cmd), timeout=15,
+                                 service=f"simulated agent of {cmd.node} (llmgw agent --simulate …)")
+    finally:
+        await bus.close()
+    return _REPLY_DECODER.decode(data)
+
+
+@agent.command("liveness")
+@click.option("--timeout-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Silence after which a node is lost.")
+@nats_options
+def liveness(timeout_s: float, settings: Settings) -> None:
+    """Publish NodeLost for nodes silent longer than --timeout-s, NodeReturned when heard again.
+
+    Example:
+
+        llmgw agent liveness --timeout-s 60
+    """
+
+    async def main() -> None:
+        bus = await Bus.connect(settings, "llmgw-liveness")
+        try:
+            click.echo(f"watching heartbeats on {settings.nats_url}; lost after {timeout_s:g}s of silence", err=True)
+            await HeartbeatMonitor(bus, timeout_s=timeout_s).run()
+        finally:
+            await bus.close()
+
+    run(main())

@@ -1,0 +1,343 @@
+"""The node agent: GPU inventory and health from an NVML port, published as events.
+
+* An inventory (a full snapshot, health included) at start and whenever the
+  GPUs themselves change; a restarted agent has a new boot id and publishes a
+  fresh one, which replaces the node downstream.
+* ``GpuHealthChanged`` only when a GPU's (healthy, reasons) changes.
+* Heartbeats by core publish to the heartbeat stream, never to history.
+* Events go through a bounded outbox, so a NATS outage delays them but loses
+  and doubles nothing: each carries a msg id of node, boot id and sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus, Outbox
+from llmgw.errors import NvmlError, OutboxFullError, PublishError
+from llmgw.fleetfile import FAULT_KINDS, FaultSpec
+from llmgw.nvml import Finding, GpuEvent, GpuStatic, NvmlPort, assess, gpu_class, xid_finding
+
+log = logging.getLogger(__name__)
+
+Service = Callable[[Bus, Outbox], Awaitable[None]]
+Health = tuple[bool, tuple[str, ...]]
+
+_INJECT_DECODER = msgspec.json.Decoder(m.InjectFault)
+
+
+@runtime_checkable
+class FaultInjectable(Protocol):
+    """A port whose GPUs can be made to fail on purpose (the simulator)."""
+
+    def inject(self, gpu: int, kind: str, xid: int = 0) -> None: ...
+
+
+# --- fabric ---------------------------------------------------------------------------
+
+
+def infiniband_subnet(sysfs_root: Path = Path("/sys")) -> str:
+    """The subnet prefix of the first active InfiniBand port (GID 0), or ""."""
+    prefixes = []
+    for port in sorted((sysfs_root / "class" / "infiniband").glob("*/ports/*")):
+        layer = port / "link_layer"
+        with contextlib.suppress(OSError):
+            if layer.exists() and layer.read_text().strip() != "InfiniBand":
+                continue  # RoCE ports have GIDs too, but an Ethernet subnet is not an IB fabric
+        try:
+            gid = (port / "gids" / "0").read_text().strip()
+        except OSError:
+            continue
+        groups = gid.split(":")
+        if len(groups) != 8 or not any(int(g or "0", 16) for g in groups):
+            continue
+        prefixes.append("".join(groups[:4]))
+    return prefixes[0] if prefixes else ""
+
+
+def detect_fabric(node: str, flag: str | None, gpus: Sequence[GpuStatic], sysfs_root: Path = Path("/sys")) -> tuple[str, str]:
+    """(fabric, source): the flag, else NVLink fabric, else InfiniBand, else one named after the node."""
+    if flag:
+        return flag, "flag"
+    cliques = sorted({(g.fabric_cluster_uuid, g.fabric_clique_id) for g in gpus if g.fabric_cluster_uuid})
+    if cliques:
+        cluster, clique = cliques[0]
+        return f"nvl-{cluster}-{clique}", "nvml-fabric"
+    subnet = infiniband_subnet(sysfs_root)
+    if subnet:
+        return f"ib-{subnet}", "infiniband"
+    return node, "default"
+
+
+# --- the agent --------------------------------------------------------------------------
+
+
+class Agent:
+    """One node's agent over an open NVML port; ``run`` until ``stop``."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        port: NvmlPort,
+        node: str,
+        *,
+        fabric: str | None = None,
+        fabric_source: str = "flag",
+        simulated: bool = False,
+        heartbeat_s: float = 10.0,
+        poll_s: float = 5.0,
+        outbox_max: int = 10_000,
+        sysfs_root: Path = Path("/sys"),
+        services: Sequence[Service] = (),
+        faults: Sequence[FaultSpec] = (),
+        boot_id: str | None = None,
+        now: Callable[[], datetime] = m.utcnow,
+    ) -> None:
+        self.bus, self.port, self.node = bus, port, node
+        self.fabric_flag = fabric
+        self.fabric, self.fabric_source = fabric or "", fabric_source
+        self.simulated = simulated
+        self.heartbeat_s, self.poll_s = heartbeat_s, poll_s
+        self.sysfs_root = sysfs_root
+        self.services = tuple(services)
+        self.faults = tuple(f for f in faults if f.node == node)
+        self.boot_id = boot_id or uuid.uuid4().hex[:16]
+        self._now = now
+        self.outbox = bus.outbox(outbox_max)
+        self.inventory: m.NodeInventoryReported | None = None
+        self.started = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._static: list[GpuStatic] = []
+        self._sticky: dict[int, dict[str, Finding]] = {}
+        self._published: dict[int, Health] = {}
+        self._seq = 0
+        self._events: asyncio.Queue[GpuEvent] = asyncio.Queue()
+        self._events_applied = 0
+        self._applied = asyncio.Condition()
+        self._driver = ""
+
+    # --- state ------------------------------------------------------------------------
+
+    def health(self, index: int) -> Health:
+        """The last (healthy, reasons) this agent published for a GPU."""
+        return self._published.get(index, (True, ()))
+
+    def _put(self, event: m.Event) -> None:
+        self._seq += 1
+        self.outbox.put(event, msg_id=f"{type(event).__name__}:{self.node}:{self.boot_id}:{self._seq}")
+
+    def _read(self) -> tuple[list[GpuStatic], dict[int, list[Finding]]]:
+        static = self.port.gpus(self._static)
+        return static, {g.index: self.port.health(g.index) for g in static}
+
+    async def check(self) -> list[m.Event]:
+        """Read the GPUs; queue an inventory if they changed, else the health transitions."""
+        async with self._lock:
+            static, findings = await asyncio.to_thread(self._read)
+            health = {
+                g.index: assess([*findings.get(g.index, []), *self._sticky.get(g.index, {}).values()])
+                for g in static
+            }
+            now = self._now()
+            if static != self._static:
+                if self.fabric_flag is None:
+                    self.fabric, self.fabric_source = detect_fabric(self.node, None, static, self.sysfs_root)
+                inv = self._inventory_event(static, health, now)
+                self._put(inv)
+                self._static, self._published, self.inventory = static, dict(health), inv
+                return [inv]
+            events: list[m.Event] = []
+            for g in static:
+                if self._published.get(g.index) == health[g.index]:
+                    continue
+                healthy, reasons = health[g.index]
+                ev = m.GpuHealthChanged(
+                    at=now, node=self.node, gpu_index=g.index, gpu_uuid=g.uuid,
+                    healthy=healthy, reasons=reasons, boot_id=self.boot_id,
+                )
+                self._put(ev)
+                self._published[g.index] = health[g.index]
+                events.append(ev)
+            return events
+
+    def _inventory_event(self, static: list[GpuStatic], health: dict[int, Health], now: datetime) -> m.NodeInventoryReported:
+        return m.NodeInventoryReported(
+            at=now,
+            node=self.node,
+            fabric=self.fabric,
+            fabric_source=self.fabric_source,
+            boot_id=self.boot_id,
+            driver_version=self._driver,
+            simulated=self.simulated,
+            gpus=tuple(
+                m.GpuInfo(
+                    index=g.index, uuid=g.uuid, name=g.name, gpu_class=gpu_class(g.name, g.memory_mib),
+                    memory_mib=g.memory_mib, pci_bus_id=g.pci_bus_id, mig_enabled=g.mig_enabled,
+                    nvlink_active_links=g.nvlink_active_links, fabric_cluster_uuid=g.fabric_cluster_uuid,
+                    healthy=health[g.index][0], reasons=health[g.index][1],
+                )
+                for g in static
+            ),
+        )
+
+    def _apply(self, ev: GpuEvent) -> None:
+        if ev.index < 0:
+            if ev.kind == "xid":
+                log.warning("%s: xid %d on a GPU NVML could not name; not attributed", self.node, ev.xid)
+            return
+        if ev.kind == "xid":
+            f = xid_finding(ev.xid)
+            # A critical XID sticks until the GPU is reset; the latest application XID replaces the previous one.
+            self._sticky.setdefault(ev.index, {})[f.code if f.fatal else "app-xid"] = f
+        elif ev.kind == "cleared":
+            self._sticky.pop(ev.index, None)
+
+    # --- loops ---------------------------------------------------------------------------
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """The NVML event thread: block on the event set, hand events to the loop."""
+        while not stop.is_set():
+            try:
+                ev = self.port.wait_event(250)
+            except NvmlError as e:
+                log.error("%s: %s", self.node, e)
+                stop.wait(5)
+                continue
+            if ev is not None and not stop.is_set():
+                with contextlib.suppress(RuntimeError):  # the loop closed under us
+                    loop.call_soon_threadsafe(self._events.put_nowait, ev)
+
+    async def _consume(self) -> None:
+        while True:
+            ev = await self._events.get()
+            self._apply(ev)
+            await self._guarded_check()
+            async with self._applied:
+                self._events_applied += 1
+                self._applied.notify_all()
+
+    async def _guarded_check(self) -> None:
+        try:
+            await self.check()
+        except NvmlError as e:
+            log.error("%s: %s; retrying in %.0fs", self.node, e, self.poll_s)
+        except OutboxFullError as e:
+            log.error("%s: %s; the change is published when NATS is back", self.node, e)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self._guarded_check()
+
+    async def _heartbeat(self) -> None:
+        seq = 0
+        subject = subjects.heartbeat(self.node)
+        while True:
+            seq += 1
+            hb = m.HeartbeatSent(at=self._now(), node=self.node, boot_id=self.boot_id, seq=seq)
+            try:
+                await self.bus.publish_core(subject, m.encode(hb))
+            except PublishError as e:
+                log.warning("%s: heartbeat %d not sent: %s", self.node, seq, e)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _schedule(self) -> None:
+        """The fleet file's [[faults]] for this node, in time order."""
+        t = 0.0
+        plan: list[tuple[float, int, str, int]] = []
+        for f in self.faults:
+            plan.append((f.after_s, f.gpu, f.kind, f.xid))
+            if f.clear_after_s is not None:
+                plan.append((f.after_s + f.clear_after_s, f.gpu, "clear", 0))
+        for at, gpu, kind, xid in sorted(plan):
+            await asyncio.sleep(at - t)
+            t = at
+            await self.inject(gpu, kind, xid)
+
+    # --- faults (simulated ports only) -----------------------------------------------------
+
+    async def inject(self, gpu: int, kind: str, xid: int = 0) -> m.FaultInjected:
+        """Inject a fault into the simulated port and wait until the agent has acted on it."""
+        if not isinstance(self.port, FaultInjectable):
+            raise NvmlError(f"{self.node} runs on real NVML; faults can only be injected into --simulate agents")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; use xid=N, ecc, lost, thermal or clear")
+        before = self.health(gpu)
+        async with self._applied:
+            target = self._events_applied + 1
+        self.port.inject(gpu, kind, xid)
+        if kind in ("xid", "ecc", "clear"):
+            # These arrive as driver events, through the event thread, like on a real GPU.
+            async with self._applied:
+                await asyncio.wait_for(self._applied.wait_for(lambda: self._events_applied >= target), timeout=10)
+        await self.check()
+        healthy, reasons = self.health(gpu)
+        return m.FaultInjected(node=self.node, gpu=gpu, kind=kind, healthy=healthy, reasons=reasons,
+                               changed=(healthy, reasons) != before)
+
+    async def _on_fault(self, data: bytes) -> bytes:
+        cmd = _INJECT_DECODER.decode(data)
+        if cmd.node != self.node:
+            raise ValueError(f"this is the agent of {self.node}, not {cmd.node}")
+        return m.encode(await self.inject(cmd.gpu, cmd.kind, cmd.xid))
+
+    # --- run ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Publish the inventory, then watch, poll and heartbeat until ``stop``."""
+        self._driver = await asyncio.to_thread(self.port.driver_version)
+        await self.check()
+        loop = asyncio.get_running_loop()
+        stop_thread = threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(loop, stop_thread), name=f"nvml-events-{self.node}", daemon=True)
+        watcher.start()
+        tasks = [
+            asyncio.create_task(self.outbox.run(), name="outbox"),
+            asyncio.create_task(self._consume(), name="events"),
+            asyncio.create_task(self._poll(), name="poll"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            *(asyncio.create_task(_as_coro(svc(self.bus, self.outbox)), name="service") for svc in self.services),
+        ]
+        if self.faults:
+            tasks.append(asyncio.create_task(self._schedule(), name="fault-schedule"))
+        sub: Any = None
+        if isinstance(self.port, FaultInjectable):
+            sub = await self.bus.serve(subjects.agent_fault(self.node), self._on_fault)
+        self.started.set()
+        try:
+            stopped = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopped and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            with contextlib.suppress(PublishError):
+                await self.outbox.flush(timeout=5)
+        finally:
+            stop_thread.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            await asyncio.to_thread(watcher.join, 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def _as_coro(aw: Awaitable[None]) -> None:
+    await aw

@@ -1,0 +1,149 @@
+"""Turning silence into facts: ``NodeLost`` after missed heartbeats, ``NodeReturned`` after.
+
+Heartbeats are not history; the monitor follows their stream and publishes
+the facts to the fleet stream with deterministic msg ids, so that two
+monitors watching the same silence store one ``NodeLost``, not two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus, RawMsg
+from llmgw.errors import BusError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Heard:
+    boot_id: str
+    seq: int
+    at: datetime  # the agent's clock, for NodeLost.last_heartbeat_at
+    received: datetime  # the server's clock, for measuring silence
+
+
+@dataclass
+class _Lost:
+    key: str  # "<boot>:<seq>" of the last heartbeat before the silence
+    stream_seq: int  # where NodeLost was stored: NodeReturned's id answers it
+
+
+class HeartbeatMonitor:
+    """Follow ``LLMGW_HEARTBEAT``; publish ``NodeLost``/``NodeReturned`` to the fleet stream."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        timeout_s: float = 60.0,
+        check_every_s: float | None = None,
+        now: Callable[[], datetime] = m.utcnow,
+    ) -> None:
+        self.bus = bus
+        self.timeout_s = timeout_s
+        self.check_every_s = check_every_s or min(max(timeout_s / 10, 0.1), 5.0)
+        self._now = now
+        self.heard: dict[str, _Heard] = {}
+        self.lost: dict[str, _Lost] = {}
+        self.published: list[m.NodeLost | m.NodeReturned] = []
+        self.malformed = 0
+        self.ready = asyncio.Event()
+
+    # --- what the fleet stream already says -------------------------------------------
+
+    async def _load_lost(self) -> None:
+        """Which nodes are lost now, per the NodeLost/NodeReturned already stored."""
+        last = await self.bus.stream_last_seq(subjects.STREAM_FLEET)
+        if last == 0:
+            return
+        # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
+        reader = self.bus.reader(subjects.STREAM_FLEET, 1, stop_at=last)
+        async for batch in reader.batches():
+            for raw in batch:
+                if raw.subject.rsplit(".", 1)[-1] not in ("lost", "returned"):
+                    continue
+                try:
+                    ev = m.FLEET_DECODER.decode(raw.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    self.malformed += 1
+                    log.warning("fleet seq %d: skipping a malformed event: %s", raw.seq, e)
+                    continue
+                if isinstance(ev, m.NodeLost):
+                    self.lost[ev.node] = _Lost(key="", stream_seq=raw.seq)
+                elif isinstance(ev, m.NodeReturned):
+                    self.lost.pop(ev.node, None)
+
+    # --- following heartbeats -------------------------------------------------------------
+
+    def _on_heartbeat(self, raw: RawMsg) -> None:
+        try:
+            hb = m.HEARTBEAT_DECODER.decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.malformed += 1
+            log.warning("heartbeat seq %d (%s): skipping a malformed heartbeat: %s", raw.seq, raw.subject, e)
+            return
+        received = datetime.fromtimestamp(raw.ts_ns / 1e9, UTC)
+        prev = self.heard.get(hb.node)
+        if prev is None or received >= prev.received:
+            self.heard[hb.node] = _Heard(hb.boot_id, hb.seq, hb.at, received)
+
+    async def _follow(self) -> None:
+        reader = self.bus.reader(subjects.STREAM_HEARTBEAT, 1, idle_expires_s=1.0)
+        async for batch in reader.batches():
+            for raw in batch:
+                self._on_heartbeat(raw)
+
+    # --- judging ------------------------------------------------------------------------------
+
+    async def check(self) -> list[m.NodeLost | m.NodeReturned]:
+        """Publish what changed since the last check; returns the events published."""
+        now = self._now()
+        out: list[m.NodeLost | m.NodeReturned] = []
+        limit = timedelta(seconds=self.timeout_s)
+        for node, heard in sorted(self.heard.items()):
+            key = f"{heard.boot_id}:{heard.seq}"
+            lost = self.lost.get(node)
+            silent = now - heard.received > limit
+            if silent and lost is None:
+                ev_lost = m.NodeLost(at=now, node=node, last_heartbeat_at=heard.at, timeout_s=self.timeout_s)
+                ack = await self.bus.publish(ev_lost, msg_id=f"NodeLost:{node}:{key}")
+                self.lost[node] = _Lost(key=key, stream_seq=ack.seq)
+                out.append(ev_lost)
+            elif not silent and lost is not None and lost.key != key:
+                ev_back = m.NodeReturned(at=now, node=node, boot_id=heard.boot_id)
+                await self.bus.publish(ev_back, msg_id=f"NodeReturned:{node}:{lost.stream_seq}")
+                del self.lost[node]
+                out.append(ev_back)
+        self.published.extend(out)
+        return out
+
+    async def run(self) -> None:
+        """Follow and judge until cancelled."""
+        await self._load_lost()
+        follower = asyncio.create_task(self._follow(), name="heartbeats")
+        # Let the stored heartbeats arrive before judging, or every node would look silent.
+        await asyncio.sleep(min(self.check_every_s, 1.0))
+        self.ready.set()
+        try:
+            while True:
+                if follower.done():
+                    follower.result()  # a reader that failed ends the monitor loudly
+                try:
+                    await self.check()
+                except BusError as e:
+                    log.warning("liveness: %s; retrying", e)
+                await asyncio.sleep(self.check_every_s)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await follower

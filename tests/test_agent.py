@@ -1,0 +1,265 @@
+"""The real agent over the simulated NVML backend, against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+from llmgw.cli.main import cli
+from llmgw.projections.fold import fold
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.agent import Agent, detect_fabric, infiniband_subnet
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.errors import ServiceError
+from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
+from llmgw.natsserver import EmbeddedServer, port_free
+from llmgw.nvml import GpuStatic
+from llmgw.simnvml import SimNvml
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+XID79 = ("xid 79: GPU has fallen off the bus",)
+ECC1 = ("uncorrectable ECC errors: 1 since the driver loaded",)
+LOST = ("GPU is lost (fell off the bus; NVML_ERROR_GPU_IS_LOST)",)
+
+
+async def until(pred: Callable[[], Awaitable[bool]], what: str, limit_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not await pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {limit_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def stream_events(bus: Bus, stream: str = subjects.STREAM_FLEET) -> list[m.AnyEvent]:
+    last = await bus.stream_last_seq(stream)
+    out: list[m.AnyEvent] = []
+    if last == 0:
+        return out
+
+    async def read() -> None:
+        async for batch in bus.reader(stream, 1, stop_at=last).batches():
+            out.extend(m.decode_event(r.data) for r in batch)
+
+    await asyncio.wait_for(read(), timeout=10)
+    return out
+
+
+def health_of(events: list[m.AnyEvent]) -> list[tuple[int, bool, tuple[str, ...]]]:
+    return [(e.gpu_index, e.healthy, e.reasons) for e in events if isinstance(e, m.GpuHealthChanged)]
+
+
+@contextlib.asynccontextmanager
+async def running(agent: Agent) -> AsyncIterator[Agent]:
+    task = asyncio.create_task(agent.run())
+    started = asyncio.create_task(agent.started.wait())
+    await asyncio.wait([task, started], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()
+    assert agent.started.is_set(), "agent did not start within 10s"
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        await asyncio.wait_for(task, timeout=15)
+
+
+def node_a03(fleet_file: Path) -> FleetNode:
+    return load(fleet_file).node("h100-a-03")
+
+
+async def test_inventory_at_start_is_the_full_snapshot_health_included(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, fabric_source="fleet-file",
+                  simulated=True, boot_id="boot-1", now=lambda: T0)
+    async with running(agent):
+        await agent.outbox.flush()
+    inv = inventory(node, T0, boot_id="boot-1")
+    expected = msgspec.structs.replace(
+        inv, driver_version="simulated",
+        gpus=tuple(msgspec.structs.replace(g, nvlink_active_links=18) for g in inv.gpus),
+    )
+    assert await stream_events(bus) == [expected]
+    assert [g.healthy for g in expected.gpus] == [True, True, True, False, True, True, True, True]
+
+
+async def test_injected_faults_publish_only_transitions_and_recovery(bus: Bus, settings: Settings, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, fabric_source="fleet-file", simulated=True)
+    async with running(agent):
+        # Through the CLI and NATS request/reply, exactly as an operator does it.
+        result = await asyncio.to_thread(
+            CliRunner().invoke, cli, ["agent", "fault", node.name, "1", "xid=79", "--nats-url", settings.nats_url]
+        )
+        assert result.exit_code == 0, result.output
+        assert result.output == "h100-a-03 GPU 1: UNHEALTHY (xid 79: GPU has fallen off the bus)\n"
+        again = await agent.inject(1, "xid", 79)
+        assert not again.changed  # an unchanged state publishes nothing
+        assert (await agent.inject(1, "clear")).healthy
+        await agent.inject(2, "ecc")
+        await agent.inject(4, "lost")
+        await agent.inject(5, "thermal")
+        app = await agent.inject(6, "xid", 13)
+        assert app.healthy and app.changed
+        for gpu in (2, 4, 5):
+            await agent.inject(gpu, "clear")
+        await agent.outbox.flush()
+    events = await stream_events(bus)
+    assert isinstance(events[0], m.NodeInventoryReported) and len(events) == 10
+    app_reason = ("xid 13: graphics engine exception (application fault; GPU stays usable)",)
+    assert health_of(events) == [
+        (1, False, XID79),
+        (1, True, ()),
+        (2, False, ECC1),
+        (4, False, LOST),
+        (5, False, ("thermal slowdown",)),
+        (6, True, app_reason),
+        (2, True, ()),
+        (4, True, ()),
+        (5, True, ()),
+    ]
+    assert {e.boot_id for e in events if isinstance(e, m.GpuHealthChanged)} == {agent.boot_id}
+
+
+async def test_heartbeats_go_to_their_own_stream_not_history(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, heartbeat_s=0.05)
+
+    async def three_beats() -> bool:
+        return await bus.stream_last_seq(subjects.STREAM_HEARTBEAT) >= 3
+
+    async with running(agent):
+        await until(three_beats, "three heartbeats")
+        await agent.outbox.flush()
+    fleet = await stream_events(bus)
+    assert [type(e) for e in fleet] == [m.NodeInventoryReported]
+    beats = await stream_events(bus, subjects.STREAM_HEARTBEAT)
+    assert len(beats) == 1  # the stream keeps only the latest per node
+    (hb,) = beats
+    assert isinstance(hb, m.HeartbeatSent) and hb.node == node.name and hb.boot_id == agent.boot_id and hb.seq >= 3
+
+
+async def test_restarted_agent_replaces_the_node_without_double_counting(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    first = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True)
+    async with running(first):
+        await first.inject(1, "xid", 79)
+        await first.outbox.flush()
+    second = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True)
+    async with running(second):
+        await second.outbox.flush()
+    assert first.boot_id != second.boot_id
+    events = await stream_events(bus)
+    assert [type(e) for e in events] == [m.NodeInventoryReported, m.GpuHealthChanged, m.NodeInventoryReported]
+    state = fold(events)
+    view = state.nodes[node.name]
+    assert len(state.nodes) == 1 and len(view.gpus) == 8 and view.boot_id == second.boot_id
+    assert [i for i, g in view.gpus.items() if not g.healthy] == [3]
+
+
+async def test_bad_fault_requests_get_error_replies_and_the_agent_lives_on(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True)
+    subject = subjects.agent_fault(node.name)
+    async with running(agent):
+        with pytest.raises(ServiceError, match="h100-a-03 has GPUs 0 to 7, not 9"):
+            await bus.request(subject, m.encode(m.InjectFault(node=node.name, gpu=9, kind="ecc")))
+        with pytest.raises(ServiceError, match="unknown fault 'melt'"):
+            await bus.request(subject, m.encode(m.InjectFault(node=node.name, gpu=0, kind="melt")))
+        with pytest.raises(ServiceError, match="refused the request"):
+            await bus.request(subject, b"not json")
+        reply = msgspec.json.decode(
+            await bus.request(subject, m.encode(m.InjectFault(node=node.name, gpu=0, kind="ecc"))), type=m.FaultInjected
+        )
+        assert (reply.gpu, reply.healthy, reply.reasons, reply.changed) == (0, False, ECC1, True)
+
+
+async def test_fault_schedule_from_the_fleet_file(bus: Bus, fleet_file: Path, tmp_path: Path) -> None:
+    text = await asyncio.to_thread(fleet_file.read_text)
+    text += (
+        '\n[[faults]]\nnode = "h100-a-01"\ngpu = 5\nafter_s = 0.1\nkind = "xid=79"\nclear_after_s = 0.2\n'
+    )
+    fleet = parse(text, str(tmp_path / "fleet.toml"))
+    node = fleet.node("h100-a-01")
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, faults=faults(fleet))
+
+    async def three_events() -> bool:
+        return await bus.stream_last_seq(subjects.STREAM_FLEET) >= 3
+
+    async with running(agent):
+        await until(three_events, "the scheduled fault and its clearing")
+    assert health_of(await stream_events(bus)) == [(5, False, XID79), (5, True, ())]
+
+
+def test_fabric_detection_order(tmp_path: Path) -> None:
+    gpus = [GpuStatic(index=0, uuid="u", name="n", memory_mib=1, fabric_cluster_uuid="c-1", fabric_clique_id=3)]
+    plain = [GpuStatic(index=0, uuid="u", name="n", memory_mib=1)]
+    port = tmp_path / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gids" / "0").write_text("fe80:0000:0000:0001:0c42:a103:0012:3456\n")
+    (port / "link_layer").write_text("InfiniBand\n")
+    roce = tmp_path / "class" / "infiniband" / "mlx5_1" / "ports" / "1"
+    (roce / "gids").mkdir(parents=True)
+    (roce / "gids" / "0").write_text("fe80:0000:0000:0000:aaaa:bbbb:cccc:dddd\n")
+    (roce / "link_layer").write_text("Ethernet\n")
+    assert detect_fabric("gpu-01", "ib-a", gpus, tmp_path) == ("ib-a", "flag")
+    assert detect_fabric("gpu-01", None, gpus, tmp_path) == ("nvl-c-1-3", "nvml-fabric")
+    assert detect_fabric("gpu-01", None, plain, tmp_path) == ("ib-fe80000000000001", "infiniband")
+    assert infiniband_subnet(tmp_path / "nowhere") == ""
+    assert detect_fabric("gpu-01", None, plain, tmp_path / "nowhere") == ("gpu-01", "default")
+
+
+def _free_port() -> int:
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port_free("127.0.0.1", port):
+            return int(port)
+    raise AssertionError("no free port")
+
+
+@pytest.mark.slow
+async def test_nats_outage_loses_and_doubles_nothing(fleet_file: Path) -> None:
+    """Kill the server under a running agent, change health meanwhile, restart: each event once, in order."""
+    store = Path(tempfile.mkdtemp(prefix="llmgw-agent-outage-"))
+    server = EmbeddedServer(store, port=_free_port()).start()
+    settings = Settings(nats_url=server.url)
+    bus = await Bus.connect(settings, "outage-agent")
+    try:
+        await bus.ensure_streams()
+        node = node_a03(fleet_file)
+        agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, heartbeat_s=0.2)
+        async with running(agent):
+            await agent.outbox.flush()
+            server.kill()
+            await agent.inject(0, "xid", 79)
+            await agent.inject(1, "ecc")
+            await agent.inject(0, "clear")
+            await agent.inject(2, "lost")
+            await agent.inject(2, "clear")
+            await agent.inject(1, "clear")
+            assert len(agent.outbox) == 6  # held, in order, while NATS is away
+            server.start()
+            await agent.outbox.flush(timeout=30)
+        events = await stream_events(bus)
+    finally:
+        await bus.close()
+        server.stop()
+        shutil.rmtree(store, ignore_errors=True)
+    assert [type(e) for e in events] == [m.NodeInventoryReported] + [m.GpuHealthChanged] * 6
+    assert health_of(events) == [
+        (0, False, XID79), (1, False, ECC1), (0, True, ()), (2, False, LOST), (2, True, ()), (1, True, ()),
+    ]
