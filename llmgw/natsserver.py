@@ -177,6 +177,7 @@ class Cluster:
     """A JetStream cluster of nats-servers on loopback ports, one store per node (fault tests)."""
 
     servers: list[EmbeddedServer]
+    monitor_ports: list[int] = field(default_factory=list)  # each node's HTTP monitoring (/jsz)
 
     @property
     def url(self) -> str:
@@ -209,8 +210,8 @@ def start_cluster(base_dir: Path, size: int = 3, *, name: str = "llmgw", host: s
     JetStream needs a moment after this returns to elect a meta leader; callers
     retry their first stream declaration.
     """
-    ports = _free_ports(2 * size, host)
-    client, route = ports[:size], ports[size:]
+    ports = _free_ports(3 * size, host)
+    client, route, monitor = ports[:size], ports[size : 2 * size], ports[2 * size :]
     servers = []
     for i in range(size):
         routes = ",".join(f"nats://{host}:{route[j]}" for j in range(size) if j != i)
@@ -220,10 +221,11 @@ def start_cluster(base_dir: Path, size: int = 3, *, name: str = "llmgw", host: s
                 port=client[i],
                 host=host,
                 extra_args=("--name", f"n{i}", "--cluster_name", name,
-                            "--cluster", f"nats://{host}:{route[i]}", "--routes", routes),
+                            "--cluster", f"nats://{host}:{route[i]}", "--routes", routes,
+                            "-m", str(monitor[i])),
             )
         )
-    cluster = Cluster(servers)
+    cluster = Cluster(servers, monitor)
     try:
         for s in servers:
             s.start()

@@ -1,0 +1,63 @@
+"""Helpers for the fault tests: distinct events, cluster state per node, waiting for quorum."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from datetime import UTC, datetime, timedelta
+
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.errors import BusError
+from llmgw.natsserver import Cluster
+
+T0 = datetime(2026, 5, 1, tzinfo=UTC)
+
+
+def health_event(i: int, node: str = "n-fault") -> m.GpuHealthChanged:
+    """The i-th distinct fleet event: its own time and GPU, so every one is a new fact."""
+    return m.GpuHealthChanged(at=T0 + timedelta(milliseconds=i), node=node, gpu_index=i % 8,
+                              gpu_uuid=f"GPU-{i % 8}", healthy=i % 3 != 0, reasons=(f"#{i}",))
+
+
+async def wait_streams(bus: Bus, replicas: int, limit_s: float = 30) -> None:
+    """Declare the streams once JetStream has a meta leader (a new cluster needs a few seconds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while True:
+        try:
+            await bus.ensure_streams(replicas)
+            return
+        except BusError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def node_last_seqs(cluster: Cluster, stream: str) -> dict[str, int]:
+    """Each running node's own last sequence for a stream, from its /jsz (not the leader's view)."""
+    out: dict[str, int] = {}
+    for i, (server, port) in enumerate(zip(cluster.servers, cluster.monitor_ports, strict=True)):
+        if server.proc is None or server.proc.poll() is not None:
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/jsz?accounts=true&streams=true", timeout=5) as r:
+            data = json.loads(r.read())
+        seq = 0
+        for acct in data.get("account_details") or []:
+            for sd in acct.get("stream_detail") or []:
+                if sd["name"] == stream:
+                    seq = int(sd["state"]["last_seq"])
+        out[f"n{i}"] = seq
+    return out
+
+
+async def stream_leader(bus: Bus, stream: str) -> str:
+    info = await bus.js.stream_info(stream)
+    assert info.cluster is not None and info.cluster.leader
+    return str(info.cluster.leader)
+
+
+def cluster_settings(cluster: Cluster) -> Settings:
+    return Settings(nats_url=cluster.url, stream_replicas=3, connect_timeout_s=2, request_timeout_s=2)
