@@ -1,0 +1,137 @@
+"""``llmgw ctl idle``: replicas nobody asks for, the GPUs they hold, and stopping them."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from typing import Any
+
+import click
+from llmgw.cli.options import echo_json, json_option, nats_options, run
+
+from llmgw import messages as m
+from llmgw.config import Settings
+from llmgw.scheduler import IdleRow, idle_report
+
+
+def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    from llmgw.cli.progress import parse_duration
+
+    return parse_duration(value, "--older-than")
+
+
+def human(seconds: float | None) -> str:
+    """``-`` for unknown, else the two largest units: 1h32m, 3d4h, 45s."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    parts = [(s // 86400, "d"), (s % 86400 // 3600, "h"), (s % 3600 // 60, "m"), (s % 60, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        parts.pop(0)
+    return "".join(f"{v}{u}" for v, u in parts[:2])
+
+
+async def idle_rows(settings: Settings, now: datetime | None = None) -> tuple[list[IdleRow], datetime]:
+    """Every replica with its idle time, from a replay of the history streams."""
+    from llmgw.bus import Bus
+    from llmgw.scheduler_service import replay_state
+
+    bus = await Bus.connect(settings, "llmgw-ctl-idle", reconnect=False)
+    try:
+        state = await replay_state(bus)
+    finally:
+        await bus.close()
+    now = now or m.utcnow()
+    return idle_report(state, now), now
+
+
+async def stop_replicas(settings: Settings, rows: list[IdleRow], older_than_s: float) -> list[int]:
+    """Publish ``ReplicaStopped`` reason ``idle`` for each row; the stream sequences."""
+    from llmgw.bus import Bus
+
+    bus = await Bus.connect(settings, "llmgw-ctl-idle", reconnect=False)
+    seqs = []
+    try:
+        for r in rows:
+            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, reason="idle")
+            # The scheduler stops a replica under the same id: one stop, whoever was first.
+            seqs.append((await bus.publish(event, msg_id=f"ReplicaStopped:{r.replica_id}")).seq)
+    finally:
+        await bus.close()
+    return seqs
+
+
+def _json_row(r: IdleRow) -> dict[str, Any]:
+    return {"replica_id": r.replica_id, "model": r.model, "nodes": list(r.nodes), "gpus": r.gpus, "state": r.state,
+            "idle_s": round(r.idle_s, 3) if r.idle_s is not None else -1,
+            "idle_since": r.idle_since.isoformat() if r.idle_since else None,
+            "gpu_hours_idle": round(r.gpu_hours_idle, 4)}
+
+
+@click.command("idle")
+@click.option("--older-than", "older_than_s", default="30m", show_default=True, callback=_older_than,
+              help="Idle at least this long (90s, 30m, 2h, 1d).")
+@click.option("--stop", is_flag=True, help="Stop the replicas listed (ReplicaStopped, reason idle); their GPUs are freed.")
+@click.option("--dry-run", is_flag=True, help="With --stop: say what would be stopped, publish nothing.")
+@json_option
+@nats_options
+def idle(older_than_s: float, stop: bool, dry_run: bool, as_json: bool, settings: Settings) -> None:
+    """Replicas idle longer than --older-than, the GPUs they hold, and GPU-hours idle.
+
+    A replica no router has reported is unknown, never idle: it is counted
+    apart and never stopped. A stopped replica stays stopped until
+    `llmgw ctl model scale NAME --replicas N`.
+
+    Example:
+
+        llmgw ctl idle --older-than 2h
+        llmgw ctl idle --older-than 2h --stop --dry-run
+        llmgw ctl idle --older-than 2h --stop --json
+    """
+    rows, now = run(idle_rows(settings))
+    chosen = [r for r in rows if r.idle_s is not None and r.idle_s >= older_than_s]
+    unknown = [r for r in rows if r.idle_s is None]
+    stopped: list[str] = []
+    if stop and not dry_run and chosen:
+        run(stop_replicas(settings, chosen, older_than_s))
+        stopped = [r.replica_id for r in chosen]
+    if as_json:
+        echo_json({
+            "now": now.isoformat(), "older_than_s": older_than_s,
+            "idle": [_json_row(r) for r in chosen],
+            "gpus_held": sum(r.gpus for r in chosen),
+            "gpu_hours_idle": round(sum(r.gpu_hours_idle for r in chosen), 4),
+            "unknown": [r.replica_id for r in unknown],
+            "stopped": stopped, "dry_run": dry_run,
+        })
+        return
+    _render(chosen, unknown, older_than_s, stop, dry_run)
+
+
+def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, stop: bool, dry_run: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    if not chosen:
+        console.print(f"no replica idle for {human(older_than_s)} or more")
+    else:
+        table = Table(box=None, pad_edge=False)
+        for col, just in (("replica", "left"), ("model", "left"), ("nodes", "left"), ("GPUs", "right"),
+                          ("state", "left"), ("idle", "right"), ("GPU-hours idle", "right")):
+            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        for r in chosen:
+            table.add_row(r.replica_id, r.model, ",".join(r.nodes), str(r.gpus), r.state, human(r.idle_s), f"{r.gpu_hours_idle:.2f}")
+        console.print(table)
+        gpus = sum(r.gpus for r in chosen)
+        hours = sum(r.gpu_hours_idle for r in chosen)
+        console.print(f"{len(chosen)} replica{'s' if len(chosen) != 1 else ''} idle ≥ {human(older_than_s)} hold {gpus} GPUs; "
+                      f"{hours:.2f} GPU-hours idle")
+    if unknown:
+        console.print(f"{len(unknown)} replica{'s' if len(unknown) != 1 else ''} with unknown idle time "
+                      f"(no router has reported them) are not counted: {', '.join(r.replica_id for r in unknown)}")
+    if chosen and stop:
+        verb = "would stop" if dry_run else "stopped"
+        console.print(f"{verb}: {', '.join(r.replica_id for r in chosen)}")
+    elif chosen:
+        console.print("stop them with --stop (try --dry-run first)")

@@ -1,0 +1,90 @@
+"""``ctl idle``: what can be stopped, never an unknown, and stopping it, against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+
+from click.testing import CliRunner, Result
+from llmgw.cli.idle import human
+from llmgw.cli.main import cli
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.fleetfile import FleetNode, inventory
+
+
+async def invoke(nats_url: str, *args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, cli, [*args, "--nats-url", nats_url], catch_exceptions=False)
+
+
+async def control(bus: Bus) -> list[m.Event]:
+    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+    out: list[m.Event] = []
+    async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
+        out += [m.decode_event(r.data) for r in batch]
+    return out
+
+
+async def seed(bus: Bus) -> None:
+    """Three replicas: idle 3 h (2 GPUs), idle 10 min, and one no router has reported."""
+    now = m.utcnow()
+    n = FleetNode(name="n1", fabric="f", gpu_class="H100-80GB", gpu_count=8, gpu_memory_mib=81559)
+    await bus.publish(inventory(n, now - timedelta(hours=5)))
+    spec = m.ModelSpec(name="qwen", source="Qwen/Qwen2.5-14B-Instruct", precision="bf16", engine="vllm",
+                       gpu_class="H100-80GB", context=8192, tp=2, replicas=3)
+    await bus.publish(m.ModelDeclared(at=now - timedelta(hours=5), spec=spec))
+    for i in range(3):
+        gpus = tuple(m.GpuRef(node="n1", index=2 * i + k, uuid=n.gpu_uuid(2 * i + k)) for k in range(2))
+        await bus.publish(m.ReplicaPlaced(at=now - timedelta(hours=4), replica_id=f"qwen-r{i + 1}", model="qwen",
+                                          nodes=("n1",), gpus=gpus, spec=spec, fabric="f"))
+    await bus.publish(m.IdleMapPublished(at=now, router="router-1", boot_id="b", tick=9,
+                                         last_request={"qwen-r1": now - timedelta(hours=3), "qwen-r2": now - timedelta(minutes=10)}))
+
+
+async def test_lists_idle_and_never_unknown(bus: Bus, nats_url: str) -> None:
+    await seed(bus)
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert [x["replica_id"] for x in data["idle"]] == ["qwen-r1"]
+    assert data["unknown"] == ["qwen-r3"]
+    assert data["gpus_held"] == 2
+    assert 6.0 <= data["gpu_hours_idle"] < 6.5  # 2 GPUs × 3 h, plus the seconds this test took
+    assert data["idle"][0]["idle_s"] >= 3 * 3600
+
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m")
+    assert r.exit_code == 0
+    lines = r.output.splitlines()
+    assert lines[0].split() == ["replica", "model", "nodes", "GPUs", "state", "idle", "GPU-hours", "idle"]
+    assert lines[1].split()[:6] == ["qwen-r1", "qwen", "n1", "2", "placed", "3h0m"]
+    assert lines[2].split()[:6] == ["qwen-r2", "qwen", "n1", "2", "placed", "10m0s"]
+    assert "2 replicas idle ≥ 5m0s hold 4 GPUs" in r.output
+    assert "1 replica with unknown idle time (no router has reported them) are not counted: qwen-r3" in r.output
+
+
+async def test_stop_dry_run_then_stop(bus: Bus, nats_url: str) -> None:
+    await seed(bus)
+    before = len(await control(bus))
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--stop", "--dry-run")
+    assert r.exit_code == 0 and "would stop: qwen-r1" in r.output
+    assert len(await control(bus)) == before
+
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--stop", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["stopped"] == ["qwen-r1"]
+    stops = [e for e in await control(bus) if isinstance(e, m.ReplicaStopped)]
+    assert [(e.replica_id, e.reason) for e in stops] == [("qwen-r1", "idle")]
+
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h")
+    assert r.output.startswith("no replica idle for 2h0m or more")
+
+
+async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "soon")
+    assert r.exit_code == 2 and "'soon' is not a duration" in r.output and "Traceback" not in r.output
+
+
+def test_human_durations() -> None:
+    assert [human(None), human(-1), human(45), human(5400), human(3 * 86400 + 4 * 3600 + 5)] == ["-", "-", "45s", "1h30m", "3d4h"]
