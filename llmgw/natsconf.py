@@ -94,6 +94,8 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
             *_read(s.STREAM_CONTROL),
         ]
         pub += [_stream_info(x) for x in ALL_STREAMS]
+        sub += [s.agent_fault(node)]  # a simulated agent answers fault injection for its node
+        responses = True
         deny_pub += [f"{P}.usage.>", f"{P}.control.model.>"]
     elif role == "router":
         pub += [f"{P}.usage.*.idle", *_read(s.STREAM_CONTROL), *_read(s.STREAM_USAGE)]

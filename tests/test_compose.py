@@ -34,11 +34,16 @@ def resolve(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     rest = list(args)
     while isinstance(group, click.Group):
         assert rest, f"`llmgw {' '.join(args)}` stops at a group"
+        if rest[0].startswith("-") and group.invoke_without_command and group is not cli:
+            # A group that runs itself (`llmgw agent --node …`): its own options are the leaf.
+            break
         name, rest = rest[0], rest[1:]
         sub = group.get_command(ctx, name)
         assert sub is not None, f"`llmgw {' '.join(args)}`: no command {name!r}"
-        ctx = sub.make_context(name, list(rest), parent=ctx) if not isinstance(sub, click.Group) else \
-            sub.make_context(name, [], parent=ctx, resilient_parsing=True)
+        if isinstance(sub, click.Group) and not (rest and rest[0].startswith("-") and sub.invoke_without_command):
+            ctx = sub.make_context(name, [], parent=ctx, resilient_parsing=True)
+        else:
+            ctx = sub.make_context(name, list(rest), parent=ctx)
         group = sub
     return ctx
 
