@@ -337,6 +337,121 @@ STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
 STATUS_REQUEST_DECODER = msgspec.json.Decoder(StatusRequest)
 
 
+# --- plan service: llmgw.plan (request/reply) --------------------------------
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's architecture as its own config.json states it, and its parameter count."""
+
+    name: str  # repo id ("Qwen/Qwen2.5-14B-Instruct") or directory name
+    source: str  # what the engine loads: the repo id, or the local directory
+    model_type: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend within the window
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_experts: int = 0
+    first_dense_layers: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek-V2/V3)
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    quantization: str | None = None  # the checkpoint's quant_method: fp8 | awq | gptq | None
+    params: int = 0
+    params_source: str = ""  # safetensors-index | safetensors-header | hf-metadata | architecture | --params
+
+
+class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the planner how a model could be split over the fleet it knows."""
+
+    model: str
+    precisions: tuple[str, ...] = ()  # empty: every precision the repository can be served at
+    tp: tuple[int, ...] = ()  # empty: 1, 2, 4, 8 where the heads divide
+    context: int | None = None  # None: the model's full context, else the largest that fits
+    gpu_memory_utilization: float = 0.9
+    params: int | None = None
+    all: bool = False
+    info: ModelInfo | None = None  # the model as the asker read it; None: the planner resolves it
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """One way to run one replica: where, how split, at which precision, and whether it fits."""
+
+    gpu_class: str
+    fabric: str | None  # None for a single-node replica: its node's fabric changes nothing
+    nodes: int
+    tp: int
+    pp: int
+    precision: str
+    engine: Engine
+    quantization: str | None
+    fits: bool
+    reason: str | None
+    weights_gib_per_gpu: float
+    kv_bytes_per_token_per_gpu: int
+    kv_gib_per_gpu: float
+    kv_tokens: int
+    max_context: int
+    replicas_now: int
+    command: str
+    source: str = ""
+    context: int = 0  # the max_model_len the command sets
+    gpus: int = 1
+    gpu_memory_gib: float = 0.0
+    gpu_memory_utilization: float = 0.9
+    overhead_gib_per_gpu: float = 0.0
+    file: str | None = None  # GGUF: the file to download
+    file_gib: float | None = None
+
+    def spec(self, name: str, replicas: int = 1) -> ModelSpec:
+        """The declaration this candidate makes for the scheduler."""
+        return ModelSpec(
+            name=name,
+            source=self.source,
+            precision=self.precision,
+            engine=self.engine,
+            gpu_class=self.gpu_class,
+            context=self.context,
+            tp=self.tp,
+            pp=self.pp,
+            replicas=replicas,
+            quantization=self.quantization,
+            file=self.file,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
+        )
+
+
+class PlanReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Every candidate for a model; the JSON that ``ctl model plan --json`` prints."""
+
+    model: str
+    params: int
+    candidates: tuple[Candidate, ...]
+    params_source: str = ""
+    context: int | None = None
+    fleet_gpus: int = 0
+    notes: tuple[str, ...] = ()
+
+
+PLAN_REQUEST_DECODER = msgspec.json.Decoder(PlanRequest)
+PLAN_REPLY_DECODER = msgspec.json.Decoder(PlanReply)
+
+
 # --- codecs, built once -------------------------------------------------------
 
 ENCODER = msgspec.json.Encoder()

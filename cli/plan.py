@@ -1,0 +1,147 @@
+"""``llmgw ctl model plan``: will a model fit, and how to split it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+from llmgw.cli.options import echo_json, json_option, nats_options, run
+
+from llmgw import messages as m
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError
+
+
+def _params(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    from llmgw.modelinfo import parse_params
+
+    try:
+        return parse_params(value)
+    except LlmgwError as e:
+        raise click.BadParameter(str(e)) from e
+
+
+def _local_model(model: str, models_dir: str | None, params: int | None) -> m.ModelInfo | None:
+    """The model read here when it is a directory or in the models directory; else the planner reads it."""
+    from llmgw import modelinfo
+
+    md = modelinfo.models_dir(models_dir)
+    if Path(model).expanduser().is_dir() or (md is not None and (md / model.replace("/", "__") / "config.json").is_file()):
+        return modelinfo.load(model, models_dir_=md, params=params)
+    return None
+
+
+def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
+    """What-if: plan against a fleet file, without NATS."""
+    from llmgw.projections.fold import fold
+
+    from llmgw import fleetfile, modelinfo, planner
+
+    fleet = fleetfile.load(fleet_path)
+    state = fold(fleetfile.inventories(fleet, m.utcnow()))
+    info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
+    return planner.plan(info, state, request)
+
+
+async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:
+    """Ask a running planner over NATS."""
+    from llmgw.bus import Bus
+    from llmgw.planner_service import ask
+
+    bus = await Bus.connect(settings, "llmgw-ctl-plan", reconnect=False)
+    try:
+        return await ask(bus, request)
+    finally:
+        await bus.close()
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def render(reply: m.PlanReply, show_all: bool) -> None:
+    """The plan as tables for people."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    console.print(f"{reply.model}: {_fmt_params(reply.params)} parameters ({reply.params_source}); "
+                  f"{reply.fleet_gpus} healthy GPUs in the fleet")
+    for note in reply.notes:
+        console.print(f"note: {note}")
+    if not reply.candidates:
+        if not reply.notes:
+            console.print("no candidate fits; --all lists every split with the reason")
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    for col, just in (("#", "right"), ("fits", "left"), ("class", "left"), ("fabric", "left"), ("nodes", "right"),
+                      ("tp", "right"), ("pp", "right"), ("precision", "left"), ("engine", "left"),
+                      ("weights GiB/GPU", "right"), ("KV GiB/GPU", "right"), ("KV tokens", "right"),
+                      ("max ctx", "right"), ("context", "right"), ("replicas now", "right")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for i, c in enumerate(reply.candidates, 1):
+        table.add_row(str(i), "yes" if c.fits else "no", c.gpu_class, c.fabric or "-", str(c.nodes), str(c.tp),
+                      str(c.pp), c.precision, c.engine, f"{c.weights_gib_per_gpu:.2f}", f"{c.kv_gib_per_gpu:.2f}",
+                      f"{c.kv_tokens:,}", f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
+    console.print(table)
+    console.print("\ncommands:")
+    for i, c in enumerate(reply.candidates, 1):
+        extra = f"   # download {c.file} ({c.file_gib} GiB)" if c.file else ""
+        why = f"   # does not fit: {c.reason}" if not c.fits else ""
+        console.print(f"{i:>3}  {c.command}{extra}{why}", soft_wrap=True)
+    first = next((i for i, c in enumerate(reply.candidates, 1) if c.fits), None)
+    if first is not None:
+        name = reply.model.rstrip("/").split("/")[-1].lower()
+        spec = reply.candidates[first - 1].spec(name)
+        console.print(f"\ndeclaration for candidate {first} (`llmgw ctl model deploy {name} --from-plan --candidate {first}`):")
+        console.print(m.encode(spec).decode(), soft_wrap=True)
+
+
+@click.command("plan")
+@click.argument("model")
+@click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Plan against this fleet file (what-if), without NATS.")
+@click.option("--precision", "precisions", multiple=True,
+              help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M; repeatable [default: all the repository allows].")
+@click.option("--tp", "tps", type=int, multiple=True, help="GPUs per node to split over; repeatable [default: 1, 2, 4, 8].")
+@click.option("--context", type=int, help="Context every candidate must hold [default: the model's full context, else the largest that fits].")
+@click.option("--gpu-memory-utilization", "util", type=float, default=0.9, show_default=True,
+              help="Fraction of each card's total memory the engine may use.")
+@click.option("--params", callback=_params, help="Parameter count override, e.g. 70.6B (when the checkpoint does not say).")
+@click.option("--all", "show_all", is_flag=True, help="Also list candidates that do not fit, with the reason.")
+@click.option("--models-dir", envvar="LLMGW_MODELS_DIR",
+              help="Directory of Org__Name model folders holding config.json [env LLMGW_MODELS_DIR].")
+@json_option
+@nats_options
+def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: tuple[int, ...], context: int | None,
+         util: float, params: int | None, show_all: bool, models_dir: str | None, as_json: bool, settings: Settings) -> None:
+    """Will MODEL fit on the fleet, and how to split it: every candidate, with its engine command.
+
+    MODEL is a Hugging Face repo id (offline from the HF cache with HF_HUB_OFFLINE=1)
+    or a local directory holding config.json.
+
+    Example:
+
+        llmgw ctl model plan Qwen/Qwen2.5-Coder-32B-Instruct --precision bf16 --precision q4_K_M
+        llmgw ctl model plan ./models/Llama-3.3-70B --fleet examples/fleet.toml --context 8192 --json
+    """
+    request = m.PlanRequest(model=model, precisions=precisions, tp=tps, context=context,
+                            gpu_memory_utilization=util, params=params, all=show_all)
+    try:
+        if fleet_path is not None:
+            reply = plan_locally(model, fleet_path, request, models_dir)
+        else:
+            info = _local_model(model, models_dir, params)
+            reply = run(plan_remotely(settings, msgspec.structs.replace(request, info=info)))
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        data: dict[str, Any] = msgspec.to_builtins(reply)
+        echo_json(data)
+    else:
+        render(reply, show_all)

@@ -1,0 +1,288 @@
+"""A model read, never retyped: its config.json, and its parameter count from the checkpoint.
+
+MODEL is a local directory holding config.json, ``Org/Name`` found as
+``Org__Name`` under a models directory (``--models-dir``, ``LLMGW_MODELS_DIR``),
+or a Hugging Face repo id resolved with huggingface_hub, from the cache alone
+when ``HF_HUB_OFFLINE=1`` or the network fails. The parameter count comes from,
+in order: ``--params``; the safetensors index's ``metadata.total_size``; the
+``.safetensors`` headers; the Hub's safetensors metadata; the architecture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from llmgw.errors import ModelError
+from llmgw.messages import ModelInfo
+from llmgw.planner import architecture_params
+
+__all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
+_MAX_HEADER = 100 * 1024**2
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings")
+
+
+def parse_params(text: str) -> int:
+    """``70.6B``, ``7e9``, ``8030261248`` or ``560M`` as a parameter count."""
+    s = text.strip().replace("_", "").replace(",", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(s[-1:].lower(), 1.0) if s else 1.0
+    if mult != 1.0:
+        s = s[:-1]
+    try:
+        value = float(s) * mult
+    except ValueError as e:
+        raise ModelError(f"--params {text!r} is not a parameter count; write e.g. 70.6B, 7e9 or 8030261248") from e
+    if not value >= 1:
+        raise ModelError(f"--params must be a positive parameter count (got {text!r})")
+    return int(value)
+
+
+def _sliding_layers(cfg: dict[str, Any], n: int) -> tuple[int, ...]:
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return ()
+    if isinstance(cfg.get("layer_types"), list):
+        return tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+    mt = cfg.get("model_type", "")
+    if mt == "gemma2":
+        return tuple(range(0, n, 2))  # even layers attend locally, odd layers globally
+    if mt == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return tuple(i for i in range(n) if (i + 1) % pattern)
+    if cfg.get("use_sliding_window") is False:
+        return ()
+    if mt in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        start = int(cfg.get("max_window_layers", n))
+        return tuple(range(start, n))
+    return tuple(range(n))  # Mistral-style: every layer slides
+
+
+def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "config.json") -> ModelInfo:
+    """The architecture a config.json states; parameter count left at 0."""
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM in text_config
+        cfg = {**cfg, **cfg["text_config"]}
+    missing = [k for k in _REQUIRED if not isinstance(cfg.get(k), int)]
+    experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    if not isinstance(cfg.get("intermediate_size"), int) and not (experts and cfg.get("moe_intermediate_size")):
+        missing.append("intermediate_size")
+    if missing:
+        raise ModelError(
+            f"{where} of {name} lacks {', '.join(missing)}; the planner reads decoder-only transformer "
+            "configs: point MODEL at a directory with the model's complete config.json"
+        )
+    h, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    head_dim: int = cfg["head_dim"] if isinstance(cfg.get("head_dim"), int) else h // heads
+    window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
+    sliding = _sliding_layers(cfg, n)
+    if window is not None and (window >= cfg["max_position_embeddings"] or not sliding):
+        window, sliding = None, ()
+    qc = cfg.get("quantization_config") or {}
+    quant = str(qc.get("quant_method", "")).lower() or None
+    if quant not in (None, "fp8", "awq", "gptq"):
+        raise ModelError(f"{name} is a {quant} checkpoint, which the planner cannot size; plan the "
+                         "16-bit repository it was made from (GGUF and fp8 are planned from there)")
+    mt = str(cfg.get("model_type", ""))
+    return ModelInfo(
+        name=name,
+        source=source,
+        model_type=mt,
+        architecture=(cfg.get("architectures") or [""])[0],
+        hidden_size=h,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_layers=n,
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        attention_bias=bool(cfg.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
+        sliding_window=window,
+        sliding_layers=sliding,
+        num_experts=experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
+        shared_experts=int(cfg.get("n_shared_experts") or 0),
+        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+        v_head_dim=int(cfg.get("v_head_dim") or 0),
+        quantization=quant,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path} cannot be read as JSON ({e}); replace it with the model's own file") from e
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} is not a JSON object; replace it with the model's own file")
+    return data
+
+
+def params_from_index(index: dict[str, Any], info: ModelInfo) -> int | None:
+    """``metadata.total_size`` over the checkpoint's bytes per parameter; None for quantized checkpoints."""
+    total = (index.get("metadata") or {}).get("total_size")
+    if not isinstance(total, int) or total <= 0 or info.quantization:
+        return None  # packed or mixed-width weights: bytes are not parameters
+    return total // _DTYPE_BYTES.get(info.torch_dtype, 2)
+
+
+def params_from_headers(files: list[Path]) -> int | None:
+    """Elements in every tensor of .safetensors files, read from their headers only."""
+    total = 0
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > _MAX_HEADER:
+                    return None
+                header = json.loads(fh.read(size))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        for key, t in header.items():
+            if key != "__metadata__" and isinstance(t, dict):
+                n = 1
+                for d in t.get("shape", []):
+                    n *= int(d)
+                total += n
+    return total or None
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (not at import)."""
+    if env := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env)
+    home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home) / "hub"
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _hf_file(repo: str, filename: str, offline: bool) -> Path | None:
+    """A file of a repo from the cache (or the Hub when online); None when the repo has no such file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(repo, filename, cache_dir=hf_cache_dir(), local_files_only=offline))
+    except GatedRepoError as e:
+        raise ModelError(f"{repo} is gated on the Hugging Face Hub; accept its licence and log in "
+                         "(`hf auth login`), or pass a local directory with its config.json") from e
+    except RepositoryNotFoundError as e:
+        raise ModelError(f"{repo} is not a Hugging Face repository (or it is private); check the name, "
+                         "or pass a local directory with its config.json") from e
+    except EntryNotFoundError:
+        return None
+    except LocalEntryNotFoundError:
+        if offline:
+            return None
+        return _hf_file(repo, filename, True)  # the network failed: the cache may still have it
+    except OSError:
+        return None if offline else _hf_file(repo, filename, True)
+
+
+def _hub_params(repo: str) -> int | None:
+    try:
+        from huggingface_hub import get_safetensors_metadata
+
+        meta = get_safetensors_metadata(repo)
+        return int(sum(meta.parameter_count.values())) or None
+    except Exception:  # noqa: BLE001 - any failure here means "ask the architecture"
+        return None
+
+
+def _finish(info: ModelInfo, params: int | None, source: str) -> ModelInfo:
+    if params:
+        return msgspec.structs.replace(info, params=params, params_source=source)
+    return msgspec.structs.replace(info, params=architecture_params(info), params_source="architecture")
+
+
+def load_dir(path: Path, *, name: str | None = None, source: str | None = None, params: int | None = None) -> ModelInfo:
+    """A model from a directory holding config.json (and maybe an index or .safetensors files)."""
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{path} has no config.json; download the model's config.json into it, "
+                         "or name a Hugging Face repo id")
+    # A folder named Org__Name (as in examples/models) stands for the repo Org/Name.
+    default_name = path.resolve().name.replace("__", "/", 1)
+    info = from_config(_read_json(cfg_path), name=name or default_name, source=source or str(path), where=str(cfg_path))
+    if params:
+        return _finish(info, params, "--params")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        n = params_from_index(_read_json(index), info)
+        if n:
+            return _finish(info, n, "safetensors-index")
+    files = sorted(path.glob("*.safetensors"))
+    if files and not info.quantization:
+        return _finish(info, params_from_headers(files), "safetensors-header")
+    return _finish(info, None, "")
+
+
+def models_dir(explicit: str | Path | None = None) -> Path | None:
+    d = explicit or os.environ.get("LLMGW_MODELS_DIR")
+    return Path(d) if d else None
+
+
+def load(model: str, *, models_dir_: str | Path | None = None, params: int | None = None) -> ModelInfo:
+    """A model by local directory, ``Org/Name`` under a models directory, or Hugging Face repo id."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return load_dir(local, params=params)
+    md = models_dir(models_dir_)
+    if md is not None and _REPO_ID.match(model):
+        candidate = md / model.replace("/", "__")
+        if (candidate / "config.json").is_file():
+            return load_dir(candidate, name=model, source=model, params=params)
+    if not _REPO_ID.match(model):
+        raise ModelError(f"{model!r} is neither a directory with a config.json nor a Hugging Face repo id "
+                         "(Org/Name); check the path or the name")
+    offline = _offline()
+    cfg = _hf_file(model, "config.json", offline)
+    if cfg is None:
+        where = f" under {md}" if md else ""
+        raise ModelError(
+            f"{model}: no config.json in the Hugging Face cache ({hf_cache_dir()}){where}"
+            + (" and HF_HUB_OFFLINE=1 forbids the network" if offline else " and the Hub could not be reached")
+            + f"; fetch it once with `hf download {model} config.json model.safetensors.index.json`, "
+            "or pass a local directory holding its config.json"
+        )
+    info = from_config(_read_json(cfg), name=model, source=model, where=f"config.json of {model}")
+    if params:
+        return _finish(info, params, "--params")
+    index = _hf_file(model, "model.safetensors.index.json", offline)
+    if index is not None:
+        n = params_from_index(_read_json(index), info)
+        if n:
+            return _finish(info, n, "safetensors-index")
+    if not offline and not info.quantization:
+        n = _hub_params(model)
+        if n:
+            return _finish(info, n, "hf-metadata")
+    single = _hf_file(model, "model.safetensors", True)
+    if single is not None and not info.quantization:
+        n = params_from_headers([single])
+        if n:
+            return _finish(info, n, "safetensors-header")
+    return _finish(info, None, "")

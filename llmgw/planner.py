@@ -1,0 +1,689 @@
+"""The capacity planner's arithmetic: will a model fit, and how to split it. Pure: no I/O, no clock.
+
+The memory model, per GPU, for one replica split ``tp`` ways inside a node and
+``pp`` ways across nodes (llama.cpp: ``tp`` counts the GPUs its layer split
+spreads over, on one node):
+
+* **Budget** = ``gpu_memory_utilization`` x the card's *total* memory. vLLM
+  sizes everything from that fraction; the rest of the card is the slack, and
+  it is reserved exactly once, here. llama.cpp has no such flag; the planner
+  holds it to the same fraction so that both engines leave the same slack.
+* **Weights per GPU** = the rank's share, tensor by tensor, at the precision's
+  real size. vLLM: matmuls, embeddings and lm_head are split by tp (K/V
+  projections only down to one KV head per rank, then replicated; MLA's
+  low-rank down-projections and MoE routers are replicated), layers by pp;
+  the worst stage is charged. fp8 and AWQ/GPTQ (4 bits + a 16-bit scale and a
+  4-bit zero per group of 128) apply to matmuls only; embeddings, lm_head, norms
+  and routers stay 16-bit. GGUF: llama.cpp's own tensor-type rules (below),
+  with token embeddings left in host memory unless they double as the output.
+  The tensor breakdown comes from the architecture and is scaled to the
+  parameter count read from the checkpoint, so both always agree on the total.
+* **Overhead per GPU**, from that rank's share:
+  - activation peak of vLLM's profiling run: ``max_num_batched_tokens`` (8192,
+    vLLM's default for the OpenAI server) x 2 bytes x (the rank's q/k/v width +
+    4 x hidden + 3 x the rank's MLP width, top-k experts for MoE), plus the
+    sampler's dummy pass: 256 sequences (``max_num_seqs``) x vocab x fp32 x 2.
+    llama.cpp's compute buffer likewise with its ``n_ubatch`` of 512 tokens in fp32.
+  - CUDA context and cuBLAS workspaces: 0.5 GiB per process (what an idle
+    torch process shows in nvidia-smi on Hopper).
+  - CUDA graphs captured by vLLM after profiling: 0.5 GiB (vLLM logs 0.3-0.6 GiB
+    for 8B-70B models).
+  - NCCL communicators and vLLM's custom all-reduce buffers: 0.25 GiB when tp x pp > 1.
+* **KV cache** = budget - weights - overhead. Per token per GPU: layers x 2 x
+  max(1, kv_heads / tp) x head_dim x 2 bytes (16-bit cache). MLA caches one
+  latent of kv_lora_rank + qk_rope_head_dim per layer, replicated on every tp
+  rank. Sliding-window layers hold at most their window plus the batch in
+  flight (vLLM's hybrid allocator; llama.cpp's SWA cache).
+
+A candidate fits when weights + overhead leave room for the context asked for
+(default: the model's full context, else the largest that fits, at least 2048
+tokens): vLLM refuses to start when one sequence of ``max_model_len`` does not
+fit in the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
+
+from llmgw import messages as m
+from llmgw.errors import PlanError
+from llmgw.projections.fold import FleetState
+
+GIB = 1024**3
+MIB = 1024**2
+
+# --- constants of the memory model (see the module docstring for their sources) ---
+VLLM_BATCHED_TOKENS = 8192
+VLLM_MAX_SEQS = 256
+LLAMACPP_UBATCH = 512
+CUDA_CONTEXT_BYTES = GIB // 2
+CUDA_GRAPHS_BYTES = GIB // 2
+NCCL_BYTES = GIB // 4
+KV_DTYPE_BYTES = 2
+MIN_CONTEXT = 2048
+VLLM_BLOCK = 16
+LLAMACPP_CTX_PAD = 256
+DEFAULT_TPS = (1, 2, 4, 8)
+MAX_PP = 8
+INT4_BPW = 4 + (16 + 4) / 128  # AWQ/GPTQ: 4-bit weights, fp16 scale and 4-bit zero per group of 128
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision as its engine spells it; choosing it chooses the engine."""
+
+    name: str
+    engine: m.Engine
+    kind: str  # 16bit | fp8 | int4 | gguf
+    ggml: str = ""  # GGUF: the base block type of the file
+
+
+PRECISIONS: tuple[Precision, ...] = (
+    Precision("bf16", "vllm", "16bit"),
+    Precision("fp16", "vllm", "16bit"),
+    Precision("fp8", "vllm", "fp8"),
+    Precision("awq", "vllm", "int4"),
+    Precision("gptq", "vllm", "int4"),
+    Precision("q8_0", "llama.cpp", "gguf", "Q8_0"),
+    Precision("q6_K", "llama.cpp", "gguf", "Q6_K"),
+    Precision("q5_K_M", "llama.cpp", "gguf", "Q5_K"),
+    Precision("q4_K_M", "llama.cpp", "gguf", "Q4_K"),
+)
+BY_NAME = {p.name.lower(): p for p in PRECISIONS}
+RANK = {p.name: i for i, p in enumerate(PRECISIONS)}
+GGUF_NAMES = tuple(p.name for p in PRECISIONS if p.kind == "gguf")
+
+# ggml block formats: bits per weight (block bytes x 8 / block elements).
+GGML_BPW = {"F32": 32.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q4_K": 4.5,
+            "Q5_0": 5.5, "Q5_1": 6.0}
+# A K-quant needs rows that are a multiple of 256; llama.cpp falls back to these.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def precision(name: str) -> Precision:
+    """A precision by name, case-insensitively."""
+    p = BY_NAME.get(name.lower())
+    if p is None:
+        raise PlanError(f"unknown precision {name!r}; known: {', '.join(BY_NAME[k].name for k in BY_NAME)}")
+    return p
+
+
+# --- the model's tensors ----------------------------------------------------------------
+
+
+class Tensor(NamedTuple):
+    """One weight tensor (or all experts of one kind in a layer) as llama.cpp names it."""
+
+    name: str  # token_embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate, ..., norm
+    layer: int  # -1 outside the layers
+    params: int
+    row: int  # the input width (ggml ne0): decides K-quant fallbacks
+    matmul: bool  # a linear layer's weight: what fp8/AWQ/GPTQ quantize
+    split: str  # tp: sharded by tp | kv: sharded by KV heads | rep: replicated on every rank
+
+
+def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
+    h, heads, kv, hd = info.hidden_size, info.num_attention_heads, info.num_kv_heads, info.head_dim
+    norms = 4 if info.model_type.startswith("gemma") else 2
+    out = [Tensor("norm", i, norms * h, h, False, "rep")]
+    if info.kv_lora_rank:
+        qk = info.qk_nope_head_dim + info.qk_rope_head_dim
+        if info.q_lora_rank:
+            out += [Tensor("attn_q_a", i, h * info.q_lora_rank, h, True, "rep"),
+                    Tensor("norm", i, info.q_lora_rank, info.q_lora_rank, False, "rep"),
+                    Tensor("attn_q_b", i, info.q_lora_rank * heads * qk, info.q_lora_rank, True, "tp")]
+        else:
+            out.append(Tensor("attn_q", i, h * heads * qk, h, True, "tp"))
+        out += [Tensor("attn_kv_a_mqa", i, h * (info.kv_lora_rank + info.qk_rope_head_dim), h, True, "rep"),
+                Tensor("norm", i, info.kv_lora_rank, info.kv_lora_rank, False, "rep"),
+                Tensor("attn_kv_b", i, info.kv_lora_rank * heads * (info.qk_nope_head_dim + info.v_head_dim),
+                       info.kv_lora_rank, True, "tp"),
+                Tensor("attn_output", i, heads * info.v_head_dim * h, heads * info.v_head_dim, True, "tp")]
+    else:
+        out += [Tensor("attn_q", i, h * heads * hd, h, True, "tp"),
+                Tensor("attn_k", i, h * kv * hd, h, True, "kv"),
+                Tensor("attn_v", i, h * kv * hd, h, True, "kv"),
+                Tensor("attn_output", i, heads * hd * h, heads * hd, True, "tp")]
+        if info.attention_bias:
+            out.append(Tensor("bias", i, (heads + 2 * kv) * hd, 1, False, "tp"))
+        if info.model_type == "qwen3":
+            out.append(Tensor("norm", i, 2 * hd, hd, False, "rep"))
+    if info.num_experts and i >= info.first_dense_layers:
+        e, mi = info.num_experts, info.moe_intermediate_size
+        out += [Tensor("ffn_gate_inp", i, h * e, h, False, "rep"),
+                Tensor("ffn_gate_exps", i, e * h * mi, h, True, "tp"),
+                Tensor("ffn_up_exps", i, e * h * mi, h, True, "tp"),
+                Tensor("ffn_down_exps", i, e * mi * h, mi, True, "tp")]
+        if info.shared_experts:
+            si = info.shared_experts * mi
+            out += [Tensor("ffn_gate_shexp", i, h * si, h, True, "tp"),
+                    Tensor("ffn_up_shexp", i, h * si, h, True, "tp"),
+                    Tensor("ffn_down_shexp", i, si * h, si, True, "tp")]
+    else:
+        f = info.intermediate_size
+        out += [Tensor("ffn_gate", i, h * f, h, True, "tp"),
+                Tensor("ffn_up", i, h * f, h, True, "tp"),
+                Tensor("ffn_down", i, f * h, f, True, "tp")]
+    return out
+
+
+@lru_cache(maxsize=64)
+def tensors(info: m.ModelInfo) -> tuple[Tensor, ...]:
+    """Every weight of the model, from its architecture alone."""
+    h, v = info.hidden_size, info.vocab_size
+    out = [Tensor("token_embd", -1, v * h, h, False, "tp")]
+    for i in range(info.num_layers):
+        out += _layer_tensors(info, i)
+    out.append(Tensor("output_norm", -1, h, h, False, "rep"))
+    if not info.tie_word_embeddings:
+        out.append(Tensor("output", -1, v * h, h, False, "tp"))
+    return tuple(out)
+
+
+def architecture_params(info: m.ModelInfo) -> int:
+    """The parameter count the architecture implies (the fallback when no checkpoint says)."""
+    return sum(t.params for t in tensors(info))
+
+
+# --- bytes per tensor at a precision ---------------------------------------------------------
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of layers that get more bits in the _M K-quant mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def gguf_type(p: Precision, t: Tensor, info: m.ModelInfo) -> str:
+    """The ggml type llama-quantize gives a tensor (llama_tensor_get_type, for the mixes offered)."""
+    if not t.matmul and t.name not in ("token_embd", "output"):
+        return "F32"  # norms, biases and MoE routers stay in f32
+    base = p.ggml
+    qt = base
+    is_output = t.name == "output" or (t.name == "token_embd" and info.tie_word_embeddings)
+    mixed = p.name in ("q4_K_M", "q5_K_M")
+    if is_output:
+        qt = base if base == "Q8_0" else "Q6_K"
+    elif t.name == "attn_v":
+        if info.num_experts == 8:
+            qt = "Q8_0"
+        elif mixed and _use_more_bits(t.layer, info.num_layers):
+            qt = "Q6_K"
+    elif t.name == "attn_k" and info.num_experts == 8:
+        qt = "Q8_0"
+    elif t.name in ("ffn_down", "ffn_down_exps") and mixed and _use_more_bits(t.layer, info.num_layers):
+        qt = "Q6_K"
+    elif t.name == "attn_output" and info.num_experts == 8 and p.name == "q4_K_M":
+        qt = "Q5_K"
+    if qt in K_FALLBACK and t.row % 256:
+        qt = K_FALLBACK[qt]
+    if qt != "F32" and t.row % 32:
+        qt = "F16"
+    return qt
+
+
+def tensor_bits(p: Precision, t: Tensor, info: m.ModelInfo) -> float:
+    """Bits one tensor takes at a precision."""
+    if p.kind == "gguf":
+        return t.params * GGML_BPW[gguf_type(p, t, info)]
+    if t.matmul and p.kind == "fp8":
+        return t.params * 8.0
+    if t.matmul and p.kind == "int4":
+        return t.params * INT4_BPW
+    return t.params * 16.0
+
+
+class _Layout(NamedTuple):
+    """A model's bytes at one precision, grouped the way ranks share them."""
+
+    layer_tp: tuple[float, ...]  # per layer: bytes split by tp
+    layer_kv: tuple[float, ...]  # per layer: K/V projection bytes, split by KV heads
+    layer_rep: tuple[float, ...]  # per layer: bytes every rank holds
+    embd: float
+    output: float  # 0 when tied to the embeddings
+    output_norm: float
+    total: float  # the whole checkpoint (GGUF: the file)
+
+
+@lru_cache(maxsize=256)
+def layout(info: m.ModelInfo, p: Precision) -> _Layout:
+    """Bytes per group at a precision, scaled so that parameters add up to ``info.params``."""
+    ts = tensors(info)
+    arch = sum(t.params for t in ts)
+    scale = info.params / arch if info.params and arch else 1.0
+    n = info.num_layers
+    tp_b, kv_b, rep_b = [0.0] * n, [0.0] * n, [0.0] * n
+    embd = output = output_norm = 0.0
+    for t in ts:
+        b = tensor_bits(p, t, info) / 8 * scale
+        if t.layer >= 0:
+            (tp_b if t.split == "tp" else kv_b if t.split == "kv" else rep_b)[t.layer] += b
+        elif t.name == "token_embd":
+            embd = b
+        elif t.name == "output":
+            output = b
+        else:
+            output_norm = b
+    total = sum(tp_b) + sum(kv_b) + sum(rep_b) + embd + output + output_norm
+    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), embd, output, output_norm, total)
+
+
+def stages(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges per pipeline stage; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def kv_heads_per_rank(info: m.ModelInfo, tp: int) -> int:
+    return max(1, info.num_kv_heads // tp)
+
+
+def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1) -> float:
+    """The worst rank's share of the weights."""
+    lay = layout(info, p)
+    if p.engine == "llama.cpp":
+        # Layer split over tp GPUs; token embeddings stay in host memory unless they are the output too.
+        head = lay.output + lay.output_norm if not info.tie_word_embeddings else lay.embd + lay.output_norm
+        per = [sum(lay.layer_tp[i] + lay.layer_kv[i] + lay.layer_rep[i] for i in r) for r in stages(info.num_layers, tp)]
+        per[-1] += head
+        return max(per)
+    kv_share = kv_heads_per_rank(info, tp) / max(1, info.num_kv_heads)
+    worst = 0.0
+    parts = stages(info.num_layers, pp)
+    for s, r in enumerate(parts):
+        b = sum(lay.layer_tp[i] / tp + lay.layer_kv[i] * kv_share + lay.layer_rep[i] for i in r)
+        if s == 0:
+            b += lay.embd / tp
+        if s == len(parts) - 1:
+            # A tied lm_head shares the embedding, unless it lives on another stage.
+            b += lay.output_norm + (lay.output if lay.output or pp == 1 else lay.embd) / tp
+        worst = max(worst, b)
+    return worst
+
+
+# --- KV cache -----------------------------------------------------------------------------------
+
+
+class KvShape(NamedTuple):
+    """What one token costs in one GPU's KV cache."""
+
+    per_layer: int  # bytes per token per layer on this GPU
+    full_layers: int  # layers on this GPU that keep every token
+    window_layers: int  # layers on this GPU that keep at most window + batch tokens
+    window: int  # window + tokens in flight; 0 when no layer slides
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.per_layer * (self.full_layers + self.window_layers)
+
+    def bytes_for(self, context: int) -> int:
+        """KV bytes one sequence of ``context`` tokens holds on this GPU."""
+        return self.per_layer * (self.full_layers * context + self.window_layers * min(context, self.window))
+
+    def max_context(self, budget: float) -> int:
+        """The longest sequence whose KV fits in ``budget`` bytes (may exceed any real limit)."""
+        if budget <= 0 or self.per_layer == 0:
+            return 0
+        c1 = int(budget // self.bytes_per_token)
+        if not self.window_layers or c1 <= self.window:
+            return c1
+        if not self.full_layers:
+            return 1 << 40  # only windowed layers: no length limit from memory
+        return int((budget / self.per_layer - self.window_layers * self.window) // self.full_layers)
+
+
+def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1) -> KvShape:
+    """KV per token per GPU for a split; the worst stage is charged."""
+    if engine == "llama.cpp":
+        layers = stages(info.num_layers, tp)[0]
+        heads = info.num_kv_heads
+        batch = LLAMACPP_UBATCH
+    else:
+        layers = stages(info.num_layers, pp)[0]
+        heads = kv_heads_per_rank(info, tp)
+        batch = VLLM_BATCHED_TOKENS
+    if info.kv_lora_rank:
+        per_layer = (info.kv_lora_rank + info.qk_rope_head_dim) * KV_DTYPE_BYTES  # replicated, not split
+    else:
+        per_layer = 2 * heads * info.head_dim * KV_DTYPE_BYTES
+    sliding = set(info.sliding_layers) if info.sliding_window else set()
+    window_layers = sum(1 for i in layers if i in sliding)
+    window = (info.sliding_window or 0) + batch if window_layers else 0
+    return KvShape(per_layer, len(layers) - window_layers, window_layers, window)
+
+
+# --- overhead -------------------------------------------------------------------------------------
+
+
+def _ffn_width(info: m.ModelInfo) -> int:
+    if info.num_experts:
+        moe = (info.experts_per_token + info.shared_experts) * info.moe_intermediate_size
+        return max(moe, info.intermediate_size if info.first_dense_layers else 0)
+    return info.intermediate_size
+
+
+def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1) -> float:
+    """Activation peak, CUDA context and graphs, NCCL: from this rank's share."""
+    if engine == "llama.cpp":
+        compute = LLAMACPP_UBATCH * 4 * (info.vocab_size + 4 * info.hidden_size + 3 * _ffn_width(info))
+        return CUDA_CONTEXT_BYTES + compute
+    if info.kv_lora_rank:
+        qkv = info.num_attention_heads * (2 * info.qk_nope_head_dim + info.qk_rope_head_dim + info.v_head_dim) // tp
+    else:
+        qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
+    width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
+    activation = VLLM_BATCHED_TOKENS * 2 * width + VLLM_MAX_SEQS * info.vocab_size * 4 * 2
+    nccl = NCCL_BYTES if tp * pp > 1 else 0
+    return activation + CUDA_CONTEXT_BYTES + CUDA_GRAPHS_BYTES + nccl
+
+
+# --- one candidate ---------------------------------------------------------------------------------
+
+
+def gib(b: float) -> float:
+    return round(b / GIB, 2)
+
+
+def gguf_file(info: m.ModelInfo, p: Precision) -> str:
+    """The conventional GGUF file name: ``Qwen2.5-14B-Instruct-Q4_K_M.gguf``."""
+    return f"{info.name.rstrip('/').split('/')[-1]}-{p.name.upper()}.gguf"
+
+
+def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float) -> str:
+    """The engine command line this candidate would run."""
+    if p.engine == "llama.cpp":
+        return f"llama-server -m {gguf_file(info, p)} -c {context} -ngl 999"
+    parts = ["vllm serve", info.source, f"--tensor-parallel-size {tp}"]
+    if pp > 1:
+        parts += [f"--pipeline-parallel-size {pp}", "--distributed-executor-backend ray"]
+    q = quantization_flag(info, p)
+    if q:
+        parts.append(f"--quantization {q}")
+    native = "fp16" if info.torch_dtype == "float16" else "bf16"
+    if p.kind == "16bit" and p.name != native:
+        parts.append(f"--dtype {'float16' if p.name == 'fp16' else 'bfloat16'}")
+    parts += [f"--max-model-len {context}", f"--gpu-memory-utilization {util:g}"]
+    return " ".join(parts)
+
+
+def quantization_flag(info: m.ModelInfo, p: Precision) -> str | None:
+    """``--quantization`` wherever vLLM would otherwise load the checkpoint's 16-bit weights."""
+    if p.engine != "vllm" or p.kind == "16bit":
+        return None
+    if info.quantization == p.name:
+        return None  # the checkpoint is already quantized so; vLLM reads that from its config
+    return p.name
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where and how one replica would run."""
+
+    gpu_class: str
+    fabric: str | None
+    memory_mib: int
+    tp: int
+    pp: int = 1
+
+
+def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
+             replicas_now: int) -> m.Candidate:
+    """Fit one precision on one split: weights, overhead and KV per GPU, and the context left."""
+    tp, pp = split.tp, split.pp
+    budget = util * split.memory_mib * MIB
+    weights = weight_bytes_per_gpu(info, p, tp, pp)
+    overhead = overhead_bytes_per_gpu(info, p.engine, tp, pp)
+    kv = kv_shape(info, p.engine, tp, pp)
+    kv_budget = budget - weights - overhead
+    block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
+    kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
+    longest = kv.max_context(kv_budget)
+    max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
+    reason: str | None = None
+    if kv_budget <= 0:
+        reason = (f"weights {gib(weights)} GiB + overhead {gib(overhead)} GiB per GPU exceed the "
+                  f"{gib(budget)} GiB budget ({util:g} x {gib(split.memory_mib * MIB)} GiB)")
+        chosen = context or info.max_position_embeddings
+    elif context is not None:
+        chosen = context
+        if kv.bytes_for(context) > kv_budget:
+            reason = (f"a {context}-token context needs {gib(kv.bytes_for(context))} GiB of KV cache per GPU; "
+                      f"{gib(kv_budget)} GiB is left, enough for {max_context} tokens")
+    else:
+        chosen = max_context
+        floor = min(MIN_CONTEXT, info.max_position_embeddings)
+        if max_context < floor:
+            reason = f"the {gib(kv_budget)} GiB left for KV cache per GPU holds {max_context} tokens, under {floor}"
+    fits = reason is None
+    file = gguf_file(info, p) if p.kind == "gguf" else None
+    return m.Candidate(
+        gpu_class=split.gpu_class,
+        fabric=split.fabric,
+        nodes=pp,
+        tp=tp,
+        pp=pp,
+        precision=p.name,
+        engine=p.engine,
+        quantization=quantization_flag(info, p),
+        fits=fits,
+        reason=reason,
+        weights_gib_per_gpu=gib(weights),
+        kv_bytes_per_token_per_gpu=kv.bytes_per_token,
+        kv_gib_per_gpu=gib(max(0.0, kv_budget)),
+        kv_tokens=kv_tokens,
+        max_context=max_context,
+        replicas_now=replicas_now if fits else 0,
+        command=command(info, p, tp, pp, chosen, util),
+        source=info.source,
+        context=chosen,
+        gpus=tp * pp,
+        gpu_memory_gib=gib(split.memory_mib * MIB),
+        gpu_memory_utilization=util,
+        overhead_gib_per_gpu=gib(overhead),
+        file=file,
+        file_gib=gib(layout(info, p).total) if file else None,
+    )
+
+
+# --- the fleet as pools -----------------------------------------------------------------------------
+
+
+@dataclass
+class NodeSlots:
+    name: str
+    fabric: str
+    healthy: int  # healthy GPUs of the class on this live node
+    free: int  # of which no replica holds
+
+
+@dataclass
+class ClassPool:
+    gpu_class: str
+    memory_mib: int
+    nodes: list[NodeSlots] = field(default_factory=list)
+
+    def fabrics(self) -> dict[str, list[NodeSlots]]:
+        out: dict[str, list[NodeSlots]] = {}
+        for n in self.nodes:
+            out.setdefault(n.fabric, []).append(n)
+        return out
+
+
+def pools(fleet: FleetState) -> dict[str, ClassPool]:
+    """Live healthy GPUs by class; unhealthy GPUs are neither used nor free."""
+    held = fleet.held_gpus()
+    out: dict[str, ClassPool] = {}
+    for node in fleet.nodes.values():
+        if node.lost:
+            continue
+        free = {(g.gpu_class, g.index) for g in fleet.free_gpus(node, held)}
+        by_class: dict[str, list[int]] = {}
+        for g in node.gpus.values():
+            if g.healthy:
+                by_class.setdefault(g.gpu_class, []).append(g.memory_mib)
+        for cls, mems in by_class.items():
+            pool = out.setdefault(cls, ClassPool(cls, min(mems)))
+            pool.memory_mib = min(pool.memory_mib, *mems)
+            pool.nodes.append(NodeSlots(node.name, node.fabric, len(mems), sum(1 for c, _ in free if c == cls)))
+    return out
+
+
+def replicas_single(nodes: Iterable[NodeSlots], tp: int) -> int:
+    return sum(n.free // tp for n in nodes)
+
+
+def replicas_multi(nodes: Iterable[NodeSlots], tp: int, pp: int) -> int:
+    """Replicas of pp stages on pp distinct nodes, each stage tp GPUs of one node."""
+    slots = [n.free // tp for n in nodes if n.free >= tp]
+    r = sum(slots) // pp
+    while r > 0 and sum(min(s, r) for s in slots) < r * pp:
+        r -= 1
+    return r
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+
+
+def valid_tp(info: m.ModelInfo, tp: int) -> bool:
+    """vLLM splits attention heads evenly, and KV heads evenly or by replication."""
+    if tp < 1 or info.num_attention_heads % tp:
+        return False
+    if info.kv_lora_rank:
+        return True
+    kv = info.num_kv_heads
+    return kv % tp == 0 or tp % kv == 0
+
+
+def available_precisions(info: m.ModelInfo) -> tuple[Precision, ...]:
+    """What the repository can be served at: its own format, fp8, and the GGUF mixes."""
+    q = info.quantization
+    if q in ("awq", "gptq"):
+        own: tuple[str, ...] = (q,)
+    elif q == "fp8":
+        own = ("fp8",)
+    else:
+        own = ("fp16" if info.torch_dtype == "float16" else "bf16", "fp8")
+    return tuple(BY_NAME[n.lower()] for n in (*own, *GGUF_NAMES))
+
+
+def _check_precision(info: m.ModelInfo, p: Precision) -> None:
+    q = info.quantization
+    if p.kind == "16bit" and q in ("fp8", "awq", "gptq"):
+        raise PlanError(f"{info.name} holds {q} weights; vLLM serves them as {q}, not {p.name}: "
+                        f"choose --precision {q} or a GGUF precision ({', '.join(GGUF_NAMES)})")
+    if p.kind == "int4" and q != p.name:
+        raise PlanError(f"{p.name} needs a repository that holds {p.name.upper()} weights (e.g. an "
+                        f"…-{p.name.upper()} repository); {info.name} holds {q or info.torch_dtype}: "
+                        f"choose --precision fp8, a GGUF precision, or plan that repository")
+    if p.kind == "fp8" and q in ("awq", "gptq"):
+        raise PlanError(f"{info.name} holds {q} weights; fp8 needs the 16-bit or fp8 repository")
+
+
+def validate(info: m.ModelInfo, request: m.PlanRequest) -> tuple[tuple[Precision, ...], tuple[int, ...]]:
+    """The precisions and tps to try, or a PlanError that says why the request makes no sense."""
+    util = request.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise PlanError(f"--gpu-memory-utilization is the fraction of each card the engine may use; "
+                        f"it must be above 0 and at most 1 (got {util:g})")
+    if request.context is not None and not 1 <= request.context <= info.max_position_embeddings:
+        raise PlanError(f"--context {request.context} is outside what {info.name} supports "
+                        f"(1 to {info.max_position_embeddings} tokens, its max_position_embeddings)")
+    if request.params is not None and request.params <= 0:
+        raise PlanError(f"--params must be a positive parameter count (got {request.params})")
+    if request.precisions:
+        precs = tuple(dict.fromkeys(precision(n) for n in request.precisions))
+        for p in precs:
+            _check_precision(info, p)
+    else:
+        precs = available_precisions(info)
+    tps = tuple(dict.fromkeys(request.tp)) or DEFAULT_TPS
+    for tp in request.tp:
+        if not 1 <= tp <= 64:
+            raise PlanError(f"--tp {tp} is not a GPU count between 1 and 64")
+        if any(p.engine == "vllm" for p in precs) and not valid_tp(info, tp):
+            good = ", ".join(str(t) for t in DEFAULT_TPS if valid_tp(info, t))
+            kv = "" if info.kv_lora_rank else f" and {info.num_kv_heads} KV heads"
+            raise PlanError(f"--tp {tp} does not split the {info.num_attention_heads} attention heads{kv} "
+                            f"of {info.name} evenly; use one of {good}")
+    return precs, tps
+
+
+def _sort_key(c: m.Candidate) -> tuple[object, ...]:
+    return (not c.fits, c.gpus, RANK[c.precision], -c.max_context, c.gpu_class, c.fabric or "")
+
+
+def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.PlanReply:
+    """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too."""
+    info = model
+    if request.params:
+        info = _with_params(model, request.params)
+    precs, tps = validate(info, request)
+    explicit_tp = bool(request.tp)
+    util = request.gpu_memory_utilization
+    out: list[m.Candidate] = []
+    notes: list[str] = []
+    by_class = pools(fleet)
+    gpus = sum(n.healthy for p in by_class.values() for n in p.nodes)
+    if not by_class:
+        notes.append("the fleet has no live healthy GPUs: no agent has reported, or every node is lost; "
+                     "start agents (`llmgw agent`) or plan against a fleet file with --fleet")
+    for cls in sorted(by_class):
+        pool = by_class[cls]
+        widest = max(n.healthy for n in pool.nodes)
+        for p in precs:
+            ok_tps = [t for t in tps if t <= widest and (p.engine == "llama.cpp" or valid_tp(info, t))]
+            single_fits = False
+            for tp in ok_tps:
+                c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
+                             replicas_now=replicas_single(pool.nodes, tp))
+                single_fits |= c.fits
+                out.append(c)
+            if p.engine != "vllm" or single_fits:
+                continue  # multi-node only where one node cannot hold it; llama.cpp stays on one node
+            for fabric, nodes in sorted(pool.fabrics().items()):
+                for tp in ok_tps:
+                    if not explicit_tp and tp != max(ok_tps):
+                        continue  # across nodes, fill each node: smaller tp only adds stages
+                    wide = [n for n in nodes if n.healthy >= tp]
+                    for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
+                        c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
+                                     util=util, replicas_now=replicas_multi(wide, tp, pp))
+                        out.append(c)
+                        if c.fits:
+                            break  # more stages than the fewest that hold it only cost GPUs
+    fitting = [c for c in out if c.fits]
+    if by_class and not fitting:
+        notes.append(_nothing_fits(info, out, by_class))
+    shown = out if request.all else fitting
+    return m.PlanReply(
+        model=info.name,
+        params=info.params,
+        params_source=info.params_source,
+        candidates=tuple(sorted(shown, key=_sort_key)),
+        context=request.context,
+        fleet_gpus=gpus,
+        notes=tuple(notes),
+    )
+
+
+def _with_params(info: m.ModelInfo, params: int) -> m.ModelInfo:
+    import msgspec
+
+    return msgspec.structs.replace(info, params=params, params_source="--params")
+
+
+def _nothing_fits(info: m.ModelInfo, out: list[m.Candidate], by_class: dict[str, ClassPool]) -> str:
+    biggest = max(by_class.values(), key=lambda p: (p.memory_mib, max(n.healthy for n in p.nodes)))
+    if not out:
+        return f"no split of {info.name} can land on this fleet (largest node: {max(n.healthy for n in biggest.nodes)} x {biggest.gpu_class})"
+    best = min(out, key=lambda c: (c.weights_gib_per_gpu + c.overhead_gib_per_gpu, -c.gpus))
+    return (f"nothing fits: the lightest split ({best.precision}, tp={best.tp}, pp={best.pp} on {best.gpu_class}) "
+            f"needs {best.weights_gib_per_gpu + best.overhead_gib_per_gpu:.1f} GiB per GPU before KV cache; "
+            f"{best.reason}; try a smaller --precision, a larger --tp, a shorter --context, or --all to see every split")

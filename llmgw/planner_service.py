@@ -1,0 +1,129 @@
+"""The planner service: plan requests in over NATS, candidates out, against its own fold of the fleet.
+
+It folds the fleet stream (which GPUs exist, their health, lost nodes) and the
+control stream (which GPUs replicas hold) with the one fold the projector uses,
+following both live. It answers on ``subjects.PLAN`` in the queue group
+``subjects.PLANNER_QUEUE``, so that several planners share the load. A request
+that cannot be decoded or makes no sense gets an error reply (Bus.serve); an
+event that cannot be decoded is logged with its sequence, counted and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import modelinfo, planner, subjects
+from llmgw.bus import Bus
+from llmgw.errors import PlanError, ServiceError
+from llmgw.projections.fold import FleetState, apply
+
+log = logging.getLogger(__name__)
+
+_FOLLOWED = ((subjects.STREAM_FLEET, m.FLEET_DECODER), (subjects.STREAM_CONTROL, m.CONTROL_DECODER))
+
+
+class PlannerService:
+    """One planner: an in-memory fold of the fleet and control streams, and the plan handler."""
+
+    def __init__(self, bus: Bus, *, models_dir: str | Path | None = None, cache_size: int = 256) -> None:
+        self.bus = bus
+        self.models_dir = models_dir
+        self.state = FleetState()
+        self.positions: dict[str, int] = {}
+        self.skipped = 0
+        self.answered = 0
+        self.ready = asyncio.Event()
+        self._models: dict[tuple[str, int | None], m.ModelInfo] = {}
+        self._cache_size = cache_size
+        self._progress = asyncio.Event()
+
+    # --- requests ---------------------------------------------------------------------
+
+    async def model(self, name: str, params: int | None) -> m.ModelInfo:
+        """A model's facts, read once and kept (config files do not change under a repo revision)."""
+        key = (name, params)
+        info = self._models.get(key)
+        if info is None:
+            info = await asyncio.to_thread(modelinfo.load, name, models_dir_=self.models_dir, params=params)
+            if len(self._models) >= self._cache_size:
+                self._models.pop(next(iter(self._models)))
+            self._models[key] = info
+        return info
+
+    async def handle(self, data: bytes) -> bytes:
+        """Answer one plan request; anything raised becomes an error reply."""
+        try:
+            request = m.PLAN_REQUEST_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise PlanError(f"malformed plan request ({e}); send a PlanRequest as JSON, e.g. {{\"model\": \"Org/Name\"}}") from e
+        info = request.info or await self.model(request.model, request.params)
+        reply = planner.plan(info, self.state, request)
+        self.answered += 1
+        return m.encode(reply)
+
+    # --- the fold ---------------------------------------------------------------------
+
+    async def _follow(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
+        reader = self.bus.reader(stream, 1)
+        async for batch in reader.batches():
+            for raw in batch:
+                try:
+                    event = decoder.decode(raw.data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    self.skipped += 1
+                    log.warning("planner: %s seq %d (%s) cannot be decoded, skipped: %s", stream, raw.seq, raw.subject, e)
+                else:
+                    apply(self.state, event)
+                self.positions[stream] = raw.seq
+            self._progress.set()
+
+    async def wait_for(self, positions: dict[str, int], timeout: float = 10.0) -> None:  # noqa: ASYNC109 - bounded wait is the point
+        """Return once the fold has reached these stream sequences."""
+
+        async def reached() -> None:
+            while any(self.positions.get(s, 0) < seq for s, seq in positions.items()):
+                self._progress.clear()
+                await self._progress.wait()
+
+        await asyncio.wait_for(reached(), timeout)
+
+    async def run(self, *, catch_up_timeout: float = 30.0) -> None:
+        """Catch up with both streams, then answer requests and follow live until cancelled."""
+        targets = {stream: await self.bus.stream_last_seq(stream) for stream, _ in _FOLLOWED}
+        tasks = [asyncio.create_task(self._follow(s, d), name=f"planner-follow-{s}") for s, d in _FOLLOWED]
+        sub = None
+        try:
+            try:
+                await self.wait_for(targets, catch_up_timeout)
+            except TimeoutError:
+                log.warning("planner: not caught up with %s after %.0fs; answering from what is folded", targets, catch_up_timeout)
+            sub = await self.bus.serve(subjects.PLAN, self.handle, queue=subjects.PLANNER_QUEUE)
+            self.ready.set()
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()  # a follower that died takes the service down loudly
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+
+async def ask(bus: Bus, request: m.PlanRequest, *, timeout: float | None = None) -> m.PlanReply:  # noqa: ASYNC109
+    """Ask a running planner over NATS."""
+    data = await bus.request(subjects.PLAN, m.encode(request), timeout=timeout, service="planner")
+    try:
+        return m.PLAN_REPLY_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ServiceError(f"the planner answered something that is not a plan ({e}); is it the same llmgw version?") from e

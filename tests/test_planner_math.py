@@ -1,0 +1,391 @@
+"""The planner's pure arithmetic, hand-checked in bytes for every architecture family in examples/models."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+from llmgw.projections.fold import FleetState, fold
+
+from llmgw import fleetfile, modelinfo
+from llmgw import messages as m
+from llmgw import planner as P
+from llmgw.errors import PlanError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+MODELS = EXAMPLES / "models"
+
+AT = datetime(2026, 1, 1, tzinfo=UTC)
+GIB = 1024**3
+MIB = 1024**2
+H100_MIB = 81559
+
+
+def model(dirname: str) -> m.ModelInfo:
+    """An example model by its repo id, through the models-dir shorthand (so source is the repo id)."""
+    return modelinfo.load(dirname.replace("__", "/", 1), models_dir_=MODELS)
+
+
+LLAMA70 = "meta-llama__Llama-3.3-70B-Instruct"
+LLAMA8 = "meta-llama__Llama-3.1-8B-Instruct"
+QWEN14 = "Qwen__Qwen2.5-14B-Instruct"
+QWEN3 = "Qwen__Qwen3-8B"
+GEMMA = "google__gemma-2-9b-it"
+MIXTRAL = "mistralai__Mixtral-8x7B-Instruct-v0.1"
+DEEPSEEK = "deepseek-ai__DeepSeek-V3"
+
+
+def fleet(toml: str) -> FleetState:
+    return fold(fleetfile.inventories(fleetfile.parse(toml), AT))
+
+
+def node(name: str, fabric: str, cls: str = "H100-80GB", count: int = 8, mem: int = H100_MIB, unhealthy: str = "") -> str:
+    extra = f"\nunhealthy = [{unhealthy}]" if unhealthy else ""
+    return (f'[[nodes]]\nname = "{name}"\nfabric = "{fabric}"\ngpu_class = "{cls}"\n'
+            f"gpu_count = {count}\ngpu_memory_mib = {mem}{extra}\n")
+
+
+EXAMPLE_FLEET = fold(fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml"), AT))
+
+
+# --- KV bytes per token per GPU: layers x 2 x kv_heads_per_rank x head_dim x 2 -----------------
+
+@pytest.mark.parametrize(
+    ("dirname", "tp", "expected"),
+    [
+        (LLAMA70, 1, 80 * 2 * 8 * 128 * 2),  # 327,680: dense GQA
+        (LLAMA70, 2, 80 * 2 * 4 * 128 * 2),
+        (LLAMA70, 8, 80 * 2 * 1 * 128 * 2),
+        (LLAMA8, 1, 32 * 2 * 8 * 128 * 2),
+        (QWEN14, 1, 48 * 2 * 8 * 128 * 2),
+        (QWEN3, 1, 36 * 2 * 8 * 128 * 2),  # head_dim read from the config
+        (GEMMA, 1, 42 * 2 * 8 * 256 * 2),  # head_dim 256, not 3584 / 16 = 224
+        (GEMMA, 2, 42 * 2 * 4 * 256 * 2),
+        (MIXTRAL, 1, 32 * 2 * 8 * 128 * 2),
+        (DEEPSEEK, 1, 61 * (512 + 64) * 2),  # MLA: one latent per layer
+        (DEEPSEEK, 8, 61 * (512 + 64) * 2),  # ... replicated on every rank, not split by tp
+    ],
+)
+def test_kv_bytes_per_token_per_gpu(dirname: str, tp: int, expected: int) -> None:
+    assert P.kv_shape(model(dirname), "vllm", tp).bytes_per_token == expected
+
+
+def test_kv_pipeline_stage_holds_its_layers_only() -> None:
+    assert P.kv_shape(model(LLAMA70), "vllm", 8, pp=2).bytes_per_token == 40 * 2 * 1 * 128 * 2
+    assert P.kv_shape(model(DEEPSEEK), "vllm", 8, pp=2).bytes_per_token == 31 * 576 * 2  # 61 layers: 31 + 30
+
+
+def test_kv_heads_replicate_beyond_tp() -> None:
+    """Past one KV head per rank the heads are replicated, so KV per GPU stops shrinking."""
+    info = model(LLAMA70)
+    assert P.kv_heads_per_rank(info, 16) == 1
+    assert P.kv_shape(info, "vllm", 16).bytes_per_token == P.kv_shape(info, "vllm", 8).bytes_per_token
+
+
+def test_sliding_window_layers_hold_at_most_window_plus_batch() -> None:
+    info = model(GEMMA)
+    assert info.sliding_window == 4096
+    assert info.sliding_layers == tuple(range(0, 42, 2))
+    shape = P.kv_shape(info, "llama.cpp", 1)  # llama.cpp's SWA cache: window + n_ubatch (512)
+    assert (shape.full_layers, shape.window_layers, shape.window) == (21, 21, 4096 + 512)
+    per_layer = 2 * 8 * 256 * 2
+    assert shape.bytes_for(8192) == per_layer * (21 * 8192 + 21 * 4608)
+    assert shape.bytes_for(4000) == per_layer * 42 * 4000  # inside the window every layer pays
+    vllm = P.kv_shape(info, "vllm", 1)
+    assert vllm.window == 4096 + 8192
+    # 8 GiB holds more than the window: past it only the 21 global layers grow.
+    c = vllm.max_context(8 * GIB)
+    assert c == (8 * GIB // per_layer - 21 * 12288) // 21 == 37644
+    assert vllm.bytes_for(c) <= 8 * GIB < vllm.bytes_for(c + 1)
+    assert vllm.max_context(GIB) == GIB // (42 * per_layer)  # inside the window: every layer
+
+
+def test_no_sliding_for_qwen2_with_use_sliding_window_false() -> None:
+    info = model(QWEN14)
+    assert info.sliding_window is None and info.sliding_layers == ()
+
+
+# --- weights per GPU -------------------------------------------------------------------------------
+
+
+def test_weights_llama70_bf16_per_rank_hand_checked() -> None:
+    info = model(LLAMA70)
+    total = 141_107_412_992  # safetensors index: every parameter at 2 bytes
+    norms = 2 * (80 * 2 * 8192 + 8192)  # replicated on every rank
+    bf16 = P.BY_NAME["bf16"]
+    assert P.layout(info, bf16).total == total
+    assert P.weight_bytes_per_gpu(info, bf16, 1) == total
+    assert P.weight_bytes_per_gpu(info, bf16, 2) == (total - norms) / 2 + norms
+    assert P.weight_bytes_per_gpu(info, bf16, 8) == (total - norms) / 8 + norms
+
+
+def test_weights_pipeline_charges_the_worst_stage() -> None:
+    info = model(LLAMA70)
+    bf16 = P.BY_NAME["bf16"]
+    layer = (8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672) * 2  # q, o, k, v, gate/up/down
+    norm = 2 * 8192 * 2
+    embd = 128256 * 8192 * 2
+    final_norm = 8192 * 2
+    # Stage 0: 40 layers + embeddings; stage 1: 40 layers + lm_head (as large) + the final norm: the worst.
+    assert P.weight_bytes_per_gpu(info, bf16, 1, pp=2) == 40 * (layer + norm) + embd + final_norm
+    assert P.weight_bytes_per_gpu(info, bf16, 8, pp=2) == 40 * (layer / 8 + norm) + embd / 8 + final_norm
+
+
+def test_moe_counts_every_expert() -> None:
+    info = model(MIXTRAL)
+    assert (info.num_experts, info.experts_per_token) == (8, 2)
+    per_layer_experts = 8 * 3 * 4096 * 14336
+    assert P.architecture_params(info) == 46_702_792_704 == info.params
+    assert sum(t.params for t in P.tensors(info) if "exps" in t.name) == 32 * per_layer_experts
+    assert P.weight_bytes_per_gpu(info, P.BY_NAME["bf16"], 1) == 2 * 46_702_792_704
+
+
+def test_mla_moe_params_from_architecture() -> None:
+    info = model(DEEPSEEK)  # no index: the architecture's own arithmetic
+    assert info.params_source == "architecture"
+    embd = 129280 * 7168
+    attn = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    norms = 2 * 7168 + 1536 + 512
+    dense = 3 * 7168 * 18432
+    moe = (256 + 1) * 3 * 7168 * 2048 + 7168 * 256
+    assert info.params == 2 * embd + 61 * (attn + norms) + 3 * dense + 58 * moe + 7168
+    assert 670e9 < info.params < 672e9
+
+
+def test_tied_embeddings_are_stored_once() -> None:
+    info = model(GEMMA)
+    assert info.tie_word_embeddings
+    assert not any(t.name == "output" for t in P.tensors(info))
+    assert P.layout(info, P.BY_NAME["bf16"]).output == 0
+    untied = msgspec.structs.replace(info, tie_word_embeddings=False, params=0)
+    assert P.architecture_params(untied) - P.architecture_params(msgspec.structs.replace(info, params=0)) == 256000 * 3584
+
+
+def test_fp8_keeps_embeddings_and_lm_head_in_16_bits() -> None:
+    info = model(LLAMA70)
+    embd = 128256 * 8192
+    norms = 80 * 2 * 8192 + 8192
+    matmuls = info.params - 2 * embd - norms
+    assert P.layout(info, P.BY_NAME["fp8"]).total == pytest.approx(matmuls * 1 + 2 * embd * 2 + norms * 2)
+
+
+@pytest.mark.parametrize(("precision", "gib"), [("q8_0", 14.62), ("q4_K_M", 8.37)])
+def test_gguf_calibration_qwen25_14b(precision: str, gib: float) -> None:
+    """llama.cpp reported 14.62 GiB (q8_0) and 8.37 GiB (q4_K_M) for Qwen2.5-14B."""
+    size = P.layout(model(QWEN14), P.BY_NAME[precision.lower()]).total / GIB
+    assert size == pytest.approx(gib, rel=0.02)
+
+
+def test_gguf_k_quant_rules() -> None:
+    info = model(QWEN14)
+    q4 = P.BY_NAME["q4_k_m"]
+    by = {(t.name, t.layer): t for t in P.tensors(info)}
+    assert P.gguf_type(q4, by[("output", -1)], info) == "Q6_K"
+    assert P.gguf_type(q4, by[("attn_q", 10)], info) == "Q4_K"
+    assert P.gguf_type(q4, by[("ffn_down", 0)], info) == "Q6_K"  # first eighth: more bits
+    assert P.gguf_type(q4, by[("ffn_down", 8)], info) == "Q6_K"  # (8 - 6) % 3 == 2
+    assert P.gguf_type(q4, by[("ffn_down", 9)], info) == "Q4_K"
+    odd = P.Tensor("ffn_down", 9, 1056 * 4096, 1056, True, "tp")  # a row of 1056 is no multiple of 256
+    assert P.gguf_type(q4, odd, info) == "Q5_0"
+    assert P.gguf_type(P.BY_NAME["q6_k"], odd, info) == "Q8_0"
+    assert P.gguf_type(q4, by[("norm", 3)], info) == "F32"
+
+
+# --- fit: the facts people rely on ---------------------------------------------------------------
+
+
+def one(cands: tuple[m.Candidate, ...], **kw: object) -> m.Candidate:
+    found = [c for c in cands if all(getattr(c, k) == v for k, v in kw.items())]
+    assert len(found) == 1, (kw, found)
+    return found[0]
+
+
+def test_llama70_bf16_fits_on_two_h100_at_8k_and_not_on_one() -> None:
+    info = model(LLAMA70)
+    two = fleet(node("n1", "ib-a", count=2))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), context=8192, gpu_memory_utilization=0.95, all=True)
+    reply = P.plan(info, two, req)
+    tp2 = one(reply.candidates, tp=2, precision="bf16")
+    tp1 = one(reply.candidates, tp=1, precision="bf16")
+    assert tp2.fits and tp2.context == 8192 and tp2.max_context >= 8192
+    assert not tp1.fits and "exceed" in (tp1.reason or "")
+    # The slack is the unused 5% of the card, reserved once: the KV cache is exactly what is left.
+    weights = P.weight_bytes_per_gpu(info, P.BY_NAME["bf16"], 2)
+    overhead = P.overhead_bytes_per_gpu(info, "vllm", 2)
+    assert tp2.kv_gib_per_gpu == round((0.95 * H100_MIB * MIB - weights - overhead) / GIB, 2)
+    assert tp2.kv_tokens == int((0.95 * H100_MIB * MIB - weights - overhead) // 163_840) // 16 * 16
+    assert tp2.command == ("vllm serve meta-llama/Llama-3.3-70B-Instruct --tensor-parallel-size 2 "
+                           "--max-model-len 8192 --gpu-memory-utilization 0.95")
+
+
+def test_overhead_is_per_rank_from_the_ranks_share() -> None:
+    info = model(LLAMA70)
+    expected = 8192 * 2 * ((32 + 2 * 4) * 128 + 4 * 8192 + 3 * 28672 // 2) + 256 * 128256 * 4 * 2 + GIB + GIB // 4
+    assert P.overhead_bytes_per_gpu(info, "vllm", 2) == expected == 2_930_245_632
+    assert P.overhead_bytes_per_gpu(info, "vllm", 8) < P.overhead_bytes_per_gpu(info, "vllm", 2)
+    # Not a fraction of the whole model: a bigger parameter count leaves the overhead alone.
+    assert P.overhead_bytes_per_gpu(msgspec.structs.replace(info, params=info.params * 3), "vllm", 2) == expected
+
+
+def test_full_context_falls_back_to_the_largest_that_fits() -> None:
+    info = model(LLAMA70)
+    reply = P.plan(info, fleet(node("n1", "ib-a", count=2)), m.PlanRequest(model=info.name, precisions=("bf16",)))
+    c = one(reply.candidates, tp=2)
+    assert c.fits and 8192 <= c.max_context < info.max_position_embeddings
+    assert c.context == c.max_context and c.max_context % 16 == 0
+    assert f"--max-model-len {c.max_context}" in c.command
+
+
+def test_requested_context_that_does_not_fit_says_why() -> None:
+    info = model(LLAMA70)
+    reply = P.plan(info, fleet(node("n1", "ib-a", count=2)),
+                   m.PlanRequest(model=info.name, precisions=("bf16",), tp=(2,), context=131072, all=True))
+    c = one(reply.candidates, tp=2)
+    assert not c.fits and "131072-token context" in (c.reason or "") and c.replicas_now == 0
+    assert reply.notes and "nothing fits" in reply.notes[0]
+
+
+# --- the seeds' mistakes cannot come back ------------------------------------------------------------
+
+
+def test_seed_mistake_attention_heads_instead_of_kv_heads() -> None:
+    info = model(LLAMA70)
+    wrong = 80 * 2 * 64 * 128 * 2
+    right = P.kv_shape(info, "vllm", 1).bytes_per_token
+    assert right == 327_680 and wrong == 8 * right
+    # A config that says kv heads == attention heads is the only way to get the 8x figure.
+    mha = msgspec.structs.replace(info, num_kv_heads=64)
+    assert P.kv_shape(mha, "vllm", 1).bytes_per_token == wrong
+
+
+def test_seed_mistake_slack_reserved_twice() -> None:
+    """At 0.95 the 70B fits on two cards; taking another 10% off the 95% would wrongly refuse it."""
+    info = model(LLAMA70)
+    fits = P.evaluate(info, P.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95, replicas_now=1)
+    twice = P.evaluate(info, P.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95 * 0.9, replicas_now=1)
+    assert fits.fits and not twice.fits
+
+
+def test_seed_mistake_gguf_emitted_as_vllm_profile() -> None:
+    reply = P.plan(model(QWEN14), EXAMPLE_FLEET, m.PlanRequest(model="q", all=True))
+    assert {c.precision for c in reply.candidates} == {"bf16", "fp8", "q8_0", "q6_K", "q5_K_M", "q4_K_M"}
+    for c in reply.candidates:
+        if c.precision in P.GGUF_NAMES:
+            assert c.engine == "llama.cpp" and c.quantization is None and c.pp == 1
+            assert c.command.startswith(f"llama-server -m Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf -c ")
+            assert c.file == f"Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf" and c.file_gib
+        else:
+            assert c.engine == "vllm" and c.command.startswith("vllm serve Qwen/Qwen2.5-14B-Instruct ")
+            assert c.file is None and ".gguf" not in c.command
+            assert (c.quantization == "fp8") == (c.precision == "fp8")
+            assert ("--quantization fp8" in c.command) == (c.precision == "fp8")
+
+
+def test_native_fp8_checkpoint_needs_no_quantization_flag_and_refuses_bf16() -> None:
+    info = model(DEEPSEEK)
+    assert info.quantization == "fp8"
+    fp8 = P.evaluate(info, P.BY_NAME["fp8"], P.Split("H200-141GB", None, 143771, 8), context=None, util=0.9, replicas_now=0)
+    assert fp8.quantization is None and "--quantization" not in fp8.command
+    with pytest.raises(PlanError, match="holds fp8 weights"):
+        P.plan(info, EXAMPLE_FLEET, m.PlanRequest(model="d", precisions=("bf16",)))
+
+
+def test_seed_mistake_single_node_fit_listed_once_per_fabric() -> None:
+    reply = P.plan(model(QWEN14), EXAMPLE_FLEET, m.PlanRequest(model="q"))
+    singles = [(c.gpu_class, c.tp, c.precision) for c in reply.candidates if c.pp == 1]
+    assert singles and len(singles) == len(set(singles))
+    assert all(c.fabric is None for c in reply.candidates if c.pp == 1)
+    h100 = one(reply.candidates, gpu_class="H100-80GB", tp=1, precision="bf16")
+    assert h100.replicas_now == 39  # 5 nodes x 8, one unhealthy GPU, both fabrics
+
+
+def test_seed_mistake_multi_node_replica_across_two_fabrics() -> None:
+    info = model(DEEPSEEK)
+    req = m.PlanRequest(model="d", precisions=("fp8",))
+    split = fleet(node("a1", "ib-a") + node("b1", "ib-b"))
+    assert P.plan(info, split, req).candidates == ()  # one node per fabric: no replica may join them
+    same = fleet(node("a1", "ib-a") + node("a2", "ib-a") + node("b1", "ib-b"))
+    cands = P.plan(info, same, req).candidates
+    assert [(c.fabric, c.nodes, c.tp, c.pp, c.replicas_now) for c in cands] == [("ib-a", 2, 8, 2, 1)]
+    assert "--pipeline-parallel-size 2" in cands[0].command
+
+
+# --- fleet accounting ------------------------------------------------------------------------------
+
+
+def test_replicas_now_counts_free_healthy_gpus_only() -> None:
+    state = fleet(node("n1", "ib-a", unhealthy="0, 1") + node("n2", "ib-a"))
+    gpus = tuple(m.GpuRef(node="n2", index=i, uuid=state.nodes["n2"].gpus[i].uuid) for i in range(4))
+    spec = m.ModelSpec(name="x", source="x", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=1024, tp=4)
+    fold([m.ReplicaPlaced(at=AT, replica_id="r1", model="x", nodes=("n2",), gpus=gpus, spec=spec)], state)
+    reply = P.plan(model(LLAMA8), state, m.PlanRequest(model="l", precisions=("bf16",)))
+    assert one(reply.candidates, tp=1).replicas_now == 6 + 4
+    assert one(reply.candidates, tp=2).replicas_now == 3 + 2
+    assert one(reply.candidates, tp=4).replicas_now == 1 + 1
+    assert one(reply.candidates, tp=8).replicas_now == 0  # n2 has 8 healthy GPUs, but 4 are held
+    assert reply.fleet_gpus == 14
+
+
+def test_lost_nodes_are_not_planned_on() -> None:
+    state = fleet(node("n1", "ib-a"))
+    fold([m.NodeLost(at=AT, node="n1")], state)
+    reply = P.plan(model(LLAMA8), state, m.PlanRequest(model="l"))
+    assert reply.candidates == () and "no live healthy GPUs" in reply.notes[0]
+
+
+def test_replicas_multi_needs_distinct_nodes() -> None:
+    nodes = [P.NodeSlots("a", "f", 8, 8), P.NodeSlots("b", "f", 8, 8), P.NodeSlots("c", "f", 8, 4)]
+    assert P.replicas_multi(nodes, 4, 2) == 2  # slots 2, 2, 1: two replicas of 2 stages
+    assert P.replicas_multi(nodes, 8, 2) == 1
+    assert P.replicas_multi(nodes, 8, 3) == 0
+
+
+def test_candidates_sorted_fewest_gpus_then_best_precision() -> None:
+    reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192))
+    keys = [(c.gpus, P.RANK[c.precision]) for c in reply.candidates]
+    assert keys == sorted(keys) and all(c.fits for c in reply.candidates)
+    assert reply.candidates[0].gpus == 1 and reply.candidates[0].precision == "q6_K"  # fp8 leaves 0.8 GiB of KV
+
+
+def test_candidate_builds_the_declaration() -> None:
+    reply = P.plan(model(QWEN14), EXAMPLE_FLEET, m.PlanRequest(model="q", precisions=("q4_K_M",), tp=(1,)))
+    c = reply.candidates[0]
+    spec = c.spec("coder", replicas=2)
+    assert (spec.name, spec.source, spec.engine, spec.precision, spec.file, spec.tp, spec.replicas) == (
+        "coder", "Qwen/Qwen2.5-14B-Instruct", "llama.cpp", "q4_K_M", "Qwen2.5-14B-Instruct-Q4_K_M.gguf", 1, 2)
+    assert spec.context == c.context == 32768 and spec.gpu_class == c.gpu_class
+
+
+# --- absurd requests are refused with the reason -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"tp": (3,)}, "does not split the 64 attention heads and 8 KV heads"),
+        ({"gpu_memory_utilization": 1.5}, "at most 1"),
+        ({"gpu_memory_utilization": 0.0}, "above 0"),
+        ({"context": 200_000}, "1 to 131072 tokens"),
+        ({"precisions": ("int3",)}, "unknown precision 'int3'"),
+        ({"precisions": ("awq",)}, "needs a repository that holds AWQ weights"),
+        ({"params": -5}, "positive"),
+    ],
+)
+def test_absurd_requests_are_refused(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", **kw))  # type: ignore[arg-type]
+
+
+def test_precision_names_match_case_insensitively() -> None:
+    reply = P.plan(model(QWEN14), EXAMPLE_FLEET, m.PlanRequest(model="q", precisions=("Q4_K_M", "BF16"), tp=(1,)))
+    assert {c.precision for c in reply.candidates} == {"q4_K_M", "bf16"}
+
+
+def test_gguf_only_request_may_use_any_gpu_count() -> None:
+    reply = P.plan(model(LLAMA70), fleet(node("n", "f", cls="L40S-48GB", count=4, mem=46068)),
+                   m.PlanRequest(model="l", precisions=("q4_K_M",), tp=(3,)))
+    c = one(reply.candidates, tp=3)
+    assert c.fits and c.engine == "llama.cpp"

@@ -1,0 +1,119 @@
+"""The planner service through a real nats-server: fleet published as events, plans asked over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from llmgw.cli.main import cli
+
+from llmgw import fleetfile, subjects
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.errors import ServiceError
+from llmgw.planner_service import PlannerService, ask
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+MODELS = EXAMPLES / "models"
+AT = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+async def service(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PlannerService]:
+    """The example fleet published as simulated agents would, and a planner following it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("LLMGW_MODELS_DIR", raising=False)
+    acks = [await bus.publish(inv) for inv in fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml"), AT)]
+    svc = PlannerService(bus, models_dir=MODELS)
+    task = asyncio.create_task(svc.run())
+    try:
+        await asyncio.wait_for(svc.ready.wait(), 15)
+        await svc.wait_for({subjects.STREAM_FLEET: acks[-1].seq})
+        yield svc
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def invoke(args: list[str]) -> Result:
+    """The CLI in a thread of its own: it runs its own event loop, as it does from a shell."""
+    return await asyncio.to_thread(CliRunner().invoke, cli, args, catch_exceptions=False)
+
+
+async def test_ctl_plan_round_trip(service: PlannerService, settings: Settings) -> None:
+    assert len(service.state.nodes) == 9
+    result = await invoke(["ctl", "model", "plan", "Qwen/Qwen2.5-14B-Instruct", "--nats-url", settings.nats_url,
+                           "--precision", "bf16", "--precision", "Q4_K_M", "--tp", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert (data["model"], data["params"]) == ("Qwen/Qwen2.5-14B-Instruct", 14_770_033_664)
+    got = {(c["gpu_class"], c["precision"]): c for c in data["candidates"]}
+    assert set(got) == {(cls, p) for cls in ("A100-40GB", "H100-80GB", "L40S-48GB") for p in ("bf16", "q4_K_M")}
+    h100 = got[("H100-80GB", "bf16")]
+    assert (h100["fits"], h100["fabric"], h100["nodes"], h100["tp"], h100["replicas_now"]) == (True, None, 1, 1, 39)
+    assert h100["command"].startswith("vllm serve Qwen/Qwen2.5-14B-Instruct --tensor-parallel-size 1")
+    gguf = got[("L40S-48GB", "q4_K_M")]
+    assert (gguf["engine"], gguf["file"], gguf["replicas_now"]) == ("llama.cpp", "Qwen2.5-14B-Instruct-Q4_K_M.gguf", 8)
+    assert service.answered == 1
+
+
+async def test_local_model_directory_travels_with_the_request(service: PlannerService, settings: Settings) -> None:
+    result = await invoke(["ctl", "model", "plan", str(MODELS / "meta-llama__Llama-3.3-70B-Instruct"),
+                           "--nats-url", settings.nats_url, "--precision", "bf16", "--context", "8192",
+                           "--gpu-memory-utilization", "0.95"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("meta-llama/Llama-3.3-70B-Instruct: 70.55B parameters (safetensors-index)")
+    assert "--tensor-parallel-size 2 --max-model-len 8192 --gpu-memory-utilization 0.95" in result.output
+    assert "--tensor-parallel-size 1 " not in result.output  # it does not fit on one card
+
+
+async def test_held_gpus_are_not_free(service: PlannerService, bus: Bus) -> None:
+    request = m.PlanRequest(model="meta-llama/Llama-3.1-8B-Instruct", precisions=("bf16",), tp=(8,))
+    before = {c.gpu_class: c.replicas_now for c in (await ask(bus, request)).candidates}
+    assert before["H100-80GB"] == 4  # h100-a-03 has a bad GPU
+    node = service.state.nodes["h100-a-01"]
+    gpus = tuple(m.GpuRef(node=node.name, index=g.index, uuid=g.uuid) for g in node.gpus.values())
+    spec = m.ModelSpec(name="big", source="x", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=8192, tp=8)
+    ack = await bus.publish(m.ReplicaPlaced(at=AT, replica_id="big-1", model="big", nodes=(node.name,), gpus=gpus, spec=spec))
+    await service.wait_for({subjects.STREAM_CONTROL: ack.seq})
+    after = {c.gpu_class: c.replicas_now for c in (await ask(bus, request)).candidates}
+    assert after == {**before, "H100-80GB": 3}
+
+
+async def test_bad_requests_get_error_replies_and_the_service_keeps_serving(service: PlannerService, bus: Bus) -> None:
+    with pytest.raises(ServiceError, match="malformed plan request"):
+        await bus.request(subjects.PLAN, b"{not json", service="planner")
+    with pytest.raises(ServiceError, match="malformed plan request"):
+        await bus.request(subjects.PLAN, b'{"model": 42}', service="planner")
+    with pytest.raises(ServiceError, match="--tp 3 does not split"):
+        await ask(bus, m.PlanRequest(model="meta-llama/Llama-3.3-70B-Instruct", tp=(3,)))
+    with pytest.raises(ServiceError, match="no config.json in the Hugging Face cache"):
+        await ask(bus, m.PlanRequest(model="nobody/nothing"))
+    reply = await ask(bus, m.PlanRequest(model="Qwen/Qwen3-8B", precisions=("bf16",), tp=(1,)))
+    assert reply.candidates and all(c.fits for c in reply.candidates)
+
+
+async def test_malformed_event_is_skipped_and_folding_goes_on(service: PlannerService, bus: Bus) -> None:
+    await bus.publish_bytes(subjects.fleet("junk", "inventory"), b'{"type": "NodeInventoryReported"}', "junk-1")
+    extra = fleetfile.parse('[[nodes]]\nname = "h200-01"\nfabric = "ib-z"\ngpu_class = "H200-141GB"\n'
+                            'gpu_count = 8\ngpu_memory_mib = 143771\n')
+    ack = await bus.publish(fleetfile.inventories(extra, AT)[0])
+    await service.wait_for({subjects.STREAM_FLEET: ack.seq})
+    assert service.skipped == 1 and "h200-01" in service.state.nodes and "junk" not in service.state.nodes
+    reply = await ask(bus, m.PlanRequest(model="meta-llama/Llama-3.1-8B-Instruct", precisions=("bf16",), tp=(1,)))
+    assert "H200-141GB" in {c.gpu_class for c in reply.candidates}
+
+
+async def test_no_planner_running_is_a_clear_cli_error(bus: Bus, settings: Settings) -> None:
+    result = await invoke(["ctl", "model", "plan", str(MODELS / "Qwen__Qwen3-8B"), "--nats-url", settings.nats_url])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: no planner is running on ")
