@@ -1,0 +1,69 @@
+"""What the replaying commands share: times and durations from flags, progress on a terminal."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or a plain number of seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 2h, 1d", param_hint=flag)
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_time(text: str, flag: str, now: datetime | None = None) -> datetime:
+    """A moment from ISO 8601 (naive means UTC) or a duration ago (``2h`` = two hours before now)."""
+    try:
+        return now_or(now) - timedelta(seconds=parse_duration(text, flag))
+    except click.BadParameter:
+        pass
+    try:
+        t = datetime.fromisoformat(text.strip().replace(" ", "T", 1) if " " in text.strip() else text.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a time; write ISO 8601 like 2026-03-02T10:42 (UTC unless an offset is given) "
+            "or a duration ago like 2h",
+            param_hint=flag,
+        ) from None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def now_or(now: datetime | None) -> datetime:
+    return now if now is not None else datetime.now(UTC)
+
+
+@contextmanager
+def progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback (events folded of total, events/s, ETA) on a terminal; None when piped."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:>9} ev/s"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None, rate="-")
+
+        def update(done: int, total: int) -> None:
+            elapsed = bar.tasks[0].elapsed or 0.0
+            rate = f"{done / elapsed:,.0f}" if elapsed > 0 else "-"
+            bar.update(task, completed=done, total=total or None, rate=rate)
+
+        yield update

@@ -1,0 +1,170 @@
+"""``llmgw ctl status``: the fleet at a glance, from the projector or by replaying the streams."""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime
+
+import click
+import msgspec
+from llmgw.cli.options import json_option, nats_options, run
+from llmgw.cli.progress import parse_duration, parse_time, progress
+from llmgw.projections import runner
+from llmgw.projections.status import report
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+
+BAR_WIDTH = 20
+
+
+def parse_stream(text: str, flag: str) -> str:
+    """A history stream from ``fleet``, ``control``, ``usage`` or its full name."""
+    name = text.strip().upper()
+    name = name if name.startswith("LLMGW_") else f"LLMGW_{name}"
+    if name not in subjects.HISTORY_STREAMS:
+        raise click.BadParameter(
+            f"{text!r} is not a history stream; use one of fleet, control, usage", param_hint=flag
+        )
+    return name
+
+
+def parse_at_seq(text: str) -> tuple[str, int]:
+    """``STREAM:SEQ``: that stream up to SEQ, the others up to the moment SEQ was stored."""
+    stream, sep, seq = text.rpartition(":")
+    if not sep or not seq.isdigit() or int(seq) < 1:
+        raise click.BadParameter(f"{text!r} is not STREAM:SEQ, e.g. fleet:1200 or control:42", param_hint="--at-seq")
+    return parse_stream(stream, "--at-seq"), int(seq)
+
+
+async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None,
+                at_seq: tuple[str, int] | None) -> m.StatusReport:
+    """The report from the projector's status service, or by folding the streams here."""
+    bus = await Bus.connect(settings, "llmgw-ctl-status", reconnect=False)
+    try:
+        if not replay:
+            data = await bus.request(
+                subjects.STATUS, m.encode(m.StatusRequest(idle_threshold_s=threshold_s)),
+                service="projector (status service; run `llmgw project` or use --replay)",
+            )
+            return m.STATUS_REPORT_DECODER.decode(data)
+        with progress("replaying") as on_progress:
+            state = await runner.replay(bus, at=at, at_seq=at_seq, progress=on_progress)
+        return report(state, at, threshold_s)
+    finally:
+        await bus.close()
+
+
+def human_duration(seconds: float) -> str:
+    """``-`` for unknown, else the two largest units: 1h32m, 3d4h, 45s."""
+    if seconds < 0:
+        return "-"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    mi, s = divmod(s, 60)
+    parts = [(d, "d"), (h, "h"), (mi, "m"), (s, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        parts.pop(0)
+    return "".join(f"{v}{u}" for v, u in parts[:2] if v) or "0s"
+
+
+def usage_bar(c: m.ClassCapacity, width: int = BAR_WIDTH) -> str:
+    """Used ``█``, free ``░``, unhealthy ``x``, lost ``?``, scaled to ``width``."""
+    if c.total == 0:
+        return ""
+    counts = [c.used, c.free, c.unhealthy, c.lost]
+    cells = [round(n * width / c.total) for n in counts]
+    cells[1] += width - sum(cells)  # rounding lands on free
+    return "".join(ch * max(n, 0) for ch, n in zip("█░x?", cells, strict=True))
+
+
+def _time(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def render(r: m.StatusReport, console: Console, limit: int) -> None:
+    """The report as tables for people."""
+    lost = f" ({len(r.lost_nodes)} lost: {', '.join(r.lost_nodes)})" if r.lost_nodes else ""
+    states = ", ".join(f"{n} {s}" for s, n in r.replicas_by_state.items())
+    positions = " ".join(f"{k.removeprefix('LLMGW_').lower()}:{v}" for k, v in r.positions.items())
+    console.print(f"Fleet at {_time(r.now)} UTC  [{positions or 'no events'}]")
+    console.print(
+        f"{r.nodes} nodes{lost} · {r.models} models · {r.replicas} replicas"
+        f"{f' ({states})' if states else ''} · {r.unprojected_events} unprojected events",
+
+    )
+    console.print("\nCapacity  (█ used  ░ free  x unhealthy  ? lost)")
+    cap = Table(box=box.SIMPLE)
+    for col in ("GPU class", "total", "used", "free", "unhealthy", "lost"):
+        cap.add_column(col, justify="left" if col == "GPU class" else "right")
+    cap.add_column("usage")
+    for c in r.capacity:
+        cap.add_row(c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.unhealthy), str(c.lost), usage_bar(c))
+    console.print(cap)
+    console.print("Free whole nodes (every GPU healthy and free; what a multi-node replica needs)")
+    fab = Table(box=box.SIMPLE)
+    for col in ("fabric", "GPU class", "free", "live"):
+        fab.add_column(col, justify="right" if col in ("free", "live") else "left")
+    for f in r.free_nodes:
+        fab.add_row(f.fabric, f.gpu_class, str(f.free_nodes), str(f.live_nodes))
+    console.print(fab)
+    if r.unplaceable:
+        console.print("Unplaceable models")
+        un = Table(box=box.SIMPLE)
+        for col in ("model", "since", "reason"):
+            un.add_column(col, overflow="fold")
+        for u in r.unplaceable:
+            un.add_row(u.name, _time(u.since), u.reason)
+        console.print(un)
+    console.print(f"Replicas nobody asked for (idle ≥ {human_duration(r.idle_threshold_s)}; - = no router knows)")
+    if not r.idle:
+        console.print("  none")
+        return
+    idle = Table(box=box.SIMPLE)
+    for col in ("replica", "model", "GPUs", "nodes", "state", "idle"):
+        idle.add_column(col, justify="right" if col in ("GPUs", "idle") else "left")
+    for i in r.idle[:limit]:
+        idle.add_row(i.replica_id, i.model, str(i.gpus), ",".join(i.nodes), i.state, human_duration(i.idle_s))
+    console.print(idle)
+    if len(r.idle) > limit:
+        console.print(f"… and {len(r.idle) - limit} more (--limit, or --json for all)")
+
+
+@click.command()
+@nats_options
+@json_option
+@click.option("--replay", "use_replay", is_flag=True, help="Fold the streams here instead of asking the projector.")
+@click.option("--at", "at_text", metavar="TIME", help="The fleet as it was then (ISO 8601, UTC unless an offset; or 2h for two hours ago). Implies --replay.")
+@click.option("--at-seq", "at_seq_text", metavar="STREAM:SEQ", help="Right after that message: STREAM up to SEQ, the other streams up to when it was stored. Implies --replay.")
+@click.option("--idle-threshold", default="30m", show_default=True, help="List replicas without a request for this long.")
+@click.option("--limit", default=20, show_default=True, help="Rows of idle replicas in the table.")
+def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | None, at_seq_text: str | None,
+           idle_threshold: str, limit: int) -> None:
+    """Show capacity, free nodes, unplaceable models and idle replicas.
+
+    Example:
+
+        llmgw ctl status
+        llmgw ctl status --at 2026-03-02T10:42 --idle-threshold 1h --json
+    """
+    if at_text and at_seq_text:
+        raise click.UsageError("give --at or --at-seq, not both")
+    threshold_s = parse_duration(idle_threshold, "--idle-threshold")
+    at = parse_time(at_text, "--at") if at_text else None
+    at_seq = parse_at_seq(at_seq_text) if at_seq_text else None
+    replay = use_replay or at is not None or at_seq is not None
+    r = run(fetch(settings, threshold_s, replay=replay, at=at, at_seq=at_seq))
+    if as_json:
+        click.echo(msgspec.json.format(m.encode(r), indent=2).decode())
+        return
+    terminal = Console().is_terminal
+    buf = io.StringIO()
+    render(r, Console(file=buf, highlight=False, markup=False, width=Console().width if terminal else 120,
+                      force_terminal=terminal), limit)
+    click.echo("\n".join(line.rstrip() for line in buf.getvalue().splitlines()).rstrip("\n"))

@@ -1,0 +1,213 @@
+"""``llmgw ctl status`` through CliRunner: the exact table and JSON a user sees, live and replayed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats.js.errors
+import pytest
+from click.testing import CliRunner
+from llmgw.cli.main import cli
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
+from projection_events import small_fleet
+
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+
+TABLE = """\
+Fleet at 2026-03-02 11:40:00 UTC  [control:11 fleet:7 usage:4]
+5 nodes (1 lost: n5) · 4 models · 3 replicas (2 healthy, 1 starting) · 0 unprojected events
+
+Capacity  (█ used  ░ free  x unhealthy  ? lost)
+
+  GPU class   total   used   free   unhealthy   lost   usage
+ ───────────────────────────────────────────────────────────────────────────
+  H100-80GB      16      9      2           1      4   ███████████░░░x?????
+  L40S-48GB       2      1      1           0      0   ██████████░░░░░░░░░░
+
+Free whole nodes (every GPU healthy and free; what a multi-node replica needs)
+
+  fabric   GPU class   free   live
+ ──────────────────────────────────
+  ib-a     H100-80GB      0      3
+  ib-b     H100-80GB      0      0
+  pcie     L40S-48GB      0      1
+
+Unplaceable models
+
+  model         since                 reason
+ ──────────────────────────────────────────────────────────────────────────────────────────────────────────
+  deepseek-v3   2026-03-02 10:05:00   needs 4 whole H100-80GB nodes on one fabric; ib-a has 0 free, ib-b 0
+
+Replicas nobody asked for (idle ≥ 30m; - = no router knows)
+
+  replica   model      GPUs   nodes   state       idle
+ ──────────────────────────────────────────────────────
+  r-qwen    qwen-8b       1   n1      healthy    1h32m
+  r-gemma   gemma-9b      1   n4      starting       -
+"""
+
+
+async def _fresh(bus: Bus) -> None:
+    for spec in subjects.STREAMS:
+        try:
+            await bus.js.delete_stream(spec.name)
+        except nats.js.errors.NotFoundError:
+            pass
+    await bus.ensure_streams()
+
+
+async def _publish_fresh(settings: Settings) -> None:
+    bus = await Bus.connect(settings, "llmgw-test-cli")
+    try:
+        await _fresh(bus)
+        for event in small_fleet():
+            await bus.publish(event)
+    finally:
+        await bus.close()
+
+
+@pytest.fixture
+def fleet(settings: Settings) -> Settings:
+    asyncio.run(_publish_fresh(settings))
+    return settings
+
+
+@pytest.fixture
+def live_projector(fleet: Settings, tmp_path: Path) -> Iterator[Settings]:
+    """A projector serving status from its own thread and loop, caught up with the streams."""
+    ready = threading.Event()
+    stop: list[asyncio.AbstractEventLoop | asyncio.Task[None]] = []
+
+    async def main() -> None:
+        bus = await Bus.connect(fleet, "llmgw-test-projector")
+        store = Store(tmp_path / "live.duckdb")
+        projector = Projector(bus, store, commit_interval_s=0.05)
+        task = asyncio.create_task(projector.run_forever())
+        stop.extend([asyncio.get_running_loop(), task])
+        for _ in range(400):  # bounded: 20 s
+            if sum(projector.state.positions.values()) >= len(small_fleet()):
+                break
+            await asyncio.sleep(0.05)
+        ready.set()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        finally:
+            store.close()
+            await bus.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(timeout=30)
+    try:
+        yield fleet
+    finally:
+        loop, task = stop
+        assert isinstance(loop, asyncio.AbstractEventLoop) and isinstance(task, asyncio.Task)
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(timeout=15)
+        assert not thread.is_alive()
+
+
+def _status(settings: Settings, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["ctl", "status", "--nats-url", settings.nats_url, *args])
+    return result.exit_code, result.output
+
+
+def test_status_table_from_a_replay(fleet: Settings) -> None:
+    code, out = _status(fleet, "--replay")
+    assert (code, out) == (0, TABLE)
+
+
+def test_status_json_live_equals_replay(live_projector: Settings) -> None:
+    code, live = _status(live_projector, "--json")
+    assert code == 0, live
+    code, replayed = _status(live_projector, "--json", "--replay")
+    assert code == 0, replayed
+    assert live == replayed
+    data = json.loads(live)
+    assert data["capacity"][0] == {"gpu_class": "H100-80GB", "total": 16, "used": 9, "free": 2, "unhealthy": 1, "lost": 4}
+    assert [(i["replica_id"], i["idle_s"], i["gpus"]) for i in data["idle"]] == [("r-qwen", 5520.0, 1), ("r-gemma", -1.0, 1)]
+    assert data["free_nodes"][0] == {"fabric": "ib-a", "gpu_class": "H100-80GB", "free_nodes": 0, "live_nodes": 3}
+    assert [u["name"] for u in data["unplaceable"]] == ["deepseek-v3"]
+    assert (data["lost_nodes"], data["unprojected_events"], data["replicas"]) == (["n5"], 0, 3)
+
+
+def test_status_table_live(live_projector: Settings) -> None:
+    assert _status(live_projector) == (0, TABLE)
+
+
+def test_status_at_a_past_moment(settings: Settings) -> None:
+    """``--at`` cuts each stream at the last message the server stored by then."""
+
+    async def two_phases() -> datetime:
+        bus = await Bus.connect(settings, "llmgw-test-cli")
+        try:
+            await _fresh(bus)
+            events = small_fleet()
+            for event in events[:11]:  # inventories, health, the lost node, four declared models
+                await bus.publish(event)
+            await asyncio.sleep(0.05)
+            between = datetime.now(UTC)
+            await asyncio.sleep(0.05)
+            for event in events[11:]:
+                await bus.publish(event)
+            return between
+        finally:
+            await bus.close()
+
+    between = asyncio.run(two_phases())
+    code, out = _status(settings, "--json", "--at", between.isoformat())
+    assert code == 0, out
+    data = json.loads(out)
+    assert (data["replicas"], data["models"], data["idle"]) == (0, 4, [])
+    assert data["positions"] == {"LLMGW_CONTROL": 4, "LLMGW_FLEET": 7}
+    assert data["capacity"][0]["used"] == 0 and data["capacity"][0]["free"] == 11
+    assert data["now"] == between.isoformat().replace("+00:00", "Z")
+
+
+def test_status_at_seq(fleet: Settings) -> None:
+    # control:9 is r-llama turning healthy: three replicas placed, usage not yet published.
+    code, out = _status(fleet, "--json", "--at-seq", "control:9")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["positions"] == {"LLMGW_CONTROL": 9, "LLMGW_FLEET": 7}
+    assert data["replicas"] == 3 and data["replicas_by_state"] == {"healthy": 1, "placed": 2}
+    assert data["unplaceable"][0]["name"] == "deepseek-v3"
+
+
+def test_status_idle_threshold(fleet: Settings) -> None:
+    code, out = _status(fleet, "--json", "--replay", "--idle-threshold", "2h")
+    assert code == 0, out
+    assert [i["replica_id"] for i in json.loads(out)["idle"]] == ["r-gemma"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--idle-threshold", "soon"], "'soon' is not a duration"),
+        (["--at", "yesterday-ish"], "is not a time"),
+        (["--at-seq", "fleet"], "is not STREAM:SEQ"),
+        (["--at-seq", "heartbeat:3"], "is not a history stream"),
+        (["--at-seq", "fleet:999"], "there is no LLMGW_FLEET:999"),
+        (["--at", "1h", "--at-seq", "fleet:1"], "give --at or --at-seq, not both"),
+    ],
+)
+def test_status_mistakes_are_errors_not_tracebacks(fleet: Settings, args: list[str], message: str) -> None:
+    code, out = _status(fleet, *args)
+    assert code in (1, 2) and message in out and "Traceback" not in out
+
+
+def test_status_without_a_projector_says_what_to_do(fleet: Settings) -> None:
+    code, out = _status(fleet)
+    assert code == 1
+    assert "Error: no projector (status service; run `llmgw project` or use --replay) is running" in out
