@@ -76,7 +76,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
         ]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
+            # Not in the main thread (tests, embedding): Ctrl-C then ends it the hard way.
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, _stop_all, agents)
         tasks = [asyncio.create_task(a.run()) for a in agents]
         started = asyncio.ensure_future(asyncio.gather(*(a.started.wait() for a in agents)))

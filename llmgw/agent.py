@@ -27,8 +27,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
 from llmgw.errors import NvmlError, OutboxFullError, PublishError
-from llmgw.fleetfile import FAULT_KINDS, FaultSpec
+from llmgw.fleetfile import FAULT_KINDS, FaultSpec, Fleet, faults
 from llmgw.nvml import Finding, GpuEvent, GpuStatic, NvmlPort, assess, gpu_class, xid_finding
+from llmgw.simnvml import SimNvml
 
 log = logging.getLogger(__name__)
 
@@ -341,3 +342,14 @@ class Agent:
 
 async def _as_coro(aw: Awaitable[None]) -> None:
     await aw
+
+
+def simulated_agents(bus: Bus, fleet: Fleet, nodes: Sequence[str] = (), *, fabric: str | None = None, **kw: Any) -> list[Agent]:
+    """One agent per node of a fleet file (or the named ones) over the simulated backend, faults scheduled."""
+    schedule = faults(fleet)
+    chosen = [fleet.node(n) for n in nodes] if nodes else list(fleet.nodes)
+    return [
+        Agent(bus, SimNvml(n), n.name, fabric=fabric or n.fabric, fabric_source="flag" if fabric else "fleet-file",
+              simulated=True, faults=schedule, **kw)
+        for n in chosen
+    ]

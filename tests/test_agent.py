@@ -18,7 +18,7 @@ from llmgw.projections.fold import fold
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent import Agent, detect_fabric, infiniband_subnet
+from llmgw.agent import Agent, detect_fabric, infiniband_subnet, simulated_agents
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
@@ -263,3 +263,32 @@ async def test_nats_outage_loses_and_doubles_nothing(fleet_file: Path) -> None:
     assert health_of(events) == [
         (0, False, XID79), (1, False, ECC1), (0, True, ()), (2, False, LOST), (2, True, ()), (1, True, ()),
     ]
+
+
+async def test_cli_once_prints_and_publishes_the_inventory(bus: Bus, settings: Settings, fleet_file: Path) -> None:
+    args = ["agent", "--simulate", str(fleet_file), "--node", "l40s-02", "--fabric", "eth-x", "--once", "--json",
+            "--engine-cmd", "vllm=/opt/vllm/bin/vllm", "--nats-url", settings.nats_url]
+    result = await asyncio.to_thread(CliRunner().invoke, cli, args)
+    assert result.exit_code == 0, result.output
+    printed = msgspec.json.decode(result.output.encode(), type=m.NodeInventoryReported)
+    assert (printed.node, printed.fabric, printed.fabric_source, len(printed.gpus)) == ("l40s-02", "eth-x", "flag", 4)
+    assert {g.gpu_class for g in printed.gpus} == {"L40S-48GB"}
+    assert await stream_events(bus) == [printed]
+
+
+async def test_cli_rejects_a_bad_engine_cmd_and_a_bad_fleet_file(tmp_path: Path, settings: Settings) -> None:
+    bad = tmp_path / "fleet.toml"
+    bad.write_text('[[nodes]]\nname = "n1"\nfabric = "a"\ngpu_class = "H100-80GB"\ngpu_count = 0\ngpu_memory_mib = 81559\n')
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["agent", "--simulate", str(bad), "--nats-url", settings.nats_url])
+    assert (result.exit_code, result.output) == (1, f"Error: {bad}: nodes[0].gpu_count must be a positive integer of at most 64 (got 0)\n")
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["agent", "--simulate", str(bad), "--engine-cmd", "vllm"])
+    assert result.exit_code == 2 and "expected ENGINE=CMD" in result.output
+
+
+async def test_simulated_agents_cover_the_fleet_file(bus: Bus, fleet_file: Path) -> None:
+    text = await asyncio.to_thread(fleet_file.read_text)
+    fleet = parse(text + '\n[[faults]]\nnode = "a100-02"\ngpu = 1\nafter_s = 1\nkind = "ecc"\n', "f.toml")
+    agents = simulated_agents(bus, fleet)
+    assert [a.node for a in agents] == [n.name for n in fleet.nodes]
+    assert {a.node: len(a.faults) for a in agents if a.faults} == {"a100-02": 1}
+    assert {a.fabric_source for a in agents} == {"fleet-file"}
