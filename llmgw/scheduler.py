@@ -261,7 +261,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             held.update((g.node, g.index) for g in gpus)
             avoid.update(nodes)
             placed_now += 1
-        if placed_now < missing:
+        if placed_now < missing and state.nodes:
+            # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
             reason = unplaceable_reason(state, spec, held)
             if reason != model.unplaceable_reason:
                 left = missing - placed_now

@@ -1,0 +1,199 @@
+"""``llmgw up``: a whole local control plane in one command, each part its own process.
+
+The embedded nats-server (unless ``--nats-url``), then ``llmgw project``,
+``planner``, ``scheduler``, ``router`` and, with ``--simulate``, one
+``llmgw agent --simulate`` for every node of the file; each a child with its
+own event loop and log file. Everything lives in the data directory, so a
+second ``up`` with the same directory continues where the first stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import click
+from llmgw.cli.options import run
+
+from llmgw import messages as m
+from llmgw.config import Settings
+from llmgw.engines import _llmgw_program
+from llmgw.errors import LlmgwError
+
+EXAMPLE_NAME = "qwen14"
+EXAMPLE_MODEL = "Qwen/Qwen2.5-14B-Instruct"
+MAX_RESTARTS = 5
+
+
+@dataclass
+class Child:
+    """One part of the control plane as a child process, restarted if it dies."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # Its own session: Ctrl-C reaches `up` alone, which then stops the children in order.
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env, start_new_session=True)
+
+    def tail(self, n: int = 5) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the child's group (engines included), SIGKILL if it lingers."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+async def _prepare(url: str, fleet_path: Path | None, models_dir: str | None, example: bool) -> str:
+    """Declare the streams; declare the example model once, if the simulated fleet has room."""
+    from llmgw import subjects
+    from llmgw.bus import Bus
+
+    bus = await Bus.connect(Settings.from_env(nats_url=url), "llmgw-up", reconnect=False)
+    try:
+        await bus.ensure_streams()
+        if not example or fleet_path is None:
+            return ""
+        last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+        if last:
+            async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
+                if any(r.subject == subjects.model(EXAMPLE_NAME, "declared") for r in batch):
+                    return f"{EXAMPLE_NAME} was declared before; not declaring it again"
+        from llmgw.cli.plan import plan_locally
+
+        try:
+            reply = plan_locally(EXAMPLE_MODEL, fleet_path, m.PlanRequest(model=EXAMPLE_MODEL, context=8192), models_dir)
+        except LlmgwError as e:
+            return f"no example model declared ({e})"
+        fitting = [c for c in reply.candidates if c.fits]
+        if not fitting:
+            return f"no example model declared: {EXAMPLE_MODEL} does not fit this fleet"
+        spec = fitting[0].spec(EXAMPLE_NAME)
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec), msg_id=f"up:example:{EXAMPLE_NAME}")
+        return (f"declared {EXAMPLE_NAME}: {EXAMPLE_MODEL} {spec.precision} on {spec.tp} × {spec.gpu_class}, "
+                f"context {spec.context:,}")
+    finally:
+        await bus.close()
+
+
+def _default_models_dir() -> str | None:
+    env = os.environ.get("LLMGW_MODELS_DIR")
+    if env:
+        return env
+    here = Path("examples/models")
+    return str(here.resolve()) if here.is_dir() else None
+
+
+@click.command("up")
+@click.option("--simulate", "fleet_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Also run simulated agents for every node of this fleet file (fake engines, no GPU).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="JetStream store, DuckDB file and logs [default: $LLMGW_DATA_DIR or ~/.local/share/llmgw].")
+@click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="nats-server port on loopback (0: a free one).")
+@click.option("--nats-url", help="Use this running NATS instead of starting one.")
+@click.option("--router-listen", default="127.0.0.1:8080", show_default=True, help="Where the OpenAI-compatible router listens.")
+@click.option("--router-tick", type=click.FloatRange(0.05), default=10.0, show_default=True, help="Seconds between the router's idle maps.")
+@click.option("--heartbeat-s", type=click.FloatRange(0.1), default=5.0, show_default=True, help="Seconds between simulated agents' heartbeats.")
+@click.option("--lost-after", type=click.FloatRange(0.5), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
+@click.option("--models-dir", help="Org__Name model folders for the planner [default: $LLMGW_MODELS_DIR, else ./examples/models].")
+@click.option("--no-example", is_flag=True, help="Do not declare the example model.")
+def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
+       router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool) -> None:
+    """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
+
+    Example:
+
+        llmgw up --simulate examples/fleet.toml
+        llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080
+    """
+    from llmgw.config import data_dir as default_data_dir
+    from llmgw.natsserver import EmbeddedServer
+
+    root = (data_dir or default_data_dir()).resolve()
+    models_dir = models_dir or _default_models_dir()
+    server = None
+    children: list[Child] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if nats_url is None:
+            server = EmbeddedServer(root / "nats", port=port).start()
+            nats_url = server.url
+        click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
+        note = run(_prepare(nats_url, fleet_path, models_dir, not no_example))
+        env = dict(os.environ, LLMGW_NATS_URL=nats_url)
+        if models_dir:
+            env["LLMGW_MODELS_DIR"] = models_dir
+        exe = _llmgw_program()
+        logs = root / "logs"
+        parts = [
+            ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
+            ("planner", ["planner"]),
+            ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}"]),
+            ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}"]),
+        ]
+        if fleet_path is not None:
+            parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}"]))
+        for name, args in parts:
+            child = Child(name, [*exe, *args], logs / f"{name}.log", env)
+            child.start()
+            children.append(child)
+        if note:
+            click.echo(note)
+        host, _, rport = router_listen.rpartition(":")
+        click.echo(f"router: http://{host}:{rport}/v1  (OpenAI API; models at /v1/models)")
+        click.echo(f"logs: {logs}/")
+        click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
+        click.echo("Ctrl-C stops everything", err=True)
+        while not stop.wait(0.5):
+            for child in children:
+                code = child.proc.poll() if child.proc else None
+                if code is None:
+                    continue
+                if child.restarts >= MAX_RESTARTS:
+                    raise click.ClickException(f"{child.name} keeps exiting (code {code}): {child.tail()}; see {child.log_path}")
+                child.restarts += 1
+                click.echo(f"{child.name} exited (code {code}): {child.tail(2)}; restarting ({child.restarts}/{MAX_RESTARTS})", err=True)
+                child.stop()
+                time.sleep(min(2 ** child.restarts * 0.25, 5))
+                child.start()
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        # Agents first (they stop their engines), then the readers, NATS last so nothing loses its bus.
+        for child in reversed(children):
+            child.stop()
+        if server is not None:
+            server.stop()
+        if children or server:
+            click.echo("stopped", err=True)
