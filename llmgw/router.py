@@ -53,6 +53,7 @@ class _Head(msgspec.Struct):
 
 _HEAD = msgspec.json.Decoder(_Head)
 _ENC = msgspec.json.Encoder()
+_JSON = {"Content-Type": "application/json"}
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
@@ -416,7 +417,7 @@ class Router:
         retried = False
         while True:
             try:
-                up = await self.upstream.post(rep.endpoint + route, body, {"Content-Type": "application/json"})
+                up = await self.upstream.post(rep.endpoint, route, body, _JSON)
             except CONNECT_ERRORS as e:
                 self.release(rep)
                 self.metrics.error(model, "upstream_connect")

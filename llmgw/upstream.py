@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import aiohttp
+from yarl import URL
 
 # Errors that mean the request never reached an engine that could answer it:
 # nothing was sent to the client yet, so another replica may try.
@@ -42,6 +43,8 @@ class Upstream:
         self.timeouts = timeouts or Timeouts()
         self._max = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # Parsed once per (endpoint, route): yarl parsing is a visible share of a proxied request.
+        self._urls: dict[tuple[str, str], URL] = {}
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=self.timeouts.connect_s, sock_connect=self.timeouts.connect_s,
             sock_read=self.timeouts.read_s,
@@ -61,7 +64,13 @@ class Upstream:
             await self._session.close()
             self._session = None
 
-    def post(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.client._RequestContextManager:
-        """POST ``body`` to ``url``; use as ``async with`` so the connection is released."""
+    def post(self, endpoint: str, route: str, body: bytes,
+             headers: dict[str, str]) -> aiohttp.client._RequestContextManager:
+        """POST ``body`` to ``endpoint + route``; await it for the response once headers arrived."""
         assert self._session is not None, "Upstream.start() was not awaited"
+        url = self._urls.get((endpoint, route))
+        if url is None:
+            if len(self._urls) > 10_000:
+                self._urls.clear()  # endpoints come and go; never grow without bound
+            url = self._urls[(endpoint, route)] = URL(endpoint + route)
         return self._session.post(url, data=body, headers=headers)
