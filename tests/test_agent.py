@@ -19,7 +19,7 @@ from llmgw.projections.fold import fold
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent import Agent, detect_fabric, infiniband_subnet, simulated_agents
-from llmgw.bus import Bus
+from llmgw.bus import Bus, Outbox
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
 from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
@@ -292,3 +292,26 @@ async def test_simulated_agents_cover_the_fleet_file(bus: Bus, fleet_file: Path)
     assert [a.node for a in agents] == [n.name for n in fleet.nodes]
     assert {a.node: len(a.faults) for a in agents if a.faults} == {"a100-02": 1}
     assert {a.fabric_source for a in agents} == {"fleet-file"}
+
+
+async def test_attached_services_run_beside_the_agent_and_stop_with_it(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    seen: list[str] = []
+
+    async def service(b: Bus, outbox: Outbox) -> None:
+        seen.append("started")
+        assert b is bus
+        outbox.put(m.ReplicaStateChanged(at=T0, replica_id="r1", model="m", node=node.name, state="starting"),
+                   msg_id=f"ReplicaStateChanged:{node.name}:r1:1")
+        try:
+            await asyncio.Event().wait()
+        finally:
+            seen.append("cancelled")
+
+    agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, services=[service])
+    async with running(agent):
+        async def delivered() -> bool:
+            return await bus.stream_last_seq(subjects.STREAM_CONTROL) == 1
+
+        await until(delivered, "the service's event through the agent's outbox")
+    assert seen == ["started", "cancelled"]
