@@ -47,7 +47,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     reasons: tuple[str, ...] = ()
 
 
-class NodeInventoryReported(Event, tag="NodeInventoryReported"):
+class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_only=True):
     """A full snapshot of a node's GPUs, health included; replaces what was known."""
 
     node: str
@@ -59,7 +59,7 @@ class NodeInventoryReported(Event, tag="NodeInventoryReported"):
     simulated: bool = False
 
 
-class GpuHealthChanged(Event, tag="GpuHealthChanged"):
+class GpuHealthChanged(Event, tag="GpuHealthChanged", frozen=True, kw_only=True):
     """A GPU went from healthy to unhealthy or back; only transitions are events."""
 
     node: str
@@ -70,7 +70,7 @@ class GpuHealthChanged(Event, tag="GpuHealthChanged"):
     boot_id: str = ""
 
 
-class NodeLost(Event, tag="NodeLost"):
+class NodeLost(Event, tag="NodeLost", frozen=True, kw_only=True):
     """A node missed its heartbeats for longer than the timeout."""
 
     node: str
@@ -78,7 +78,7 @@ class NodeLost(Event, tag="NodeLost"):
     timeout_s: float = 60.0
 
 
-class NodeReturned(Event, tag="NodeReturned"):
+class NodeReturned(Event, tag="NodeReturned", frozen=True, kw_only=True):
     """A lost node is heard from again."""
 
     node: str
@@ -91,7 +91,7 @@ FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
 # --- heartbeat stream: llmgw.heartbeat.<node> (latest only, never replayed) --
 
 
-class HeartbeatSent(Event, tag="HeartbeatSent"):
+class HeartbeatSent(Event, tag="HeartbeatSent", frozen=True, kw_only=True):
     """An agent is alive; kept out of the history that status replays."""
 
     node: str
@@ -105,7 +105,7 @@ HeartbeatEvent = HeartbeatSent
 # --- usage stream: llmgw.usage.<router>.idle ---------------------------------
 
 
-class IdleMapPublished(Event, tag="IdleMapPublished"):
+class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True):
     """One router's last request time per replica, once a tick.
 
     A replica the router has not served since it started is absent: unknown is
@@ -149,26 +149,26 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     idle_ttl_s: float | None = None
 
 
-class ModelDeclared(Event, tag="ModelDeclared"):
+class ModelDeclared(Event, tag="ModelDeclared", frozen=True, kw_only=True):
     """An operator asked for a model to serve with this spec."""
 
     spec: ModelSpec
 
 
-class ModelScaled(Event, tag="ModelScaled"):
+class ModelScaled(Event, tag="ModelScaled", frozen=True, kw_only=True):
     """An operator changed how many replicas a model should have."""
 
     name: str
     replicas: int
 
 
-class ModelRemoved(Event, tag="ModelRemoved"):
+class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
     """An operator asked for a model to stop serving everywhere."""
 
     name: str
 
 
-class ModelUnplaceable(Event, tag="ModelUnplaceable"):
+class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True):
     """The scheduler could not place replicas of a model, and says why."""
 
     name: str
@@ -184,7 +184,7 @@ class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
     uuid: str
 
 
-class ReplicaPlaced(Event, tag="ReplicaPlaced"):
+class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
     """The scheduler put a replica on these GPUs (tp per node, pp nodes)."""
 
     replica_id: str
@@ -199,7 +199,7 @@ class ReplicaPlaced(Event, tag="ReplicaPlaced"):
 ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
 
 
-class ReplicaStateChanged(Event, tag="ReplicaStateChanged"):
+class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only=True):
     """An agent reports how the engine of a replica is doing."""
 
     replica_id: str
@@ -211,7 +211,7 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged"):
     restarts: int = 0
 
 
-class ReplicaStopped(Event, tag="ReplicaStopped"):
+class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
     """A replica must stop and give its GPUs back (idle, removed, re-placed, …)."""
 
     replica_id: str
