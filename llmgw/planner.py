@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+import msgspec
+
 from llmgw import messages as m
 from llmgw.errors import PlanError
 from llmgw.projections.fold import FleetState
@@ -422,6 +424,12 @@ def quantization_flag(info: m.ModelInfo, p: Precision) -> str | None:
     return p.name
 
 
+@lru_cache(maxsize=4096)
+def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int) -> tuple[float, float, KvShape]:
+    """Weights, overhead and KV shape per GPU: they depend on the split, not on the card."""
+    return weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp), kv_shape(info, p.engine, tp, pp)
+
+
 @dataclass(frozen=True)
 class Split:
     """Where and how one replica would run."""
@@ -438,9 +446,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left."""
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
-    weights = weight_bytes_per_gpu(info, p, tp, pp)
-    overhead = overhead_bytes_per_gpu(info, p.engine, tp, pp)
-    kv = kv_shape(info, p.engine, tp, pp)
+    weights, overhead, kv = sizes(info, p, tp, pp)
     kv_budget = budget - weights - overhead
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
@@ -523,7 +529,9 @@ def pools(fleet: FleetState) -> dict[str, ClassPool]:
     for node in fleet.nodes.values():
         if node.lost:
             continue
-        free = {(g.gpu_class, g.index) for g in fleet.free_gpus(node, held)}
+        free: dict[str, int] = {}
+        for g in fleet.free_gpus(node, held):
+            free[g.gpu_class] = free.get(g.gpu_class, 0) + 1
         by_class: dict[str, list[int]] = {}
         for g in node.gpus.values():
             if g.healthy:
@@ -531,7 +539,7 @@ def pools(fleet: FleetState) -> dict[str, ClassPool]:
         for cls, mems in by_class.items():
             pool = out.setdefault(cls, ClassPool(cls, min(mems)))
             pool.memory_mib = min(pool.memory_mib, *mems)
-            pool.nodes.append(NodeSlots(node.name, node.fabric, len(mems), sum(1 for c, _ in free if c == cls)))
+            pool.nodes.append(NodeSlots(node.name, node.fabric, len(mems), free.get(cls, 0)))
     return out
 
 
@@ -619,8 +627,12 @@ def _sort_key(c: m.Candidate) -> tuple[object, ...]:
     return (not c.fits, c.gpus, RANK[c.precision], -c.max_context, c.gpu_class, c.fabric or "")
 
 
-def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.PlanReply:
-    """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too."""
+def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
+         fleet_pools: dict[str, ClassPool] | None = None) -> m.PlanReply:
+    """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too.
+
+    ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests.
+    """
     info = model
     if request.params:
         info = _with_params(model, request.params)
@@ -629,7 +641,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.Pla
     util = request.gpu_memory_utilization
     out: list[m.Candidate] = []
     notes: list[str] = []
-    by_class = pools(fleet)
+    by_class = pools(fleet) if fleet_pools is None else fleet_pools
     gpus = sum(n.healthy for p in by_class.values() for n in p.nodes)
     if not by_class:
         notes.append("the fleet has no live healthy GPUs: no agent has reported, or every node is lost; "
@@ -637,12 +649,13 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.Pla
     for cls in sorted(by_class):
         pool = by_class[cls]
         widest = max(n.healthy for n in pool.nodes)
+        free_slots: dict[int, int] = {}
         for p in precs:
             ok_tps = [t for t in tps if t <= widest and (p.engine == "llama.cpp" or valid_tp(info, t))]
             single_fits = False
             for tp in ok_tps:
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
-                             replicas_now=replicas_single(pool.nodes, tp))
+                             replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)))
                 single_fits |= c.fits
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -654,10 +667,11 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.Pla
                     wide = [n for n in nodes if n.healthy >= tp]
                     for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
-                                     util=util, replicas_now=replicas_multi(wide, tp, pp))
-                        out.append(c)
+                                     util=util, replicas_now=0)
                         if c.fits:
+                            out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             break  # more stages than the fewest that hold it only cost GPUs
+                        out.append(c)
     fitting = [c for c in out if c.fits]
     if by_class and not fitting:
         notes.append(_nothing_fits(info, out, by_class))
@@ -674,8 +688,6 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest) -> m.Pla
 
 
 def _with_params(info: m.ModelInfo, params: int) -> m.ModelInfo:
-    import msgspec
-
     return msgspec.structs.replace(info, params=params, params_source="--params")
 
 

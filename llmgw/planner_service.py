@@ -43,6 +43,7 @@ class PlannerService:
         self._models: dict[tuple[str, int | None], m.ModelInfo] = {}
         self._cache_size = cache_size
         self._progress = asyncio.Event()
+        self._pools: dict[str, planner.ClassPool] | None = None  # pools of the fold, until it changes
 
     # --- requests ---------------------------------------------------------------------
 
@@ -64,7 +65,9 @@ class PlannerService:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise PlanError(f"malformed plan request ({e}); send a PlanRequest as JSON, e.g. {{\"model\": \"Org/Name\"}}") from e
         info = request.info or await self.model(request.model, request.params)
-        reply = planner.plan(info, self.state, request)
+        if self._pools is None:
+            self._pools = planner.pools(self.state)
+        reply = planner.plan(info, self.state, request, fleet_pools=self._pools)
         self.answered += 1
         return m.encode(reply)
 
@@ -81,6 +84,7 @@ class PlannerService:
                     log.warning("planner: %s seq %d (%s) cannot be decoded, skipped: %s", stream, raw.seq, raw.subject, e)
                 else:
                     apply(self.state, event)
+                    self._pools = None
                 self.positions[stream] = raw.seq
             self._progress.set()
 
