@@ -18,6 +18,7 @@ from llmgw import subjects
 from llmgw.agent import Agent
 from llmgw.bus import Bus
 from llmgw.config import Settings
+from llmgw.engines import EngineConfig, EngineSupervisor, parse_engine_cmds
 from llmgw.errors import LlmgwError
 from llmgw.fleetfile import faults, load, parse_fault_kind
 from llmgw.liveness import HeartbeatMonitor
@@ -27,14 +28,11 @@ from llmgw.simnvml import SimNvml
 _REPLY_DECODER = msgspec.json.Decoder(m.FaultInjected)
 
 
-def _engine_cmds(values: tuple[str, ...]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for v in values:
-        engine, sep, cmd = v.partition("=")
-        if not sep or not engine or not cmd:
-            raise click.BadParameter(f"expected ENGINE=CMD, like vllm=/opt/vllm/bin/vllm (got {v!r})", param_hint="--engine-cmd")
-        out[engine] = cmd
-    return out
+def _engine_cmds(values: tuple[str, ...]) -> dict[str, list[str]]:
+    try:
+        return parse_engine_cmds(values)
+    except LlmgwError as e:
+        raise click.BadParameter(str(e), param_hint="--engine-cmd") from e
 
 
 def _print_inventory(inv: m.NodeInventoryReported, as_json: bool) -> None:
@@ -71,7 +69,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
     try:
         agents = [
             Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
-                  heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"])
+                  heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"],
+                  services=(EngineSupervisor(node, EngineConfig(cmds=opts["engine_cmds"], simulate=opts["simulated"])),))
             for node, port, fabric, source in ports
         ]
         loop = asyncio.get_running_loop()
@@ -107,7 +106,7 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.option("--simulate", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), help="Simulate the node(s) of this fleet file instead of reading NVML.")
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
 @click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")
-@click.option("--engine-cmd", multiple=True, metavar="ENGINE=CMD", help="How to start an engine (e.g. vllm=/opt/vllm/bin/vllm); accepted for engine supervision, which a later release wires in; unused for now.")
+@click.option("--engine-cmd", multiple=True, metavar="ENGINE=CMD", help="The program for an engine, repeatable: vllm=…, llama.cpp=…, fake=… (e.g. 'vllm=/opt/vllm/bin/vllm serve').")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
@@ -127,7 +126,6 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
         return
     opts: dict[str, Any] = {"heartbeat_s": heartbeat_s, "poll_s": poll_s, "once": once, "as_json": as_json,
                             "simulated": fleet_path is not None, "faults": (),
-                            # For engine supervision, which the control plane wires in; nothing reads it yet.
                             "engine_cmds": _engine_cmds(engine_cmd)}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     try:

@@ -61,10 +61,13 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
         key = key.strip()
         if not sep or key not in ENGINE_KEYS or not cmd.strip():
             raise ConfigError(
-                f"--engine-cmd {raw!r} must be ENGINE=COMMAND with ENGINE one of {', '.join(ENGINE_KEYS)}, "
+                f"--engine-cmd {raw!r}: expected ENGINE=CMD with ENGINE one of {', '.join(ENGINE_KEYS)}, "
                 "e.g. --engine-cmd 'vllm=/opt/vllm/bin/vllm serve'"
             )
-        out[key] = shlex.split(cmd)
+        argv = shlex.split(cmd)
+        if key == "vllm" and Path(argv[-1]).name == "vllm":
+            argv.append("serve")  # `vllm=/opt/vllm/bin/vllm` names the program; the subcommand is implied
+        out[key] = argv
     return out
 
 

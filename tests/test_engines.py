@@ -88,7 +88,8 @@ def test_engine_command_lines() -> None:
         "llama-server", "-m", "/models/q.gguf", "-c", "8192", "-ngl", "999", "--host", "h", "--port", "9", "--alias", "qwen"]
     sim = engine_argv(spec(), 7, "h", default_commands(), simulate=True, name="qwen-r1")
     assert sim[-9:] == ["fake-engine", "--host", "h", "--port", "7", "--model", "qwen", "--name", "qwen-r1"]
-    with pytest.raises(ConfigError, match="ENGINE=COMMAND"):
+    assert parse_engine_cmds(["vllm=/opt/v/bin/vllm"])["vllm"] == ["/opt/v/bin/vllm", "serve"]
+    with pytest.raises(ConfigError, match="expected ENGINE=CMD"):
         parse_engine_cmds(["sglang=python -m sglang"])
 
 

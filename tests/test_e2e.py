@@ -1,0 +1,202 @@
+"""The whole loop as a user runs it: ``llmgw up --simulate`` → deploy from a plan → answers through
+the router → an XID under the replica → re-placed, answers again → idle → stopped, cards free;
+``ctl status`` and ``llmgw replay`` tell exactly that story.
+
+Everything is a real process (nats-server, projector, planner, scheduler, router, simulated
+agents, fake engines); every wait is bounded and every process is killed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models"
+LLMGW = str(Path(sys.executable).parent / "llmgw")
+MODEL = "Qwen/Qwen2.5-14B-Instruct"
+
+FLEET = """
+[[nodes]]
+name = "gpu-a"
+fabric = "ib-a"
+gpu_class = "A100-40GB"
+gpu_count = 2
+gpu_memory_mib = 40960
+
+[[nodes]]
+name = "gpu-b"
+fabric = "ib-a"
+gpu_class = "A100-40GB"
+gpu_count = 2
+gpu_memory_mib = 40960
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llmgw(nats_url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, LLMGW_NATS_URL=nats_url, LLMGW_MODELS_DIR=str(MODELS))
+    return subprocess.run([LLMGW, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def ok(nats_url: str, *args: str) -> str:
+    r = llmgw(nats_url, *args)
+    assert r.returncode == 0, f"llmgw {' '.join(args)} → {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def control_events(nats_url: str) -> list[dict[str, Any]]:
+    out = ok(nats_url, "replay", "--stream", "control", "--json")
+    return [json.loads(line)["event"] for line in out.splitlines() if line.strip()]
+
+
+def wait_for(what: str, check: Any, within_s: float = 30.0, every_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + within_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"{what}: not within {within_s:g}s (last: {last!r})")
+
+
+def healthy(nats_url: str, replica: str) -> dict[str, Any] | None:
+    for e in reversed(control_events(nats_url)):
+        if e.get("replica_id") == replica and e["type"] == "ReplicaStateChanged":
+            return e if e["state"] == "healthy" else None
+    return None
+
+
+def ask(client: openai.OpenAI, model: str) -> str:
+    """One chat completion through the router; the fake engine names its replica in the fingerprint."""
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    assert reply.choices[0].message.content
+    return reply.system_fingerprint or ""
+
+
+def answered_by(client: openai.OpenAI, model: str, replica: str) -> bool:
+    try:
+        return ask(client, model) == replica
+    except openai.APIError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_up_deploy_fault_replace_idle_stop(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(FLEET)
+    router_port = free_port()
+    env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS))
+    up = subprocess.Popen(
+        [LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0",
+         "--router-listen", f"127.0.0.1:{router_port}", "--router-tick", "0.3", "--heartbeat-s", "1",
+         "--no-example"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    try:
+        assert up.stdout is not None
+        first = up.stdout.readline()
+        match = re.match(r"nats: (nats://\S+)", first)
+        assert match, first
+        url = match.group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="unused", max_retries=0, timeout=5)
+
+        # Plan over NATS (the planner service), then deploy the first candidate.
+        def planned() -> dict[str, Any] | None:
+            r = llmgw(url, "ctl", "model", "plan", MODEL, "--context", "8192", "--json")
+            return json.loads(r.stdout) if r.returncode == 0 and json.loads(r.stdout)["candidates"] else None
+
+        plan = wait_for("a plan with candidates (agents reported)", planned)
+        first_candidate = plan["candidates"][0]
+        assert first_candidate["gpu_class"] == "A100-40GB" and first_candidate["fits"]
+        ok(url, "ctl", "model", "deploy", "qwen", MODEL, "--from-plan", "--candidate", "1", "--context", "8192")
+
+        # The scheduler places it, the agent starts a fake engine, the router serves it.
+        wait_for("qwen-r1 healthy", lambda: healthy(url, "qwen-r1"))
+        wait_for("an answer from qwen-r1 through the router", lambda: answered_by(client, "qwen", "qwen-r1"))
+        placed = next(e for e in control_events(url) if e["type"] == "ReplicaPlaced")
+        gpu = placed["gpus"][0]
+
+        # XID 79 on a GPU it holds: stopped, re-placed elsewhere, serving again.
+        ok(url, "agent", "fault", gpu["node"], str(gpu["index"]), "xid=79")
+        wait_for("qwen-r2 healthy", lambda: healthy(url, "qwen-r2"))
+        wait_for("an answer from qwen-r2", lambda: answered_by(client, "qwen", "qwen-r2"), within_s=20)
+
+        # Nobody asks any more: ctl idle --stop frees the cards once the router reports it idle.
+        stopped = wait_for("qwen-r2 idle ≥ 1s and stopped", lambda: json.loads(
+            ok(url, "ctl", "idle", "--older-than", "1s", "--stop", "--json"))["stopped"], within_s=20)
+        assert stopped == ["qwen-r2"]
+
+        def status() -> dict[str, Any] | None:
+            data = json.loads(ok(url, "ctl", "status", "--json"))
+            return data if data["replicas"] == 0 else None
+
+        report = wait_for("status shows no replica", status)
+        (a100,) = [c for c in report["capacity"] if c["gpu_class"] == "A100-40GB"]
+        assert (a100["total"], a100["used"], a100["unhealthy"], a100["free"]) == (4, 0, 1, 3)
+
+        # The story, in order, from the stored history: the decisions exactly, and each
+        # replica's engine reports in order (agents and scheduler interleave freely).
+        events = control_events(url)
+        decisions = [(e["type"], e.get("replica_id") or e["spec"]["name"], e.get("reason", "").split(":")[0])
+                     for e in events if e["type"] in ("ModelDeclared", "ReplicaPlaced", "ReplicaStopped")]
+        assert decisions == [
+            ("ModelDeclared", "qwen", ""),
+            ("ReplicaPlaced", "qwen-r1", "0 of 1 running"),
+            ("ReplicaStopped", "qwen-r1", "re-placing"),
+            ("ReplicaPlaced", "qwen-r2", "0 of 1 running"),
+            ("ReplicaStopped", "qwen-r2", "idle"),
+        ]
+        for rid in ("qwen-r1", "qwen-r2"):
+            states = [e["state"] for e in events if e["type"] == "ReplicaStateChanged" and e["replica_id"] == rid]
+            assert states == ["starting", "healthy", "stopped"], (rid, states)
+        order = [(e["type"], e.get("replica_id"), e.get("state")) for e in events]
+        assert order.index(("ReplicaStateChanged", "qwen-r1", "healthy")) < order.index(("ReplicaStopped", "qwen-r1", None))
+        assert order.index(("ReplicaStateChanged", "qwen-r2", "healthy")) < order.index(("ReplicaStopped", "qwen-r2", None))
+        endpoints = [e["endpoint"] for e in events if e["type"] == "ReplicaStateChanged" and e["state"] == "healthy"]
+        stops = [e for e in control_events(url) if e["type"] == "ReplicaStopped"]
+        assert f"GPU {gpu['index']} ({gpu['uuid']}) on {gpu['node']} unhealthy" in stops[0]["reason"]
+        assert "79" in stops[0]["reason"]
+        # The fleet stream has the XID that caused it.
+        fleet_events = [json.loads(line)["event"] for line in ok(url, "replay", "--stream", "fleet", "--json").splitlines()]
+        xid = [e for e in fleet_events if e["type"] == "GpuHealthChanged"]
+        assert [(e["node"], e["gpu_index"], e["healthy"]) for e in xid] == [(gpu["node"], gpu["index"], False)]
+        timeline = ok(url, "replay", "--model", "qwen")
+        assert timeline.index("qwen-r1") < timeline.index("qwen-r2")
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(5)
+        rest = up.stdout.read() if up.stdout else ""
+        if up.stdout:
+            up.stdout.close()
+    assert up.returncode == 0, rest
+    assert rest.rstrip().endswith("stopped")
+    # SIGTERM stopped everything: no engine outlives `up`.
+    for endpoint in endpoints:
+        host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+        with socket.socket() as s, pytest.raises(OSError):
+            s.settimeout(2)
+            s.connect((host, int(port)))
