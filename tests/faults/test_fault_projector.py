@@ -1,0 +1,251 @@
+"""The projector (`llmgw project`, a real child process) under faults: SIGKILL mid-replay, a burst, a full disk, a held file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faultkit import T0
+from llmgw.projections.store import TABLES, Store
+
+from llmgw import fleetfile, subjects
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.natsserver import EmbeddedServer, free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+FLEET = fleetfile.load(ROOT / "examples" / "fleet.toml")
+LLMGW = str(Path(sys.executable).parent / "llmgw")
+
+
+def history(n: int) -> list[m.Event]:
+    """Inventories, then GPU health flips and idle maps: ``n`` distinct events over two streams."""
+    out: list[m.Event] = list(fleetfile.inventories(FLEET, T0))
+    nodes = [x.name for x in FLEET.nodes]
+    i = 0
+    while len(out) < n:
+        at = T0 + timedelta(seconds=1 + i)
+        if i % 25 == 24:
+            out.append(m.IdleMapPublished(at=at, router="gw-1", boot_id="b1", tick=i, last_request={}))
+        else:
+            node = nodes[i % len(nodes)]
+            out.append(m.GpuHealthChanged(at=at, node=node, gpu_index=i % 8, gpu_uuid=FLEET.node(node).gpu_uuid(i % 8),
+                                          healthy=(i // len(nodes)) % 2 == 1, reasons=() if (i // len(nodes)) % 2 else ("xid 48",)))
+        i += 1
+    return out
+
+
+class Server:
+    def __init__(self, server: EmbeddedServer, monitor: int) -> None:
+        self.server, self.monitor = server, monitor
+
+    def varz(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/varz", timeout=5) as r:
+            return dict(json.loads(r.read()))
+
+    def connz(self) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/connz?limit=1024", timeout=5) as r:
+            return list(json.loads(r.read()).get("connections") or [])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    d = Path(tempfile.mkdtemp(prefix="llmgw-fault-proj-"))
+    port = free_port()
+    s = EmbeddedServer(d, port=0, extra_args=("-m", str(port))).start()
+    try:
+        yield Server(s, port)
+    finally:
+        s.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def bus(server: Server) -> AsyncIterator[Bus]:
+    import nats.js.errors
+
+    b = await Bus.connect(Settings(nats_url=server.server.url), "fault-test")
+    for spec in subjects.STREAMS:
+        try:
+            await b.js.delete_stream(spec.name)
+        except nats.js.errors.NotFoundError:
+            pass
+    await b.ensure_streams()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def poll(cond: Callable[[], bool], limit_s: float) -> None:
+    """Wait until ``cond()`` holds; fail after ``limit_s``."""
+    for _ in range(int(limit_s * 10)):
+        if await asyncio.to_thread(cond):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not true after {limit_s:.0f}s: {cond}")
+
+
+def env(bus: Bus) -> dict[str, str]:
+    return {**os.environ, "LLMGW_NATS_URL": bus.settings.nats_url}
+
+
+async def project(bus: Bus, db: Path, *args: str, limit_s: float = 120, **kw: Any) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--once", "--db", str(db), *args, env=env(bus),
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, **kw)
+    _, err = await asyncio.wait_for(proc.communicate(), limit_s)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+def tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
+    store = Store(db)
+    try:
+        return {t: store.table_rows(t) for t in TABLES}
+    finally:
+        store.close()
+
+
+def positions(db: Path) -> dict[str, int]:
+    store = Store(db)
+    try:
+        return dict(store.load().positions)
+    finally:
+        store.close()
+
+
+async def test_sigkill_at_random_points_of_a_large_replay(bus: Bus, tmp_path: Path, record: Callable[..., None]) -> None:
+    n = 30_000
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    assert (await project(bus, tmp_path / "empty.duckdb"))[0] == 0
+    startup_s = loop.time() - t  # the child's imports and connect: no kill lands before this
+    events = history(n)
+    await bus.publish_many(events)
+    clean, crashed = tmp_path / "clean.duckdb", tmp_path / "crashed.duckdb"
+    t = loop.time()
+    rc, err = await project(bus, clean)
+    fold_s = max(0.2, loop.time() - t - startup_s)
+    assert rc == 0, err
+    rng = random.Random(8)
+    kills: list[dict[str, int]] = []
+    for _ in range(4):
+        proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--once", "--db", str(crashed), "--commit-every", "2000",
+                                                    env=env(bus), stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        await asyncio.sleep(startup_s + rng.uniform(0.05, 0.35) * fold_s)
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), 30)
+        kills.append(positions(crashed) if crashed.exists() else {})
+    rc, err = await project(bus, crashed)
+    assert rc == 0, err
+    assert tables(crashed) == tables(clean)
+    stored = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+    assert positions(clean) == {k: v for k, v in stored.items() if v}
+    record(published=n, stored=sum(stored.values()), projected=sum(positions(crashed).values()),
+           checkpoints_after_each_kill=[sum(k.values()) for k in kills],
+           duplicates=len(tables(crashed)["events"]) - len({r[:2] for r in tables(crashed)["events"]}))
+
+
+async def test_burst_larger_than_a_batch_never_makes_the_projector_slow(
+    server: Server, bus: Bus, tmp_path: Path, record: Callable[..., None]
+) -> None:
+    n = 60_000
+    db = tmp_path / "live.duckdb"
+    slow_before = int(server.varz().get("slow_consumers", 0))
+    proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--snapshot-interval", "0",
+                                                env=env(bus), stdout=asyncio.subprocess.DEVNULL,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        await poll(lambda: any(c.get("name") == "llmgw-project" for c in server.connz()), 30)
+        cid = next(c["cid"] for c in server.connz() if c.get("name") == "llmgw-project")
+        await bus.publish_many(history(n))  # ~7 of the projector's 8192-event batches at once
+        want = await bus.stream_last_seq(subjects.STREAM_FLEET)
+        report: m.StatusReport | None = None
+        async with asyncio.timeout(90):
+            while report is None or report.positions.get(subjects.STREAM_FLEET, 0) < want:
+                await asyncio.sleep(0.2)
+                report = m.STATUS_REPORT_DECODER.decode(await bus.request(subjects.STATUS, b"", timeout=10))
+        conns = [c for c in server.connz() if c.get("name") == "llmgw-project"]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    slow_after = int(server.varz().get("slow_consumers", 0))
+    assert [c["cid"] for c in conns] == [cid]  # the same connection throughout: never dropped
+    assert slow_after == slow_before, err.decode()
+    assert proc.returncode == 0, err.decode()
+    record(published=n, projected_live=sum(report.positions.values()), slow_consumers=slow_after - slow_before,
+           projector_connections=len(conns))
+
+
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    def pre() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return pre
+
+
+async def test_disk_full_stops_with_a_clear_error_and_resumes(bus: Bus, tmp_path: Path, record: Callable[..., None]) -> None:
+    n = 20_000
+    await bus.publish_many(history(n))
+    clean, full = tmp_path / "clean.duckdb", tmp_path / "full.duckdb"
+    assert (await project(bus, clean))[0] == 0
+    # Room for about three quarters of what the whole history needs: the disk fills mid-replay.
+    limit = max(1 << 20, clean.stat().st_size * 3 // 4)
+    fault_rc, fault_err = await project(bus, full, "--commit-every", "500", preexec_fn=_limit_file_size(limit))
+    assert fault_rc != 0, fault_err
+    assert "File too large" in fault_err
+    at_fault = positions(full)  # the checkpoint is readable and agrees with its state (Store.load checks)
+    assert sum(at_fault.values()) < n
+    rc, err = await project(bus, full)
+    assert rc == 0, err
+    assert tables(full) == tables(clean)
+    last = fault_err.strip().splitlines()[-1]
+    record(published=n, checkpoint_at_fault=sum(at_fault.values()), exit_status=fault_rc, file_size_limit=limit,
+           projected_after_resume=sum(positions(full).values()), error=last[:200])
+    if fault_rc != 1 or "Traceback" in fault_err:
+        # Everything above holds: nothing lost, checkpoint intact, resume == clean replay.
+        pytest.xfail("projections/store.py Store.commit: ROLLBACK after a failed COMMIT raises "
+                     "TransactionException, so a full disk ends in a traceback instead of `Error: …` "
+                     f"(last line: {last[:120]})")
+    assert fault_err.startswith("Error:")
+
+
+async def test_file_held_by_another_projector_is_refused_then_resumes(bus: Bus, tmp_path: Path, record: Callable[..., None]) -> None:
+    n = 5_000
+    await bus.publish_many(history(n))
+    db, clean = tmp_path / "held.duckdb", tmp_path / "clean.duckdb"
+    assert (await project(bus, clean))[0] == 0
+    holder = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--snapshot-interval", "0",
+                                                  env=env(bus), stdout=asyncio.subprocess.DEVNULL,
+                                                  stderr=asyncio.subprocess.DEVNULL)
+    try:
+        await poll(db.exists, 30)
+        rc, err = await project(bus, db)
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(holder.wait(), 30)
+    assert rc == 1 and "Traceback" not in err
+    assert "another projector may hold it" in err
+    rc2, err2 = await project(bus, db)
+    assert rc2 == 0, err2
+    assert tables(db) == tables(clean)
+    record(published=n, second_projector_exit=rc, error=err.strip().splitlines()[-1][:160])
