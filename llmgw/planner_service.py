@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,13 @@ class PlannerService:
 
     async def wait_for(self, positions: dict[str, int], timeout: float = 10.0) -> None:  # noqa: ASYNC109 - bounded wait is the point
         """Return once the fold has reached these stream sequences."""
+        await self.wait_until(lambda _: all(self.positions.get(s, 0) >= seq for s, seq in positions.items()), timeout)
+
+    async def wait_until(self, predicate: Callable[[FleetState], bool], timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Return once the folded state satisfies ``predicate``; TimeoutError after ``timeout``."""
 
         async def reached() -> None:
-            while any(self.positions.get(s, 0) < seq for s, seq in positions.items()):
+            while not predicate(self.state):
                 self._progress.clear()
                 await self._progress.wait()
 

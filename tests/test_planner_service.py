@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,6 +16,7 @@ from llmgw.cli.main import cli
 
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
+from llmgw.agent import simulated_agents
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
@@ -27,17 +30,21 @@ AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 @pytest.fixture
 async def service(bus: Bus, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[PlannerService]:
-    """The example fleet published as simulated agents would, and a planner following it."""
+    """A planner following the fleet that simulated agents of the example fleet file publish."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("LLMGW_MODELS_DIR", raising=False)
-    acks = [await bus.publish(inv) for inv in fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml"), AT)]
     svc = PlannerService(bus, models_dir=MODELS)
     task = asyncio.create_task(svc.run())
+    agents = simulated_agents(bus, fleetfile.load(EXAMPLES / "fleet.toml"), heartbeat_s=60, poll_s=60)
+    runs = [asyncio.create_task(a.run()) for a in agents]
     try:
         await asyncio.wait_for(svc.ready.wait(), 15)
-        await svc.wait_for({subjects.STREAM_FLEET: acks[-1].seq})
+        await svc.wait_until(lambda state: len(state.nodes) == len(agents), 15)
         yield svc
     finally:
+        for a in agents:
+            a.stop()
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 15)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -117,3 +124,24 @@ async def test_no_planner_running_is_a_clear_cli_error(bus: Bus, settings: Setti
     result = await invoke(["ctl", "model", "plan", str(MODELS / "Qwen__Qwen3-8B"), "--nats-url", settings.nats_url])
     assert result.exit_code == 1
     assert result.output.startswith("Error: no planner is running on ")
+
+
+async def test_planner_process_answers_and_stops_on_sigterm(bus: Bus, settings: Settings) -> None:
+    """`llmgw planner` as operators run it: its own process, stopped by SIGTERM."""
+    inv = fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml"), AT)
+    await bus.publish_many(inv)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from llmgw.cli.main import main; main()", "planner", "--nats-url", settings.nats_url,
+        "--models-dir", str(MODELS), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.decode().startswith("planner answering on llmgw.plan (queue llmgw-planners) with 9 nodes folded")
+        reply = await ask(bus, m.PlanRequest(model="Qwen/Qwen3-8B", precisions=("bf16",), tp=(1,)))
+        assert {c.gpu_class for c in reply.candidates} == {"H100-80GB", "A100-40GB", "L40S-48GB"}
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        code = await asyncio.wait_for(proc.wait(), 15)
+    assert code == 0
