@@ -389,3 +389,19 @@ def test_gguf_only_request_may_use_any_gpu_count() -> None:
                    m.PlanRequest(model="l", precisions=("q4_K_M",), tp=(3,)))
     c = one(reply.candidates, tp=3)
     assert c.fits and c.engine == "llama.cpp"
+
+
+def test_awq_checkpoint_is_served_as_awq_by_vllm() -> None:
+    base = model(QWEN14)
+    awq = msgspec.structs.replace(base, quantization="awq", source="Qwen/Qwen2.5-14B-Instruct-AWQ")
+    assert [p.name for p in P.available_precisions(awq)] == ["awq", *P.GGUF_NAMES]
+    embd = 152064 * 5120
+    norms_biases = sum(t.params for t in P.tensors(awq) if not t.matmul) - 2 * embd
+    matmuls = awq.params - 2 * embd - norms_biases
+    assert P.layout(awq, P.BY_NAME["awq"]).total == pytest.approx(
+        matmuls * (4 + 20 / 128) / 8 + (2 * embd + norms_biases) * 2, rel=1e-9)
+    c = one(P.plan(awq, EXAMPLE_FLEET, m.PlanRequest(model="a", precisions=("AWQ",), tp=(1,))).candidates,
+            gpu_class="L40S-48GB")
+    assert c.engine == "vllm" and c.quantization is None and "--quantization" not in c.command
+    with pytest.raises(PlanError, match="holds awq weights"):
+        P.plan(awq, EXAMPLE_FLEET, m.PlanRequest(model="a", precisions=("bf16",)))
