@@ -133,6 +133,7 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
             f"{P}.control.model.*.removed",
             s.PLAN,
             s.STATUS,
+            f"{P}.agent.*.fault",  # `llmgw agent fault`: only simulated agents answer it
         ]
         for stream in ALL_STREAMS:
             pub += _read(stream)
@@ -167,9 +168,18 @@ def users(nodes: Sequence[str]) -> list[tuple[str, str, str | None]]:
 
 def make_passwords(nodes: Sequence[str]) -> dict[str, str]:
     """Random passwords for every login, keyed by environment variable (and the system user's)."""
-    env = {password_env(u): secrets.token_urlsafe(18) for u, _, _ in users(nodes)}
-    env[password_env("sys")] = secrets.token_urlsafe(18)
+    env = {password_env(u): new_password() for u, _, _ in users(nodes)}
+    env[password_env("sys")] = new_password()
     return env
+
+
+def new_password() -> str:
+    """A random password nats-server reads back as a string.
+
+    nats-server parses a ``$VAR``'s value as a config value: "9zq…" fails as a
+    bad number, "-x…" as a negative one. A letter first, then hex, is always a string.
+    """
+    return "pw" + secrets.token_hex(20)
 
 
 def _q(text: str) -> str:
@@ -208,8 +218,9 @@ HEADER = """\
 # publish is on disk before the ack. llmgw's fleet and control streams are its
 # source of truth; run them at 3 replicas (LLMGW_STREAM_REPLICAS=3) on a cluster.
 #
-# Passwords are read from the environment (nats-server expands $VARS); make test
-# credentials with `llmgw nats-conf --env-file creds.env` and `set -a; . creds.env`.
+# Passwords are read from the environment (nats-server expands $VARS and parses
+# their values: start each with a letter, e.g. pw<hex>); make test credentials
+# with `llmgw nats-conf --env-file creds.env` and `set -a; . creds.env`.
 # Each agent node has its own user: it may publish only its own node's subjects.
 """
 
