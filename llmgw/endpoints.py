@@ -130,11 +130,14 @@ class EndpointSink:
         self._changed = asyncio.Condition()
 
     async def run(self) -> None:
-        """Follow forever; cancel to stop. ``caught_up`` is set once history is in."""
+        """Follow forever; cancel to stop. ``caught_up`` is set once history is in.
+
+        After an error, calling it again resumes after the last event applied.
+        """
         target = await self.bus.stream_last_seq(subjects.STREAM_CONTROL)
-        if target == 0:
+        if target <= self.applied_seq:
             self.caught_up.set()
-        reader = self.bus.reader(subjects.STREAM_CONTROL, 1, idle_expires_s=1.0)
+        reader = self.bus.reader(subjects.STREAM_CONTROL, self.applied_seq + 1, idle_expires_s=1.0)
         async for batch in reader.batches():
             changed = False
             now = time.time()

@@ -125,6 +125,9 @@ class IdleTracker:
     def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime) -> m.IdleMapPublished:
         """The next tick's map: requests seen, and pooled replicas with none since they joined."""
         self.tick += 1
+        # Stopped replicas leave the map: its size follows the fleet, not its history.
+        for rid in [rid for rid in self.last if rid not in pool.replicas]:
+            del self.last[rid]
         last = {rid: datetime.fromtimestamp(t, UTC) for rid, t in self.last.items()}
         since = {
             r.replica_id: datetime.fromtimestamp(r.pooled_at, UTC)
@@ -332,10 +335,8 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except LlmgwError as e:
-                # The pool keeps routing to what it knew; a fresh sink replays from 1.
+                # The pool keeps routing to what it knew; the sink resumes where it stopped.
                 log.warning("router %s: control stream: %s; retrying", self.name, e)
-                self.pool.replicas.clear()
-                self.pool.healthy.clear()
                 await asyncio.sleep(1.0)
 
     async def _ticker(self) -> None:
@@ -407,7 +408,9 @@ class Router:
             status = resp.status
             return resp
         finally:
-            self.metrics.observe(model, route, status, stream, loop.time() - t0)
+            # Only known models become labels: a client must not grow the metrics at will.
+            label = model if model in self.pool.known_models else ""
+            self.metrics.observe(label, route, status, stream, loop.time() - t0)
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
                        body: bytes) -> web.StreamResponse:
@@ -488,7 +491,7 @@ class Router:
             return _error(503, f"model {model!r} has no healthy replica right now; retry after {RETRY_AFTER_S}s",
                           "server_error", "no_healthy_replica", "model",
                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.metrics.error(model, "unknown_model")
+        self.metrics.error("", "unknown_model")
         return _error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
                       "invalid_request_error", "model_not_found", "model")
 

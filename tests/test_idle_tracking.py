@@ -89,6 +89,18 @@ def test_idle_map_without_requests_lists_pooled_replicas_as_serving_since() -> N
     assert event.tick == 1 and event.at == at
 
 
+def test_stopped_replicas_leave_the_map() -> None:
+    pool = Pool()
+    for rid in ("r1", "r2"):
+        pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model="m", node="n", state="healthy",
+                                         endpoint=f"http://{rid}"), 1000.0)
+    tracker = IdleTracker()
+    tracker.last.update({"r1": 1001.0, "r2": 1002.0})
+    pool.apply(m.ReplicaStopped(at=datetime.now(UTC), replica_id="r2", model="m", reason="idle"), 1003.0)
+    event = tracker.idle_map("r", "boot", pool, datetime.now(UTC))
+    assert set(event.last_request) == {"r1"} and event.serving_since == {}
+
+
 async def test_idle_map_holds_exactly_the_replicas_asked_for(bus: Bus, router: Router) -> None:
     before = datetime.now(UTC)
     for _ in range(3):

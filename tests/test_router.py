@@ -150,11 +150,16 @@ async def test_unhealthy_replica_receives_nothing_more(bus: Bus, client: openai.
     assert (await client.models.list()).data == []
 
 
-async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI, router: Router) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert err.value.code == "model_not_found"
     assert "no-such-model" in err.value.message
+    # A name a client made up never becomes a metrics label.
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
+        text = await resp.text()
+    assert "no-such-model" not in text
+    assert 'llmgw_router_errors_total{model="",kind="unknown_model"} 1' in text
 
 
 async def test_model_still_starting_is_503(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
