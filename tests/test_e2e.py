@@ -98,25 +98,43 @@ def answered_by(client: openai.OpenAI, model: str, replica: str) -> bool:
         return False
 
 
+def start_up(tmp_path: Path, fleet: Path, *extra: str, router_port: int = 0) -> tuple[subprocess.Popen[str], str]:
+    """``llmgw up --simulate`` in its own session; its NATS URL from the first line it prints."""
+    env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS))
+    proc = subprocess.Popen(
+        [LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0",
+         "--router-listen", f"127.0.0.1:{router_port or free_port()}", "--heartbeat-s", "1", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    assert proc.stdout is not None
+    match = re.match(r"nats: (nats://\S+)", proc.stdout.readline())
+    assert match
+    return proc, match.group(1)
+
+
+def stop_up(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM as Ctrl-C would; what it printed after the first line."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.stdout:
+        proc.stdout.close()
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_up_deploy_fault_replace_idle_stop(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(FLEET)
     router_port = free_port()
-    env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS))
-    up = subprocess.Popen(
-        [LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0",
-         "--router-listen", f"127.0.0.1:{router_port}", "--router-tick", "0.3", "--heartbeat-s", "1",
-         "--no-example"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )
+    up, url = start_up(tmp_path, fleet, "--router-tick", "0.3", "--no-example", router_port=router_port)
     try:
-        assert up.stdout is not None
-        first = up.stdout.readline()
-        match = re.match(r"nats: (nats://\S+)", first)
-        assert match, first
-        url = match.group(1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="unused", max_retries=0, timeout=5)
 
         # Plan over NATS (the planner service), then deploy the first candidate.
@@ -182,16 +200,7 @@ def test_up_deploy_fault_replace_idle_stop(tmp_path: Path) -> None:
         timeline = ok(url, "replay", "--model", "qwen")
         assert timeline.index("qwen-r1") < timeline.index("qwen-r2")
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGTERM)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait(5)
-        rest = up.stdout.read() if up.stdout else ""
-        if up.stdout:
-            up.stdout.close()
+        rest = stop_up(up)
     assert up.returncode == 0, rest
     assert rest.rstrip().endswith("stopped")
     # SIGTERM stopped everything: no engine outlives `up`.
@@ -200,3 +209,29 @@ def test_up_deploy_fault_replace_idle_stop(tmp_path: Path) -> None:
         with socket.socket() as s, pytest.raises(OSError):
             s.settimeout(2)
             s.connect((host, int(port)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_second_up_continues_where_the_first_stopped(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(FLEET)
+    proc, url = start_up(tmp_path, fleet)
+    try:
+        first = wait_for("the example replica healthy", lambda: healthy(url, "qwen14-r1"))
+    finally:
+        out = stop_up(proc)
+    assert "declared qwen14: Qwen/Qwen2.5-14B-Instruct" in out and out.rstrip().endswith("stopped")
+
+    proc, url = start_up(tmp_path, fleet)
+    try:
+        # The agents reconcile: the placement stored by the first run runs again, on a new port.
+        again = wait_for("qwen14-r1 healthy again", lambda: (lambda h: h if h and h["endpoint"] != first["endpoint"] else None)(
+            healthy(url, "qwen14-r1")))
+        events = control_events(url)
+    finally:
+        out = stop_up(proc)
+    assert "qwen14 was declared before; not declaring it again" in out
+    assert [e["type"] for e in events].count("ModelDeclared") == 1
+    assert [e["replica_id"] for e in events if e["type"] == "ReplicaPlaced"] == ["qwen14-r1"]
+    assert again["node"] == first["node"]
