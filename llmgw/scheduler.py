@@ -121,15 +121,17 @@ def _free_by_node(state: FleetState, held: set[tuple[str, int]], gpu_class: str)
 
 
 def place(
-    state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]], avoid: set[str] | frozenset[str] = frozenset()
+    state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]], avoid: set[str] | frozenset[str] = frozenset(),
+    free: dict[str, list[GpuView]] | None = None,
 ) -> tuple[tuple[str, ...], tuple[m.GpuRef, ...], str] | None:
     """Nodes, GPUs and fabric for one replica of ``spec``, or None when nothing fits.
 
     Best fit: the node (or fabric) with the fewest free GPUs that still fits,
     so large holes stay open for large models; nodes in ``avoid`` (already
     serving this model) come last, so one lost node does not take every replica.
+    ``free`` is the class's free GPUs by node when the caller keeps it current.
     """
-    free = _free_by_node(state, held, spec.gpu_class)
+    free = _free_by_node(state, held, spec.gpu_class) if free is None else free
     fits = [n for n, gpus in free.items() if len(gpus) >= spec.tp]
     if spec.pp <= 1:
         if not fits:
@@ -198,10 +200,20 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     parked_now: dict[str, int] = defaultdict(int)
     failed_now: set[str] = set()
 
+    # Free GPUs by class and node, computed once and kept current: recomputing
+    # them for every replica made a first pass over 4000 GPUs take seconds.
+    free_by_class: dict[str, dict[str, list[GpuView]]] = {}
+
+    def free_for(cls: str) -> dict[str, list[GpuView]]:
+        if cls not in free_by_class:
+            free_by_class[cls] = _free_by_node(state, held, cls)
+        return free_by_class[cls]
+
     def stop(replica: ReplicaView, reason: str) -> None:
         event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason)
         out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
         held.difference_update((g.node, g.index) for g in replica.gpus)
+        free_by_class.pop(replica.spec.gpu_class, None)
 
     for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
         model = state.models.get(replica.model)
@@ -247,10 +259,18 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         avoid = {node for r in running for node in r.nodes}
         placed_now = 0
         for _ in range(missing):
-            where = place(state, spec, held, avoid)
+            free = free_for(spec.gpu_class)
+            where = place(state, spec, held, avoid, free)
             if where is None:
                 break
             nodes, gpus, fabric = where
+            taken = {(g.node, g.index) for g in gpus}
+            for node in nodes:
+                left = [g for g in free[node] if (node, g.index) not in taken]
+                if left:
+                    free[node] = left
+                else:
+                    del free[node]
             n += 1
             rid = replica_id(name, n)
             event = m.ReplicaPlaced(
