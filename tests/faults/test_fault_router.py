@@ -1,0 +1,90 @@
+"""The router under hostile HTTP clients: slow-loris, header injection, smuggling; other requests unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from llmgw.bus import Bus
+from llmgw.router import Router
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def router(bus: Bus) -> AsyncIterator[Router]:
+    r = Router(bus, "router-hostile", tick_s=3600, max_body_bytes=64 * 1024)
+    await r.start("127.0.0.1", 0)
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+async def raw(router: Router, data: bytes, limit_s: float = 10) -> bytes:
+    """Send raw bytes, return whatever the router answers before it closes (bounded)."""
+    u = urlsplit(router.url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        out = b""
+        async with asyncio.timeout(limit_s):
+            while chunk := await reader.read(65536):  # every request says Connection: close
+                out += chunk
+        return out
+    finally:
+        writer.close()
+
+
+async def models_ok(router: Router) -> int:
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/v1/models") as resp:
+        return resp.status
+
+
+async def test_slow_loris_clients_do_not_block_others(router: Router, record: Callable[..., None]) -> None:
+    u = urlsplit(router.url)
+    lorises = []
+    for _ in range(50):  # each sends half a request line and then nothing
+        r, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        await w.drain()
+        lorises.append((r, w))
+    statuses = await asyncio.gather(*(models_ok(router) for _ in range(20)))
+    for _, w in lorises:
+        w.close()
+    assert statuses == [200] * 20
+    record(slow_clients=len(lorises), other_requests=len(statuses), other_ok=statuses.count(200))
+
+
+def post(headers: bytes, body: bytes, length: int | None = None) -> bytes:
+    n = len(body) if length is None else length
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + headers
+            + f"Content-Length: {n}\r\n\r\n".encode() + body)
+
+
+HOSTILE = {
+    # A header value with a bare CR: refused by the HTTP parser, nothing forwarded.
+    "bare-cr-in-header": (post(b"X-A: a\rInjected: 1\r\n", b"{}"), 400),
+    # Request smuggling: Content-Length and Transfer-Encoding together.
+    "cl-and-te": (post(b"Transfer-Encoding: chunked\r\n", b"0\r\n\r\n"), 400),
+    # A model name carrying CRLF and a header: a clear JSON 404, never a header.
+    "crlf-in-model": (post(b"", b'{"model":"m\\r\\nX-Injected: yes","messages":[]}'), 404),
+    # A body larger than the limit: 413, and the router is not bothered.
+    "huge-body": (post(b"", b'{"model":"m","pad":"' + b"x" * 200_000 + b'"}'), 413),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+async def test_hostile_requests_get_4xx_and_inject_nothing(router: Router, case: str) -> None:
+    request_bytes, status = HOSTILE[case]
+    out = await raw(router, request_bytes)
+    head = out.split(b"\r\n\r\n", 1)[0]
+    assert re.match(rb"HTTP/1\.[01] " + str(status).encode(), head), out[:300]
+    assert b"x-injected" not in head.lower() and b"\ninjected" not in head.lower()
+    assert await models_ok(router) == 200
