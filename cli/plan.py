@@ -51,9 +51,13 @@ def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_di
 async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:
     """Ask a running planner over NATS."""
     from llmgw.bus import Bus
+    from llmgw.errors import ConnectError
     from llmgw.planner_service import ask
 
-    bus = await Bus.connect(settings, "llmgw-ctl-plan", reconnect=False)
+    try:
+        bus = await Bus.connect(settings, "llmgw-ctl-plan", reconnect=False)
+    except ConnectError as e:
+        raise ConnectError(f"{e}; or plan without NATS against a fleet file: --fleet FILE") from e
     try:
         return await ask(bus, request)
     finally:
@@ -64,7 +68,7 @@ def _fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def render(reply: m.PlanReply, show_all: bool) -> None:
+def render(reply: m.PlanReply) -> None:
     """The plan as tables for people."""
     from rich.console import Console
     from rich.table import Table
@@ -144,4 +148,4 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
         data: dict[str, Any] = msgspec.to_builtins(reply)
         echo_json(data)
     else:
-        render(reply, show_all)
+        render(reply)

@@ -70,13 +70,13 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     """The architecture a config.json states; parameter count left at 0."""
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM in text_config
         cfg = {**cfg, **cfg["text_config"]}
-    missing = [k for k in _REQUIRED if not isinstance(cfg.get(k), int)]
+    missing = [k for k in _REQUIRED if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0]
     experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
     if not isinstance(cfg.get("intermediate_size"), int) and not (experts and cfg.get("moe_intermediate_size")):
         missing.append("intermediate_size")
     if missing:
         raise ModelError(
-            f"{where} of {name} lacks {', '.join(missing)}; the planner reads decoder-only transformer "
+            f"{where} of {name} lacks {', '.join(missing)} (or has them not as positive integers); the planner reads decoder-only transformer "
             "configs: point MODEL at a directory with the model's complete config.json"
         )
     h, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]

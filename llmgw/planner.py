@@ -594,8 +594,28 @@ def _check_precision(info: m.ModelInfo, p: Precision) -> None:
         raise PlanError(f"{info.name} holds {q} weights; fp8 needs the 16-bit or fp8 repository")
 
 
+# What a real decoder-only model stays within; a request carrying other facts is refused, not computed.
+_LIMITS = {"num_layers": 2048, "hidden_size": 1 << 18, "intermediate_size": 1 << 20, "num_attention_heads": 4096,
+           "num_kv_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 27,
+           "num_experts": 4096, "moe_intermediate_size": 1 << 20}
+
+
+def _check_model(info: m.ModelInfo) -> None:
+    for name, limit in _LIMITS.items():
+        value = getattr(info, name)
+        low = 0 if name in ("num_experts", "moe_intermediate_size", "intermediate_size") else 1
+        if not low <= value <= limit:
+            raise PlanError(f"{info.name}: {name} = {value} is outside {low}..{limit}; "
+                            "check the model's config.json (or the ModelInfo sent)")
+    if not 0 <= info.params <= 1 << 45:
+        raise PlanError(f"{info.name}: {info.params} parameters is not a model size; pass --params")
+
+
 def validate(info: m.ModelInfo, request: m.PlanRequest) -> tuple[tuple[Precision, ...], tuple[int, ...]]:
     """The precisions and tps to try, or a PlanError that says why the request makes no sense."""
+    if request.params is not None and request.params <= 0:
+        raise PlanError(f"--params must be a positive parameter count (got {request.params})")
+    _check_model(info)
     util = request.gpu_memory_utilization
     if not 0 < util <= 1:
         raise PlanError(f"--gpu-memory-utilization is the fraction of each card the engine may use; "
@@ -603,8 +623,6 @@ def validate(info: m.ModelInfo, request: m.PlanRequest) -> tuple[tuple[Precision
     if request.context is not None and not 1 <= request.context <= info.max_position_embeddings:
         raise PlanError(f"--context {request.context} is outside what {info.name} supports "
                         f"(1 to {info.max_position_embeddings} tokens, its max_position_embeddings)")
-    if request.params is not None and request.params <= 0:
-        raise PlanError(f"--params must be a positive parameter count (got {request.params})")
     if request.precisions:
         precs = tuple(dict.fromkeys(precision(n) for n in request.precisions))
         for p in precs:

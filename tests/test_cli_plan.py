@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from llmgw.cli.main import cli
+from llmgw.cli.plan import plan_remotely
+
+from llmgw.config import Settings
+from llmgw.errors import ConnectError
+from llmgw.messages import PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -115,3 +121,17 @@ def test_nothing_fits_explains(tmp_path: Path) -> None:
     code, out = plan(str(MODELS / "meta-llama__Llama-3.3-70B-Instruct"), "--fleet", str(small))
     assert code == 0
     assert "note: nothing fits: the lightest split (q4_K_M, tp=1, pp=1 on T4-16GB)" in out
+
+
+
+async def test_no_nats_suggests_what_if_mode() -> None:
+    # Called below the click layer so that a short connect timeout keeps the test fast.
+    with pytest.raises(ConnectError, match=r"^cannot reach NATS at nats://127.0.0.1:\d+; .*--fleet FILE$"):
+        await plan_remotely(Settings(nats_url=f"nats://127.0.0.1:{_free_port()}", connect_timeout_s=0.1),
+                            PlanRequest(model="Qwen/Qwen3-8B"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -179,3 +179,11 @@ def test_text_config_of_a_multimodal_wrapper(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": inner}))
     info = modelinfo.load(str(tmp_path))
     assert (info.num_layers, info.num_kv_heads, info.params_source) == (32, 8, "architecture")
+
+
+def test_zero_heads_is_refused_not_divided_by(tmp_path: Path) -> None:
+    cfg = json.loads((MODELS / "Qwen__Qwen3-8B" / "config.json").read_text())
+    cfg["num_attention_heads"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="lacks num_attention_heads"):
+        modelinfo.load(str(tmp_path))

@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner, Result
 from llmgw.cli.main import cli
 
-from llmgw import fleetfile, subjects
+from llmgw import fleetfile, modelinfo, subjects
 from llmgw import messages as m
 from llmgw.agent import simulated_agents
 from llmgw.bus import Bus
@@ -105,6 +106,9 @@ async def test_bad_requests_get_error_replies_and_the_service_keeps_serving(serv
         await ask(bus, m.PlanRequest(model="meta-llama/Llama-3.3-70B-Instruct", tp=(3,)))
     with pytest.raises(ServiceError, match="no config.json in the Hugging Face cache"):
         await ask(bus, m.PlanRequest(model="nobody/nothing"))
+    absurd = msgspec.structs.replace(modelinfo.load(str(MODELS / "Qwen__Qwen3-8B")), num_layers=10**9)
+    with pytest.raises(ServiceError, match="num_layers = 1000000000 is outside"):
+        await ask(bus, m.PlanRequest(model="Qwen/Qwen3-8B", info=absurd))
     reply = await ask(bus, m.PlanRequest(model="Qwen/Qwen3-8B", precisions=("bf16",), tp=(1,)))
     assert reply.candidates and all(c.fits for c in reply.candidates)
 
