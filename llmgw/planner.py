@@ -468,6 +468,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         if max_context < floor:
             reason = f"the {gib(kv_budget)} GiB left for KV cache per GPU holds {max_context} tokens, under {floor}"
     fits = reason is None
+    if fits:
+        max_context = max(max_context, chosen)  # a context that fits is never above the reported maximum
     file = gguf_file(info, p) if p.kind == "gguf" else None
     return m.Candidate(
         gpu_class=split.gpu_class,

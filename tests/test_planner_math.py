@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llmgw.projections.fold import FleetState, fold
 
 from llmgw import fleetfile, modelinfo
@@ -405,3 +407,32 @@ def test_awq_checkpoint_is_served_as_awq_by_vllm() -> None:
     assert c.engine == "vllm" and c.quantization is None and "--quantization" not in c.command
     with pytest.raises(PlanError, match="holds awq weights"):
         P.plan(awq, EXAMPLE_FLEET, m.PlanRequest(model="a", precisions=("bf16",)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dirname=st.sampled_from([LLAMA70, LLAMA8, QWEN14, QWEN3, GEMMA, MIXTRAL, DEEPSEEK]),
+    util=st.floats(min_value=0.3, max_value=1.0),
+    context=st.one_of(st.none(), st.integers(min_value=1, max_value=8192)),
+    mem=st.sampled_from([16384, 24576, 40960, 46068, 81559, 143771]),
+)
+def test_every_fit_adds_up_within_the_budget(dirname: str, util: float, context: int | None, mem: int) -> None:
+    """Whatever the card and request, a candidate that fits holds weights, overhead and its context's KV."""
+    info = MODELS_BY_DIR[dirname]
+    state = fleet(node("a1", "fa", cls="X-1GB", mem=mem) + node("a2", "fa", cls="X-1GB", mem=mem)
+                  + node("b1", "fb", cls="X-1GB", mem=mem))
+    reply = P.plan(info, state, m.PlanRequest(model=info.name, context=context, gpu_memory_utilization=util, all=True))
+    assert reply.candidates
+    for c in reply.candidates:
+        p = P.BY_NAME[c.precision.lower()]
+        weights, overhead, kv = P.sizes(info, p, c.tp, c.pp)
+        if c.fits:
+            assert weights + overhead + kv.bytes_for(c.context) <= util * mem * MIB
+            assert c.context <= c.max_context <= info.max_position_embeddings
+            assert c.pp == 1 or c.fabric == "fa"  # only fabric fa has two nodes
+            assert (c.fabric is None) == (c.pp == 1)
+        else:
+            assert c.reason and c.replicas_now == 0
+
+
+MODELS_BY_DIR = {d: model(d) for d in (LLAMA70, LLAMA8, QWEN14, QWEN3, GEMMA, MIXTRAL, DEEPSEEK)}
