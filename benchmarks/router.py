@@ -2,6 +2,7 @@
 
     python benchmarks/router.py --quick        # a few minutes
     python benchmarks/router.py                # fuller runs, 3 rounds, 100,000-request memory run
+    python benchmarks/router.py --memory-only --memory-requests 100000
 
 Starts its own nats-server, two fake engines (instant; realistic: 20 ms before
 the reply, 5 ms between chunks), one pass-through proxy per engine, and two
@@ -236,7 +237,7 @@ async def run(args: argparse.Namespace) -> None:
                 for _, url, _p in tlist:
                     await load(session, url, model, False, 200, 8, None)
                     await load(session, url, model, True, 50, 8, None)
-            for model in ("instant", "realistic"):
+            for model in () if args.memory_only else ("instant", "realistic"):
                 for stream in (False, True):
                     for conc in (1, 64):
                         n = sizes[(model, conc)]
@@ -293,7 +294,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer requests per round (a few minutes)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--memory-requests", type=int, default=None)
+    parser.add_argument("--memory-requests", type=int, default=None, help="length of the memory run")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory run")
     parser.add_argument("--passthrough-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.passthrough_proxy:
