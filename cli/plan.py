@@ -68,7 +68,7 @@ def _fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def render(reply: m.PlanReply) -> None:
+def render(reply: m.PlanReply, model: str) -> None:
     """The plan as tables for people."""
     from rich.console import Console
     from rich.table import Table
@@ -102,7 +102,8 @@ def render(reply: m.PlanReply) -> None:
     if first is not None:
         name = reply.model.rstrip("/").split("/")[-1].lower()
         spec = reply.candidates[first - 1].spec(name)
-        console.print(f"\ndeclaration for candidate {first} (`llmgw ctl model deploy {name} --from-plan --candidate {first}`):")
+        console.print(f"\ndeclaration for candidate {first} "
+                      f"(`llmgw ctl model deploy {name} {model} --from-plan --candidate {first}` with the same flags):")
         console.print(m.encode(spec).decode(), soft_wrap=True)
 
 
@@ -148,4 +149,4 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
         data: dict[str, Any] = msgspec.to_builtins(reply)
         echo_json(data)
     else:
-        render(reply)
+        render(reply, model)
