@@ -134,3 +134,44 @@ async def test_malformed_event_is_skipped_and_placement_goes_on(bus: Bus, settin
     assert sched.stats.malformed == 1
     (placed,) = [e for e in sched.published if isinstance(e, m.ReplicaPlaced)]
     assert placed.model == "ok" and len(placed.gpus) == 2
+
+
+async def test_node_lost_from_silence_is_re_placed(bus: Bus, settings: Settings) -> None:
+    """Heartbeats stop → the liveness monitor records NodeLost → the replica moves to the live node."""
+    from llmgw.liveness import HeartbeatMonitor
+
+    for name in ("a-quiet", "b-chatty"):
+        await bus.publish(inventory(FleetNode(name=name, fabric="f", gpu_class="H100-80GB", gpu_count=2, gpu_memory_mib=81559), m.utcnow()))
+    # Only "b-chatty" keeps sending heartbeats; "a-quiet" sent one and then nothing.
+    await bus.publish(m.HeartbeatSent(at=m.utcnow(), node="a-quiet", boot_id="b", seq=1))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec("x", 2)))
+    b = await Bus.connect(settings, "s")
+
+    async def liveness(lb: Bus) -> None:
+        await HeartbeatMonitor(lb, timeout_s=2.0, check_every_s=0.2).run()
+
+    sched = SchedulerService(b, tick_s=0.1, services=(liveness,))
+    stop = asyncio.Event()
+    task = asyncio.create_task(sched.run(stop))
+
+    async def beat() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            await bus.publish(m.HeartbeatSent(at=m.utcnow(), node="b-chatty", boot_id="b", seq=seq))
+            await asyncio.sleep(0.2)
+
+    beats = asyncio.create_task(beat())
+    try:
+        await wait_until(lambda: any(isinstance(e, m.ReplicaPlaced) and e.nodes == ("b-chatty",) for e in sched.published))
+    finally:
+        beats.cancel()
+        stop.set()
+        await asyncio.gather(task, beats, return_exceptions=True)
+        await b.close()
+    kinds = [(type(e).__name__, getattr(e, "nodes", ())) for e in sched.published]
+    # Best fit put it on "a-quiet" first (equal free, name order), then NodeLost moved it.
+    assert kinds[0] == ("ReplicaPlaced", ("a-quiet",))
+    assert kinds[1][0] == "ReplicaStopped" and kinds[2] == ("ReplicaPlaced", ("b-chatty",))
+    stopped = sched.published[1]
+    assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "re-placing: node a-quiet lost (no heartbeat)"
