@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -317,6 +318,14 @@ class Router:
         return self.url
 
     async def stop(self) -> None:
+        """Stop serving; a last idle map carries the requests since the last tick."""
+        if self.idle_tracking and self._runner is not None and not self.bus.nc.is_closed:
+            try:
+                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow())
+                await self.bus.publish(event, timeout=2.0)
+                self.idle_maps += 1
+            except LlmgwError as e:
+                log.warning("router %s: last idle map not published: %s", self.name, e)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -520,7 +529,12 @@ async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: obje
     router = Router(bus, name, **kwargs)  # type: ignore[arg-type]
     url = await router.start(host, port)
     print(url, flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # SIGTERM (a supervisor stopping us) ends as cleanly as Ctrl-C: the last map is published.
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
     try:
-        await asyncio.Event().wait()
+        await stopping.wait()
     finally:
+        loop.remove_signal_handler(signal.SIGTERM)
         await router.stop()

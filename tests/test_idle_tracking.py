@@ -4,6 +4,8 @@ nothing that a restarted router could mistake for idleness."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -15,6 +17,7 @@ from llmgw.projections.fold import FleetState, apply
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.config import Settings
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess, spawn
 from llmgw.router import IdleFor, IdleTracker, Router
@@ -140,8 +143,10 @@ async def test_restarted_router_marks_nothing_idle(bus: Bus, engines: dict[str, 
     await up(bus, "A", "model-a", engines["A"].url)
     await first.sink.wait_for(lambda p: "model-a" in p.models())
     await ask(first.url, "model-a")
-    await first.publish_idle_map()
     await first.stop()
+    # Stopping published the requests since the last tick: nothing is lost to a restart.
+    (final,) = [x for x in await idle_maps(bus) if x.boot_id == first.boot_id]
+    assert set(final.last_request) == {"A"}
 
     restarted_at = datetime.now(UTC)
     second = Router(bus, "restarting", tick_s=3600)
@@ -184,3 +189,24 @@ async def test_tracking_off_writes_no_times(bus: Bus, engines: dict[str, EngineP
         assert await idle_maps(bus) == []
     finally:
         await r.stop()
+
+
+async def test_cli_router_publishes_a_last_map_on_sigterm(bus: Bus, settings: Settings,
+                                                         engines: dict[str, EngineProcess]) -> None:
+    await up(bus, "A", "model-a", engines["A"].url)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from llmgw.cli.main import main; main()", "router", "--listen", "127.0.0.1:0",
+        "--name", "cli-router", "--tick", "3600", "--nats-url", settings.nats_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        url = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().strip()  # type: ignore[union-attr]
+        assert url.startswith("http://127.0.0.1:")
+        assert await ask(url, "model-a") == "A"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    (event,) = await idle_maps(bus)
+    assert event.router == "cli-router" and set(event.last_request) == {"A"}

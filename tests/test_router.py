@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from llmgw.cli.main import cli
 
 from llmgw import messages as m
+from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess, spawn
@@ -130,6 +131,33 @@ def test_acquire_takes_least_outstanding_and_rotates_ties(bus: Bus) -> None:
         r.release(rep)
     assert "x" not in picks and set(picks) == {"y", "z"}
     assert r.acquire("nope") is None
+
+
+def test_only_healthy_with_an_endpoint_is_routable() -> None:
+    pool = Pool()
+    ev = m.ReplicaStateChanged
+    pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy"), 1.0)
+    assert pool.models() == []  # healthy but nowhere to send requests
+    pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy", endpoint="http://h:1/"), 2.0)
+    assert pool.models() == ["m"] and pool.replicas["r"].endpoint == "http://h:1"
+    for state in ("unhealthy", "failed", "starting"):
+        pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state=state), 3.0)  # type: ignore[arg-type]
+        assert pool.models() == [] and "m" in pool.known_models
+        pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy", endpoint="http://h:1"), 4.0)
+        assert pool.models() == ["m"]
+    pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="stopped"), 5.0)
+    assert pool.models() == [] and pool.replicas == {}
+
+
+async def test_malformed_control_event_is_counted_and_skipped(bus: Bus, router: Router,
+                                                              engines: dict[str, EngineProcess]) -> None:
+    await bus.publish_bytes(subjects.replica("bad", "state", "n1"), b'{"type": "ReplicaStateChanged"}', "bad-1")
+    await bus.publish_bytes(subjects.replica("bad", "state", "n1"), b"not json", "bad-2")
+    await place(bus, "C", MODEL, engines["A"].url)
+    await router.sink.wait_for(in_pool("A", "B", "C"))
+    assert router.sink.bad_events == 2
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
+        assert "llmgw_router_bad_events_total 2" in await resp.text()
 
 
 async def test_unhealthy_replica_receives_nothing_more(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
