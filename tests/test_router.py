@@ -141,7 +141,7 @@ def test_only_healthy_with_an_endpoint_is_routable() -> None:
     pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy", endpoint="http://h:1/"), 2.0)
     assert pool.models() == ["m"] and pool.replicas["r"].endpoint == "http://h:1"
     for state in ("unhealthy", "failed", "starting"):
-        pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state=state), 3.0)  # type: ignore[arg-type]
+        pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state=state), 3.0)
         assert pool.models() == [] and "m" in pool.known_models
         pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy", endpoint="http://h:1"), 4.0)
         assert pool.models() == ["m"]
