@@ -132,6 +132,7 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
 
     Example:
 
+    \b
         llmgw ctl model plan Qwen/Qwen2.5-Coder-32B-Instruct --precision bf16 --precision q4_K_M
         llmgw ctl model plan ./models/Llama-3.3-70B --fleet examples/fleet.toml --context 8192 --json
     """

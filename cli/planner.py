@@ -55,6 +55,7 @@ def planner(models_dir: str | None, settings: Settings) -> None:
 
     Example:
 
+    \b
         llmgw planner --nats-url nats://127.0.0.1:4222 --models-dir examples/models
     """
     run(serve(settings, models_dir))
