@@ -31,7 +31,9 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
 
     Example:
 
+    \b
         llmgw fake-engine --host 127.0.0.1 --port 0 --model qwen --latency-ms 20 --chunks 20
+        llmgw fake-engine --port 0 --model qwen --chunks 10 --die-after-chunks 3
     """
     try:
         sock = bind(host, port)

@@ -45,7 +45,9 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
 
     Example:
 
-        llmgw router --listen 127.0.0.1:8080 --name router-a --api-keys keys.sha256
+    \b
+        llmgw router --listen 127.0.0.1:8080 --name router-a
+        llmgw router --listen 0.0.0.0:8080 --api-keys keys.sha256 --tick 10
     """
     host, port = _listen(listen)
     keys = load_api_keys(api_keys) if api_keys else frozenset()

@@ -319,13 +319,14 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving; a last idle map carries the requests since the last tick."""
-        if self.idle_tracking and self._runner is not None and not self.bus.nc.is_closed:
+        if self.idle_tracking and self.url and not self.bus.nc.is_closed:
             try:
                 event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow())
                 await self.bus.publish(event, timeout=2.0)
                 self.idle_maps += 1
             except LlmgwError as e:
                 log.warning("router %s: last idle map not published: %s", self.name, e)
+        self.url = ""
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

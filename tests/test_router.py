@@ -21,6 +21,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.endpoints import Pool
+from llmgw.errors import ConfigError
 from llmgw.fake_engine import EngineProcess, spawn
 from llmgw.router import Router, hash_key
 
@@ -334,3 +335,15 @@ def test_cli_router_bad_listen_and_key_file(tmp_path) -> None:  # noqa: ANN001
     assert res.exit_code == 1
     assert "Error:" in res.output and "not a sha256 hex digest" in res.output
     assert "Traceback" not in res.output
+
+
+async def test_listen_on_a_taken_port_is_a_clear_error(bus: Bus, router: Router) -> None:
+    port = int(router.url.rsplit(":", 1)[1])
+    other = Router(bus, "second", tick_s=3600)
+    with pytest.raises(ConfigError, match=f"router cannot listen on 127.0.0.1:{port}"):
+        await other.start("127.0.0.1", port)
+    assert await idle_count(bus) == 0  # a router that never served publishes nothing
+
+
+async def idle_count(bus: Bus) -> int:
+    return await bus.stream_last_seq(subjects.STREAM_USAGE)
