@@ -153,7 +153,8 @@ class Bus:
             name=name,
             connect_timeout=settings.connect_timeout_s,
             allow_reconnect=reconnect,
-            max_reconnect_attempts=-1 if reconnect else 0,
+            # nats-py reads 0 as "no limit"; 1 means one try and one retry.
+            max_reconnect_attempts=-1 if reconnect else 1,
             reconnect_time_wait=0.5,
             error_cb=error_cb,
             disconnected_cb=disconnected_cb,
