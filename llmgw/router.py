@@ -434,7 +434,9 @@ class Router:
             except CONNECT_ERRORS as e:
                 self.release(rep)
                 self.metrics.error(model, "upstream_connect")
-                other = None if retried else self.acquire(model, exclude=rep)
+                # Another replica if there is one; else the same once more, since a kept-alive
+                # connection the engine had just closed fails the same way as a dead engine.
+                other = None if retried else (self.acquire(model, exclude=rep) or self.acquire(model))
                 if other is None:
                     return _error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",

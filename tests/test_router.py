@@ -222,6 +222,20 @@ async def test_engine_dead_before_first_byte_is_retried_elsewhere(bus: Bus, clie
         good.stop()
 
 
+async def test_only_replica_unreachable_is_502_after_one_retry(bus: Bus, client: openai.AsyncOpenAI,
+                                                               router: Router) -> None:
+    gone = spawn("lonely", name="L")
+    gone.stop()  # killed, but the control plane has not noticed yet
+    await place(bus, "L", "lonely", gone.url)
+    await router.sink.wait_for(lambda p: "lonely" in p.healthy)
+    with pytest.raises(openai.APIStatusError) as err:
+        await client.chat.completions.create(model="lonely", messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 502
+    assert "replica L of lonely could not be reached" in err.value.message
+    assert router.metrics.retries == 1
+    assert router.pool.replicas["L"].outstanding == 0
+
+
 async def test_engine_dead_mid_stream_is_an_error_not_a_hang(bus: Bus, client: openai.AsyncOpenAI,
                                                               router: Router) -> None:
     dying = spawn("brittle", "--chunks", "10", "--die-after-chunks", "2", name="M")
