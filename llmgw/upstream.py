@@ -14,10 +14,15 @@ from yarl import URL
 
 # Errors that mean the request never reached an engine that could answer it:
 # nothing was sent to the client yet, so another replica may try.
+# A connect timeout (aiohttp >= 3.10 tells it apart from a read timeout) counts too.
+_CONNECT_TIMEOUT: tuple[type[BaseException], ...] = (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
+    *_CONNECT_TIMEOUT,
 )
 
 # Errors while reading an answer that has begun.

@@ -24,6 +24,7 @@ from llmgw.endpoints import Pool
 from llmgw.errors import ConfigError
 from llmgw.fake_engine import EngineProcess, spawn
 from llmgw.router import Router, hash_key
+from llmgw.upstream import Timeouts
 
 MODEL = "qwen-test"
 
@@ -234,6 +235,24 @@ async def test_only_replica_unreachable_is_502_after_one_retry(bus: Bus, client:
     assert "replica L of lonely could not be reached" in err.value.message
     assert router.metrics.retries == 1
     assert router.pool.replicas["L"].outstanding == 0
+
+
+async def test_upstream_read_timeout_is_504_or_an_error_event(bus: Bus) -> None:
+    stuck = spawn("stuck", "--latency-ms", "5000", name="T")
+    r = Router(bus, "router-timeouts", tick_s=3600, timeouts=Timeouts(connect_s=2, read_s=0.3))
+    await r.start("127.0.0.1", 0)
+    try:
+        await place(bus, "T", "stuck", stuck.url)
+        await r.sink.wait_for(lambda p: "stuck" in p.healthy)
+        async with openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=20) as c:
+            with pytest.raises(openai.APIStatusError) as err:
+                await c.chat.completions.create(model="stuck", messages=[{"role": "user", "content": "x"}])
+            assert err.value.status_code == 504
+        assert r.metrics.errors[("stuck", "upstream_timeout")] == 1
+        assert r.pool.replicas["T"].outstanding == 0
+    finally:
+        await r.stop()
+        stuck.stop()
 
 
 async def test_engine_dead_mid_stream_is_an_error_not_a_hang(bus: Bus, client: openai.AsyncOpenAI,
