@@ -448,7 +448,7 @@ class Router:
                 self.release(rep)
                 self.metrics.error(model, "upstream_timeout")
                 return _error(504, f"replica {rep.replica_id} of {model} did not answer within "
-                                   f"{self.upstream.timeouts.read_s:.0f}s", "server_error", "upstream_timeout")
+                                   f"{self.upstream.timeouts.read_s:g}s", "server_error", "upstream_timeout")
             except BaseException:
                 self.release(rep)
                 raise
@@ -482,20 +482,29 @@ class Router:
             "x-llmgw-replica": rep.replica_id,
         })
         await resp.prepare(request)
-        try:
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-        except READ_ERRORS as e:
-            up.close()
-            self.metrics.error(model, "upstream_broken")
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError):
-                await resp.write(b"\n\ndata: " + error_body(
-                    f"replica {rep.replica_id} of {model} broke off the stream ({type(e).__name__}); "
-                    "the reply is incomplete", "server_error", "upstream_broken") + b"\n\n")
+        read = up.content.readany
+        while True:
+            # Only the engine's side is guarded: a client that went away is not a broken replica.
+            try:
+                chunk = await read()
+            except READ_ERRORS as e:
+                await self._broken(resp, up, rep, model, e)
+                return resp
+            if not chunk:
                 await resp.write_eof()
-            return resp
-        await resp.write_eof()
-        return resp
+                return resp
+            await resp.write(chunk)
+
+    async def _broken(self, resp: web.StreamResponse, up: aiohttp.ClientResponse, rep: Replica,
+                      model: str, e: BaseException) -> None:
+        """End a stream the engine broke off with an error event the client's SDK raises."""
+        up.close()
+        self.metrics.error(model, "upstream_broken")
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError):
+            await resp.write(b"\n\ndata: " + error_body(
+                f"replica {rep.replica_id} of {model} broke off the stream ({type(e).__name__}); "
+                "the reply is incomplete", "server_error", "upstream_broken") + b"\n\n")
+            await resp.write_eof()
 
     def _unavailable(self, model: str) -> web.Response:
         if model in self.pool.known_models:

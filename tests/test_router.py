@@ -293,6 +293,7 @@ async def test_client_disconnect_releases_the_replica(bus: Bus, router: Router) 
                 break
             await asyncio.sleep(0.05)
         assert router.pool.replicas["W"].outstanding == 0
+        assert ("slow", "upstream_broken") not in router.metrics.errors  # the client left, not the replica
     finally:
         slow.stop()
 
