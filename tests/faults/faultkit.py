@@ -6,6 +6,8 @@ import asyncio
 import json
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from llmgw import messages as m
 from llmgw.bus import Bus
@@ -61,3 +63,15 @@ async def stream_leader(bus: Bus, stream: str) -> str:
 
 def cluster_settings(cluster: Cluster) -> Settings:
     return Settings(nats_url=cluster.url, stream_replicas=3, connect_timeout_s=2, request_timeout_s=2)
+
+
+def tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every table of a projector's DuckDB file, rows in a stable order (to compare two files)."""
+    from llmgw.projections.store import Store
+
+    store = Store(db)
+    try:
+        names = sorted(r[0] for r in store.query("SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'"))
+        return {t: sorted(store.query(f'SELECT * FROM "{t}"'), key=repr) for t in names}
+    finally:
+        store.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from llmgw.projections.store import TABLES, Store
+from faultkit import tables
 
 from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
@@ -92,14 +92,6 @@ async def until(cond: Callable[[], Any], limit_s: float, what: str) -> None:
             return
         await asyncio.sleep(0.2)
     raise AssertionError(f"{what}: not within {limit_s:.0f}s")
-
-
-def tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
-    store = Store(db)
-    try:
-        return {t: store.table_rows(t) for t in TABLES}
-    finally:
-        store.close()
 
 
 async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, record: Callable[..., None]) -> None:
