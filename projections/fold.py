@@ -77,6 +77,8 @@ class RouterView:
     tick: int
     at: datetime
     serving_since: dict[str, datetime] = field(default_factory=dict)
+    # This router's own latest map, so the idle history can record only what changed.
+    last_request: dict[str, datetime] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,7 +220,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             state.replicas.pop(event.replica_id, None)
         case m.IdleMapPublished():
             state.routers[event.router] = RouterView(
-                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since)
+                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since),
+                last_request=dict(event.last_request),
             )
             for rid, t in event.last_request.items():
                 known = state.last_request.get(rid)

@@ -129,9 +129,10 @@ class Projector:
                 add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, str(event))
                 state.unprojected += 1
             else:
-                apply(state, event)
                 if self.store is not None:
-                    add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event)
+                    prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
+                    add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
+                apply(state, event)
             if self._crash_on_loop and self._crash_at is not None and self.folded + 1 >= self._crash_at:
                 _kill_self()
             self.folded += 1

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import msgspec
-from llmgw.projections.fold import FleetState
+from llmgw.projections.fold import FleetState, RouterView
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
@@ -64,6 +64,48 @@ HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
 TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
+# Python hands DuckDB as little as it can: per event, its raw JSON and where it
+# was stored (the appender converts ints and strings ten times faster than
+# datetimes). One INSERT … SELECT per table then derives the typed columns,
+# the GPU health incidents and the replica lifecycle inside the commit's
+# transaction, in DuckDB's own threads.
+STAGING = """
+CREATE TEMP TABLE IF NOT EXISTS stage_events (
+    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, stored_us BIGINT, json VARCHAR);
+CREATE TEMP TABLE IF NOT EXISTS stage_idle (
+    stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT, replica_id VARCHAR,
+    last_request_us BIGINT, serving_since_us BIGINT, idle_s DOUBLE);
+"""
+
+_FROM_STAGE = """
+INSERT INTO events
+SELECT stream, seq, subject, type, x[1]::TIMESTAMPTZ, make_timestamptz(stored_us),
+       coalesce(x[2], x[3]), coalesce(x[4], x[5], x[6]), x[7], json
+FROM (SELECT *, json_extract_string(json, ['$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
+                                           '$.spec.name', '$.replica_id']) AS x FROM stage_events);
+INSERT INTO gpu_health
+SELECT stream, seq, (json->>'$.at')::TIMESTAMPTZ, json->>'$.node', (json->>'$.gpu_index')::INTEGER,
+       json->>'$.gpu_uuid', (json->>'$.healthy')::BOOLEAN,
+       coalesce(array_to_string(json_extract_string(json, '$.reasons[*]'), ','), '')
+FROM stage_events WHERE type = 'GpuHealthChanged';
+INSERT INTO replica_lifecycle
+SELECT stream, seq, (json->>'$.at')::TIMESTAMPTZ, json->>'$.replica_id', json->>'$.model',
+       CASE type WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE 'state' END,
+       CASE type WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE json->>'$.state' END,
+       CASE type WHEN 'ReplicaPlaced' THEN array_to_string(json_extract_string(json, '$.nodes[*]'), ',')
+                 WHEN 'ReplicaStateChanged' THEN json->>'$.node' END,
+       CASE type WHEN 'ReplicaPlaced' THEN json_array_length(json, '$.gpus')::INTEGER END,
+       CASE type WHEN 'ReplicaStateChanged' THEN json->>'$.detail' ELSE json->>'$.reason' END
+FROM stage_events WHERE type IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
+INSERT INTO idle_history
+SELECT stream, seq, make_timestamptz(ts_us), router, tick, replica_id, make_timestamptz(last_request_us),
+       make_timestamptz(serving_since_us), idle_s
+FROM stage_idle;
+DELETE FROM stage_events;
+DELETE FROM stage_idle;
+"""
+STAGED = ("stage_events", "stage_idle")
+
 _STATE_ENCODER = msgspec.msgpack.Encoder()
 _STATE_DECODER = msgspec.msgpack.Decoder(FleetState)
 
@@ -81,55 +123,60 @@ def decode_state(data: bytes) -> FleetState:
 class Batch:
     """Everything one commit writes: history rows, the state they lead to, positions."""
 
-    rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=lambda: {t: [] for t in HISTORY_TABLES})
+    rows: dict[str, list[tuple[Any, ...]]] = field(
+        default_factory=lambda: {t: [] for t in (*STAGED, "unprojected_events")})
     events: int = 0
 
     def __len__(self) -> int:
         return self.events
 
 
+def micros(t: datetime | None) -> int | None:
+    """A time as integer microseconds since the epoch (exact: the error of the float is < 0.5 µs)."""
+    return None if t is None else round(t.timestamp() * 1e6)
+
+
 def _join(items: tuple[str, ...]) -> str:
     return ",".join(items)
 
 
-def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event) -> None:
-    """The analyst rows one decoded event adds to the history tables."""
-    rows = batch.rows
-    at = event.at
-    stored = datetime.fromtimestamp(ts_ns / 1e9, UTC)
+def _idle_rows(out: list[tuple[Any, ...]], stream: str, seq: int, event: m.IdleMapPublished,
+               prev: RouterView | None) -> None:
+    """A row per replica whose entry in this router's map changed (appeared, moved, or vanished).
+
+    Repeating an unchanged entry every tick would write routers × replicas rows
+    per tick; the changes carry the same history and an idle stretch is the gap
+    between two of them.
+    """
+    at, router, tick = event.at, event.router, event.tick
+    at_us = micros(at)
+    last, serving = event.last_request, event.serving_since
+    if prev is not None and prev.boot_id == event.boot_id:
+        plast, pserving = prev.last_request, prev.serving_since
+        if last == plast and serving == pserving:
+            return  # the common quiet tick: nothing moved
+        changed = {r for r, v in last.items() if plast.get(r) != v}
+        changed.update(r for r, v in serving.items() if pserving.get(r) != v)
+        changed.update(r for r in plast if r not in last)
+        changed.update(r for r in pserving if r not in serving)
+    else:  # a first map, or a restarted router: everything it says (or forgot) is news
+        changed = last.keys() | serving.keys()
+        if prev is not None:
+            changed |= prev.last_request.keys() | prev.serving_since.keys()
+    for r in sorted(changed):
+        lr, ss = last.get(r), serving.get(r)
+        known = [x for x in (lr, ss) if x is not None]
+        idle_s = max(0.0, (at - max(known)).total_seconds()) if known else -1.0
+        out.append((stream, seq, at_us, router, tick, r, micros(lr), micros(ss), idle_s))
+
+
+def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event,
+                   prev_router: RouterView | None = None) -> None:
+    """The rows one decoded event adds; ``prev_router`` is the map an IdleMapPublished follows."""
     typ = type(event).__name__
-    node = getattr(event, "node", None)
-    model = getattr(event, "model", None) or getattr(event, "name", None)
-    rid = getattr(event, "replica_id", None)
-    match event:
-        case m.ModelDeclared(spec=spec):
-            model = spec.name
-        case m.GpuHealthChanged():
-            rows["gpu_health"].append(
-                (stream, seq, at, event.node, event.gpu_index, event.gpu_uuid, event.healthy, _join(event.reasons))
-            )
-        case m.ReplicaPlaced():
-            node = event.nodes[0] if event.nodes else None
-            rows["replica_lifecycle"].append(
-                (stream, seq, at, event.replica_id, event.model, "placed", "placed", _join(event.nodes), len(event.gpus), event.reason)
-            )
-        case m.ReplicaStateChanged():
-            rows["replica_lifecycle"].append(
-                (stream, seq, at, event.replica_id, event.model, "state", event.state, event.node, None, event.detail)
-            )
-        case m.ReplicaStopped():
-            rows["replica_lifecycle"].append(
-                (stream, seq, at, event.replica_id, event.model, "stopped", "stopped", None, None, event.reason)
-            )
-        case m.IdleMapPublished():
-            last, serving = event.last_request, event.serving_since
-            hist = rows["idle_history"]
-            router, tick = event.router, event.tick
-            for r in sorted(last.keys() | serving.keys()):
-                lr, ss = last.get(r), serving.get(r)
-                since = max(t for t in (lr, ss) if t is not None)
-                hist.append((stream, seq, at, router, tick, r, lr, ss, max(0.0, (at - since).total_seconds())))
-    rows["events"].append((stream, seq, subject, typ, at, stored, node, model, rid, data.decode("utf-8", "replace")))
+    batch.rows["stage_events"].append((stream, seq, subject, typ, ts_ns // 1000, data.decode("utf-8", "replace")))
+    if typ == "IdleMapPublished":
+        _idle_rows(batch.rows["stage_idle"], stream, seq, event, prev_router)  # type: ignore[arg-type]
     batch.events += 1
 
 
@@ -188,6 +235,7 @@ class Store:
             ) from e
         self.con.execute("SET TimeZone = 'UTC'")
         self.con.execute(SCHEMA)
+        self.con.execute(STAGING)
 
     def close(self) -> None:
         self.con.close()
@@ -220,6 +268,7 @@ class Store:
                     app = con.appender(table)
                     app.append_rows(rows)
                     app.flush()
+            con.execute(_FROM_STAGE)
             for table, rows in view_rows(state).items():
                 con.execute(f"DELETE FROM {table}")
                 if rows:

@@ -1,0 +1,237 @@
+"""Replay benchmark: publish a busy week of fleet history, then measure, in one run,
+the raw read rate, the projector's rate from zero into DuckDB, and ``ctl status`` latency.
+
+    .venv/bin/python benchmarks/replay.py                 # embedded nats-server, 1M events
+    .venv/bin/python benchmarks/replay.py --events 200000 # quicker
+
+Prints figures; asserts nothing (timing belongs here, not in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.natsserver import EmbeddedServer
+
+T0 = datetime(2026, 3, 2, tzinfo=UTC)
+CLASSES = ("H100-80GB", "A100-80GB", "L40S-48GB", "H200-141GB")
+
+
+def history(events: int, nodes: int, gpus: int, days: float, routers: int, tick_s: float,
+            live_replicas: int, busy: int, seed: int = 7) -> Iterator[m.Event]:
+    """A week of a fleet, in time order: idle maps every tick, the rest health flaps and replica churn."""
+    rng = random.Random(seed)
+    names = [f"gpu-{i:04d}" for i in range(nodes)]
+    fabric = {n: f"ib-{i // 32}" for i, n in enumerate(names)}
+    klass = {n: CLASSES[(i // 64) % len(CLASSES)] for i, n in enumerate(names)}
+    for n in names:
+        yield m.NodeInventoryReported(
+            at=T0, node=n, fabric=fabric[n], fabric_source="fleet-file", boot_id=f"{n}-0", simulated=True,
+            gpus=tuple(m.GpuInfo(index=i, uuid=f"GPU-{n}-{i}", name=klass[n], gpu_class=klass[n],
+                                 memory_mib=81559) for i in range(gpus)),
+        )
+    models = [m.ModelSpec(name=f"model-{i:02d}", source=f"org/model-{i:02d}", precision="bf16", engine="vllm",
+                          gpu_class=CLASSES[i % len(CLASSES)], context=8192, tp=(1, 2, 4, 8)[i % 4])
+              for i in range(32)]
+    for spec in models:
+        yield m.ModelDeclared(at=T0, spec=spec)
+    ticks = int(days * 86400 / tick_s)
+    usage_events = ticks * routers
+    other = max(0, events - usage_events - nodes - len(models))
+    per_tick_other = other / ticks
+    live: dict[str, m.ReplicaPlaced] = {}
+    last_request: dict[str, datetime] = {}
+    placed_at: dict[str, datetime] = {}
+    next_id = 0
+    owed = 0.0
+    for k in range(ticks):
+        now = T0 + timedelta(seconds=(k + 1) * tick_s)
+        owed += per_tick_other
+        while owed >= 1:
+            roll = rng.random()
+            if roll < 0.3:
+                n = rng.choice(names)
+                i = rng.randrange(gpus)
+                healthy = rng.random() < 0.5
+                yield m.GpuHealthChanged(at=now, node=n, gpu_index=i, gpu_uuid=f"GPU-{n}-{i}", healthy=healthy,
+                                         reasons=() if healthy else ("xid-79",))
+                owed -= 1
+            elif len(live) < live_replicas or roll < 0.5:
+                spec = rng.choice(models)
+                node = rng.choice(names)
+                rid = f"r{next_id:06d}"
+                next_id += 1
+                placed = m.ReplicaPlaced(
+                    at=now, replica_id=rid, model=spec.name, nodes=(node,), fabric=fabric[node], spec=spec,
+                    gpus=tuple(m.GpuRef(node=node, index=i, uuid=f"GPU-{node}-{i}") for i in range(spec.tp)),
+                )
+                live[rid], placed_at[rid] = placed, now
+                yield placed
+                yield m.ReplicaStateChanged(at=now, replica_id=rid, model=spec.name, node=node, state="healthy",
+                                            endpoint=f"http://{node}:8000")
+                owed -= 2
+            else:
+                rid = rng.choice(list(live))
+                gone = live.pop(rid)
+                last_request.pop(rid, None)
+                placed_at.pop(rid, None)
+                yield m.ReplicaStopped(at=now, replica_id=rid, model=gone.model, reason="idle")
+                owed -= 1
+        ids = list(live)
+        for rid in rng.sample(ids, min(busy, len(ids))):
+            last_request[rid] = now - timedelta(seconds=rng.random() * tick_s)
+        for r in range(routers):
+            yield m.IdleMapPublished(
+                at=now, router=f"router-{r}", boot_id=f"router-{r}-0", tick=k,
+                last_request={rid: t for rid, t in last_request.items() if rid in live},
+                serving_since={rid: placed_at[rid] for rid in ids if rid not in last_request},
+            )
+
+
+async def publish(bus: Bus, events: Iterator[m.Event], window: int) -> tuple[int, float]:
+    """Publish fast: core publishes with the same Nats-Msg-Id Bus.publish would set, a flush
+    (PING/PONG, after which the server has taken everything before it) every ``window``.
+
+    Bus.publish waits for each ack (~7k/s here); JetStream stores a core publish all the same,
+    and the caller checks the stored count against what was sent.
+    """
+    n = 0
+    start = time.perf_counter()
+    for event in events:
+        payload = m.encode(event)
+        await bus.nc.publish(subjects.subject_for(event), payload,
+                             headers={"Nats-Msg-Id": subjects.msg_id(event, payload)})
+        n += 1
+        if n % window == 0:
+            await bus.nc.flush(timeout=60)
+    await bus.nc.flush(timeout=60)
+    return n, time.perf_counter() - start
+
+
+async def raw_read(bus: Bus) -> tuple[int, float]:
+    """Every history stream read concurrently with Bus.reader, nothing decoded."""
+    count = 0
+
+    async def one(stream: str) -> None:
+        nonlocal count
+        last = await bus.stream_last_seq(stream)
+        if last == 0:
+            return
+        async for msgs in bus.reader(stream, 1, batch=8192, stop_at=last).batches():
+            count += len(msgs)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(s) for s in subjects.HISTORY_STREAMS))
+    return count, time.perf_counter() - start
+
+
+async def main(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-replay-", dir=args.workdir))
+    server = None
+    url = args.nats_url
+    if not url:
+        server = EmbeddedServer(work / "nats", port=0)
+        server.start()
+        url = server.url
+    settings = Settings(nats_url=url)
+    try:
+        bus = await Bus.connect(settings, "llmgw-bench")
+        for spec in subjects.STREAMS:
+            try:
+                await bus.js.delete_stream(spec.name)
+            except Exception:  # noqa: BLE001 - absent is fine
+                pass
+        await bus.ensure_streams()
+        gen = history(args.events, args.nodes, args.gpus, args.days, args.routers, args.tick,
+                      args.live_replicas, args.busy)
+        n, secs = await publish(bus, gen, args.window)
+        sizes = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        print(f"published {n:,} events in {secs:.1f}s ({n / secs:,.0f}/s); stored {sum(sizes.values()):,} "
+              "(identical events are stored once): "
+              + ", ".join(f"{k.removeprefix('LLMGW_').lower()} {v:,}" for k, v in sizes.items()))
+
+        raw_n, raw_s = await raw_read(bus)
+        raw_rate = raw_n / raw_s
+        print(f"raw read:  {raw_n:,} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msgs/s (Bus.reader, no decode)")
+
+        db = work / "bench.duckdb"
+        store = Store(db)
+        projector = Projector(bus, store)
+        start = time.perf_counter()
+        state = await projector.run_once()
+        proj_s = time.perf_counter() - start
+        store.close()
+        proj_rate = projector.folded / proj_s
+        print(f"projector: {projector.folded:,} events in {proj_s:.2f}s = {proj_rate:,.0f} events/s "
+              f"({proj_rate / raw_rate:.0%} of raw) into {db.stat().st_size / 2**20:,.0f} MiB of DuckDB")
+        print(f"           {len(state.nodes)} nodes, {len(state.replicas)} replicas, {len(state.routers)} routers")
+
+        store = Store(db)
+        live = Projector(bus, store)
+        task = asyncio.create_task(live.run_forever())
+        req = m.encode(m.StatusRequest())
+        await bus.request(subjects.STATUS, req, timeout=10)
+        lat = []
+        for _ in range(args.status_runs):
+            t = time.perf_counter()
+            await bus.request(subjects.STATUS, req, timeout=10)
+            lat.append((time.perf_counter() - t) * 1000)
+        cli = []
+        for _ in range(3):
+            t = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).with_name("llmgw")), "ctl", "status", "--nats-url", url,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            _, err = await proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"llmgw ctl status failed: {err.decode()}")
+            cli.append((time.perf_counter() - t) * 1000)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        store.close()
+        lat.sort()
+        print(f"status:    service {statistics.median(lat):.1f} ms median, {lat[int(len(lat) * 0.95) - 1]:.1f} ms p95 "
+              f"({args.status_runs} requests); `llmgw ctl status` end to end {statistics.median(cli):.0f} ms median")
+        await bus.close()
+    finally:
+        if server is not None:
+            server.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept {work}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nats-url", help="use this server instead of an embedded one (its streams are wiped!)")
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--nodes", type=int, default=256)
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--days", type=float, default=7)
+    p.add_argument("--routers", type=int, default=2)
+    p.add_argument("--tick", type=float, default=10.0)
+    p.add_argument("--live-replicas", type=int, default=48)
+    p.add_argument("--busy", type=int, default=6, help="replicas that get requests each tick")
+    p.add_argument("--window", type=int, default=10_000, help="publishes between flushes")
+    p.add_argument("--status-runs", type=int, default=50)
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--workdir", help="where the nats store and DuckDB file go (e.g. /dev/shm on a busy disk)")
+    asyncio.run(main(p.parse_args()))
