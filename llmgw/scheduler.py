@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import msgspec
+
 from llmgw import messages as m
 from llmgw.projections.fold import FleetState, GpuView, NodeView, ReplicaView
 
@@ -186,6 +188,11 @@ def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str
     return f"{need}; " + "; ".join(parts) + "; free cards with `llmgw ctl idle --stop` or choose a smaller plan candidate"
 
 
+def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
+    """Whether a replica of spec ``a`` runs what ``b`` declares: replica count and idle TTL aside."""
+    return msgspec.structs.replace(a, replicas=0, idle_ttl_s=None) == msgspec.structs.replace(b, replicas=0, idle_ttl_s=None)
+
+
 def _key(*parts: object) -> str:
     return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
@@ -242,11 +249,22 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         spec = model.spec
         running = live.get(name, [])
         wanted = max(model.replicas_wanted - memory.parked.get(name, 0) - parked_now[name], 0)
-        if len(running) > wanted:
-            for replica in sorted(running, key=lambda r: (r.placed_at, r.replica_id))[wanted:]:
+        by_age = sorted(running, key=lambda r: (r.placed_at, r.replica_id))
+        current = [r for r in by_age if same_run(r.spec, spec)]
+        outdated = [r for r in by_age if not same_run(r.spec, spec)]
+        if len(current) > wanted:
+            for replica in current[wanted:]:
                 stop(replica, f"scaled down to {model.replicas_wanted}")
-            continue
-        missing = wanted - len(running)
+            current = current[:wanted]
+        # A re-declared spec rolls: an old replica stops only once a new one is
+        # healthy in its place, so a redeploy never takes a model offline.
+        healthy_new = sum(1 for r in current if r.state == "healthy")
+        retire = max(len(outdated) - max(wanted - healthy_new, 0), 0)
+        for replica in outdated[:retire]:
+            stop(replica, "spec changed: replaced by a replica of the new spec")
+        outdated = outdated[retire:]
+        running = current + outdated
+        missing = wanted - len(current)
         if missing <= 0:
             continue
         if name in failed_now:
@@ -281,6 +299,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             held.update((g.node, g.index) for g in gpus)
             avoid.update(nodes)
             placed_now += 1
+        if placed_now < missing and outdated and not any(d.event.model == name for d in out if isinstance(d.event, m.ReplicaStopped)):
+            # No room to surge: free the oldest replica of the old spec; the next pass places the new one.
+            stop(outdated[0], "spec changed: making room for the new spec")
+            continue
         if placed_now < missing and state.nodes:
             # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
             reason = unplaceable_reason(state, spec, held)

@@ -18,8 +18,9 @@ def node(name: str, fabric: str, count: int, cls: str = "H100-80GB", unhealthy: 
     return FleetNode(name=name, fabric=fabric, gpu_class=cls, gpu_count=count, gpu_memory_mib=81559, unhealthy=unhealthy)
 
 
-def spec(name: str = "m", tp: int = 1, pp: int = 1, replicas: int = 1, cls: str = "H100-80GB", **kw: object) -> m.ModelSpec:
-    return m.ModelSpec(name=name, source="org/m", precision="bf16", engine="vllm", gpu_class=cls, context=4096,
+def spec(name: str = "m", tp: int = 1, pp: int = 1, replicas: int = 1, cls: str = "H100-80GB", context: int = 4096,
+         **kw: object) -> m.ModelSpec:
+    return m.ModelSpec(name=name, source="org/m", precision="bf16", engine="vllm", gpu_class=cls, context=context,
                        tp=tp, pp=pp, replicas=replicas, **kw)  # type: ignore[arg-type]
 
 
@@ -214,3 +215,37 @@ def test_two_deciders_on_the_same_history_agree() -> None:
     da = s.decide(a.state, a.memory, T0)
     db = s.decide(b.state, b.memory, T0)
     assert [d.msg_id for d in da] == [d.msg_id for d in db] == ["ReplicaPlaced:m-r1", "ReplicaPlaced:m-r2"]
+
+
+def healthy(w: World, rid: str) -> None:
+    w.feed(m.ReplicaStateChanged(at=T0, replica_id=rid, model=w.state.replicas[rid].model, node=w.state.replicas[rid].nodes[0],
+                                 state="healthy", endpoint="http://x:1"))
+
+
+def test_redeploy_rolls_without_going_offline() -> None:
+    w = World(node("a1", "ib-a", 4))
+    w.feed(m.ModelDeclared(at=T0, spec=spec()))
+    (r1,) = placed(w.step())
+    healthy(w, r1.replica_id)
+    # Only the replica count or the idle TTL changed: nothing restarts.
+    w.feed(m.ModelDeclared(at=T0, spec=spec(replicas=1, idle_ttl_s=60.0)))
+    assert w.step() == []
+    w.feed(m.ModelDeclared(at=T0, spec=spec(context=2048)))
+    (r2,) = w.step()  # surge: the new one first, the old one keeps serving
+    assert isinstance(r2, m.ReplicaPlaced) and r2.spec.context == 2048
+    assert w.step() == []  # r2 not healthy yet: r1 stays
+    healthy(w, r2.replica_id)
+    (stopped,) = w.step()
+    assert isinstance(stopped, m.ReplicaStopped) and stopped.replica_id == r1.replica_id
+    assert stopped.reason == "spec changed: replaced by a replica of the new spec"
+
+
+def test_redeploy_on_a_full_fleet_makes_room() -> None:
+    w = World(node("a1", "ib-a", 1))
+    w.feed(m.ModelDeclared(at=T0, spec=spec()))
+    (r1,) = placed(w.step())
+    w.feed(m.ModelDeclared(at=T0, spec=spec(context=2048)))
+    (stopped,) = w.step()
+    assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "spec changed: making room for the new spec"
+    (r2,) = w.step()
+    assert isinstance(r2, m.ReplicaPlaced) and r2.gpus == r1.gpus and r2.spec.context == 2048
