@@ -210,6 +210,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     # Free GPUs by class and node, computed once and kept current: recomputing
     # them for every replica made a first pass over 4000 GPUs take seconds.
     free_by_class: dict[str, dict[str, list[GpuView]]] = {}
+    stopped_models: set[str] = set()
 
     def free_for(cls: str) -> dict[str, list[GpuView]]:
         if cls not in free_by_class:
@@ -221,6 +222,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
         held.difference_update((g.node, g.index) for g in replica.gpus)
         free_by_class.pop(replica.spec.gpu_class, None)
+        stopped_models.add(replica.model)
 
     for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
         model = state.models.get(replica.model)
@@ -299,7 +301,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             held.update((g.node, g.index) for g in gpus)
             avoid.update(nodes)
             placed_now += 1
-        if placed_now < missing and outdated and not any(d.event.model == name for d in out if isinstance(d.event, m.ReplicaStopped)):
+        if placed_now < missing and outdated and name not in stopped_models:
             # No room to surge: free the oldest replica of the old spec; the next pass places the new one.
             stop(outdated[0], "spec changed: making room for the new spec")
             continue
