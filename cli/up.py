@@ -22,7 +22,7 @@ import click
 from llmgw.cli.options import run
 
 from llmgw import messages as m
-from llmgw.config import Settings
+from llmgw.config import DEFAULT_NATS_URL, Settings
 from llmgw.engines import _llmgw_program
 from llmgw.errors import LlmgwError
 
@@ -42,10 +42,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     log: IO[bytes] | None = field(default=None, repr=False)
+    offset: int = 0  # where this run's output starts in the (appended) log
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.offset = self.log.tell()
         # Its own session: Ctrl-C reaches `up` alone, which then stops the children in order.
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=self.env, start_new_session=True)
@@ -103,6 +105,24 @@ async def _prepare(url: str, fleet_path: Path | None, models_dir: str | None, ex
                 f"context {spec.context:,}")
     finally:
         await bus.close()
+
+
+def _router_url(router: Child, within_s: float = 10.0) -> str:
+    """The URL the router printed on its first line (the real port when --router-listen said 0)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(router.log_path, "rb") as f:
+                f.seek(router.offset)
+                first = f.read(4096).decode(errors="replace").splitlines()[:1]
+        except OSError:
+            first = []
+        if first and first[0].startswith("http"):
+            return first[0].strip()
+        if router.proc is not None and router.proc.poll() is not None:
+            return ""
+        time.sleep(0.1)
+    return ""
 
 
 def _default_models_dir() -> str | None:
@@ -170,9 +190,11 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             children.append(child)
         if note:
             click.echo(note)
-        host, _, rport = router_listen.rpartition(":")
-        click.echo(f"router: http://{host}:{rport}/v1  (OpenAI API; models at /v1/models)")
+        router_url = _router_url(children[3]) or f"http://{router_listen}"
+        click.echo(f"router: {router_url}/v1  (OpenAI API; models at /v1/models)")
         click.echo(f"logs: {logs}/")
+        if nats_url != DEFAULT_NATS_URL:
+            click.echo(f"export LLMGW_NATS_URL={nats_url}   # so the commands below find this NATS")
         click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):
