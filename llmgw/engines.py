@@ -111,8 +111,11 @@ class EngineConfig:
 
     cmds: dict[str, list[str]] = field(default_factory=default_commands)
     simulate: bool = False
-    host: str = "127.0.0.1"  # where engines listen
-    advertise_host: str = ""  # what the router dials [default: host]
+    # Where engines listen and what the router dials. Empty: $LLMGW_ENGINE_HOST and
+    # $LLMGW_ADVERTISE_HOST, else loopback in simulation and, on a real node,
+    # every interface advertised under the host name (the router runs elsewhere).
+    host: str = ""
+    advertise_host: str = ""
     health_timeout_s: float = 900.0  # vLLM loading a 70B model takes minutes
     health_interval_s: float = 0.5
     max_restarts: int = 3
@@ -120,6 +123,18 @@ class EngineConfig:
     backoff_max_s: float = 60.0
     log_lines: int = 20
     log_dir: Path | None = None
+
+
+    def __post_init__(self) -> None:
+        env = os.environ
+        self.host = self.host or env.get("LLMGW_ENGINE_HOST") or ("127.0.0.1" if self.simulate else "0.0.0.0")
+        default_advertise = socket.gethostname() if self.host == "0.0.0.0" else self.host
+        self.advertise_host = self.advertise_host or env.get("LLMGW_ADVERTISE_HOST") or default_advertise
+
+    @property
+    def check_host(self) -> str:
+        """Where the agent itself reaches an engine for health checks."""
+        return "127.0.0.1" if self.host == "0.0.0.0" else self.host
 
 
 class EngineRun:
@@ -172,7 +187,7 @@ class EngineRun:
         argv = engine_argv(self.placed.spec, self.port, host, self.config.cmds, simulate=self.config.simulate, name=self.replica_id)
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
-        self.endpoint = f"http://{self.config.advertise_host or host}:{self.port}"
+        self.endpoint = f"http://{self.config.advertise_host}:{self.port}"
         self.tail.clear()
         self.tail.append(f"$ {shlex.join(argv)}")
         sink = self._open_log()
@@ -199,7 +214,7 @@ class EngineRun:
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         """/health answers 200, then a one-token completion does too."""
-        base = f"http://{self.config.host}:{self.port}"
+        base = f"http://{self.config.check_host}:{self.port}"
         try:
             async with session.get(f"{base}/health") as r:
                 if r.status != 200:

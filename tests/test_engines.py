@@ -146,3 +146,16 @@ async def test_missing_engine_binary_fails_with_next_step(bus: Bus, agent: tuple
     await bus.publish(placed("qwen-r1"))
     got = await wait_for(bus, lambda ss: any(s.state == "failed" for s in ss))
     assert "cannot start /nonexistent/vllm" in got[-1].detail and "--engine-cmd vllm=" in got[-1].detail
+
+
+def test_engine_hosts_default_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    monkeypatch.delenv("LLMGW_ENGINE_HOST", raising=False)
+    monkeypatch.delenv("LLMGW_ADVERTISE_HOST", raising=False)
+    sim = EngineConfig(simulate=True)
+    assert (sim.host, sim.advertise_host, sim.check_host) == ("127.0.0.1", "127.0.0.1", "127.0.0.1")
+    real = EngineConfig()
+    assert (real.host, real.advertise_host, real.check_host) == ("0.0.0.0", socket.gethostname(), "127.0.0.1")
+    monkeypatch.setenv("LLMGW_ADVERTISE_HOST", "10.1.2.3")
+    assert EngineConfig().advertise_host == "10.1.2.3"
