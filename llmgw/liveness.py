@@ -58,6 +58,9 @@ class HeartbeatMonitor:
         self.published: list[m.NodeLost | m.NodeReturned] = []
         self.malformed = 0
         self.ready = asyncio.Event()
+        # Silence is only what this monitor watched: heartbeats stored before it
+        # started (a control plane that was down for an hour) prove nothing.
+        self.started: datetime | None = None
 
     # --- what the fleet stream already says -------------------------------------------
 
@@ -113,7 +116,8 @@ class HeartbeatMonitor:
         for node, heard in sorted(self.heard.items()):
             key = f"{heard.boot_id}:{heard.seq}"
             lost = self.lost.get(node)
-            silent = now - heard.received > limit
+            since = heard.received if self.started is None else max(heard.received, self.started)
+            silent = now - since > limit
             if silent and lost is None:
                 ev_lost = m.NodeLost(at=now, node=node, last_heartbeat_at=heard.at, timeout_s=self.timeout_s)
                 ack = await self.bus.publish(ev_lost, msg_id=f"NodeLost:{node}:{key}")
@@ -129,6 +133,7 @@ class HeartbeatMonitor:
 
     async def run(self) -> None:
         """Follow and judge until cancelled."""
+        self.started = self._now()
         await self._load_lost()
         follower = asyncio.create_task(self._follow(), name="heartbeats")
         # Let the stored heartbeats arrive before judging, or every node would look silent.

@@ -146,3 +146,24 @@ async def test_a_restarted_monitor_does_not_repeat_a_loss_and_skips_malformed_he
         await asyncio.sleep(TIMEOUT_S)  # several checks on a node that is still silent
         assert node.name in restarted.lost and restarted.published == []
     assert await liveness_of(bus, node.name) == [m.NodeLost]
+
+
+async def test_a_monitor_judges_only_the_silence_it_watched(bus: Bus) -> None:
+    """A control plane back after downtime finds stale heartbeats: not proof of loss until a full timeout passes."""
+    hb = m.HeartbeatSent(at=m.utcnow(), node="stale-node", boot_id="b1", seq=1)
+    await bus.publish_core(subjects.heartbeat("stale-node"), m.encode(hb))
+    await asyncio.sleep(TIMEOUT_S * 1.5)  # the stored heartbeat is now older than the timeout
+    monitor = HeartbeatMonitor(bus, timeout_s=TIMEOUT_S, check_every_s=0.1)
+    async with task_of(monitor.run()):
+        await asyncio.wait_for(monitor.ready.wait(), timeout=10)
+
+        async def heard() -> bool:
+            return "stale-node" in monitor.heard
+
+        await until(heard, "the stored heartbeat")
+        assert await liveness_of(bus, "stale-node") == []  # not judged at once
+
+        async def lost() -> bool:
+            return await liveness_of(bus, "stale-node") == [m.NodeLost]
+
+        await until(lost, "NodeLost after a full timeout of watched silence")
