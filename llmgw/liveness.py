@@ -118,12 +118,13 @@ class HeartbeatMonitor:
             lost = self.lost.get(node)
             since = heard.received if self.started is None else max(heard.received, self.started)
             silent = now - since > limit
+            fresh = now - heard.received <= limit  # a return needs a heartbeat, not just a grace period
             if silent and lost is None:
                 ev_lost = m.NodeLost(at=now, node=node, last_heartbeat_at=heard.at, timeout_s=self.timeout_s)
                 ack = await self.bus.publish(ev_lost, msg_id=f"NodeLost:{node}:{key}")
                 self.lost[node] = _Lost(key=key, stream_seq=ack.seq)
                 out.append(ev_lost)
-            elif not silent and lost is not None and lost.key != key:
+            elif fresh and lost is not None and lost.key != key:
                 ev_back = m.NodeReturned(at=now, node=node, boot_id=heard.boot_id)
                 await self.bus.publish(ev_back, msg_id=f"NodeReturned:{node}:{lost.stream_seq}")
                 del self.lost[node]
