@@ -150,7 +150,7 @@ async def main(args: argparse.Namespace) -> None:
         server = EmbeddedServer(work / "nats", port=0)
         server.start()
         url = server.url
-    settings = Settings(nats_url=url)
+    settings = Settings(nats_url=url, request_timeout_s=30.0)  # a server busy with 1M messages answers slowly
     try:
         bus = await Bus.connect(settings, "llmgw-bench")
         for spec in subjects.STREAMS:
@@ -163,6 +163,12 @@ async def main(args: argparse.Namespace) -> None:
                       args.live_replicas, args.busy)
         n, secs = await publish(bus, gen, args.window)
         sizes = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        while True:  # JetStream may still be storing what the flushes handed it
+            await asyncio.sleep(1.0)
+            now = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+            if now == sizes:
+                break
+            sizes = now
         print(f"published {n:,} events in {secs:.1f}s ({n / secs:,.0f}/s); stored {sum(sizes.values()):,} "
               "(identical events are stored once): "
               + ", ".join(f"{k.removeprefix('LLMGW_').lower()} {v:,}" for k, v in sizes.items()))
@@ -173,8 +179,8 @@ async def main(args: argparse.Namespace) -> None:
 
         db = work / "bench.duckdb"
         store = Store(db)
-        projector = Projector(bus, store)
         start = time.perf_counter()
+        projector = Projector(bus, store, writer_process=not args.writer_thread)
         state = await projector.run_once()
         proj_s = time.perf_counter() - start
         store.close()
@@ -233,5 +239,6 @@ if __name__ == "__main__":
     p.add_argument("--window", type=int, default=10_000, help="publishes between flushes")
     p.add_argument("--status-runs", type=int, default=50)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--writer-thread", action="store_true", help="commit in a thread instead of a child process")
     p.add_argument("--workdir", help="where the nats store and DuckDB file go (e.g. /dev/shm on a busy disk)")
     asyncio.run(main(p.parse_args()))

@@ -28,11 +28,11 @@ async def project_db(settings: Settings, db: Path, *, once: bool, snapshot: Path
         if once:
             with progress(f"projecting into {db.name}") as on_progress:
                 projector = Projector(bus, store, commit_every=commit_every, commit_interval_s=commit_interval_s,
-                                      progress=on_progress)
+                                      progress=on_progress, writer_process=True)
                 state = await projector.run_once()
             return projector.folded, sum(state.positions.values())
         projector = Projector(bus, store, commit_every=commit_every, commit_interval_s=commit_interval_s,
-                              snapshot_path=snapshot, snapshot_interval_s=snapshot_interval_s)
+                              snapshot_path=snapshot, snapshot_interval_s=snapshot_interval_s, writer_process=True)
         task = asyncio.ensure_future(projector.run_forever())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -25,11 +25,12 @@ import msgspec
 from llmgw.projections import status as status_report
 from llmgw.projections.fold import FleetState, apply
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+from llmgw.projections.writer import ProcessWriter
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.errors import ProjectionError
+from llmgw.errors import BusError, ProjectionError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ BATCH_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     subjects.STREAM_USAGE: msgspec.json.Decoder(list[m.UsageEvent]),
 }
 
+READ_ATTEMPTS = 8  # about a minute of backoff before a projector gives up on a stream
 CRASH_ENV = "LLMGW_PROJECT_CRASH_AT"  # test hook: "N" (inside a commit) or "N:fold" (on the loop)
 
 Progress = Callable[[int, int], None]
@@ -77,6 +79,7 @@ class Projector:
         snapshot_interval_s: float = 60.0,
         batch: int = 8192,
         progress: Progress | None = None,
+        writer_process: bool = False,
     ) -> None:
         self.bus = bus
         self.store = store
@@ -98,6 +101,11 @@ class Projector:
         self._last_snapshot = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
         self._crash_at, self._crash_on_loop = self._crash_hook()
+        self._process: ProcessWriter | None = None
+        if store is not None and writer_process and store.path != ":memory:":
+            # The child owns the file from here on; this process only reads NATS and folds.
+            store.close()
+            self._process = ProcessWriter(store.path, self.snapshot_path, snapshot_interval_s)
 
     @staticmethod
     def _crash_hook() -> tuple[int | None, bool]:
@@ -144,10 +152,12 @@ class Projector:
 
     def _write(self, batch: Batch, snapshot: bytes) -> None:
         assert self.store is not None
-        hook = None
-        if self._crash_at is not None and not self._crash_on_loop and self.committed + batch.events >= self._crash_at:
-            hook = _kill_self
-        self.store.commit(batch, snapshot, before_commit=hook)
+        crash = self._crash_at is not None and not self._crash_on_loop and self.committed + batch.events >= self._crash_at
+        if self._process is not None:
+            self._process.commit(batch, snapshot, crash)
+            self.committed += batch.events
+            return
+        self.store.commit(batch, snapshot, before_commit=_kill_self if crash else None)
         self.committed += batch.events
         if self.snapshot_path is not None and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.store.export_snapshot(self.snapshot_path)
@@ -188,6 +198,24 @@ class Projector:
     # --- reading --------------------------------------------------------------------
 
     async def _read(self, stream: str, stop: Stop | None) -> None:
+        """Read one stream from the folded position; a busy or restarting server is waited out."""
+        delay = 0.5
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                await self._read_from_position(stream, stop)
+                return
+            except (TimeoutError, BusError) as e:
+                # The reader restarts after what was folded, so nothing is read twice.
+                if attempt == READ_ATTEMPTS:
+                    raise ProjectionError(
+                        f"reading {stream} failed {attempt} times, last: {e or type(e).__name__}; "
+                        f"folded up to {stream}:{self.state.positions.get(stream, 0)} (committed work is kept)"
+                    ) from e
+                log.warning("reading %s: %s; retrying in %.1fs", stream, e or type(e).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _read_from_position(self, stream: str, stop: Stop | None) -> None:
         start = self.state.positions.get(stream, 0) + 1
         stop_at = stop.seq if stop is not None else None
         if stop_at is not None and start > stop_at:
@@ -252,6 +280,9 @@ class Projector:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
 
 async def replay(

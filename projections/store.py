@@ -71,7 +71,7 @@ TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 # transaction, in DuckDB's own threads.
 STAGING = """
 CREATE TEMP TABLE IF NOT EXISTS stage_events (
-    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, stored_us BIGINT, json VARCHAR);
+    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, ts_us BIGINT, stored_us BIGINT, json VARCHAR);
 CREATE TEMP TABLE IF NOT EXISTS stage_idle (
     stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT, replica_id VARCHAR,
     last_request_us BIGINT, serving_since_us BIGINT, idle_s DOUBLE);
@@ -79,9 +79,9 @@ CREATE TEMP TABLE IF NOT EXISTS stage_idle (
 
 _FROM_STAGE = """
 INSERT INTO events
-SELECT stream, seq, subject, type, x[1]::TIMESTAMPTZ, make_timestamptz(stored_us),
-       coalesce(x[2], x[3]), coalesce(x[4], x[5], x[6]), x[7], json
-FROM (SELECT *, json_extract_string(json, ['$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
+SELECT stream, seq, subject, type, make_timestamptz(ts_us), make_timestamptz(stored_us),
+       coalesce(x[1], x[2]), coalesce(x[3], x[4], x[5]), x[6], json
+FROM (SELECT *, json_extract_string(json, ['$.node', '$.nodes[0]', '$.model', '$.name',
                                            '$.spec.name', '$.replica_id']) AS x FROM stage_events);
 INSERT INTO gpu_health
 SELECT stream, seq, (json->>'$.at')::TIMESTAMPTZ, json->>'$.node', (json->>'$.gpu_index')::INTEGER,
@@ -174,9 +174,14 @@ def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: byte
                    prev_router: RouterView | None = None) -> None:
     """The rows one decoded event adds; ``prev_router`` is the map an IdleMapPublished follows."""
     typ = type(event).__name__
-    batch.rows["stage_events"].append((stream, seq, subject, typ, ts_ns // 1000, data.decode("utf-8", "replace")))
+    at_us = round(event.at.timestamp() * 1e6)
     if typ == "IdleMapPublished":
+        # Its content is in idle_history as changes; repeating the whole map every
+        # tick would be most of the file's bytes and of the commit's time.
+        batch.rows["stage_events"].append((stream, seq, subject, typ, at_us, ts_ns // 1000, None))
         _idle_rows(batch.rows["stage_idle"], stream, seq, event, prev_router)  # type: ignore[arg-type]
+    else:
+        batch.rows["stage_events"].append((stream, seq, subject, typ, at_us, ts_ns // 1000, data.decode("utf-8", "replace")))
     batch.events += 1
 
 
@@ -238,7 +243,7 @@ class Store:
         self.con.execute(STAGING)
 
     def close(self) -> None:
-        self.con.close()
+        self.con.close()  # closing twice is harmless
 
     def load(self) -> FleetState:
         """The state of the last commit (positions included), or an empty one."""

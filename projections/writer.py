@@ -1,0 +1,110 @@
+"""The projector's DuckDB writer in a child process, so DuckDB never takes the reading loop's GIL.
+
+Reading NATS, decoding and folding are Python on one core; the appender's
+conversions and the commit are the other half of the work. In a thread they
+share one GIL and the reader waits; in a child process they run on the second
+core. The child owns the DuckDB file (one writer per file) and dies with its
+parent (PR_SET_PDEATHSIG), so a killed projector never leaves a half-commit
+running or the file locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from llmgw.projections.store import Batch, Store
+
+from llmgw.errors import ProjectionError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):  # Linux only; elsewhere the pipe's EOF ends the child
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _kill_both() -> None:
+    """The test hook's crash: the whole projector, parent and writer, with SIGKILL."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_interval_s: float) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    try:
+        store = Store(path)
+    except ProjectionError as e:
+        conn.send(str(e))
+        return
+    conn.send(None)
+    last_snapshot = 0.0
+    try:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except EOFError:
+                return
+            if not data:
+                return
+            rows, events, snapshot, crash = pickle.loads(data)
+            try:
+                store.commit(Batch(rows=rows, events=events), snapshot, before_commit=_kill_both if crash else None)
+                if snapshot_path and time.monotonic() - last_snapshot >= snapshot_interval_s:
+                    store.export_snapshot(snapshot_path)
+                    last_snapshot = time.monotonic()
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
+                conn.send(f"{e}")
+            else:
+                conn.send(None)
+    finally:
+        store.close()
+
+
+class ProcessWriter:
+    """Commits batches in a child process that owns the DuckDB file."""
+
+    def __init__(self, path: str | Path, snapshot_path: str | Path | None, snapshot_interval_s: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_main, args=(str(path), child, str(snapshot_path) if snapshot_path else None, snapshot_interval_s),
+            name="llmgw-duckdb-writer", daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._check(timeout=60)
+
+    def _check(self, timeout: float | None = None) -> None:
+        if timeout is not None and not self._conn.poll(timeout):
+            raise ProjectionError(f"the DuckDB writer process did not start within {timeout:.0f}s")
+        try:
+            err = self._conn.recv()
+        except EOFError as e:
+            raise ProjectionError(f"the DuckDB writer process died (exit {self._proc.exitcode}); "
+                                  "the last commit is intact, restart the projector") from e
+        if err is not None:
+            raise ProjectionError(err)
+
+    def commit(self, batch: Batch, snapshot: bytes, crash: bool) -> None:
+        """Send one batch and wait for its commit (called from the projector's writer thread)."""
+        self._conn.send_bytes(pickle.dumps((batch.rows, batch.events, snapshot, crash), protocol=5))
+        self._check()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send_bytes(b"")
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
