@@ -327,8 +327,10 @@ class Bus:
             except PermissionDeniedError:
                 raise
             except nats.js.errors.APIError as e:
-                # 503: no quorum / JetStream unavailable for a moment; everything else is final.
-                if e.code != 503:
+                # 503: no quorum / JetStream unavailable for a moment; 10158: an earlier try with
+                # this id is still being replicated (it ends stored or not, then we learn which);
+                # everything else is final.
+                if e.code != 503 and e.err_code != 10158:
                     raise PublishError(f"JetStream refused {subject}: {e.description} (code {e.err_code})") from e
             except _RETRYABLE:
                 pass
@@ -492,14 +494,33 @@ class StreamReader:
             config["filter_subjects"] = self.filter_subjects
         req = json.dumps({"stream_name": self.stream, "config": config}).encode()
         subject = f"$JS.API.CONSUMER.CREATE.{self.stream}"
-        try:
-            msg = await self.bus._guarded(subject, self.bus.nc.request(subject, req, timeout=self.bus.settings.request_timeout_s))
-        except nats.errors.NoRespondersError as e:
-            raise BusError(f"JetStream is not available on {self.bus.settings.nats_url}") from e
-        resp = json.loads(msg.data)
-        if "error" in resp:
-            err = resp["error"]
-            raise BusError(f"cannot read stream {self.stream}: {err.get('description')} (code {err.get('err_code')})")
+        loop = asyncio.get_running_loop()
+        # A cluster electing leaders, or a server coming back, answers "temporarily
+        # unavailable" or not at all for a few seconds; a reader rides that out.
+        deadline = loop.time() + self.bus.settings.request_timeout_s * 6
+        delay = 0.1
+        while True:
+            problem = ""
+            try:
+                msg = await self.bus._guarded(subject, self.bus.nc.request(subject, req, timeout=self.bus.settings.request_timeout_s))
+            except nats.errors.NoRespondersError as e:
+                raise BusError(f"JetStream is not available on {self.bus.settings.nats_url}") from e
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError,
+                    nats.errors.StaleConnectionError):
+                problem = "no answer"
+            else:
+                resp = json.loads(msg.data)
+                err = resp.get("error")
+                if not err:
+                    break
+                problem = f"{err.get('description')} (code {err.get('err_code')})"
+                if err.get("code") != 503 and err.get("err_code") != 10008:
+                    raise BusError(f"cannot read stream {self.stream}: {problem}")
+            if loop.time() + delay > deadline:
+                raise BusError(f"cannot read stream {self.stream}: {problem} for "
+                               f"{self.bus.settings.request_timeout_s * 6:.0f}s; does the cluster have quorum?")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
         self._consumer = resp["name"]
         self._credit = 0
         self._expected_dseq = 1

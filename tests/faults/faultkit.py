@@ -75,3 +75,17 @@ def tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
         return {t: sorted(store.query(f'SELECT * FROM "{t}"'), key=repr) for t in names}
     finally:
         store.close()
+
+
+async def caught_up(flag: asyncio.Event, reader: asyncio.Task[None], limit_s: float) -> None:
+    """Wait for ``flag``; a reader task that died raises its own error instead of a bare timeout."""
+    waiter = asyncio.ensure_future(flag.wait())
+    try:
+        done, _ = await asyncio.wait({waiter, reader}, timeout=limit_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if reader in done:
+        reader.result()
+        raise AssertionError("the reader stopped before it caught up")
+    if waiter not in done:
+        raise AssertionError(f"the reader did not catch up within {limit_s:.0f}s")

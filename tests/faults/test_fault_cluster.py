@@ -6,7 +6,14 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from faultkit import cluster_settings, health_event, node_last_seqs, stream_leader, wait_streams
+from faultkit import (
+    caught_up,
+    cluster_settings,
+    health_event,
+    node_last_seqs,
+    stream_leader,
+    wait_streams,
+)
 from llmgw.projections.fold import fold
 
 from llmgw import messages as m
@@ -45,7 +52,7 @@ async def test_stream_leader_sigkill_while_publishing_and_reading(cluster: Clust
     pub = await Bus.connect(settings, "fault-publisher")
     rd = await Bus.connect(settings, "fault-reader")
     seen: list[RawMsg] = []
-    caught_up = asyncio.Event()
+    done_reading = asyncio.Event()
     reader = pub_task = None
     try:
         await wait_streams(admin, 3)
@@ -56,7 +63,7 @@ async def test_stream_leader_sigkill_while_publishing_and_reading(cluster: Clust
             async for batch in rd.reader(FLEET, 1, batch=64, idle_expires_s=1.0).batches():
                 seen.extend(batch)
                 if len(seen) >= n:
-                    caught_up.set()
+                    done_reading.set()
 
         reader = asyncio.create_task(follow())
         leader = await stream_leader(admin, FLEET)
@@ -68,7 +75,7 @@ async def test_stream_leader_sigkill_while_publishing_and_reading(cluster: Clust
             await asyncio.sleep(0.002)
         await outbox.flush(60)
         new_leader = await stream_leader(admin, FLEET)
-        await asyncio.wait_for(caught_up.wait(), 60)
+        await caught_up(done_reading, reader, 60)
         victim.start()
         seqs = await wait_in_sync(cluster, n)
         clean = await read_all(admin, n)

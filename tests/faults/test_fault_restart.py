@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from faultkit import health_event
+from faultkit import caught_up, health_event
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -31,7 +31,7 @@ async def test_server_restart_under_publisher_and_reader(tmp_path: Path, how: st
     pub = await Bus.connect(settings, "fault-publisher")
     rd = await Bus.connect(settings, "fault-reader")
     seen: list[RawMsg] = []
-    caught_up = asyncio.Event()
+    done_reading = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     try:
         await pub.ensure_streams()
@@ -44,9 +44,10 @@ async def test_server_restart_under_publisher_and_reader(tmp_path: Path, how: st
             async for batch in reader.batches():
                 seen.extend(batch)
                 if len(seen) >= n:
-                    caught_up.set()
+                    done_reading.set()
 
-        tasks.append(asyncio.create_task(follow()))
+        reader_task = asyncio.create_task(follow())
+        tasks.append(reader_task)
         for i in range(n):
             outbox.put(health_event(i))
             if i == n // 3:
@@ -56,7 +57,7 @@ async def test_server_restart_under_publisher_and_reader(tmp_path: Path, how: st
                 server.start()
             await asyncio.sleep(0.003)
         await outbox.flush(60)
-        await asyncio.wait_for(caught_up.wait(), 60)
+        await caught_up(done_reading, reader_task, 60)
         stored = await pub.stream_last_seq(FLEET)
     finally:
         for t in tasks:
