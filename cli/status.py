@@ -9,7 +9,6 @@ import click
 import msgspec
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import parse_duration, parse_time, progress
-from llmgw.projections import runner
 from llmgw.projections.status import report
 from rich import box
 from rich.console import Console
@@ -53,6 +52,10 @@ async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: dat
                 service="projector (status service; run `llmgw project` or use --replay)",
             )
             return m.STATUS_REPORT_DECODER.decode(data)
+        from llmgw.projections import (
+            runner,  # DuckDB loads only for a replay: plain status stays quick
+        )
+
         with progress("replaying") as on_progress:
             state = await runner.replay(bus, at=at, at_seq=at_seq, progress=on_progress)
         return report(state, at, threshold_s)

@@ -1,0 +1,114 @@
+"""The DuckDB store on real files: one transaction per commit, resume state, snapshots, bad input."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import duckdb
+import pytest
+from llmgw.projections.fold import FleetState, apply
+from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+from projection_events import small_fleet, t
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.errors import ProjectionError
+
+TS_NS = 1_772_445_600_000_000_000  # when "NATS stored" the messages below
+
+
+def batch_of(events: list[m.Event], state: FleetState, start: int = 1) -> Batch:
+    """Rows for events as the projector makes them (one stream per event kind, like NATS)."""
+    batch = Batch()
+    for i, e in enumerate(events, start):
+        subject = subjects.subject_for(e)
+        stream = subjects.stream_for_subject(subject)
+        prev = state.routers.get(e.router) if isinstance(e, m.IdleMapPublished) else None
+        add_event_rows(batch, stream, i, subject, m.encode(e), TS_NS, e, prev)
+        apply(state, e)
+        state.positions[stream] = i
+    return batch
+
+
+def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    state = FleetState()
+    batch = batch_of(small_fleet(), state)
+    add_unprojected(batch, subjects.STREAM_FLEET, 99, "llmgw.fleet.x.health", b"\xff not json", "bad")
+    state.unprojected = 1
+    store.commit(batch, encode_state(state))
+    assert store.load() == state
+    assert store.query("SELECT count(*) FROM events") == [(len(small_fleet()),)]
+    assert store.query("SELECT raw, error FROM unprojected_events") == [(b"\xff not json", "bad")]
+    assert store.query("SELECT events, unprojected FROM projector_state") == [(len(small_fleet()) + 1, 1)]
+    row = store.query("SELECT type, ts, node, model, replica_id FROM events WHERE type = 'ReplicaPlaced' "
+                      "AND replica_id = 'r-llama'")
+    assert row == [("ReplicaPlaced", t(4), "n2", "llama-70b", "r-llama")]
+    assert store.query("SELECT DISTINCT stored_at FROM events") == [(datetime(2026, 3, 2, 10, 0, tzinfo=UTC),)]
+    assert store.query("SELECT json IS NULL, count(*) FROM events GROUP BY ALL ORDER BY 1") == [(False, 18), (True, 4)]
+    assert store.query("SELECT node, gpu_index, replica_id FROM gpus WHERE replica_id IS NOT NULL "
+                       "AND node = 'n1'") == [("n1", 0, "r-qwen")]
+    assert store.query("SELECT name, replicas_wanted, replicas_placed FROM models ORDER BY name") == [
+        ("deepseek-v3", 1, 0), ("gemma-9b", 1, 1), ("llama-70b", 1, 1), ("qwen-8b", 1, 1)]
+    assert store.query("SELECT name, lost FROM nodes WHERE lost") == [("n5", True)]
+    store.close()
+
+
+def test_a_failed_commit_writes_nothing(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    state = FleetState()
+    events = small_fleet()
+    store.commit(batch_of(events[:5], state), encode_state(state))
+    before = {name: store.table_rows(name) for name in ("events", "checkpoint", "projector_state", "nodes")}
+
+    def boom() -> None:
+        raise duckdb.IOException("disk full")
+
+    with pytest.raises(ProjectionError, match="nothing of this batch was written"):
+        store.commit(batch_of(events[5:], state, start=6), encode_state(state), before_commit=boom)
+    assert {name: store.table_rows(name) for name in before} == before
+    store.close()
+
+
+def test_reopened_file_resumes_from_its_state(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    state = FleetState()
+    store.commit(batch_of(small_fleet()[:9], state), encode_state(state))
+    store.close()
+    again = Store(duckdb_path)
+    assert again.load() == state
+    again.close()
+
+
+def test_a_newer_schema_is_refused_with_the_next_step(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    state = FleetState()
+    store.commit(batch_of(small_fleet()[:2], state), encode_state(state))
+    store.query("UPDATE projector_state SET schema_version = 99")
+    with pytest.raises(ProjectionError, match="project into a new file"):
+        store.load()
+    store.close()
+
+
+def test_snapshot_is_a_complete_read_only_copy(tmp_path: Path) -> None:
+    store = Store(tmp_path / "live.duckdb")
+    state = FleetState()
+    store.commit(batch_of(small_fleet(), state), encode_state(state))
+    snap = store.export_snapshot(tmp_path / "live.snapshot.duckdb")
+    store.export_snapshot(snap)  # replacing an existing snapshot works too
+    assert not (tmp_path / "live.snapshot.duckdb.tmp").exists()
+    con = duckdb.connect(str(snap), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM events").fetchone() == (len(small_fleet()),)
+        assert con.execute("SELECT count(*) FROM idle_history").fetchone() == (5,)
+    finally:
+        con.close()
+    store.close()
+
+
+def test_unknown_table_is_an_error(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    with pytest.raises(ProjectionError, match="no table 'nope'"):
+        store.table_rows("nope")
+    store.close()
