@@ -9,15 +9,13 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import nats.js.errors
 import pytest
 from click.testing import CliRunner
 from llmgw.cli.main import cli
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
-from projection_events import small_fleet
+from projection_events import fresh_streams, small_fleet
 
-from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 
@@ -55,19 +53,10 @@ Replicas nobody asked for (idle ≥ 30m; - = no router knows)
 """
 
 
-async def _fresh(bus: Bus) -> None:
-    for spec in subjects.STREAMS:
-        try:
-            await bus.js.delete_stream(spec.name)
-        except nats.js.errors.NotFoundError:
-            pass
-    await bus.ensure_streams()
-
-
 async def _publish_fresh(settings: Settings) -> None:
     bus = await Bus.connect(settings, "llmgw-test-cli")
     try:
-        await _fresh(bus)
+        await fresh_streams(bus)
         for event in small_fleet():
             await bus.publish(event)
     finally:
@@ -152,7 +141,7 @@ def test_status_at_a_past_moment(settings: Settings) -> None:
     async def two_phases() -> datetime:
         bus = await Bus.connect(settings, "llmgw-test-cli")
         try:
-            await _fresh(bus)
+            await fresh_streams(bus)
             events = small_fleet()
             for event in events[:11]:  # inventories, health, the lost node, four declared models
                 await bus.publish(event)

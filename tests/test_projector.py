@@ -12,7 +12,6 @@ from typing import Any
 
 import duckdb
 import msgspec
-import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from llmgw.projections import status as status_report
 from llmgw.projections.runner import CRASH_ENV, Projector, replay
 from llmgw.projections.store import TABLES, Store
-from projection_events import inventory, placed, small_fleet, spec, t
+from projection_events import fresh_streams, inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -41,15 +40,6 @@ async def publish(bus: Bus, events: Sequence[m.Event | bytes]) -> dict[str, int]
             ack = await bus.publish(e)
         last[ack.stream] = max(last.get(ack.stream, 0), ack.seq)
     return last
-
-
-async def fresh_streams(bus: Bus) -> None:
-    for spec_ in subjects.STREAMS:
-        try:
-            await bus.js.delete_stream(spec_.name)
-        except nats.js.errors.NotFoundError:
-            pass
-    await bus.ensure_streams()
 
 
 def tables(path: Path) -> dict[str, list[Any]]:

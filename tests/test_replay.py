@@ -8,8 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 from llmgw.cli.main import cli
-from projection_events import small_fleet
-from test_cli_status import _fresh
+from projection_events import fresh_streams, small_fleet
 
 from llmgw import subjects
 from llmgw.bus import Bus
@@ -21,7 +20,7 @@ BAD = b'{"type":"GpuHealthChanged","at":"2026-03-02T10:30:00Z"}'
 async def _publish(settings: Settings) -> None:
     bus = await Bus.connect(settings, "llmgw-test-replay")
     try:
-        await _fresh(bus)
+        await fresh_streams(bus)
         for event in small_fleet():
             await bus.publish(event)
         await bus.publish_bytes(subjects.fleet("n3", "health"), BAD, "bad-1")
