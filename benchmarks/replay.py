@@ -180,7 +180,8 @@ async def main(args: argparse.Namespace) -> None:
         db = work / "bench.duckdb"
         store = Store(db)
         start = time.perf_counter()
-        projector = Projector(bus, store, writer_process=not args.writer_thread)
+        projector = Projector(bus, store, writer_process=not args.writer_thread,
+                              commit_interval_s=args.commit_interval)
         state = await projector.run_once()
         proj_s = time.perf_counter() - start
         store.close()
@@ -240,5 +241,6 @@ if __name__ == "__main__":
     p.add_argument("--status-runs", type=int, default=50)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--writer-thread", action="store_true", help="commit in a thread instead of a child process")
+    p.add_argument("--commit-interval", type=float, default=1.0, help="seconds between commits (as llmgw project)")
     p.add_argument("--workdir", help="where the nats store and DuckDB file go (e.g. /dev/shm on a busy disk)")
     asyncio.run(main(p.parse_args()))
