@@ -19,6 +19,7 @@ COMMANDS = {
     "scheduler": "llmgw.cli.scheduler:scheduler",
     "replay": "llmgw.cli.replay:replay",
     "fake-engine": "llmgw.cli.fake_engine:fake_engine",
+    "nats-conf": "llmgw.cli.natsconf:nats_conf",
     "ctl": "llmgw.cli.ctl:ctl",
 }
 

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
@@ -144,7 +142,7 @@ class EndpointSink:
             for msg in batch:
                 try:
                     event = m.CONTROL_DECODER.decode(msg.data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except m.DECODE_ERRORS as e:
                     # Recorded and skipped: one bad event must not stop routing.
                     self.bad_events += 1
                     log.warning("control seq %d on %s is not a control event (%s); skipped", msg.seq, msg.subject, e)

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import aiohttp
-import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -328,7 +327,7 @@ class EngineSupervisor:
                 for raw in batch:
                     try:
                         event = m.CONTROL_DECODER.decode(raw.data)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    except m.DECODE_ERRORS as e:
                         log.warning("engines: skipped malformed control event #%d: %s", raw.seq, e)
                         continue
                     self._fold(event)

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-import msgspec
-
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
@@ -77,7 +75,7 @@ class HeartbeatMonitor:
                     continue
                 try:
                     ev = m.FLEET_DECODER.decode(raw.data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except m.DECODE_ERRORS as e:
                     self.malformed += 1
                     log.warning("fleet seq %d: skipping a malformed event: %s", raw.seq, e)
                     continue
@@ -91,7 +89,7 @@ class HeartbeatMonitor:
     def _on_heartbeat(self, raw: RawMsg) -> None:
         try:
             hb = m.HEARTBEAT_DECODER.decode(raw.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except m.DECODE_ERRORS as e:
             self.malformed += 1
             log.warning("heartbeat seq %d (%s): skipping a malformed heartbeat: %s", raw.seq, raw.subject, e)
             return

@@ -463,6 +463,12 @@ ANY_DECODER = msgspec.json.Decoder(AnyEvent)
 ERROR_DECODER = msgspec.json.Decoder(ErrorReply)
 
 
+# Everything a decoder raises on bytes it cannot use. Deep nesting (~1,000
+# levels, even inside an unknown field) raises RecursionError, not DecodeError;
+# a reader that did not catch it would die on the same event at every restart.
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError)
+
+
 def encode(message: msgspec.Struct) -> bytes:
     """Bytes for the bus."""
     return ENCODER.encode(message)

@@ -63,7 +63,7 @@ class PlannerService:
         """Answer one plan request; anything raised becomes an error reply."""
         try:
             request = m.PLAN_REQUEST_DECODER.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except m.DECODE_ERRORS as e:
             raise PlanError(f"malformed plan request ({e}); send a PlanRequest as JSON, e.g. {{\"model\": \"Org/Name\"}}") from e
         info = request.info or await self.model(request.model, request.params)
         if self._pools is None:
@@ -80,7 +80,7 @@ class PlannerService:
             for raw in batch:
                 try:
                     event = decoder.decode(raw.data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except m.DECODE_ERRORS as e:
                     self.skipped += 1
                     log.warning("planner: %s seq %d (%s) cannot be decoded, skipped: %s", stream, raw.seq, raw.subject, e)
                 else:
@@ -134,5 +134,5 @@ async def ask(bus: Bus, request: m.PlanRequest, *, timeout: float | None = None)
     data = await bus.request(subjects.PLAN, m.encode(request), timeout=timeout, service="planner")
     try:
         return m.PLAN_REPLY_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except m.DECODE_ERRORS as e:
         raise ServiceError(f"the planner answered something that is not a plan ({e}); is it the same llmgw version?") from e

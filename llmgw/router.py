@@ -403,7 +403,7 @@ class Router:
                                    "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
             try:
                 head = _HEAD.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except m.DECODE_ERRORS as e:
                 status = 400
                 self.metrics.error("", "bad_request")
                 return _error(400, f"request body is not a valid JSON object with a string `model` ({e})",

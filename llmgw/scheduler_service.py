@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import msgspec
-
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus
@@ -123,7 +121,7 @@ class SchedulerService:
     def _fold(self, data: bytes, seq: int, stream: str) -> None:
         try:
             event = m.decode_event(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except m.DECODE_ERRORS as e:
             # A malformed event is recorded and skipped; it must not stop placement.
             self.stats.malformed += 1
             log.warning("scheduler: skipped malformed event %s#%d: %s", stream, seq, e)
@@ -242,6 +240,6 @@ async def replay_state(bus: Bus, streams: tuple[str, ...] = FOLLOWED) -> FleetSt
             for raw in batch:
                 try:
                     apply(state, m.decode_event(raw.data))
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                except m.DECODE_ERRORS as e:
                     log.warning("skipped malformed event %s#%d: %s", stream, raw.seq, e)
     return state

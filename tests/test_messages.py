@@ -68,3 +68,10 @@ def test_events_are_frozen() -> None:
     event = m.NodeLost(at=AT, node="n1")
     with pytest.raises(AttributeError):
         event.node = "n2"  # type: ignore[misc]
+
+
+def test_deep_nesting_is_a_decode_error_readers_catch() -> None:
+    """msgspec raises RecursionError, not DecodeError, on deep nesting; DECODE_ERRORS covers both."""
+    deep = b'{"type":"NodeLost","node":"n1","at":"2026-11-01T10:00:00Z","junk":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(m.DECODE_ERRORS):
+        m.decode_event(deep)
