@@ -21,14 +21,13 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from llmgw.projections.runner import Projector
-from llmgw.projections.store import Store
-
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.natsserver import EmbeddedServer
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
 CLASSES = ("H100-80GB", "A100-80GB", "L40S-48GB", "H200-141GB")

@@ -16,11 +16,10 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from llmgw.projections.fold import FleetState, apply
-
 from llmgw import messages as m
 from llmgw import scheduler as s
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.projections.fold import FleetState, apply
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 

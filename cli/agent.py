@@ -11,12 +11,12 @@ from typing import Any
 
 import click
 import msgspec
-from llmgw.cli.options import echo_json, json_option, nats_options, run
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent import Agent
 from llmgw.bus import Bus
+from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.engines import EngineConfig, EngineSupervisor, parse_engine_cmds
 from llmgw.errors import LlmgwError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 import click
-from llmgw.cli.options import run
 
+from llmgw.cli.options import run
 from llmgw.fake_engine import EngineOptions, bind, serve
 
 

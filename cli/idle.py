@@ -7,9 +7,9 @@ from datetime import datetime
 from typing import Any
 
 import click
-from llmgw.cli.options import echo_json, json_option, nats_options, run
 
 from llmgw import messages as m
+from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.scheduler import IdleRow, idle_report
 

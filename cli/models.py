@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 import msgspec
-from llmgw.cli.options import echo_json, json_option, nats_options, run
 
 from llmgw import messages as m
+from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError, PlanError
 

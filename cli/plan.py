@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 import msgspec
-from llmgw.cli.options import echo_json, json_option, nats_options, run
 
 from llmgw import messages as m
+from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
 
@@ -38,9 +38,8 @@ def _local_model(model: str, models_dir: str | None, params: int | None) -> m.Mo
 
 def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
     """What-if: plan against a fleet file, without NATS."""
-    from llmgw.projections.fold import fold
-
     from llmgw import fleetfile, modelinfo, planner
+    from llmgw.projections.fold import fold
 
     fleet = fleetfile.load(fleet_path)
     state = fold(fleetfile.inventories(fleet, m.utcnow()))

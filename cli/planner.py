@@ -6,8 +6,8 @@ import asyncio
 import signal
 
 import click
-from llmgw.cli.options import nats_options, run
 
+from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
 
 

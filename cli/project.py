@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import click
-from llmgw.cli.options import nats_options, run
-from llmgw.cli.progress import progress
-from llmgw.projections.runner import Projector
-from llmgw.projections.store import Store
 
 from llmgw.bus import Bus
+from llmgw.cli.options import nats_options, run
+from llmgw.cli.progress import progress
 from llmgw.config import Settings, data_dir
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
 
 
 async def project_db(settings: Settings, db: Path, *, once: bool, snapshot: Path | None,

@@ -10,15 +10,15 @@ from typing import Any, NamedTuple
 
 import click
 import msgspec
-from llmgw.cli.options import json_option, nats_options, run
-from llmgw.cli.progress import parse_time, progress
-from llmgw.cli.status import parse_stream
-from llmgw.projections.runner import DECODERS
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.cli.options import json_option, nats_options, run
+from llmgw.cli.progress import parse_time, progress
+from llmgw.cli.status import parse_stream
 from llmgw.config import Settings
+from llmgw.projections.runner import DECODERS
 
 
 class Entry(NamedTuple):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 
 import click
-from llmgw.cli.options import nats_options, run
 
 from llmgw.bus import Bus
+from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
 from llmgw.router import load_api_keys, serve_router
 from llmgw.upstream import Timeouts

@@ -7,9 +7,9 @@ import logging
 import signal
 
 import click
-from llmgw.cli.options import nats_options, run
 
 from llmgw.bus import Bus
+from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
 from llmgw.liveness import HeartbeatMonitor
 from llmgw.scheduler_service import SchedulerService

@@ -7,9 +7,6 @@ from datetime import datetime
 
 import click
 import msgspec
-from llmgw.cli.options import json_option, nats_options, run
-from llmgw.cli.progress import parse_duration, parse_time, progress
-from llmgw.projections.status import report
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -17,7 +14,10 @@ from rich.table import Table
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.cli.options import json_option, nats_options, run
+from llmgw.cli.progress import parse_duration, parse_time, progress
 from llmgw.config import Settings
+from llmgw.projections.status import report
 
 BAR_WIDTH = 20
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO
 
 import click
-from llmgw.cli.options import run
 
 from llmgw import messages as m
+from llmgw.cli.options import run
 from llmgw.config import DEFAULT_NATS_URL, Settings
 from llmgw.engines import _llmgw_program
 from llmgw.errors import LlmgwError

@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from llmgw.projections import status as status_report
-from llmgw.projections.fold import FleetState, apply
-from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
-from llmgw.projections.writer import ProcessWriter
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
+from llmgw.projections import status as status_report
+from llmgw.projections.fold import FleetState, apply
+from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+from llmgw.projections.writer import ProcessWriter
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from datetime import UTC, datetime
 
-from llmgw.projections.fold import FleetState
-
 from llmgw import messages as m
+from llmgw.projections.fold import FleetState
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 

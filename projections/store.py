@@ -17,10 +17,10 @@ from typing import Any
 
 import duckdb
 import msgspec
-from llmgw.projections.fold import FleetState, RouterView
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
+from llmgw.projections.fold import FleetState, RouterView
 
 SCHEMA_VERSION = 1
 

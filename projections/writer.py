@@ -20,9 +20,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from llmgw.projections.store import Batch, Store
-
 from llmgw.errors import ProjectionError
+from llmgw.projections.store import Batch, Store
 
 _PR_SET_PDEATHSIG = 1
 

@@ -13,18 +13,18 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
-from llmgw.projections.fold import fold
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent import Agent, detect_fabric, infiniband_subnet, simulated_agents
 from llmgw.bus import Bus, Outbox
+from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
 from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
 from llmgw.natsserver import EmbeddedServer, port_free
 from llmgw.nvml import GpuStatic
+from llmgw.projections.fold import fold
 from llmgw.simnvml import SimNvml
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -7,12 +7,12 @@ import json
 from datetime import timedelta
 
 from click.testing import CliRunner, Result
-from llmgw.cli.idle import human
-from llmgw.cli.main import cli
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.cli.idle import human
+from llmgw.cli.main import cli
 from llmgw.fleetfile import FleetNode, inventory
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner, Result
-from llmgw.cli.main import cli
-from llmgw.cli.plan import plan_locally
 
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
+from llmgw.cli.plan import plan_locally
 from llmgw.config import Settings
 from llmgw.planner_service import PlannerService
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from llmgw.cli.main import cli
 from llmgw.cli.plan import plan_remotely
-
 from llmgw.config import Settings
 from llmgw.errors import ConnectError
 from llmgw.messages import PlanRequest

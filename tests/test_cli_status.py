@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
-from llmgw.projections.runner import Projector
-from llmgw.projections.store import Store
 from projection_events import fresh_streams, small_fleet
 
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
 from llmgw.config import Settings
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
 
 TABLE = """\
 Fleet at 2026-03-02 11:40:00 UTC  [control:11 fleet:7 usage:4]

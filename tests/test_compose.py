@@ -10,9 +10,9 @@ from typing import Any
 import click
 import pytest
 import yaml
-from llmgw.cli.main import cli
 
 from llmgw import natsconf
+from llmgw.cli.main import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())

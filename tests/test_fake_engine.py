@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
 
+from llmgw.cli.main import cli
 from llmgw.fake_engine import spawn
 
 

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from datetime import datetime
 
 import pytest
-from llmgw.projections.fold import FleetState, fold
-from llmgw.projections.store import decode_state, encode_state
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
+from llmgw.projections.fold import FleetState, fold
+from llmgw.projections.store import decode_state, encode_state
 
 QWEN = spec("qwen-8b")
 LLAMA = spec("llama-70b", tp=4, pp=2)

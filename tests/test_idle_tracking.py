@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 
 import aiohttp
 import pytest
-from llmgw.projections.fold import FleetState, apply
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -20,6 +19,7 @@ from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess, spawn
+from llmgw.projections.fold import FleetState, apply
 from llmgw.router import IdleFor, IdleTracker, Router
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.natsconf import nats_conf
 
 from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.cli.natsconf import nats_conf
 from llmgw.config import Settings
 from llmgw.errors import ConnectError, PermissionDeniedError
 from llmgw.natsserver import EmbeddedServer

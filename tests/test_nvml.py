@@ -15,8 +15,8 @@ from typing import Any
 import pynvml as real
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
 
+from llmgw.cli.main import cli
 from llmgw.errors import NvmlError
 from llmgw.fleetfile import load
 from llmgw.nvml import GPU_LOST, RealNvml, assess, gpu_class, xid_finding

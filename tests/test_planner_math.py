@@ -9,12 +9,12 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmgw.projections.fold import FleetState, fold
 
 from llmgw import fleetfile, modelinfo
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import PlanError
+from llmgw.projections.fold import FleetState, fold
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

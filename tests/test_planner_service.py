@@ -13,12 +13,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner, Result
-from llmgw.cli.main import cli
 
 from llmgw import fleetfile, modelinfo, subjects
 from llmgw import messages as m
 from llmgw.agent import simulated_agents
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
 from llmgw.planner_service import PlannerService, ask

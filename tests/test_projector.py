@@ -16,15 +16,15 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from llmgw.projections import status as status_report
-from llmgw.projections.runner import CRASH_ENV, Projector, replay
-from llmgw.projections.store import TABLES, Store
 from projection_events import fresh_streams, inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
+from llmgw.projections import status as status_report
+from llmgw.projections.runner import CRASH_ENV, Projector, replay
+from llmgw.projections.store import TABLES, Store
 
 BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
 LLMGW = str(Path(sys.executable).with_name("llmgw"))

@@ -7,11 +7,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
 from projection_events import fresh_streams, small_fleet
 
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
 from llmgw.config import Settings
 
 BAD = b'{"type":"GpuHealthChanged","at":"2026-03-02T10:30:00Z"}'

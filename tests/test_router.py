@@ -15,11 +15,11 @@ import aiohttp
 import openai
 import pytest
 from click.testing import CliRunner
-from llmgw.cli.main import cli
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
 from llmgw.endpoints import Pool
 from llmgw.errors import ConfigError
 from llmgw.fake_engine import EngineProcess, spawn

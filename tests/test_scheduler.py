@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from llmgw.projections.fold import FleetState, apply
 
 from llmgw import messages as m
 from llmgw import scheduler as s
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.projections.fold import FleetState, apply
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

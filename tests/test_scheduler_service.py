@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from llmgw.projections.fold import FleetState, apply
-
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.projections.fold import FleetState, apply
 from llmgw.scheduler_service import SchedulerService
 
 

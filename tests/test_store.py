@@ -7,13 +7,13 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from llmgw.projections.fold import FleetState, apply
-from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
 from projection_events import small_fleet, t
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
+from llmgw.projections.fold import FleetState, apply
+from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
 
 TS_NS = 1_772_445_600_000_000_000  # when "NATS stored" the messages below
 

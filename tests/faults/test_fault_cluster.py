@@ -14,13 +14,13 @@ from faultkit import (
     stream_leader,
     wait_streams,
 )
-from llmgw.projections.fold import fold
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PublishError
 from llmgw.natsserver import Cluster
+from llmgw.projections.fold import fold
 
 pytestmark = pytest.mark.slow
 FLEET = subjects.STREAM_FLEET

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 from faultkit import T0, tables
-from llmgw.projections.store import Store
 
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.natsserver import EmbeddedServer, free_port
+from llmgw.projections.store import Store
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
