@@ -8,7 +8,10 @@ state and those positions and goes on exactly where the commit left it.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -228,10 +231,10 @@ def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
 class Store:
     """One DuckDB database (a file, or ``:memory:``) owned by one projector."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, lock_wait_s: float = 3.0) -> None:
         self.path = str(path)
         try:
-            self.con = duckdb.connect(self.path)
+            self.con = self._connect(lock_wait_s)
         except duckdb.IOException as e:
             raise ProjectionError(
                 f"cannot open {self.path}: {e}; another projector may hold it (DuckDB allows one writer per "
@@ -241,6 +244,21 @@ class Store:
         self.con.execute("SET TimeZone = 'UTC'")
         self.con.execute(SCHEMA)
         self.con.execute(STAGING)
+
+    def _connect(self, lock_wait_s: float) -> duckdb.DuckDBPyConnection:
+        """Open the file, waiting a little for a lock held by a projector that is still dying.
+
+        A restart right after a crash can find the old writer process not yet
+        reaped; a projector that is alive still gets the error after the wait.
+        """
+        deadline = time.monotonic() + lock_wait_s
+        while True:
+            try:
+                return duckdb.connect(self.path)
+            except duckdb.IOException as e:
+                if "lock" not in str(e).lower() or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     def close(self) -> None:
         self.con.close()  # closing twice is harmless
@@ -292,7 +310,10 @@ class Store:
                 before_commit()
             con.execute("COMMIT")
         except duckdb.Error as e:
-            con.execute("ROLLBACK")
+            # A COMMIT that failed (disk full) has already ended the transaction;
+            # the operator must see that cause, not "no transaction is active".
+            with contextlib.suppress(duckdb.Error):
+                con.execute("ROLLBACK")
             raise ProjectionError(f"cannot commit to {self.path}: {e}; nothing of this batch was written") from e
 
     def export_snapshot(self, dest: str | Path) -> Path:

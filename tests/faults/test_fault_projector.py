@@ -233,13 +233,9 @@ async def test_disk_full_stops_with_a_clear_error_and_resumes(bus: Bus, tmp_path
     last = fault_err.strip().splitlines()[-1]
     record(published=n, checkpoint_at_fault=sum(at_fault.values()), exit_status=fault_rc, file_size_limit=limit,
            projected_after_resume=sum(positions(full).values()), error=last[:200])
-    clear = (fault_rc == 1 and fault_err.startswith("Error:") and "Traceback" not in fault_err
-             and ("File too large" in fault_err or "disk" in fault_err.lower()))
-    if not clear:
-        # Everything above holds: nothing lost, checkpoint intact, resume == clean replay.
-        pytest.xfail("projections/store.py Store.commit: ROLLBACK after a failed COMMIT raises "
-                     "'cannot rollback - no transaction is active', which replaces the real cause "
-                     f"(File too large) in what the operator sees: {last[:120]!r}")
+    # What the operator sees is the real cause, in one Error line.
+    assert fault_rc == 1 and fault_err.startswith("Error:") and "Traceback" not in fault_err, fault_err
+    assert "File too large" in fault_err or "disk" in fault_err.lower(), last
 
 
 async def test_file_held_by_another_projector_is_refused_then_resumes(bus: Bus, tmp_path: Path, record: Callable[..., None]) -> None:
