@@ -84,8 +84,8 @@ def _entry(stream: str, seq: int, subject: str, data: bytes, ts_ns: int, since: 
     try:
         event: m.Event | None = DECODERS[stream].decode(data)
         error = ""
-    except msgspec.DecodeError as e:
-        event, error = None, str(e)
+    except m.DECODE_ERRORS as e:
+        event, error = None, str(e) or type(e).__name__
     at = event.at if event is not None else stored
     if (since and at < since) or (until and at > until):
         return

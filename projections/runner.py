@@ -123,12 +123,12 @@ class Projector:
             decoded: list[Any] = BATCH_DECODERS[stream].decode(b"[" + b",".join([x.data for x in msgs]) + b"]")
             if len(decoded) != len(msgs):
                 raise msgspec.DecodeError("batch framing")
-        except msgspec.DecodeError:  # ValidationError is a DecodeError
+        except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
             decoded = []
             for x in msgs:
                 try:
                     decoded.append(DECODERS[stream].decode(x.data))
-                except msgspec.DecodeError as e:
+                except m.DECODE_ERRORS as e:
                     decoded.append(e)
         state, batch = self.state, self.batch
         for raw, event in zip(msgs, decoded, strict=True):

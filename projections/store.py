@@ -9,7 +9,6 @@ state and those positions and goes on exactly where the commit left it.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import time
 from collections.abc import Callable
