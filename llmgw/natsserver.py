@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +95,12 @@ class EmbeddedServer:
                 f"running? Use it with --nats-url nats://{self.host}:{self.port}, or pick --port"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        ports_dir = Path(tempfile.mkdtemp(prefix="llmgw-ports-"))
+        # nats-server writes its bound ports here and removes the file when it exits,
+        # so the folder must outlive the start; files left by a killed server are stale.
+        ports_dir = self.data_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink(missing_ok=True)
         args = [server_binary()]
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
@@ -120,26 +124,23 @@ class EmbeddedServer:
         finally:
             log.close()
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                    raise ServerError(f"nats-server exited at start: {' | '.join(tail)}")
-                files = list(ports_dir.glob("*.ports"))
-                if files:
-                    try:
-                        ports = json.loads(files[0].read_text())
-                    except json.JSONDecodeError:
-                        ports = None
-                    if ports and ports.get("nats"):
-                        self.bound_port = int(ports["nats"][0].rsplit(":", 1)[1])
-                        if self._accepts():
-                            return self
-                time.sleep(0.02)
-            self.stop()
-            raise ServerError(f"nats-server did not start within {timeout:.0f}s; see {log_path}")
-        finally:
-            shutil.rmtree(ports_dir, ignore_errors=True)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                raise ServerError(f"nats-server exited at start: {' | '.join(tail)}")
+            files = list(ports_dir.glob("*.ports"))
+            if files:
+                try:
+                    ports = json.loads(files[0].read_text())
+                except json.JSONDecodeError:
+                    ports = None
+                if ports and ports.get("nats"):
+                    self.bound_port = int(ports["nats"][0].rsplit(":", 1)[1])
+                    if self._accepts():
+                        return self
+            time.sleep(0.02)
+        self.stop()
+        raise ServerError(f"nats-server did not start within {timeout:.0f}s; see {log_path}")
 
     def _accepts(self) -> bool:
         try:
