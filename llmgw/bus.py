@@ -49,6 +49,7 @@ from llmgw.errors import (
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
+RawHandler = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 
 
 class Ack(NamedTuple):
@@ -122,6 +123,33 @@ class Bus:
         self.settings = settings
         self._denied: dict[str, list[asyncio.Future[str]]] = {}
         self._closing = False
+        self._raw_handlers: dict[int, RawHandler] = {}
+        self._install_raw_path()
+
+    def _install_raw_path(self) -> None:
+        """Hand stream readers their messages as bytes, before nats-py builds a ``Msg``.
+
+        nats-py parses every message's headers (each stored message carries its
+        ``Nats-Msg-Id``), builds a ``Msg`` and queues it for a task: more than
+        half of a replay's time on two cores, none of which a reader needs. Its
+        protocol parser calls ``Client._process_msg`` for each message; that is
+        wrapped here so that subscriptions registered in ``_raw_handlers`` get
+        (subject, reply, data, headers) directly and all others go on as before.
+        If a future nats-py lacks the method, readers use the ordinary path.
+        """
+        slow = getattr(self.nc, "_process_msg", None)
+        if slow is None:
+            return
+        handlers = self._raw_handlers
+
+        async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+            handler = handlers.get(sid)
+            if handler is None:
+                await slow(sid, subject, reply, data, headers)
+            else:
+                handler(subject, reply, data, headers)
+
+        self.nc._process_msg = process_msg  # type: ignore[method-assign]
 
     # --- connection ------------------------------------------------------------
 
@@ -535,39 +563,59 @@ class StreamReader:
                 )
         self._consumer = ""
 
+    def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        """One message for this reader, as the protocol parser saw it (the fast path)."""
+        if reply.startswith(b"$JS.ACK."):
+            t = reply.split(b".")
+            if len(t) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>…
+                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
+            else:  # $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>
+                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
+            self._stored(consumer.decode(), int(sseq), int(dseq), int(ts), pending == b"0", subject.decode(), data)
+            return
+        # A status message: "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 8\r\n…"
+        lines = (headers or b"").decode(errors="replace").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        status = parts[1] if len(parts) > 1 else ""
+        fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        left = fields.get("Nats-Pending-Messages")
+        self._status(status, parts[2] if len(parts) > 2 else "", left.strip() if left else None)
+
     async def _on_msg(self, msg: Msg) -> None:
+        """The same through nats-py's ordinary path, when the fast one is not installed."""
         reply = msg.reply
         if reply.startswith("$JS.ACK."):
             t = reply.split(".")
-            if len(t) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>…
-                consumer, sseq, dseq, ts, pending = t[5], int(t[7]), int(t[8]), int(t[9]), t[10]
-            else:  # $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>
-                consumer, sseq, dseq, ts, pending = t[3], int(t[5]), int(t[6]), int(t[7]), t[8]
-            if consumer != self._consumer:
-                return  # still in flight from a consumer we replaced
-            self._credit -= 1
-            if self._reset:
-                return
-            if dseq != self._expected_dseq:
-                self._reset = True  # a gap: recreate from the last sequence handed out
+            if len(t) >= 12:
+                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
             else:
-                self._expected_dseq += 1
-                self._buf.append(RawMsg(sseq, msg.subject, msg.data, ts))
-                self._drained = pending == "0"
-            if len(self._buf) >= self.batch or self._reset or self._drained:
-                self._wake.set()
+                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
+            self._stored(consumer, int(sseq), int(dseq), int(ts), pending == "0", msg.subject, msg.data)
             return
         headers = msg.headers or {}
-        status = headers.get("Status") or ""
-        if status in ("404", "408"):
-            left = headers.get("Nats-Pending-Messages")
-            self._credit -= int(left) if left else self._credit
-        elif status == "409":
-            desc = headers.get("Description") or ""
-            if "Deleted" in desc or "Leadership" in desc:
+        self._status(headers.get("Status") or "", headers.get("Description") or "", headers.get("Nats-Pending-Messages"))
+
+    def _stored(self, consumer: str, sseq: int, dseq: int, ts: int, last: bool, subject: str, data: bytes) -> None:
+        if consumer != self._consumer:
+            return  # still in flight from a consumer we replaced
+        self._credit -= 1
+        if self._reset:
+            return
+        if dseq != self._expected_dseq:
+            self._reset = True  # a gap: recreate from the last sequence handed out
+        else:
+            self._expected_dseq += 1
+            self._buf.append(RawMsg(sseq, subject, data, ts))
+            self._drained = last
+        if len(self._buf) >= self.batch or self._reset or self._drained:
+            self._wake.set()
+
+    def _status(self, status: str, description: str, pending: str | None) -> None:
+        if status in ("404", "408", "409"):
+            # The pull request ended; what it did not deliver is credit no longer owed.
+            if status == "409" and ("Deleted" in description or "Leadership" in description):
                 self._reset = True
-            left = headers.get("Nats-Pending-Messages")
-            self._credit -= int(left) if left else self._credit
+            self._credit -= int(pending) if pending else self._credit
         self._credit = max(self._credit, 0)
         self._wake.set()
 
@@ -587,6 +635,7 @@ class StreamReader:
             return
         self._inbox = self.bus.nc.new_inbox()
         self._sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        self.bus._raw_handlers[self._sub._id] = self._on_raw
         try:
             await self._create_consumer()
             silent_since = asyncio.get_running_loop().time()
@@ -622,6 +671,7 @@ class StreamReader:
                 self.next_seq = out[-1].seq + 1
                 yield out
         finally:
+            self.bus._raw_handlers.pop(self._sub._id, None)
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             await self._delete_consumer()
