@@ -34,10 +34,13 @@ def _listen(value: str) -> tuple[str, int]:
               help="Seconds to connect to a replica before trying another.")
 @click.option("--read-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
               help="Seconds to wait for a replica's answer, and between streamed chunks.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds a client may take to send its request body; slower gets 408.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body_mb: float,
-           connect_timeout: float, read_timeout: float, no_idle_tracking: bool, settings: Settings) -> None:
+           connect_timeout: float, read_timeout: float, body_timeout: float, no_idle_tracking: bool,
+           settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
     Endpoints come from the control stream; an idle map goes to the usage
@@ -58,7 +61,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
             await serve_router(bus, name, host, port, tick_s=tick_s, api_keys=keys,
                                max_body_bytes=int(max_body_mb * 1024 * 1024),
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
-                               idle_tracking=not no_idle_tracking)
+                               idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout)
         finally:
             await bus.close()
 

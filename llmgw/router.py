@@ -233,6 +233,7 @@ class Router:
         max_body_bytes: int = 32 * 1024 * 1024,
         timeouts: Timeouts | None = None,
         idle_tracking: bool = True,
+        body_timeout_s: float = 30.0,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -242,6 +243,7 @@ class Router:
         self.tick_s = tick_s
         self.keys = tuple(api_keys)
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.idle_tracking = idle_tracking
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool)
@@ -394,8 +396,25 @@ class Router:
                 self.metrics.error("", "unauthorized")
                 return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
                               "invalid_request_error", "invalid_api_key")
+            if request.content_length is not None and request.content_length > self.max_body_bytes:
+                # Refuse before reading: the announced size is already too large.
+                status = 413
+                self.metrics.error("", "too_large")
+                big = _error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
+                                  "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
+                big.force_close()
+                return big
             try:
-                body = await request.read()
+                # A client that stops halfway through its body (slow-loris) must not hold a
+                # connection and a handler forever.
+                body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            except TimeoutError:
+                status = 408
+                self.metrics.error("", "body_timeout")
+                late = _error(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                              "invalid_request_error", "request_timeout")
+                late.force_close()  # what is left of that body must not be read as a request
+                return late
             except web.HTTPRequestEntityTooLarge:
                 status = 413
                 self.metrics.error("", "too_large")

@@ -88,3 +88,37 @@ async def test_hostile_requests_get_4xx_and_inject_nothing(router: Router, case:
     assert re.match(rb"HTTP/1\.[01] " + str(status).encode(), head), out[:300]
     assert b"x-injected" not in head.lower() and b"\ninjected" not in head.lower()
     assert await models_ok(router) == 200
+
+
+async def test_a_body_that_stops_halfway_gets_408_and_the_connection_closes(bus: Bus) -> None:
+    r = Router(bus, "router-body-timeout", tick_s=3600, body_timeout_s=0.5)
+    await r.start("127.0.0.1", 0)
+    try:
+        u = urlsplit(r.url)
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        await writer.drain()
+        out = b""
+        async with asyncio.timeout(10):  # bounded: the router must answer by itself
+            while b'"code":"request_timeout"' not in out and (chunk := await reader.read(65536)):
+                out += chunk
+        writer.close()
+        assert out.startswith(b"HTTP/1.1 408"), out[:200]
+        assert b"Connection: close" in out  # the rest of that body is never read as a request
+        assert await models_ok(r) == 200
+    finally:
+        await r.stop()
+
+
+async def test_an_announced_oversized_body_gets_413_before_it_is_sent(router: Router) -> None:
+    u = urlsplit(router.url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    # Headers only: a Content-Length far above the 64 KiB limit, and no body at all.
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+    await writer.drain()
+    out = b""
+    async with asyncio.timeout(10):
+        while b'"code":"request_too_large"' not in out and (chunk := await reader.read(65536)):
+            out += chunk
+    writer.close()
+    assert out.startswith(b"HTTP/1.1 413"), out[:200]
