@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 import pytest
 from click.testing import CliRunner
+from running import running
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -57,21 +57,6 @@ async def stream_events(bus: Bus, stream: str = subjects.STREAM_FLEET) -> list[m
 
 def health_of(events: list[m.AnyEvent]) -> list[tuple[int, bool, tuple[str, ...]]]:
     return [(e.gpu_index, e.healthy, e.reasons) for e in events if isinstance(e, m.GpuHealthChanged)]
-
-
-@contextlib.asynccontextmanager
-async def running(agent: Agent) -> AsyncIterator[Agent]:
-    task = asyncio.create_task(agent.run())
-    started = asyncio.create_task(agent.started.wait())
-    await asyncio.wait([task, started], timeout=10, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-    assert agent.started.is_set(), "agent did not start within 10s"
-    try:
-        yield agent
-    finally:
-        agent.stop()
-        await asyncio.wait_for(task, timeout=15)
 
 
 def node_a03(fleet_file: Path) -> FleetNode:

@@ -12,13 +12,14 @@ from datetime import UTC, datetime, timedelta
 
 import aiohttp
 import pytest
+from running import engines as running_engines
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.endpoints import Pool
-from llmgw.fake_engine import EngineProcess, spawn
+from llmgw.fake_engine import EngineProcess
 from llmgw.projections.fold import FleetState, apply
 from llmgw.router import IdleFor, IdleTracker, Router
 
@@ -46,15 +47,8 @@ async def ask(url: str, model: str) -> str:
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, EngineProcess]]:
-    a = spawn("model-a", name="A")
-    try:
-        b = spawn("model-b", name="B")
-    except BaseException:
-        a.stop()
-        raise
-    yield {"A": a, "B": b}
-    a.stop()
-    b.stop()
+    with running_engines(A=("model-a",), B=("model-b",)) as procs:
+        yield procs
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+from running import running
+
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent import Agent
@@ -56,13 +58,8 @@ async def task_of(aw: Awaitable[None]) -> AsyncIterator[asyncio.Task[None]]:
 @contextlib.asynccontextmanager
 async def agent_running(bus: Bus, node: FleetNode) -> AsyncIterator[Agent]:
     agent = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, heartbeat_s=0.1)
-    task = asyncio.create_task(agent.run())
-    await asyncio.wait_for(agent.started.wait(), timeout=10)
-    try:
+    async with running(agent):
         yield agent
-    finally:
-        agent.stop()
-        await asyncio.wait_for(task, timeout=15)
 
 
 def _node(fleet_file: Path) -> FleetNode:

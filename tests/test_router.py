@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 from click.testing import CliRunner
+from running import engines as running_engines
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -53,15 +54,9 @@ def in_pool(*rids: str):  # noqa: ANN201 - a predicate for EndpointSink.wait_for
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, EngineProcess]]:
     """Two healthy engines of one model; 150 ms replies so concurrent requests overlap."""
-    a = spawn(MODEL, "--latency-ms", "150", "--chunks", "4", name="A")
-    try:
-        b = spawn(MODEL, "--latency-ms", "150", "--chunks", "4", name="B")
-    except BaseException:
-        a.stop()
-        raise
-    yield {"A": a, "B": b}
-    a.stop()
-    b.stop()
+    slow = (MODEL, "--latency-ms", "150", "--chunks", "4")
+    with running_engines(A=slow, B=slow) as procs:
+        yield procs
 
 
 @pytest.fixture
