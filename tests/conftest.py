@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from streams import fresh_streams
 
-from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.natsserver import EmbeddedServer
@@ -76,27 +76,11 @@ def settings(nats_url: str) -> Settings:
     return Settings(nats_url=nats_url)
 
 
-async def _wipe(bus: Bus) -> None:
-    """Delete llmgw's streams and KV buckets so each test starts from an empty history."""
-    import nats.js.errors
-
-    for spec in subjects.STREAMS:
-        try:
-            await bus.js.delete_stream(spec.name)
-        except nats.js.errors.NotFoundError:
-            pass
-    try:
-        await bus.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
-    except nats.js.errors.NotFoundError:
-        pass
-
-
 @pytest.fixture
 async def bus(settings: Settings) -> AsyncIterator[Bus]:
     """A connected Bus over freshly declared, empty streams."""
     b = await Bus.connect(settings, "llmgw-test")
-    await _wipe(b)
-    await b.ensure_streams()
+    await fresh_streams(b)  # each test starts from an empty history
     try:
         yield b
     finally:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
-from llmgw import subjects
-from llmgw.bus import Bus
 
 T0 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)
 
@@ -76,13 +74,3 @@ def small_fleet() -> list[m.Event]:
     ]
 
 
-async def fresh_streams(bus: Bus) -> None:
-    """Delete and re-declare llmgw's streams: an empty history (also inside one test)."""
-    import nats.js.errors  # the tests talk to the real server; only bus.py imports nats in llmgw
-
-    for spec_ in subjects.STREAMS:
-        try:
-            await bus.js.delete_stream(spec_.name)
-        except nats.js.errors.NotFoundError:
-            pass
-    await bus.ensure_streams()

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 from running import running
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -42,17 +43,7 @@ async def until(pred: Callable[[], Awaitable[bool]], what: str, limit_s: float =
 
 
 async def stream_events(bus: Bus, stream: str = subjects.STREAM_FLEET) -> list[m.AnyEvent]:
-    last = await bus.stream_last_seq(stream)
-    out: list[m.AnyEvent] = []
-    if last == 0:
-        return out
-
-    async def read() -> None:
-        async for batch in bus.reader(stream, 1, stop_at=last).batches():
-            out.extend(m.decode_event(r.data) for r in batch)
-
-    await asyncio.wait_for(read(), timeout=10)
-    return out
+    return await stored(bus, stream, limit_s=10)
 
 
 def health_of(events: list[m.AnyEvent]) -> list[tuple[int, bool, tuple[str, ...]]]:

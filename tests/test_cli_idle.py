@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 
 from click.testing import CliRunner, Result
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -20,12 +21,8 @@ async def invoke(nats_url: str, *args: str) -> Result:
     return await asyncio.to_thread(CliRunner().invoke, cli, [*args, "--nats-url", nats_url], catch_exceptions=False)
 
 
-async def control(bus: Bus) -> list[m.Event]:
-    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-    out: list[m.Event] = []
-    async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
-        out += [m.decode_event(r.data) for r in batch]
-    return out
+async def control(bus: Bus) -> list[m.AnyEvent]:
+    return await stored(bus, subjects.STREAM_CONTROL)
 
 
 async def seed(bus: Bus) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner, Result
+from streams import stored
 
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
@@ -31,13 +32,8 @@ async def invoke(nats_url: str, *args: str) -> Result:
     return await asyncio.to_thread(runner.invoke, cli, argv, catch_exceptions=False)
 
 
-async def control(bus: Bus) -> list[m.Event]:
-    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-    out: list[m.Event] = []
-    if last:
-        async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
-            out += [m.decode_event(r.data) for r in batch]
-    return out
+async def control(bus: Bus) -> list[m.AnyEvent]:
+    return await stored(bus, subjects.STREAM_CONTROL)
 
 
 def deploy_args(*extra: str, model: str = QWEN) -> list[str]:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from projection_events import fresh_streams, small_fleet
+from projection_events import small_fleet
+from streams import fresh_streams
 
 from llmgw.bus import Bus
 from llmgw.cli.main import cli

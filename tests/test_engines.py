@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -40,11 +41,7 @@ def placed(rid: str, node: str = NODE, s: m.ModelSpec | None = None) -> m.Replic
 
 
 async def states(bus: Bus) -> list[m.ReplicaStateChanged]:
-    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-    out: list[m.ReplicaStateChanged] = []
-    async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
-        out += [e for r in batch if isinstance(e := m.decode_event(r.data), m.ReplicaStateChanged)]
-    return out
+    return [e for e in await stored(bus, subjects.STREAM_CONTROL) if isinstance(e, m.ReplicaStateChanged)]
 
 
 async def wait_for(bus: Bus, cond: Callable[[list[m.ReplicaStateChanged]], bool], within_s: float = 20.0) -> list[m.ReplicaStateChanged]:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import aiohttp
 import pytest
 from running import engines as running_engines
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -30,13 +31,7 @@ async def up(bus: Bus, rid: str, model: str, endpoint: str) -> None:
 
 
 async def idle_maps(bus: Bus) -> list[m.IdleMapPublished]:
-    last = await bus.stream_last_seq(subjects.STREAM_USAGE)
-    if last == 0:
-        return []
-    out: list[m.IdleMapPublished] = []
-    async for batch in bus.reader(subjects.STREAM_USAGE, 1, stop_at=last).batches():
-        out.extend(m.USAGE_DECODER.decode(x.data) for x in batch)
-    return out
+    return [e for e in await stored(bus, subjects.STREAM_USAGE) if isinstance(e, m.IdleMapPublished)]
 
 
 async def ask(url: str, model: str) -> str:

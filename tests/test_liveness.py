@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from running import running
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -28,16 +29,8 @@ async def until(pred: Callable[[], Awaitable[bool]], what: str, limit_s: float =
         await asyncio.sleep(0.05)
 
 
-async def fleet_events(bus: Bus) -> list[m.FleetEvent]:
-    last = await bus.stream_last_seq(subjects.STREAM_FLEET)
-    out: list[m.FleetEvent] = []
-    if last:
-        async def read() -> None:
-            async for batch in bus.reader(subjects.STREAM_FLEET, 1, stop_at=last).batches():
-                out.extend(m.FLEET_DECODER.decode(r.data) for r in batch)
-
-        await asyncio.wait_for(read(), timeout=10)
-    return out
+async def fleet_events(bus: Bus) -> list[m.AnyEvent]:
+    return await stored(bus, subjects.STREAM_FLEET, limit_s=10)
 
 
 async def liveness_of(bus: Bus, node: str) -> list[type]:

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from projection_events import fresh_streams, inventory, placed, small_fleet, spec, t
+from projection_events import inventory, placed, small_fleet, spec, t
+from streams import fresh_streams
 
 from llmgw import messages as m
 from llmgw import subjects

@@ -7,7 +7,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from projection_events import fresh_streams, small_fleet
+from projection_events import small_fleet
+from streams import fresh_streams
 
 from llmgw import subjects
 from llmgw.bus import Bus

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from streams import stored
+
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
@@ -19,13 +21,8 @@ def spec(name: str, tp: int, replicas: int = 1, pp: int = 1) -> m.ModelSpec:
                        gpu_class="H100-80GB", context=4096, tp=tp, pp=pp, replicas=replicas)
 
 
-async def control_events(bus: Bus) -> list[m.Event]:
-    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-    out: list[m.Event] = []
-    if last:
-        async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
-            out += [m.decode_event(r.data) for r in batch]
-    return out
+async def control_events(bus: Bus) -> list[m.AnyEvent]:
+    return await stored(bus, subjects.STREAM_CONTROL)
 
 
 async def wait_until(cond: Callable[[], bool], within_s: float = 15.0) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from faultkit import T0, tables
+from streams import fresh_streams
 
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
@@ -90,15 +91,8 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture
 async def bus(server: Server) -> AsyncIterator[Bus]:
-    import nats.js.errors
-
     b = await Bus.connect(Settings(nats_url=server.server.url), "fault-test")
-    for spec in subjects.STREAMS:
-        try:
-            await b.js.delete_stream(spec.name)
-        except nats.js.errors.NotFoundError:
-            pass
-    await b.ensure_streams()
+    await fresh_streams(b)
     try:
         yield b
     finally:

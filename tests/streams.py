@@ -1,0 +1,36 @@
+"""What a test needs of the streams: an empty history, and every event stored so far."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.js.errors  # the tests talk to the real server; in llmgw only bus.py imports nats
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+
+
+async def fresh_streams(bus: Bus) -> None:
+    """Delete llmgw's streams and the scheduler lease, then declare the streams again."""
+    for spec in subjects.STREAMS:
+        try:
+            await bus.js.delete_stream(spec.name)
+        except nats.js.errors.NotFoundError:
+            pass
+    try:
+        await bus.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
+    except nats.js.errors.NotFoundError:
+        pass
+    await bus.ensure_streams()
+
+
+async def stored(bus: Bus, stream: str, limit_s: float = 30.0) -> list[m.AnyEvent]:
+    """Every event a stream holds now, decoded, in order (bounded in time)."""
+    last = await bus.stream_last_seq(stream)
+    out: list[m.AnyEvent] = []
+    if last:
+        async with asyncio.timeout(limit_s):
+            async for batch in bus.reader(stream, 1, stop_at=last).batches():
+                out.extend(m.decode_event(r.data) for r in batch)
+    return out
