@@ -9,7 +9,9 @@
 * ``StreamReader`` reads a stream from a sequence in large batches with a
   client-driven pull loop on ``$JS.API.CONSUMER.MSG.NEXT`` (nats-py's
   ``fetch()`` costs a round trip and a Future per batch and tops out near
-  30k msgs/s here; this reaches several times that).
+  30k msgs/s here; this reaches several times that). Its deliveries skip
+  nats-py's per-message work: ``_FrameParser`` cuts them out of the socket's
+  bytes in one pass and hands each reader a chunk's worth at once.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import ProtocolError
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
+from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -50,6 +54,11 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
 RawHandler = Callable[[bytes, bytes, bytes, "bytes | None"], None]
+# A JetStream delivery as the parser cuts it out: (its reply subject split at the dots,
+# subject, data). The reply is $JS.ACK.[<domain>.<account>.]<stream>.<consumer>.<delivered>.
+# <stream seq>.<delivery seq>.<stored ns>.<pending>[.<token>].
+Frame = tuple[list[bytes], bytes, bytes]
+FrameHandler = Callable[[list[Frame]], None]
 
 
 class Ack(NamedTuple):
@@ -65,6 +74,77 @@ class RawMsg(NamedTuple):
     subject: str
     data: bytes
     ts_ns: int
+
+
+class _FrameParser(Parser):
+    """nats-py's protocol parser with one fast lane: deliveries to stream readers.
+
+    A replay is hundreds of thousands of JetStream deliveries in a row. For
+    each, nats-py tries its regular expressions in turn, copies the payload
+    twice, awaits a coroutine, and (without the fast lane) parses the headers
+    into a dict and queues a ``Msg``. Here the control line is split once, the
+    payload sliced once, and a chunk's deliveries go to their reader as one
+    list. Every other operation (PING, +OK, API replies, status messages, any
+    message for an ordinary subscription) is cut out whole and handed to
+    nats-py's own parser, so the connection behaves as before.
+    """
+
+    def __init__(self, nc: NatsClient, frames: dict[bytes, FrameHandler], old: Parser) -> None:
+        super().__init__(nc)
+        self.frames = frames
+        # Whatever the old parser held (normally nothing: this runs right after CONNECT).
+        self.buf, self.state, self.needed = old.buf, old.state, old.needed
+        self.header_needed, self.msg_arg = old.header_needed, old.msg_arg
+
+    async def parse(self, data: bytes = b"") -> None:
+        if self.state != AWAITING_CONTROL_LINE or not self.frames:
+            await super().parse(data)
+            return
+        buf = bytes(self.buf) + data if self.buf else data
+        self.buf = bytearray()
+        pos, n = 0, len(buf)
+        find, frames = buf.find, self.frames
+        got: dict[bytes, list[Frame]] = {}
+        try:
+            while pos < n:
+                eol = find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                parts = buf[pos:eol].split(b" ")
+                # HMSG <subject> <sid> <reply> <header bytes> <total bytes>
+                if len(parts) == 6 and parts[2] in frames and parts[3].startswith(b"$JS.ACK.") and parts[0] == b"HMSG":
+                    start = eol + 2
+                    end = start + int(parts[5])
+                    if end + 2 > n:
+                        break  # the payload is still on its way
+                    got.setdefault(parts[2], []).append((parts[3].split(b"."), parts[1], buf[start + int(parts[4]):end]))
+                    pos = end + 2
+                    continue
+                # Anything else: cut out this one operation and let nats-py have it.
+                end = eol + 2
+                if parts[0] in (b"MSG", b"HMSG"):
+                    end += int(parts[-1]) + 2
+                    if end > n:
+                        break
+                self._deliver(got)  # what came before it, first
+                got = {}
+                await super().parse(buf[pos:end])
+                pos = end
+        except ValueError as e:  # a size that is not a number: as nats-py, a protocol error (it reconnects)
+            raise ProtocolError("nats: malformed MSG") from e
+        self._deliver(got)
+        if pos < n:
+            self.buf = bytearray(buf[pos:])
+
+    def _deliver(self, got: dict[bytes, list[Frame]]) -> None:
+        for sid, batch in got.items():
+            handler = self.frames.get(sid)
+            if handler is None:
+                continue  # the reader stopped in between
+            try:
+                handler(batch)
+            except Exception:  # a bug in a reader must not end the connection's read loop
+                log.exception("a stream reader failed on %d deliveries; it will see the gap and re-read", len(batch))
 
 
 _RETRYABLE = (
@@ -117,14 +197,16 @@ async def _abandon(nc: NatsClient) -> None:
 class Bus:
     """A connection to NATS with JetStream, and the operations llmgw needs of it."""
 
-    def __init__(self, nc: NatsClient, settings: Settings) -> None:
+    def __init__(self, nc: NatsClient, settings: Settings, *, fast_reads: bool = True) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=settings.request_timeout_s)
         self.settings = settings
         self._denied: dict[str, list[asyncio.Future[str]]] = {}
         self._closing = False
         self._raw_handlers: dict[int, RawHandler] = {}
-        self._install_raw_path()
+        self._frame_handlers: dict[bytes, FrameHandler] = {}  # by the subscription id's digits
+        if fast_reads:
+            self._install_raw_path()
 
     def _install_raw_path(self) -> None:
         """Hand stream readers their messages as bytes, before nats-py builds a ``Msg``.
@@ -135,7 +217,10 @@ class Bus:
         protocol parser calls ``Client._process_msg`` for each message; that is
         wrapped here so that subscriptions registered in ``_raw_handlers`` get
         (subject, reply, data, headers) directly and all others go on as before.
-        If a future nats-py lacks the method, readers use the ordinary path.
+        The parser itself is replaced by ``_FrameParser``, whose fast lane hands
+        readers in ``_frame_handlers`` whole chunks of deliveries; what it passes
+        on to nats-py's parser still arrives here. If a future nats-py lacks
+        these internals, readers use the ordinary path.
         """
         slow = getattr(self.nc, "_process_msg", None)
         if slow is None:
@@ -150,15 +235,20 @@ class Bus:
                 handler(subject, reply, data, headers)
 
         self.nc._process_msg = process_msg  # type: ignore[method-assign]
+        old = getattr(self.nc, "_ps", None)
+        if isinstance(old, Parser) and type(old) is Parser:
+            self.nc._ps = _FrameParser(self.nc, self._frame_handlers, old)
 
     # --- connection ------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, settings: Settings, name: str, *, reconnect: bool = True) -> Bus:
+    async def connect(cls, settings: Settings, name: str, *, reconnect: bool = True, fast_reads: bool = True) -> Bus:
         """Connect, or raise ConnectError with what to do next.
 
         Long-running services pass ``reconnect=True`` and ride out outages;
         the CLI passes False so that a dead server is an error, not a hang.
+        ``fast_reads=False`` leaves nats-py's message path as it is (stream
+        readers then get ``Msg`` objects): for comparison in benchmarks.
         """
         holder: list[Bus] = []
         first_error: list[BaseException] = []
@@ -207,7 +297,7 @@ class Bus:
             # A refused login leaves nats-py's socket open; close it rather than leak it.
             await _abandon(nc)
             raise ConnectError(_describe_connect_error(settings, cause)) from e
-        bus = cls(nc, settings)
+        bus = cls(nc, settings, fast_reads=fast_reads)
         holder.append(bus)
         return bus
 
@@ -581,6 +671,34 @@ class StreamReader:
         left = fields.get("Nats-Pending-Messages")
         self._status(status, parts[2] if len(parts) > 2 else "", left.strip() if left else None)
 
+    def _on_frames(self, frames: list[Frame]) -> None:
+        """A chunk's worth of messages for this reader, from the parser's fast lane."""
+        first, last = frames[0][0], frames[-1][0]
+        k = 0 if len(first) == 9 else 2  # the reply without or with <domain>.<account>
+        consumer = self._consumer.encode()
+        if (not self._reset and len(first) == len(last) and len(first) in (9, 12)
+                and first[3 + k] == consumer and last[3 + k] == consumer
+                and int(first[6 + k]) == self._expected_dseq
+                and int(last[6 + k]) == self._expected_dseq + len(frames) - 1):
+            # The common case: all in order from the current consumer. Delivery
+            # sequences only grow, so first and last in place means none is missing.
+            self._credit -= len(frames)
+            self._expected_dseq += len(frames)
+            new = tuple.__new__
+            self._buf.extend([new(RawMsg, (int(t[5 + k]), s.decode(), d, int(t[7 + k]))) for t, s, d in frames])
+            self._drained = last[8 + k] == b"0"
+            if len(self._buf) >= self.batch or self._drained:
+                self._wake.set()
+            return
+        for t, subject, data in frames:
+            if len(t) >= 12:
+                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
+            elif len(t) >= 9:
+                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
+            else:
+                continue  # not a delivery this reader can place
+            self._stored(consumer.decode(), int(sseq), int(dseq), int(ts), pending == b"0", subject.decode(), data)
+
     async def _on_msg(self, msg: Msg) -> None:
         """The same through nats-py's ordinary path, when the fast one is not installed."""
         reply = msg.reply
@@ -636,6 +754,7 @@ class StreamReader:
         self._inbox = self.bus.nc.new_inbox()
         self._sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
         self.bus._raw_handlers[self._sub._id] = self._on_raw
+        self.bus._frame_handlers[b"%d" % self._sub._id] = self._on_frames
         try:
             await self._create_consumer()
             silent_since = asyncio.get_running_loop().time()
@@ -672,6 +791,7 @@ class StreamReader:
                 yield out
         finally:
             self.bus._raw_handlers.pop(self._sub._id, None)
+            self.bus._frame_handlers.pop(b"%d" % self._sub._id, None)
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             await self._delete_consumer()
