@@ -29,7 +29,15 @@ from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
 from llmgw.projections import status as status_report
 from llmgw.projections.fold import FleetState, apply
-from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+from llmgw.projections.store import (
+    Batch,
+    Store,
+    add_event_rows,
+    add_idle_rows,
+    add_unprojected,
+    encode_state,
+    idle_stub,
+)
 from llmgw.projections.writer import ProcessWriter
 
 log = logging.getLogger(__name__)
@@ -124,6 +132,34 @@ class Projector:
             if len(decoded) != len(msgs):
                 raise msgspec.DecodeError("batch framing")
         except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
+            self._ingest_one_by_one(stream, msgs)
+            return
+        if self._crash_on_loop:
+            self._ingest_one_by_one(stream, msgs, decoded)
+            return
+        # The common case, kept lean: every event decoded, history handed over as columns.
+        state = self.state
+        if self.store is not None:
+            payloads = [x.data for x in msgs]
+            rows = self.batch
+            idle = m.IdleMapPublished
+            for i, (raw, event) in enumerate(zip(msgs, decoded, strict=True)):
+                if type(event) is idle:
+                    add_idle_rows(rows, stream, raw.seq, event, state.routers.get(event.router))
+                    payloads[i] = idle_stub(event)
+                apply(state, event)
+            rows.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs], payloads)
+        else:
+            for event in decoded:
+                apply(state, event)
+        self.folded += len(msgs)
+        state.positions[stream] = msgs[-1].seq
+        if self.progress is not None:
+            self.progress(self.folded, self._total)
+
+    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg], decoded: list[Any] | None = None) -> None:
+        """A batch with an event that cannot be decoded (or the crash hook armed): event by event."""
+        if decoded is None:
             decoded = []
             for x in msgs:
                 try:

@@ -66,47 +66,73 @@ HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
 TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
-# Python hands DuckDB as little as it can: per event, its raw JSON and where it
-# was stored (the appender converts ints and strings ten times faster than
-# datetimes). One INSERT … SELECT per table then derives the typed columns,
-# the GPU health incidents and the replica lifecycle inside the commit's
-# transaction, in DuckDB's own threads.
+# Python hands DuckDB as little as it can: per stream and commit, the raw
+# messages of the decoded events as four strings (sequences, subjects, stored
+# times, payloads), which DuckDB splits into rows itself. It parses each
+# payload once into stage_parsed, and one INSERT … SELECT per table derives the
+# typed columns, the GPU health incidents and the replica lifecycle inside the
+# commit's transaction, in DuckDB's own threads. The idle history, which needs
+# the router's previous map, comes through the appender: a row per idle map
+# that changed (stage_maps) and a short row per changed entry (stage_idle).
 STAGING = """
 CREATE TEMP TABLE IF NOT EXISTS stage_events (
-    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, ts_us BIGINT, stored_us BIGINT, json VARCHAR);
+    stream VARCHAR, seq BIGINT, subject VARCHAR, stored_ns BIGINT, json VARCHAR);
+CREATE TEMP TABLE IF NOT EXISTS stage_parsed (
+    stream VARCHAR, seq BIGINT, subject VARCHAR, stored_ns BIGINT, json VARCHAR, ts TIMESTAMPTZ, x VARCHAR[]);
+CREATE TEMP TABLE IF NOT EXISTS stage_maps (stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT);
 CREATE TEMP TABLE IF NOT EXISTS stage_idle (
-    stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT, replica_id VARCHAR,
-    last_request_us BIGINT, serving_since_us BIGINT, idle_s DOUBLE);
+    stream VARCHAR, seq BIGINT, replica_id VARCHAR, last_request_us BIGINT, serving_since_us BIGINT);
 """
 
+# One chunk: the stream, then comma-separated sequences, newline-separated subjects
+# (a subject has no whitespace), comma-separated stored times (ns), newline-separated
+# payloads (a payload's line breaks, JSON whitespace, are made spaces when packed).
+_STAGE_CHUNK = """
+INSERT INTO stage_events
+SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json
+FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
+             unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(10))) AS json)
+"""  # (casting outside the unnest is a third faster than inside)
+
+# x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
+#    healthy, state, detail, reason
 _FROM_STAGE = """
+INSERT INTO stage_parsed
+SELECT stream, seq, subject, stored_ns, json, try_cast(x[2] AS TIMESTAMPTZ), x
+FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
+                                           '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
+                                           '$.healthy', '$.state', '$.detail', '$.reason']) AS x
+      FROM stage_events);
 INSERT INTO events
-SELECT stream, seq, subject, type, make_timestamptz(ts_us), make_timestamptz(stored_us),
-       coalesce(x[1], x[2]), coalesce(x[3], x[4], x[5]), x[6], json
-FROM (SELECT *, json_extract_string(json, ['$.node', '$.nodes[0]', '$.model', '$.name',
-                                           '$.spec.name', '$.replica_id']) AS x FROM stage_events);
+SELECT stream, seq, subject, x[1], ts, make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
+       coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleMapPublished' THEN NULL ELSE json END
+FROM stage_parsed;
 INSERT INTO gpu_health
-SELECT stream, seq, (json->>'$.at')::TIMESTAMPTZ, json->>'$.node', (json->>'$.gpu_index')::INTEGER,
-       json->>'$.gpu_uuid', (json->>'$.healthy')::BOOLEAN,
+SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN,
        coalesce(array_to_string(json_extract_string(json, '$.reasons[*]'), ','), '')
-FROM stage_events WHERE type = 'GpuHealthChanged';
+FROM stage_parsed WHERE x[1] = 'GpuHealthChanged';
 INSERT INTO replica_lifecycle
-SELECT stream, seq, (json->>'$.at')::TIMESTAMPTZ, json->>'$.replica_id', json->>'$.model',
-       CASE type WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE 'state' END,
-       CASE type WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE json->>'$.state' END,
-       CASE type WHEN 'ReplicaPlaced' THEN array_to_string(json_extract_string(json, '$.nodes[*]'), ',')
-                 WHEN 'ReplicaStateChanged' THEN json->>'$.node' END,
-       CASE type WHEN 'ReplicaPlaced' THEN json_array_length(json, '$.gpus')::INTEGER END,
-       CASE type WHEN 'ReplicaStateChanged' THEN json->>'$.detail' ELSE json->>'$.reason' END
-FROM stage_events WHERE type IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
+SELECT stream, seq, ts, x[8], x[5],
+       CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE 'state' END,
+       CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE x[12] END,
+       CASE x[1] WHEN 'ReplicaPlaced' THEN array_to_string(json_extract_string(json, '$.nodes[*]'), ',')
+                 WHEN 'ReplicaStateChanged' THEN x[3] END,
+       CASE x[1] WHEN 'ReplicaPlaced' THEN json_array_length(json, '$.gpus')::INTEGER END,
+       CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END
+FROM stage_parsed WHERE x[1] IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
 INSERT INTO idle_history
 SELECT stream, seq, make_timestamptz(ts_us), router, tick, replica_id, make_timestamptz(last_request_us),
-       make_timestamptz(serving_since_us), idle_s
-FROM stage_idle;
+       make_timestamptz(serving_since_us),
+       -- ts - the newer of the two times (the same float as Python's timedelta.total_seconds()), -1: unknown
+       CASE WHEN newest IS NULL THEN -1.0 ELSE greatest(0.0, (ts_us - newest) / 1e6) END
+FROM (SELECT *, greatest(coalesce(last_request_us, serving_since_us), coalesce(serving_since_us, last_request_us))
+                AS newest
+      FROM stage_idle JOIN stage_maps USING (stream, seq));
 DELETE FROM stage_events;
+DELETE FROM stage_parsed;
+DELETE FROM stage_maps;
 DELETE FROM stage_idle;
 """
-STAGED = ("stage_events", "stage_idle")
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
 _STATE_DECODER = msgspec.msgpack.Decoder(FleetState)
@@ -121,16 +147,52 @@ def decode_state(data: bytes) -> FleetState:
     return _STATE_DECODER.decode(data)
 
 
+Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
+
+
 @dataclass
 class Batch:
-    """Everything one commit writes: history rows, the state they lead to, positions."""
+    """Everything one commit writes: history, the state it leads to, positions.
+
+    ``raw`` collects, per stream, the messages of decoded events as columns
+    (sequence, subject, stored ns, payload); ``pack`` joins each into a chunk
+    of four strings, which is all a commit hands DuckDB for them.
+    """
 
     rows: dict[str, list[tuple[Any, ...]]] = field(
-        default_factory=lambda: {t: [] for t in (*STAGED, "unprojected_events")})
+        default_factory=lambda: {"stage_maps": [], "stage_idle": [], "unprojected_events": []})
+    raw: dict[str, tuple[list[int], list[str], list[int], list[bytes]]] = field(default_factory=dict)
+    chunks: list[Chunk] = field(default_factory=list)
     events: int = 0
 
     def __len__(self) -> int:
         return self.events
+
+    def add_raw(self, stream: str, seqs: list[int], subjects: list[str], stored_ns: list[int],
+                payloads: list[bytes]) -> None:
+        """Messages of decoded events, in stream order."""
+        cols = self.raw.get(stream)
+        if cols is None:
+            cols = self.raw[stream] = ([], [], [], [])
+        cols[0].extend(seqs)
+        cols[1].extend(subjects)
+        cols[2].extend(stored_ns)
+        cols[3].extend(payloads)
+        self.events += len(seqs)
+
+    def pack(self) -> Batch:
+        """Join the collected columns into chunks (once; cheap to call again)."""
+        for stream, (seqs, subjects, stored, payloads) in self.raw.items():
+            if not seqs:
+                continue
+            blob = b"\n".join(payloads)
+            if blob.count(b"\n") != len(payloads) - 1:
+                # A raw line break can only be whitespace between JSON tokens: a space says the same.
+                blob = b"\n".join([p.replace(b"\r\n", b" ").replace(b"\n", b" ") for p in payloads])
+            self.chunks.append((stream, ",".join(map(str, seqs)), "\n".join(subjects),
+                                ",".join(map(str, stored)), blob.decode("utf-8", "replace")))
+        self.raw = {}
+        return self
 
 
 def micros(t: datetime | None) -> int | None:
@@ -142,49 +204,51 @@ def _join(items: tuple[str, ...]) -> str:
     return ",".join(items)
 
 
-def _idle_rows(out: list[tuple[Any, ...]], stream: str, seq: int, event: m.IdleMapPublished,
-               prev: RouterView | None) -> None:
+def add_idle_rows(batch: Batch, stream: str, seq: int, event: m.IdleMapPublished, prev: RouterView | None) -> None:
     """A row per replica whose entry in this router's map changed (appeared, moved, or vanished).
 
-    Repeating an unchanged entry every tick would write routers × replicas rows
-    per tick; the changes carry the same history and an idle stretch is the gap
-    between two of them.
+    ``prev`` is the router's map this one follows. Repeating an unchanged entry
+    every tick would write routers × replicas rows per tick; the changes carry
+    the same history and an idle stretch is the gap between two of them. A busy
+    fleet changes tens of entries a tick, so a row is only (stream, seq,
+    replica, two times in µs); the map's own columns and ``idle_s`` are joined
+    and computed in DuckDB.
     """
-    at, router, tick = event.at, event.router, event.tick
-    at_us = micros(at)
     last, serving = event.last_request, event.serving_since
     if prev is not None and prev.boot_id == event.boot_id:
         plast, pserving = prev.last_request, prev.serving_since
         if last == plast and serving == pserving:
             return  # the common quiet tick: nothing moved
         changed = {r for r, v in last.items() if plast.get(r) != v}
-        changed.update(r for r, v in serving.items() if pserving.get(r) != v)
-        changed.update(r for r in plast if r not in last)
-        changed.update(r for r in pserving if r not in serving)
+        changed.update([r for r, v in serving.items() if pserving.get(r) != v])
+        changed.update([r for r in plast if r not in last])
+        changed.update([r for r in pserving if r not in serving])
     else:  # a first map, or a restarted router: everything it says (or forgot) is news
         changed = last.keys() | serving.keys()
         if prev is not None:
             changed |= prev.last_request.keys() | prev.serving_since.keys()
+    if not changed:
+        return
+    batch.rows["stage_maps"].append((stream, seq, micros(event.at), event.router, event.tick))
+    out = batch.rows["stage_idle"]
     for r in sorted(changed):
         lr, ss = last.get(r), serving.get(r)
-        known = [x for x in (lr, ss) if x is not None]
-        idle_s = max(0.0, (at - max(known)).total_seconds()) if known else -1.0
-        out.append((stream, seq, at_us, router, tick, r, micros(lr), micros(ss), idle_s))
+        out.append((stream, seq, r, None if lr is None else round(lr.timestamp() * 1e6),
+                    None if ss is None else round(ss.timestamp() * 1e6)))
+
+
+def idle_stub(event: m.IdleMapPublished) -> bytes:
+    """What ``events`` needs of an idle map (its type and time): the map itself goes to idle_history."""
+    return b'{"type":"IdleMapPublished","at":' + msgspec.json.encode(event.at) + b"}"
 
 
 def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event,
                    prev_router: RouterView | None = None) -> None:
     """The rows one decoded event adds; ``prev_router`` is the map an IdleMapPublished follows."""
-    typ = type(event).__name__
-    at_us = round(event.at.timestamp() * 1e6)
-    if typ == "IdleMapPublished":
-        # Its content is in idle_history as changes; repeating the whole map every
-        # tick would be most of the file's bytes and of the commit's time.
-        batch.rows["stage_events"].append((stream, seq, subject, typ, at_us, ts_ns // 1000, None))
-        _idle_rows(batch.rows["stage_idle"], stream, seq, event, prev_router)  # type: ignore[arg-type]
-    else:
-        batch.rows["stage_events"].append((stream, seq, subject, typ, at_us, ts_ns // 1000, data.decode("utf-8", "replace")))
-    batch.events += 1
+    if type(event) is m.IdleMapPublished:
+        add_idle_rows(batch, stream, seq, event, prev_router)
+        data = idle_stub(event)
+    batch.add_raw(stream, [seq], [subject], [ts_ns], [data])
 
 
 def add_unprojected(batch: Batch, stream: str, seq: int, subject: str, data: bytes, error: str) -> None:
@@ -241,6 +305,11 @@ class Store:
                 "`llmgw project --once --db mine.duckdb`"
             ) from e
         self.con.execute("SET TimeZone = 'UTC'")
+        # A commit of a busy second is ~25 MB of WAL. At DuckDB's default threshold (16 MB)
+        # every commit checkpoints, recompressing the half-filled row groups it appended
+        # to: a third of the projector's DuckDB time. Checkpointing every ~10 commits
+        # writes a row group about once; a crash replays at most this much WAL.
+        self.con.execute("SET checkpoint_threshold = '256MB'")
         self.con.execute(SCHEMA)
         self.con.execute(STAGING)
 
@@ -285,6 +354,8 @@ class Store:
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:
+            for chunk in batch.pack().chunks:
+                con.execute(_STAGE_CHUNK, list(chunk))
             for table, rows in batch.rows.items():
                 if rows:
                     app = con.appender(table)

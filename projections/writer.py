@@ -14,16 +14,22 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
-import pickle
 import signal
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
+
 from llmgw.errors import ProjectionError
-from llmgw.projections.store import Batch, Store
+from llmgw.projections.store import Batch, Chunk, Store
 
 _PR_SET_PDEATHSIG = 1
+# What goes down the pipe per commit: (rows per staging table, chunks, events, state, crash).
+# msgpack, not pickle: a busy week's idle history is millions of short rows, and
+# msgspec encodes them five times faster.
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(tuple[dict[str, list[tuple]], list[Chunk], int, bytes, bool])
 
 
 def _die_with_parent() -> None:
@@ -55,9 +61,9 @@ def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_inter
                 return
             if not data:
                 return
-            rows, events, snapshot, crash = pickle.loads(data)
+            rows, chunks, events, snapshot, crash = _DECODER.decode(data)
             try:
-                store.commit(Batch(rows=rows, events=events), snapshot, before_commit=_kill_both if crash else None)
+                store.commit(Batch(rows=rows, chunks=chunks, events=events), snapshot, before_commit=_kill_both if crash else None)
                 if snapshot_path and time.monotonic() - last_snapshot >= snapshot_interval_s:
                     store.export_snapshot(snapshot_path)
                     last_snapshot = time.monotonic()
@@ -96,7 +102,8 @@ class ProcessWriter:
 
     def commit(self, batch: Batch, snapshot: bytes, crash: bool) -> None:
         """Send one batch and wait for its commit (called from the projector's writer thread)."""
-        self._conn.send_bytes(pickle.dumps((batch.rows, batch.events, snapshot, crash), protocol=5))
+        batch.pack()
+        self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot, crash)))
         self._check()
 
     def close(self) -> None:

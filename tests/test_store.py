@@ -112,3 +112,25 @@ def test_unknown_table_is_an_error(duckdb_path: Path) -> None:
     with pytest.raises(ProjectionError, match="no table 'nope'"):
         store.table_rows("nope")
     store.close()
+
+
+def test_payloads_with_line_breaks_and_odd_text_land_one_row_each(duckdb_path: Path) -> None:
+    """A batch's payloads reach DuckDB as one newline-separated string: JSON from
+    another publisher may break lines between tokens, and strings may hold commas,
+    quotes and escaped newlines; every event must still be exactly one row."""
+    store = Store(duckdb_path)
+    state = FleetState()
+    batch = Batch()
+    lost = m.NodeLost(at=t(1), node='n1,"x"\nq')  # comma, quotes, and a newline inside the string
+    pretty = b'{\n  "type": "NodeLost",\r\n  "at": "2026-03-02T10:00:02Z",\n  "node": "n2"\n}'
+    events = [(lost, m.encode(lost)), (m.decode_event(pretty), pretty)]
+    for seq, (event, data) in enumerate(events, 1):
+        add_event_rows(batch, subjects.STREAM_FLEET, seq, subjects.fleet("n", "lost"), data, TS_NS, event)
+        apply(state, event)
+    state.positions[subjects.STREAM_FLEET] = 2
+    store.commit(batch, encode_state(state))
+    rows = store.query("SELECT seq, node, ts, json FROM events ORDER BY seq")
+    assert [(r[0], r[1], r[2]) for r in rows] == [(1, 'n1,"x"\nq', t(1)), (2, "n2", datetime(2026, 3, 2, 10, 0, 2, tzinfo=UTC))]
+    assert m.decode_event(rows[0][3].encode()) == lost
+    assert "\n" not in rows[1][3] and m.decode_event(rows[1][3].encode()) == events[1][0]
+    store.close()
