@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import compress
+from operator import ne
 
 from llmgw import messages as m
 
@@ -131,15 +133,54 @@ class FleetState:
         return max(candidates) if candidates else None
 
 
-def _touch(state: FleetState, at: datetime) -> None:
-    if state.as_of is None or at > state.as_of:
-        state.as_of = at
-
-
 def apply(state: FleetState, event: m.Event) -> FleetState:
     """Fold one event into the state and return it."""
-    _touch(state, event.at)
-    match event:
+    at = event.at
+    if state.as_of is None or at > state.as_of:
+        state.as_of = at
+    match event:  # the frequent kinds first: each case is one isinstance check
+        case m.GpuHealthChanged():
+            node = state.nodes.get(event.node)
+            changed = node.gpus.get(event.gpu_index) if node else None
+            if node is not None and changed is not None:
+                changed.healthy, changed.reasons, changed.since = event.healthy, event.reasons, event.at
+                node.updated_at = event.at
+        case m.ReplicaStateChanged():
+            replica = state.replicas.get(event.replica_id)
+            if replica is not None and event.state != "stopped":
+                replica.state, replica.state_at = event.state, event.at
+                replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
+        case m.ReplicaPlaced():
+            state.replicas[event.replica_id] = ReplicaView(
+                replica_id=event.replica_id,
+                model=event.model,
+                nodes=event.nodes,
+                gpus=event.gpus,
+                fabric=event.fabric,
+                spec=event.spec,
+                placed_at=event.at,
+                state_at=event.at,
+            )
+            model = state.models.get(event.model)
+            if model is not None:
+                model.unplaceable_reason = model.unplaceable_at = None
+        case m.ReplicaStopped():
+            state.replicas.pop(event.replica_id, None)
+        case m.IdleMapPublished():
+            before = state.routers.get(event.router)
+            state.routers[event.router] = RouterView(
+                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since),
+                last_request=dict(event.last_request),
+            )
+            # The newest request per replica only grows, so an entry this router already
+            # reported last tick is in it already: look only at what moved (in C, a few a tick).
+            lr = event.last_request
+            fresh = lr if before is None else compress(lr, map(ne, lr.values(), map(before.last_request.get, lr)))
+            for rid in fresh:
+                t = lr[rid]
+                known = state.last_request.get(rid)
+                if known is None or t > known:
+                    state.last_request[rid] = t
         case m.NodeInventoryReported():
             old = state.nodes.get(event.node)
             state.nodes[event.node] = NodeView(
@@ -171,12 +212,6 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                     prev = old.gpus.get(idx)
                     if prev is not None and prev.uuid == gpu.uuid and (prev.healthy, prev.reasons) == (gpu.healthy, gpu.reasons):
                         gpu.since = prev.since
-        case m.GpuHealthChanged():
-            node = state.nodes.get(event.node)
-            changed = node.gpus.get(event.gpu_index) if node else None
-            if node is not None and changed is not None:
-                changed.healthy, changed.reasons, changed.since = event.healthy, event.reasons, event.at
-                node.updated_at = event.at
         case m.NodeLost():
             node = state.nodes.get(event.node)
             if node is not None:
@@ -197,36 +232,6 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             model = state.models.get(event.name)
             if model is not None:
                 model.unplaceable_reason, model.unplaceable_at = event.reason, event.at
-        case m.ReplicaPlaced():
-            state.replicas[event.replica_id] = ReplicaView(
-                replica_id=event.replica_id,
-                model=event.model,
-                nodes=event.nodes,
-                gpus=event.gpus,
-                fabric=event.fabric,
-                spec=event.spec,
-                placed_at=event.at,
-                state_at=event.at,
-            )
-            model = state.models.get(event.model)
-            if model is not None:
-                model.unplaceable_reason = model.unplaceable_at = None
-        case m.ReplicaStateChanged():
-            replica = state.replicas.get(event.replica_id)
-            if replica is not None and event.state != "stopped":
-                replica.state, replica.state_at = event.state, event.at
-                replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
-        case m.ReplicaStopped():
-            state.replicas.pop(event.replica_id, None)
-        case m.IdleMapPublished():
-            state.routers[event.router] = RouterView(
-                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since),
-                last_request=dict(event.last_request),
-            )
-            for rid, t in event.last_request.items():
-                known = state.last_request.get(rid)
-                if known is None or t > known:
-                    state.last_request[rid] = t
         case _:
             pass  # heartbeats and anything newer than this fold: not part of history
     return state

@@ -6,6 +6,9 @@ from collections.abc import Callable
 from datetime import datetime
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
@@ -157,3 +160,32 @@ def test_state_round_trips_through_the_checkpoint_encoding() -> None:
     state.positions = {"LLMGW_FLEET": 7}
     state.unprojected = 2
     assert decode_state(encode_state(state)) == state
+
+
+# A random run of idle maps from two routers (restarts included): the fold looks only at
+# entries that moved since the router's previous map, and must still end with the newest
+# request any router ever reported for each replica.
+_maps = st.lists(
+    st.tuples(
+        st.sampled_from(["rt-a", "rt-b"]),
+        st.booleans(),  # restart: a new boot
+        st.dictionaries(st.sampled_from(["r1", "r2", "r3"]), st.integers(0, 20), max_size=3),
+    ),
+    max_size=25,
+)
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(_maps)
+def test_newest_request_is_the_maximum_ever_reported(maps: list[tuple[str, bool, dict[str, int]]]) -> None:
+    boots = {"rt-a": 0, "rt-b": 0}
+    events = []
+    for tick, (router, restart, seen) in enumerate(maps):
+        boots[router] += restart
+        events.append(m.IdleMapPublished(at=t(100 + tick), router=router, boot_id=f"{router}-{boots[router]}",
+                                         tick=tick, last_request={r: t(s) for r, s in seen.items()}))
+    expected: dict[str, datetime] = {}
+    for e in events:
+        for r, when in e.last_request.items():
+            expected[r] = max(when, expected.get(r, when))
+    assert fold(events).last_request == expected
