@@ -9,6 +9,7 @@ import nats.js.errors  # the tests talk to the real server; in llmgw only bus.py
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.errors import BusError
 
 
 async def fresh_streams(bus: Bus) -> None:
@@ -22,7 +23,17 @@ async def fresh_streams(bus: Bus) -> None:
         await bus.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
     except nats.js.errors.NotFoundError:
         pass
-    await bus.ensure_streams()
+    for attempt in range(25):
+        try:
+            await bus.ensure_streams()
+            return
+        except BusError as e:
+            # nats-server may still be removing the deleted stream's files: "error creating
+            # store for stream (code 10049)" for a moment. Operators never delete and
+            # re-create a stream within milliseconds; the tests do it before every test.
+            if "10049" not in str(e) or attempt == 24:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def stored(bus: Bus, stream: str, limit_s: float = 30.0) -> list[m.AnyEvent]:
