@@ -70,15 +70,13 @@ TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
 # Python hands DuckDB as little as it can: per stream and commit, the raw
 # messages of the decoded events as four strings (sequences, subjects, stored
-# times, payloads), which DuckDB splits into rows itself. It parses each
-# payload once into stage_parsed, and one INSERT … SELECT per table derives the
+# times, payloads), which DuckDB splits into rows and parses once, in the same
+# statement, into stage_parsed; one INSERT … SELECT per table then derives the
 # typed columns, the GPU health incidents and the replica lifecycle inside the
 # commit's transaction, in DuckDB's own threads. The idle history, which needs
 # the router's previous map, comes through the appender: a row per idle map
 # that changed (stage_maps) and a short row per changed entry (stage_idle).
 STAGING = """
-CREATE TEMP TABLE IF NOT EXISTS stage_events (
-    stream VARCHAR, seq BIGINT, subject VARCHAR, stored_ns BIGINT, json VARCHAR);
 CREATE TEMP TABLE IF NOT EXISTS stage_parsed (
     stream VARCHAR, seq BIGINT, subject VARCHAR, stored_ns BIGINT, json VARCHAR, ts TIMESTAMPTZ, x VARCHAR[]);
 CREATE TEMP TABLE IF NOT EXISTS stage_maps (stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT);
@@ -90,21 +88,18 @@ CREATE TEMP TABLE IF NOT EXISTS stage_idle (
 # (a subject has no whitespace), comma-separated stored times (ns), newline-separated
 # payloads (a payload's line breaks, JSON whitespace, are made spaces when packed).
 _STAGE_CHUNK = """
-INSERT INTO stage_events
-SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json
-FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
-             unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(10))) AS json)
+INSERT INTO stage_parsed
+SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json, try_cast(x[2] AS TIMESTAMPTZ), x
+FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
+                                           '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
+                                           '$.healthy', '$.state', '$.detail', '$.reason']) AS x
+      FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
+                   unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(10))) AS json))
 """  # (casting outside the unnest is a third faster than inside)
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
 #    healthy, state, detail, reason
 _FROM_STAGE = """
-INSERT INTO stage_parsed
-SELECT stream, seq, subject, stored_ns, json, try_cast(x[2] AS TIMESTAMPTZ), x
-FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
-                                           '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
-                                           '$.healthy', '$.state', '$.detail', '$.reason']) AS x
-      FROM stage_events);
 INSERT INTO events
 SELECT stream, seq, subject, x[1], ts, make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
        coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleMapPublished' THEN NULL ELSE json END
@@ -130,7 +125,6 @@ SELECT stream, seq, make_timestamptz(ts_us), router, tick, replica_id, make_time
 FROM (SELECT *, greatest(coalesce(last_request_us, serving_since_us), coalesce(serving_since_us, last_request_us))
                 AS newest
       FROM stage_idle JOIN stage_maps USING (stream, seq));
-DELETE FROM stage_events;
 DELETE FROM stage_parsed;
 DELETE FROM stage_maps;
 DELETE FROM stage_idle;
