@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from llmgw.agent import Agent
 from llmgw.fake_engine import EngineProcess, spawn
+
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], what: str, limit_s: float = 10.0,
+                every_s: float = 0.05) -> None:
+    """Poll ``cond`` (plain or async) until it holds; fail naming ``what`` after ``limit_s``."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while True:
+        held = cond()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {limit_s:.0f}s waiting for {what}")
+        await asyncio.sleep(every_s)
 
 
 @contextlib.asynccontextmanager

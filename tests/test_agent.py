@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 import pytest
 from click.testing import CliRunner
-from running import running
+from running import running, until
 from streams import stored
 
 from llmgw import messages as m
@@ -32,14 +31,6 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 XID79 = ("xid 79: GPU has fallen off the bus",)
 ECC1 = ("uncorrectable ECC errors: 1 since the driver loaded",)
 LOST = ("GPU is lost (fell off the bus; NVML_ERROR_GPU_IS_LOST)",)
-
-
-async def until(pred: Callable[[], Awaitable[bool]], what: str, limit_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + limit_s
-    while not await pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {limit_s:.0f}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def stream_events(bus: Bus, stream: str = subjects.STREAM_FLEET) -> list[m.AnyEvent]:

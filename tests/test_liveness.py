@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
-from running import running
+from running import running, until
 from streams import stored
 
 from llmgw import messages as m
@@ -19,14 +19,6 @@ from llmgw.liveness import HeartbeatMonitor
 from llmgw.simnvml import SimNvml
 
 TIMEOUT_S = 1.0
-
-
-async def until(pred: Callable[[], Awaitable[bool]], what: str, limit_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + limit_s
-    while not await pred():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {limit_s:.0f}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def fleet_events(bus: Bus) -> list[m.AnyEvent]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
+from running import until
 from streams import stored
 
 from llmgw import messages as m
@@ -23,14 +23,6 @@ def spec(name: str, tp: int, replicas: int = 1, pp: int = 1) -> m.ModelSpec:
 
 async def control_events(bus: Bus) -> list[m.AnyEvent]:
     return await stored(bus, subjects.STREAM_CONTROL)
-
-
-async def wait_until(cond: Callable[[], bool], within_s: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 def assert_never_double_placed(events: list[m.Event]) -> FleetState:
@@ -59,7 +51,7 @@ async def test_two_schedulers_never_place_on_the_same_gpu(bus: Bus, settings: Se
     stop = asyncio.Event()
     tasks = [asyncio.create_task(s.run(stop)) for s in scheds]
     try:
-        await wait_until(lambda: sum(s.stats.decisions for s in scheds) >= 8)
+        await until(lambda: sum(s.stats.decisions for s in scheds) >= 8, "eight placement decisions between the schedulers", 15)
         await asyncio.sleep(0.5)
         # Exactly one of them decided.
         assert sorted(s.stats.decisions > 0 for s in scheds) == [False, True]
@@ -75,7 +67,7 @@ async def test_two_schedulers_never_place_on_the_same_gpu(bus: Bus, settings: Se
         await bus.publish(m.ModelRemoved(at=m.utcnow(), name="a"))
         await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec("d", 2, replicas=2)))
         # a's three replicas are stopped and their GPUs (2 per node) go to d.
-        await wait_until(lambda: sorted(e.model for e in follower.published if isinstance(e, m.ReplicaPlaced)) == ["d", "d"])
+        await until(lambda: sorted(e.model for e in follower.published if isinstance(e, m.ReplicaPlaced)) == ["d", "d"], "the follower placing both replicas of d", 15)
         assert sorted(e.replica_id for e in follower.published if isinstance(e, m.ReplicaStopped)) == ["a-r1", "a-r2", "a-r3"]
     finally:
         stop.set()
@@ -122,7 +114,7 @@ async def test_malformed_event_is_skipped_and_placement_goes_on(bus: Bus, settin
     stop = asyncio.Event()
     task = asyncio.create_task(sched.run(stop))
     try:
-        await wait_until(lambda: any(isinstance(e, m.ReplicaPlaced) for e in sched.published))
+        await until(lambda: any(isinstance(e, m.ReplicaPlaced) for e in sched.published), "a placement", 15)
     finally:
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
@@ -159,7 +151,7 @@ async def test_node_lost_from_silence_is_re_placed(bus: Bus, settings: Settings)
 
     beats = asyncio.create_task(beat())
     try:
-        await wait_until(lambda: any(isinstance(e, m.ReplicaPlaced) and e.nodes == ("b-chatty",) for e in sched.published))
+        await until(lambda: any(isinstance(e, m.ReplicaPlaced) and e.nodes == ("b-chatty",) for e in sched.published), "a placement on b-chatty", 15)
     finally:
         beats.cancel()
         stop.set()

@@ -9,10 +9,10 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from faultkit import tables
+from running import until
 
 from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
@@ -87,14 +87,6 @@ async def read_all(bus: Bus, stream: str) -> list[RawMsg]:
     return out
 
 
-async def until(cond: Callable[[], Any], limit_s: float, what: str) -> None:
-    for _ in range(int(limit_s * 5)):
-        if await cond():
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"{what}: not within {limit_s:.0f}s")
-
-
 async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, record: Callable[..., None]) -> None:
     plane = Plane(tmp_path)
     plane.server.start()
@@ -112,7 +104,7 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
             except BusError:
                 return False
 
-        await until(streams_declared, 60, "the projector declaring the streams")
+        await until(streams_declared, "the projector declaring the streams", 60, every_s=0.2)
         await plane.spawn("agent", f"agent-{NODE}", "agent", "--simulate", str(FLEET_FILE), "--node", NODE,
                           "--heartbeat-s", "0.5", "--poll-s", "0.5")
         await plane.spawn("router", "router", "router", "--listen", f"127.0.0.1:{free_port()}", "--name", "gw-1",
@@ -124,15 +116,15 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
         async def fleet_has_inventory() -> bool:
             return await admin.stream_last_seq(subjects.STREAM_FLEET) >= 1
 
-        await until(fleet_has_inventory, 60, "the agent's inventory")
-        await until(lambda: usage_at_least(3), 60, "three idle maps")
+        await until(fleet_has_inventory, "the agent's inventory", 60, every_s=0.2)
+        await until(lambda: usage_at_least(3), "three idle maps", 60, every_s=0.2)
         usage_before = await admin.stream_last_seq(subjects.STREAM_USAGE)
 
         plane.server.kill()  # SIGKILL under all three
         await asyncio.sleep(1.5)
         plane.server.start()
 
-        await until(lambda: usage_at_least(usage_before + 5), 60, "idle maps after the restart")
+        await until(lambda: usage_at_least(usage_before + 5), "idle maps after the restart", 60, every_s=0.2)
         rc, out = await plane.run("cli", "agent", "fault", NODE, "2", "xid=79", "--json")
         assert rc == 0, out
 
@@ -140,7 +132,7 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
             return any(isinstance(e := m.decode_event(x.data), m.GpuHealthChanged) and e.gpu_index == 2
                        for x in await read_all(admin, subjects.STREAM_FLEET))
 
-        await until(health_stored, 30, "the injected fault's GpuHealthChanged")
+        await until(health_stored, "the injected fault's GpuHealthChanged", 30, every_s=0.2)
         want = {s: await admin.stream_last_seq(s) for s in (subjects.STREAM_FLEET, subjects.STREAM_USAGE)}
 
         async def projector_caught_up() -> bool:
@@ -150,7 +142,7 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
                 return False
             return all(rep.positions.get(s, 0) >= v for s, v in want.items())
 
-        await until(projector_caught_up, 60, "the projector folding past the restart")
+        await until(projector_caught_up, "the projector folding past the restart", 60, every_s=0.2)
         codes = await plane.stop_all()
         fleet = [m.decode_event(x.data) for x in await read_all(admin, subjects.STREAM_FLEET)]
         usage = [m.decode_event(x.data) for x in await read_all(admin, subjects.STREAM_USAGE)]
