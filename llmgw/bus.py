@@ -24,7 +24,7 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, AnyStr, NamedTuple
 
 import msgspec
 import nats
@@ -74,6 +74,19 @@ class RawMsg(NamedTuple):
     subject: str
     data: bytes
     ts_ns: int
+
+
+def _ack_fields(t: Sequence[AnyStr]) -> tuple[AnyStr, AnyStr, AnyStr, AnyStr, AnyStr] | None:
+    """(consumer, stream seq, delivery seq, stored ns, pending) of a JetStream reply split at the dots.
+
+    $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>, or with
+    <domain>.<account> after ACK and a token at the end (12 parts).
+    """
+    if len(t) >= 12:
+        return t[5], t[7], t[8], t[9], t[10]
+    if len(t) >= 9:
+        return t[3], t[5], t[6], t[7], t[8]
+    return None
 
 
 class _FrameParser(Parser):
@@ -656,12 +669,7 @@ class StreamReader:
     def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
         """One message for this reader, as the protocol parser saw it (the fast path)."""
         if reply.startswith(b"$JS.ACK."):
-            t = reply.split(b".")
-            if len(t) >= 12:  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>…
-                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
-            else:  # $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>
-                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
-            self._stored(consumer.decode(), int(sseq), int(dseq), int(ts), pending == b"0", subject.decode(), data)
+            self._on_frames([(reply.split(b"."), subject, data)])
             return
         # A status message: "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 8\r\n…"
         lines = (headers or b"").decode(errors="replace").split("\r\n")
@@ -691,24 +699,20 @@ class StreamReader:
                 self._wake.set()
             return
         for t, subject, data in frames:
-            if len(t) >= 12:
-                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
-            elif len(t) >= 9:
-                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
-            else:
+            fields = _ack_fields(t)
+            if fields is None:
                 continue  # not a delivery this reader can place
+            consumer, sseq, dseq, ts, pending = fields
             self._stored(consumer.decode(), int(sseq), int(dseq), int(ts), pending == b"0", subject.decode(), data)
 
     async def _on_msg(self, msg: Msg) -> None:
         """The same through nats-py's ordinary path, when the fast one is not installed."""
         reply = msg.reply
         if reply.startswith("$JS.ACK."):
-            t = reply.split(".")
-            if len(t) >= 12:
-                consumer, sseq, dseq, ts, pending = t[5], t[7], t[8], t[9], t[10]
-            else:
-                consumer, sseq, dseq, ts, pending = t[3], t[5], t[6], t[7], t[8]
-            self._stored(consumer, int(sseq), int(dseq), int(ts), pending == "0", msg.subject, msg.data)
+            fields = _ack_fields(reply.split("."))
+            if fields is not None:
+                consumer, sseq, dseq, ts, pending = fields
+                self._stored(consumer, int(sseq), int(dseq), int(ts), pending == "0", msg.subject, msg.data)
             return
         headers = msg.headers or {}
         self._status(headers.get("Status") or "", headers.get("Description") or "", headers.get("Nats-Pending-Messages"))
