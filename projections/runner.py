@@ -127,8 +127,9 @@ class Projector:
 
     def ingest(self, stream: str, msgs: list[RawMsg]) -> None:
         """Decode and fold one batch of a stream; what cannot be decoded is kept raw."""
+        datas = [x.data for x in msgs]
         try:
-            decoded: list[Any] = BATCH_DECODERS[stream].decode(b"[" + b",".join([x.data for x in msgs]) + b"]")
+            decoded: list[Any] = BATCH_DECODERS[stream].decode(b"[" + b",".join(datas) + b"]")
             if len(decoded) != len(msgs):
                 raise msgspec.DecodeError("batch framing")
         except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
@@ -140,7 +141,7 @@ class Projector:
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
         if self.store is not None:
-            payloads = [x.data for x in msgs]
+            payloads = datas  # idle maps' replaced by their stubs below
             rows = self.batch
             idle = m.IdleMapPublished
             for i, (raw, event) in enumerate(zip(msgs, decoded, strict=True)):
