@@ -181,6 +181,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 known = state.last_request.get(rid)
                 if known is None or t > known:
                     state.last_request[rid] = t
+            if before is not None and before.boot_id == event.boot_id:
+                _forget_gone(state, event, before)
         case m.NodeInventoryReported():
             old = state.nodes.get(event.node)
             state.nodes[event.node] = NodeView(
@@ -235,6 +237,26 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
         case _:
             pass  # heartbeats and anything newer than this fold: not part of history
     return state
+
+
+def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterView) -> None:
+    """Drop the newest request of replicas that just left the last router map listing them.
+
+    A router drops a stopped replica from its map, so without this the state
+    would keep one entry per replica the fleet ever ran (150k after the replay
+    benchmark's week), and every checkpoint would carry them all. Only a router
+    that kept its boot is evidence: one that restarted and knows nothing yet
+    says nothing about what stopped. The usage stream alone decides, so the
+    result does not depend on how the streams interleave.
+    """
+    now_listed = event.last_request.keys() | event.serving_since.keys()
+    gone = (before.last_request.keys() | before.serving_since.keys()) - now_listed
+    if not gone:
+        return
+    others = [r for name, r in state.routers.items() if name != event.router]
+    for rid in gone:
+        if not any(rid in r.last_request or rid in r.serving_since for r in others):
+            state.last_request.pop(rid, None)
 
 
 def fold(events: Iterable[m.Event], state: FleetState | None = None) -> FleetState:
