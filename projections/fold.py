@@ -168,9 +168,10 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             state.replicas.pop(event.replica_id, None)
         case m.IdleMapPublished():
             before = state.routers.get(event.router)
+            # The event's own dicts: nothing mutates them (a copy each was ~3 µs a map).
             state.routers[event.router] = RouterView(
-                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=dict(event.serving_since),
-                last_request=dict(event.last_request),
+                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=event.serving_since,
+                last_request=event.last_request,
             )
             # The newest request per replica only grows, so an entry this router already
             # reported last tick is in it already: look only at what moved (in C, a few a tick).
@@ -249,10 +250,10 @@ def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterVie
     says nothing about what stopped. The usage stream alone decides, so the
     result does not depend on how the streams interleave.
     """
-    now_listed = event.last_request.keys() | event.serving_since.keys()
-    gone = (before.last_request.keys() | before.serving_since.keys()) - now_listed
-    if not gone:
-        return
+    if before.last_request.keys() == event.last_request.keys() and before.serving_since.keys() == event.serving_since.keys():
+        return  # the same replicas as last tick (most ticks): nothing left
+    gone = (before.last_request.keys() | before.serving_since.keys()) - (
+        event.last_request.keys() | event.serving_since.keys())
     others = [r for name, r in state.routers.items() if name != event.router]
     for rid in gone:
         if not any(rid in r.last_request or rid in r.serving_since for r in others):
