@@ -31,18 +31,64 @@ def human(seconds: float | None) -> str:
     return "".join(f"{v}{u}" for v, u in parts[:2])
 
 
-async def idle_rows(settings: Settings, now: datetime | None = None) -> tuple[list[IdleRow], datetime]:
-    """Every replica with its idle time, from a replay of the history streams."""
-    from llmgw.bus import Bus
-    from llmgw.scheduler_service import replay_state
+CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before we replay
 
+
+async def idle_rows(settings: Settings, older_than_s: float, *, replay: bool = False,
+                    now: datetime | None = None) -> tuple[list[IdleRow], datetime, str]:
+    """Every replica idle ``older_than_s`` or more and every unknown one, and where that came from.
+
+    From the projector's status service when one answers with every event
+    stored when we asked folded in (a projector that is behind would see old
+    idle maps and overstate idleness); otherwise, or with ``replay``, by
+    folding the streams here, which takes longer the longer the history.
+    """
+    from llmgw.bus import Bus
+
+    now = now or m.utcnow()
     bus = await Bus.connect(settings, "llmgw-ctl-idle", reconnect=False)
     try:
+        if not replay:
+            rows = await _from_projector(bus, older_than_s, now)
+            if rows is not None:
+                return rows, now, "projector"
+        from llmgw.scheduler_service import replay_state
+
         state = await replay_state(bus)
     finally:
         await bus.close()
-    now = now or m.utcnow()
-    return idle_report(state, now), now
+    rows = [r for r in idle_report(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
+    return rows, now, "replay"
+
+
+async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[IdleRow] | None:
+    """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
+    import asyncio
+
+    from llmgw import subjects
+    from llmgw.errors import NoServiceError
+
+    heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+    req = m.encode(m.StatusRequest(idle_threshold_s=older_than_s, now=now))
+    deadline = asyncio.get_running_loop().time() + CATCH_UP_S
+    while True:
+        try:
+            data = await bus.request(subjects.STATUS, req, service="projector (status service)")
+        except NoServiceError:
+            click.echo("no projector is running: replaying the streams here (slower on a long history)", err=True)
+            return None
+        report = m.STATUS_REPORT_DECODER.decode(data)
+        behind = {s: seq for s, seq in heads.items() if report.positions.get(s, 0) < seq}
+        if not behind:
+            break
+        if asyncio.get_running_loop().time() >= deadline:
+            lag = ", ".join(f"{s} {report.positions.get(s, 0)}/{seq}" for s, seq in sorted(behind.items()))
+            click.echo(f"the projector is behind the streams ({lag}): replaying them here", err=True)
+            return None
+        await asyncio.sleep(0.2)
+    rows = [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
+            for r in report.idle]
+    return sorted(rows, key=lambda x: (x.idle_s is None, -(x.idle_s or 0.0), x.replica_id))
 
 
 async def stop_replicas(settings: Settings, rows: list[IdleRow], older_than_s: float) -> list[int]:
@@ -73,14 +119,21 @@ def _json_row(r: IdleRow) -> dict[str, Any]:
               help="Idle at least this long (90s, 30m, 2h, 1d).")
 @click.option("--stop", is_flag=True, help="Stop the replicas listed (ReplicaStopped, reason idle); their GPUs are freed.")
 @click.option("--dry-run", is_flag=True, help="With --stop: say what would be stopped, publish nothing.")
+@click.option("--replay", is_flag=True,
+              help="Fold the streams here instead of asking the projector (what it does when none runs).")
 @json_option
 @nats_options
-def idle(older_than_s: float, stop: bool, dry_run: bool, as_json: bool, settings: Settings) -> None:
+def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, as_json: bool, settings: Settings) -> None:
     """Replicas idle longer than --older-than, the GPUs they hold, and GPU-hours idle.
 
     A replica no router has reported is unknown, never idle: it is counted
     apart and never stopped. A stopped replica stays stopped until
     `llmgw ctl model scale NAME --replicas N`.
+
+    The answer comes from the projector (`llmgw project`) once it has folded
+    every event stored when you asked; with no projector, or one that is
+    behind, the streams are replayed here. Idle is measured against this
+    machine's clock.
 
     Example:
 
@@ -88,8 +141,8 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, as_json: bool, settings
         llmgw ctl idle --older-than 2h --stop --dry-run
         llmgw ctl idle --older-than 2h --stop --json
     """
-    rows, now = run(idle_rows(settings))
-    chosen = [r for r in rows if r.idle_s is not None and r.idle_s >= older_than_s]
+    rows, now, source = run(idle_rows(settings, older_than_s, replay=replay))
+    chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []
     if stop and not dry_run and chosen:
@@ -102,7 +155,7 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, as_json: bool, settings
             "gpus_held": sum(r.gpus for r in chosen),
             "gpu_hours_idle": round(sum(r.gpu_hours_idle for r in chosen), 4),
             "unknown": [r.replica_id for r in unknown],
-            "stopped": stopped, "dry_run": dry_run,
+            "stopped": stopped, "dry_run": dry_run, "source": source,
         })
         return
     _render(chosen, unknown, older_than_s, stop, dry_run)

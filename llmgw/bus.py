@@ -44,6 +44,7 @@ from llmgw.config import Settings
 from llmgw.errors import (
     BusError,
     ConnectError,
+    NoServiceError,
     OutboxFullError,
     PermissionDeniedError,
     PublishError,
@@ -518,7 +519,7 @@ class Bus:
         try:
             msg = await self._guarded(subject, self.nc.request(subject, payload, timeout=timeout))
         except nats.errors.NoRespondersError as e:
-            raise ServiceError(f"no {who} is running on {self.settings.nats_url}; start one (`llmgw up` starts them all)") from e
+            raise NoServiceError(f"no {who} is running on {self.settings.nats_url}; start one (`llmgw up` starts them all)") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
             raise ServiceError(f"the {who} did not answer within {timeout:.0f}s") from e
         except nats.errors.ConnectionClosedError as e:

@@ -13,6 +13,7 @@
     ├── PlanError              a plan request that makes no sense (tp 3 for 64 heads, …)
     ├── ProjectionError        a projector that must stop (disk full, DuckDB file locked)
     ├── ServiceError           an error reply from one of our NATS services
+    │   └── NoServiceError     nobody serves the subject (not started, or gone)
     └── NvmlError              the NVML driver is missing or failed
 
 Messages carry the numbers and the next step; the CLI prints them as
@@ -76,6 +77,10 @@ class ProjectionError(LlmgwError):
 
 class ServiceError(LlmgwError):
     """An error reply from one of our NATS services."""
+
+
+class NoServiceError(ServiceError):
+    """Nobody serves the subject: a caller with another way to the answer may take it."""
 
 
 class NvmlError(LlmgwError):

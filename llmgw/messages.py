@@ -272,6 +272,9 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Ask the projector for the fleet status; idle is judged against this threshold."""
 
     idle_threshold_s: float = 1800.0
+    # Judge idle against this time (the asker's clock, e.g. ``ctl idle``) instead of the
+    # time of the last event folded, which stands still while nothing happens.
+    now: datetime | None = None
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):

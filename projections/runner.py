@@ -311,7 +311,7 @@ class Projector:
     async def handle_status(self, data: bytes) -> bytes:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
-        return m.encode(status_report.report(self.state, None, req.idle_threshold_s))
+        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -7,6 +7,7 @@ import json
 from datetime import timedelta
 
 from click.testing import CliRunner, Result
+from running import until
 from streams import stored
 
 from llmgw import messages as m
@@ -14,7 +15,10 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.cli.idle import human
 from llmgw.cli.main import cli
+from llmgw.config import Settings
+from llmgw.errors import ServiceError
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.projections.runner import Projector
 
 
 async def invoke(nats_url: str, *args: str) -> Result:
@@ -45,7 +49,9 @@ async def test_lists_idle_and_never_unknown(bus: Bus, nats_url: str) -> None:
     await seed(bus)
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--json")
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    assert "no projector is running: replaying the streams here" in r.stderr
+    data = json.loads(r.stdout)
+    assert data["source"] == "replay"
     assert [x["replica_id"] for x in data["idle"]] == ["qwen-r1"]
     assert data["unknown"] == ["qwen-r3"]
     assert data["gpus_held"] == 2
@@ -54,14 +60,57 @@ async def test_lists_idle_and_never_unknown(bus: Bus, nats_url: str) -> None:
 
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m")
     assert r.exit_code == 0
-    lines = r.output.splitlines()
+    lines = r.stdout.splitlines()
     assert lines[0].split() == ["replica", "model", "nodes", "GPUs", "state", "idle", "GPU-hours", "idle"]
     assert lines[1].split()[:6] == ["qwen-r1", "qwen", "n1", "2", "placed", "3h0m"]
     # Idle is measured against now: the seconds this test took may show (10m0s, 10m3s …).
     assert lines[2].split()[:5] == ["qwen-r2", "qwen", "n1", "2", "placed"]
     assert lines[2].split()[5].startswith("10m")
-    assert "2 replicas idle ≥ 5m0s hold 4 GPUs" in r.output
-    assert "1 replica with unknown idle time (no router has reported them) are not counted: qwen-r3" in r.output
+    assert "2 replicas idle ≥ 5m0s hold 4 GPUs" in r.stdout
+    assert "1 replica with unknown idle time (no router has reported them) are not counted: qwen-r3" in r.stdout
+
+
+async def test_asks_the_projector_once_it_has_caught_up(bus: Bus, nats_url: str, settings: Settings) -> None:
+    await seed(bus)
+    replayed = json.loads((await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--json", "--replay")).stdout)
+    assert replayed["source"] == "replay"
+    # A projector that follows only the fleet stream serves status but never catches up: not trusted.
+    stuck = await Bus.connect(settings, "llmgw-test-stuck-projector")
+    task = asyncio.create_task(Projector(stuck, streams=(subjects.STREAM_FLEET,)).run_forever())
+    try:
+        await until(lambda: projector_answers(bus), "the stuck projector serves status")
+        r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--json")
+        assert "the projector is behind the streams (LLMGW_CONTROL 0/" in r.stderr
+        assert json.loads(r.stdout)["source"] == "replay"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stuck.close()
+
+    live = await Bus.connect(settings, "llmgw-test-projector")
+    task = asyncio.create_task(Projector(live).run_forever())
+    try:
+        r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--json")
+        assert r.exit_code == 0 and r.stderr == ""
+        asked = json.loads(r.stdout)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await live.close()
+    assert asked["source"] == "projector"
+    assert [x["replica_id"] for x in asked["idle"]] == [x["replica_id"] for x in replayed["idle"]] == ["qwen-r1", "qwen-r2"]
+    assert asked["unknown"] == replayed["unknown"] == ["qwen-r3"]
+    assert asked["gpus_held"] == 4
+    # Judged against the asker's clock, not the last event's time (which is the seed's idle map).
+    assert all(a["idle_s"] >= b["idle_s"] for a, b in zip(asked["idle"], replayed["idle"], strict=True))
+
+
+async def projector_answers(bus: Bus) -> bool:
+    try:
+        await bus.request(subjects.STATUS, m.encode(m.StatusRequest()), timeout=1)
+    except ServiceError:
+        return False
+    return True
 
 
 async def test_stop_dry_run_then_stop(bus: Bus, nats_url: str) -> None:
@@ -72,12 +121,12 @@ async def test_stop_dry_run_then_stop(bus: Bus, nats_url: str) -> None:
     assert len(await control(bus)) == before
 
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--stop", "--json")
-    assert r.exit_code == 0 and json.loads(r.output)["stopped"] == ["qwen-r1"]
+    assert r.exit_code == 0 and json.loads(r.stdout)["stopped"] == ["qwen-r1"]
     stops = [e for e in await control(bus) if isinstance(e, m.ReplicaStopped)]
     assert [(e.replica_id, e.reason) for e in stops] == [("qwen-r1", "idle")]
 
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h")
-    assert r.output.startswith("no replica idle for 2h0m or more")
+    assert r.stdout.startswith("no replica idle for 2h0m or more")
 
 
 async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:
