@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.projections import status as status_report
-from llmgw.projections.runner import CRASH_ENV, Projector, replay
+from llmgw.projections.runner import CRASH_ENV, GC_THRESHOLDS, Projector, fewer_gc_passes, replay
 from llmgw.projections.store import TABLES, Store
 
 BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
@@ -250,3 +251,12 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
     finally:
         clean_store.close()
     assert expected == m.encode(status_report.report(await replay(bus)))
+
+
+def test_collector_thresholds_are_raised_while_folding_and_restored_after_the_last() -> None:
+    before = gc.get_threshold()
+    with fewer_gc_passes():
+        with fewer_gc_passes():  # two projectors in one process
+            assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_threshold() == GC_THRESHOLDS
+    assert gc.get_threshold() == before != GC_THRESHOLDS
