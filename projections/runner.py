@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ BATCH_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     subjects.STREAM_USAGE: msgspec.json.Decoder(list[m.UsageEvent]),
 }
 
+# Two: the reader folds the next batch while the writer commits one and holds another.
+COMMITS_IN_FLIGHT = 2
 READ_ATTEMPTS = 8  # about a minute of backoff before a projector gives up on a stream
 CRASH_ENV = "LLMGW_PROJECT_CRASH_AT"  # test hook: "N" (inside a commit) or "N:fold" (on the loop)
 
@@ -131,7 +134,8 @@ class Projector:
         self.committed = 0
         self._total = 0
         self._lock = asyncio.Lock()
-        self._inflight: asyncio.Future[None] | None = None
+        self._inflight: deque[asyncio.Future[None]] = deque()
+        self._write_failed: str | None = None
         self._last_commit = time.monotonic()
         self._last_snapshot = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
@@ -215,6 +219,16 @@ class Projector:
     # --- committing -----------------------------------------------------------------
 
     def _write(self, batch: Batch, snapshot: bytes) -> None:
+        """One commit, on the writer thread; after a failed one, none (its rows would be missing)."""
+        if self._write_failed is not None:
+            raise ProjectionError(f"not committed: an earlier commit failed ({self._write_failed})")
+        try:
+            self._write_one(batch, snapshot)
+        except Exception as e:
+            self._write_failed = str(e) or type(e).__name__
+            raise
+
+    def _write_one(self, batch: Batch, snapshot: bytes) -> None:
         assert self.store is not None
         crash = self._crash_at is not None and not self._crash_on_loop and self.committed + batch.events >= self._crash_at
         if self._process is not None:
@@ -232,9 +246,9 @@ class Projector:
         if self.store is None or self._pool is None:
             return
         async with self._lock:
-            if self._inflight is not None:
-                await self._inflight
-                self._inflight = None
+            # Up to COMMITS_IN_FLIGHT batches queue for the writer thread, which commits them
+            # in order; the reader waits only when the writer is that far behind.
+            await self._settle(COMMITS_IN_FLIGHT - 1)
             if not self.batch.events and not force:
                 return
             batch, self.batch = self.batch, Batch()
@@ -243,15 +257,24 @@ class Projector:
             snapshot = encode_state(self.state)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
-            self._inflight = loop.run_in_executor(self._pool, self._write, batch, snapshot)
+            self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, snapshot))
 
     async def flush(self) -> None:
         """Commit what is folded and wait until it is on disk."""
         await self.commit()
         async with self._lock:
-            if self._inflight is not None:
-                await self._inflight
-                self._inflight = None
+            await self._settle(0)
+
+    async def _settle(self, keep: int) -> None:
+        """Await commits in flight, oldest first, until ``keep`` remain; raise the first that failed."""
+        while len(self._inflight) > keep or (self._inflight and self._inflight[0].done()):
+            try:
+                await self._inflight.popleft()
+            except BaseException:
+                # The ones queued behind it wrote nothing; read their errors so none is left unread.
+                await asyncio.gather(*self._inflight, return_exceptions=True)
+                self._inflight.clear()
+                raise
 
     async def _maybe_commit(self) -> None:
         if self.batch.events >= self.commit_every or (
