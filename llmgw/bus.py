@@ -53,6 +53,14 @@ from llmgw.errors import (
 
 log = logging.getLogger(__name__)
 
+# What one reader may have asked nats-server for and not yet received: 3 readers on
+# a connection stay far below the server's 64 MB slow-consumer limit (max_pending).
+READER_BYTES_IN_FLIGHT = 8 << 20
+# Per delivered message beyond its payload: the HMSG line with subject and $JS.ACK
+# reply, and the Nats-Msg-Id header.
+_FRAME_OVERHEAD = 256
+
+
 Handler = Callable[[bytes], Awaitable[bytes]]
 RawHandler = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 # A JetStream delivery as the parser cuts it out: (its reply subject split at the dots,
@@ -560,9 +568,11 @@ class Bus:
         stop_at: int | None = None,
         filter_subjects: Sequence[str] = (),
         idle_expires_s: float = 2.0,
+        max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
     ) -> StreamReader:
         return StreamReader(self, stream, start_seq, batch=batch, stop_at=stop_at,
-                            filter_subjects=filter_subjects, idle_expires_s=idle_expires_s)
+                            filter_subjects=filter_subjects, idle_expires_s=idle_expires_s,
+                            max_bytes_in_flight=max_bytes_in_flight)
 
     def outbox(self, maxlen: int = 10_000) -> Outbox:
         return Outbox(self, maxlen)
@@ -588,11 +598,15 @@ class StreamReader:
         stop_at: int | None,
         filter_subjects: Sequence[str],
         idle_expires_s: float,
+        max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
     ) -> None:
         self.bus = bus
         self.stream = stream
         self.next_seq = max(1, start_seq)
         self.batch = batch
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self._msg_bytes = 0  # unknown until the first messages arrive
+        self._wake_at = batch
         self.stop_at = stop_at
         self.filter_subjects = list(filter_subjects)
         self.expires_ns = int(idle_expires_s * 1e9)
@@ -693,10 +707,11 @@ class StreamReader:
             # sequences only grow, so first and last in place means none is missing.
             self._credit -= len(frames)
             self._expected_dseq += len(frames)
+            self._sized(max(len(frames[0][2]), len(frames[-1][2])))
             new = tuple.__new__
             self._buf.extend([new(RawMsg, (int(t[5 + k]), s.decode(), d, int(t[7 + k]))) for t, s, d in frames])
             self._drained = last[8 + k] == b"0"
-            if len(self._buf) >= self.batch or self._drained:
+            if len(self._buf) >= self._wake_at or self._drained:
                 self._wake.set()
             return
         for t, subject, data in frames:
@@ -728,10 +743,16 @@ class StreamReader:
             self._reset = True  # a gap: recreate from the last sequence handed out
         else:
             self._expected_dseq += 1
+            self._sized(len(data))
             self._buf.append(RawMsg(sseq, subject, data, ts))
             self._drained = last
-        if len(self._buf) >= self.batch or self._reset or self._drained:
+        if len(self._buf) >= self._wake_at or self._reset or self._drained:
             self._wake.set()
+
+    def _sized(self, payload: int) -> None:
+        """Follow the size of this stream's messages: up at once, down slowly."""
+        seen = payload + _FRAME_OVERHEAD
+        self._msg_bytes = max(seen, self._msg_bytes - (self._msg_bytes >> 4)) if self._msg_bytes else seen
 
     def _status(self, status: str, description: str, pending: str | None) -> None:
         if status in ("404", "408", "409"):
@@ -743,8 +764,16 @@ class StreamReader:
         self._wake.set()
 
     async def _pull(self) -> None:
-        want = self.batch * 2 - self._credit
-        if want < self.batch:
+        # Messages asked for and not yet here wait in nats-server's buffer for this
+        # connection, which it drops as a slow consumer past 64 MB. Two batches of
+        # idle maps (2 KB each in a 48-replica fleet, 20 KB at 500) can pass that
+        # whenever the reader stalls for a moment, so the window is in bytes too.
+        # Before the first message, assume the largest the server allows (a few messages).
+        size = self._msg_bytes or (getattr(self.bus.nc, "max_payload", 0) or 1 << 20) + _FRAME_OVERHEAD
+        window = max(1, min(self.batch * 2, self.max_bytes_in_flight // size))
+        self._wake_at = max(1, min(self.batch, window // 2))
+        want = window - self._credit
+        if want < (window + 1) // 2:
             return
         req = json.dumps({"batch": want, "expires": self.expires_ns}).encode()
         await self.bus.nc.publish(

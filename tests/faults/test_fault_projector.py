@@ -11,6 +11,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import timedelta
@@ -200,6 +202,52 @@ async def test_burst_larger_than_a_batch_never_makes_the_projector_slow(
     assert proc.returncode == 0, err.decode()
     record(published=n, projected_live=sum(report.positions.values()), slow_consumers=slow_after - slow_before,
            projector_connections=len(conns))
+
+
+async def test_a_reader_that_stalls_on_big_idle_maps_keeps_the_server_buffer_small(
+    server: Server, bus: Bus, record: Callable[..., None]
+) -> None:
+    # Idle maps of a 4,000-replica fleet are ~200 KB each. What a reader has asked for and
+    # not yet read waits in nats-server's buffer for the connection, which it drops as a
+    # slow consumer past 64 MB: the reader's window is bounded in bytes, not only messages.
+    at = T0 + timedelta(hours=1)
+    maps = [m.IdleMapPublished(at=at + timedelta(seconds=10 * i), router="gw-1", boot_id="b1", tick=i,
+                               last_request={f"replica-{r:05d}": at + timedelta(seconds=i, microseconds=r)
+                                             for r in range(4000)})
+            for i in range(300)]
+    await bus.publish_many(maps)
+    slow_before = int(server.varz().get("slow_consumers", 0))
+    name = "llmgw-test-stalling-reader"
+    reader = await Bus.connect(bus.settings, name)
+    pending: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:  # the server's view of this connection, while its loop stands still
+        while watching.is_set():
+            pending.extend(c.get("pending_bytes", 0) for c in server.connz() if c.get("name") == name)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    try:
+        got: list[int] = []
+        async for batch in reader.reader(subjects.STREAM_USAGE, batch=100, stop_at=len(maps)).batches():
+            if not got:
+                watching.set()
+                watcher.start()
+                time.sleep(2)  # noqa: ASYNC251 - on purpose: the loop stands still, nothing is read
+            got.extend(x.seq for x in batch)
+        reconnects = reader.nc.stats["reconnects"]
+    finally:
+        watching.clear()
+        if watcher.is_alive():
+            watcher.join()
+        await reader.close()
+    slow = int(server.varz().get("slow_consumers", 0)) - slow_before
+    record(messages=len(maps), message_bytes=len(m.encode(maps[0])), max_pending_bytes=max(pending, default=0),
+           slow_consumers=slow, reconnects=reconnects)
+    assert got == list(range(1, len(maps) + 1))
+    assert (slow, reconnects) == (0, 0)
+    assert pending and max(pending) <= 12 << 20  # the reader's 8 MiB window, and some slack
 
 
 def _limit_file_size(limit: int) -> Callable[[], None]:
