@@ -3,7 +3,10 @@ the raw read rate, the projector's rate from zero into DuckDB, and ``ctl status`
 
 The raw read is measured twice: through nats-py's own message path (its parser,
 a ``Msg`` per message, a client-driven pull loop: what nats-py can do) and
-through ``Bus.reader``'s fast lane (what the projector reads with).
+through ``Bus.reader``'s fast lane (what the projector reads with). The same
+read, decode and fold with no store shows what is left for DuckDB, and each
+step prints its CPU per event: this process, the DuckDB writer process, and
+the embedded nats-server (from /proc).
 
     .venv/bin/python benchmarks/replay.py                 # embedded nats-server, 1M events
     .venv/bin/python benchmarks/replay.py --events 200000 # quicker
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shutil
 import statistics
@@ -128,6 +132,32 @@ async def publish(bus: Bus, events: Iterator[m.Event], window: int) -> tuple[int
     return n, time.perf_counter() - start
 
 
+class Cpu:
+    """CPU seconds from here on: this process, its finished children (the DuckDB writer), nats-server."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.server_pid = server_pid
+        self.start = self._now()
+
+    def _now(self) -> tuple[float, float, float]:
+        t = os.times()
+        server = 0.0
+        if self.server_pid is not None:
+            fields = Path(f"/proc/{self.server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return t.user + t.system, t.children_user + t.children_system, server
+
+    def per_event(self, n: int) -> str:
+        now = self._now()
+        reader, writer, server = ((b - a) / n * 1e6 for a, b in zip(self.start, now, strict=True))
+        parts = [f"reading process {reader:.1f} µs"]
+        if writer:
+            parts.append(f"writer process {writer:.1f} µs")
+        if self.server_pid is not None:
+            parts.append(f"nats-server {server:.1f} µs")
+        return ", ".join(parts)
+
+
 async def raw_read(bus: Bus) -> tuple[int, float]:
     """Every history stream read concurrently with Bus.reader, nothing decoded."""
     count = 0
@@ -176,18 +206,32 @@ async def main(args: argparse.Namespace) -> None:
               "(identical events are stored once): "
               + ", ".join(f"{k.removeprefix('LLMGW_').lower()} {v:,}" for k, v in sizes.items()))
 
+        server_pid = server.proc.pid if server is not None and server.proc is not None else None
         plain = await Bus.connect(settings, "llmgw-bench-plain", fast_reads=False)
+        cpu = Cpu(server_pid)
         nats_n, nats_s = await raw_read(plain)
         await plain.close()
         nats_rate = nats_n / nats_s
         print(f"raw read:  {nats_n:,} msgs in {nats_s:.2f}s = {nats_rate:,.0f} msgs/s "
-              "(nats-py's message path, client-driven pull loop, no decode)")
+              f"(nats-py's message path, client-driven pull loop, no decode); CPU per event: {cpu.per_event(nats_n)}")
+        cpu = Cpu(server_pid)
         raw_n, raw_s = await raw_read(bus)
         raw_rate = raw_n / raw_s
-        print(f"raw read:  {raw_n:,} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msgs/s (Bus.reader's fast lane, no decode)")
+        print(f"raw read:  {raw_n:,} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msgs/s (Bus.reader's fast lane, no decode); "
+              f"CPU per event: {cpu.per_event(raw_n)}")
+
+        # The same read, decode and fold with no store: what is left for DuckDB.
+        cpu = Cpu(server_pid)
+        start = time.perf_counter()
+        folder = Projector(bus, None)
+        await folder.run_once()
+        fold_s = time.perf_counter() - start
+        print(f"fold only: {folder.folded:,} events in {fold_s:.2f}s = {folder.folded / fold_s:,.0f} events/s "
+              f"(read, decode, fold; no DuckDB); CPU per event: {cpu.per_event(folder.folded)}")
 
         db = work / "bench.duckdb"
         store = Store(db)
+        cpu = Cpu(server_pid)
         start = time.perf_counter()
         projector = Projector(bus, store, writer_process=not args.writer_thread,
                               commit_interval_s=args.commit_interval)
@@ -198,7 +242,8 @@ async def main(args: argparse.Namespace) -> None:
         print(f"projector: {projector.folded:,} events in {proj_s:.2f}s = {proj_rate:,.0f} events/s "
               f"({proj_rate / nats_rate:.0%} of nats-py's raw read, {proj_rate / raw_rate:.0%} of the fast lane's) "
               f"into {db.stat().st_size / 2**20:,.0f} MiB of DuckDB")
-        print(f"           {len(state.nodes)} nodes, {len(state.replicas)} replicas, {len(state.routers)} routers")
+        print(f"           {len(state.nodes)} nodes, {len(state.replicas)} replicas, {len(state.routers)} routers; "
+              f"CPU per event: {cpu.per_event(projector.folded)}")
 
         store = Store(db)
         live = Projector(bus, store)
