@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -80,22 +81,25 @@ class Stop:
 GC_THRESHOLDS = (50_000, 20, 10)
 _gc_users = 0
 _gc_saved = gc.get_threshold()
+_gc_lock = threading.Lock()  # projectors may fold in several threads (ctl status --replay next to a live one)
 
 
 @contextlib.contextmanager
 def fewer_gc_passes() -> Iterator[None]:
     """Raise the collector's thresholds while any projector folds; put them back after the last."""
     global _gc_users, _gc_saved
-    if _gc_users == 0:
-        _gc_saved = gc.get_threshold()
-        gc.set_threshold(*GC_THRESHOLDS)
-    _gc_users += 1
+    with _gc_lock:
+        if _gc_users == 0:
+            _gc_saved = gc.get_threshold()
+            gc.set_threshold(*GC_THRESHOLDS)
+        _gc_users += 1
     try:
         yield
     finally:
-        _gc_users -= 1
-        if _gc_users == 0:
-            gc.set_threshold(*_gc_saved)
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0:
+                gc.set_threshold(*_gc_saved)
 
 
 def _kill_self() -> None:
@@ -266,15 +270,27 @@ class Projector:
             await self._settle(0)
 
     async def _settle(self, keep: int) -> None:
-        """Await commits in flight, oldest first, until ``keep`` remain; raise the first that failed."""
+        """Await commits in flight, oldest first, until ``keep`` remain; raise the first that failed.
+
+        Shielded: a cancelled wait must not cancel a commit still queued on the
+        writer thread, or it would be skipped and the next one written after it.
+        """
         while len(self._inflight) > keep or (self._inflight and self._inflight[0].done()):
             try:
-                await self._inflight.popleft()
+                await asyncio.shield(self._inflight[0])
+            except asyncio.CancelledError:
+                if not self._inflight[0].cancelled():
+                    raise  # our wait was cancelled; the commit goes on and stays in line
+                self._write_failed = self._write_failed or "a commit was cancelled before it ran"
+                self._inflight.popleft()
+                raise
             except BaseException:
-                # The ones queued behind it wrote nothing; read their errors so none is left unread.
-                await asyncio.gather(*self._inflight, return_exceptions=True)
+                # The ones queued behind it write nothing; read their errors so none is left unread.
+                self._inflight.popleft()
+                await asyncio.gather(*(asyncio.shield(f) for f in self._inflight), return_exceptions=True)
                 self._inflight.clear()
                 raise
+            self._inflight.popleft()
 
     async def _maybe_commit(self) -> None:
         if self.batch.events >= self.commit_every or (
@@ -346,8 +362,8 @@ class Projector:
                 await asyncio.gather(*(self._read(stream, None) for stream in self.streams))
         finally:
             ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            with contextlib.suppress(asyncio.CancelledError, ProjectionError):
+                await ticker  # a commit that failed on the ticker is raised by the flush below too
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
