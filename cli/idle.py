@@ -65,8 +65,10 @@ async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[
     """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
     import asyncio
 
+    import msgspec
+
     from llmgw import subjects
-    from llmgw.errors import NoServiceError
+    from llmgw.errors import NoServiceError, ServiceError
 
     heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
     req = m.encode(m.StatusRequest(idle_threshold_s=older_than_s, now=now))
@@ -74,10 +76,13 @@ async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[
     while True:
         try:
             data = await bus.request(subjects.STATUS, req, service="projector (status service)")
+            report = m.STATUS_REPORT_DECODER.decode(data)
         except NoServiceError:
             click.echo("no projector is running: replaying the streams here (slower on a long history)", err=True)
             return None
-        report = m.STATUS_REPORT_DECODER.decode(data)
+        except (ServiceError, msgspec.DecodeError) as e:  # no answer in time, an error, another version
+            click.echo(f"the projector could not answer ({e}): replaying the streams here", err=True)
+            return None
         behind = {s: seq for s, seq in heads.items() if report.positions.get(s, 0) < seq}
         if not behind:
             break

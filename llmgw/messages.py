@@ -9,7 +9,7 @@ an event; a reader accepts newer versions and ignores fields it does not know.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -274,7 +274,7 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     idle_threshold_s: float = 1800.0
     # Judge idle against this time (the asker's clock, e.g. ``ctl idle``) instead of the
     # time of the last event folded, which stands still while nothing happens.
-    now: datetime | None = None
+    now: Annotated[datetime, msgspec.Meta(tz=True)] | None = None
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):

@@ -90,6 +90,7 @@ async def test_asks_the_projector_once_it_has_caught_up(bus: Bus, nats_url: str,
     live = await Bus.connect(settings, "llmgw-test-projector")
     task = asyncio.create_task(Projector(live).run_forever())
     try:
+        await until(lambda: projector_answers(bus), "the projector serves status")
         r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--json")
         assert r.exit_code == 0 and r.stderr == ""
         asked = json.loads(r.stdout)
