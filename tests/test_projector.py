@@ -253,6 +253,14 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
     assert expected == m.encode(status_report.report(await replay(bus)))
 
 
+async def test_a_projector_folds_with_fewer_collector_passes(bus: Bus) -> None:
+    await publish(bus, small_fleet())
+    seen: set[tuple[int, ...]] = set()
+    await Projector(bus, None, progress=lambda done, total: seen.add(gc.get_threshold())).run_once()
+    assert seen == {GC_THRESHOLDS}
+    assert gc.get_threshold() != GC_THRESHOLDS
+
+
 def test_collector_thresholds_are_raised_while_folding_and_restored_after_the_last() -> None:
     before = gc.get_threshold()
     with fewer_gc_passes():

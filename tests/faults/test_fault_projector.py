@@ -231,11 +231,11 @@ async def test_a_reader_that_stalls_on_big_idle_maps_keeps_the_server_buffer_sma
     try:
         got: list[int] = []
         async for batch in reader.reader(subjects.STREAM_USAGE, batch=100, stop_at=len(maps)).batches():
-            if not got:
+            got.extend(x.seq for x in batch)
+            if len(got) >= 50 and not watcher.is_alive():  # the window sized from what arrived
                 watching.set()
                 watcher.start()
                 time.sleep(2)  # noqa: ASYNC251 - on purpose: the loop stands still, nothing is read
-            got.extend(x.seq for x in batch)
         reconnects = reader.nc.stats["reconnects"]
     finally:
         watching.clear()
