@@ -248,7 +248,9 @@ def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterVie
     benchmark's week), and every checkpoint would carry them all. Only a router
     that kept its boot is evidence: one that restarted and knows nothing yet
     says nothing about what stopped. The usage stream alone decides, so the
-    result does not depend on how the streams interleave.
+    result does not depend on how the streams interleave. A replica comes
+    back only with a newer request or serving time, so idleness is never
+    overstated; one that left every map while unhealthy is unknown until then.
     """
     if before.last_request.keys() == event.last_request.keys() and before.serving_since.keys() == event.serving_since.keys():
         return  # the same replicas as last tick (most ticks): nothing left
