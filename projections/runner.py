@@ -350,6 +350,10 @@ class Projector:
                 await asyncio.gather(*(self._read(stream, stops.get(stream)) for stream in self.streams))
             await self.flush()
         finally:
+            # After a failed read, commits still queued finish (each a whole prefix). The read's
+            # error is the one raised; one of theirs is read here rather than left in a future.
+            with contextlib.suppress(Exception):
+                await self._settle(0)
             self.close()
         return self.state
 
