@@ -555,7 +555,12 @@ class Bus:
                 with contextlib.suppress(nats.errors.Error):
                     await msg.respond(reply)
 
-        return await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        # Once serve() returns the server knows the subscription: a service that then says
+        # it is ready is reachable, not "no responders" for one round trip.
+        with contextlib.suppress(nats.errors.Error, TimeoutError):  # disconnected: sent on reconnect
+            await self.nc.flush(timeout=max(1, round(self.settings.request_timeout_s)))
+        return sub
 
     # --- read ------------------------------------------------------------------------------
 
