@@ -230,9 +230,7 @@ def add_idle_rows(batch: Batch, stream: str, seq: int, event: m.IdleMapPublished
     batch.rows["stage_maps"].append((stream, seq, micros(event.at), event.router, event.tick))
     out = batch.rows["stage_idle"]
     for r in sorted(changed):
-        lr, ss = last.get(r), serving.get(r)
-        out.append((stream, seq, r, None if lr is None else round(lr.timestamp() * 1e6),
-                    None if ss is None else round(ss.timestamp() * 1e6)))
+        out.append((stream, seq, r, micros(last.get(r)), micros(serving.get(r))))
 
 
 def idle_stub(event: m.IdleMapPublished) -> bytes:
