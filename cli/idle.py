@@ -11,7 +11,7 @@ import click
 from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
-from llmgw.scheduler import IdleRow, idle_report
+from llmgw.scheduler import IdleRow, idle_report, longest_idle_first
 
 
 def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float:
@@ -93,7 +93,7 @@ async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[
         await asyncio.sleep(0.2)
     rows = [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
             for r in report.idle]
-    return sorted(rows, key=lambda x: (x.idle_s is None, -(x.idle_s or 0.0), x.replica_id))
+    return longest_idle_first(rows)
 
 
 async def stop_replicas(settings: Settings, rows: list[IdleRow], older_than_s: float) -> list[int]:

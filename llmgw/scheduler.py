@@ -339,4 +339,9 @@ def idle_report(state: FleetState, now: datetime) -> list[IdleRow]:
         since = state.idle_since(r.replica_id)
         idle = max((now - since).total_seconds(), 0.0) if since is not None else None
         rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since))
+    return longest_idle_first(rows)
+
+
+def longest_idle_first(rows: list[IdleRow]) -> list[IdleRow]:
+    """Longest idle first, unknown last, by replica id within a tie."""
     return sorted(rows, key=lambda x: (x.idle_s is None, -(x.idle_s or 0.0), x.replica_id))
