@@ -36,10 +36,9 @@ from llmgw.projections.store import (
     Batch,
     Store,
     add_event_rows,
-    add_idle_rows,
     add_unprojected,
     encode_state,
-    idle_stub,
+    idle_payload,
 )
 from llmgw.projections.writer import ProcessWriter
 
@@ -176,15 +175,13 @@ class Projector:
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
         if self.store is not None:
-            payloads = datas  # idle maps' replaced by their stubs below
-            rows = self.batch
+            payloads = datas  # idle maps' replaced by what changed in them, below
             idle = m.IdleMapPublished
-            for i, (raw, event) in enumerate(zip(msgs, decoded, strict=True)):
+            for i, event in enumerate(decoded):
                 if type(event) is idle:
-                    add_idle_rows(rows, stream, raw.seq, event, state.routers.get(event.router))
-                    payloads[i] = idle_stub(event)
+                    payloads[i] = idle_payload(event, state.routers.get(event.router))
                 apply(state, event)
-            rows.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs], payloads)
+            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs], payloads)
         else:
             for event in decoded:
                 apply(state, event)

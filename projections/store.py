@@ -74,16 +74,13 @@ TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 # messages of the decoded events as four strings (sequences, subjects, stored
 # times, payloads), which DuckDB splits into rows and parses once, in the same
 # statement, into stage_parsed; one INSERT … SELECT per table then derives the
-# typed columns, the GPU health incidents and the replica lifecycle inside the
-# commit's transaction, in DuckDB's own threads. The idle history, which needs
-# the router's previous map, comes through the appender: a row per idle map
-# that changed (stage_maps) and a short row per changed entry (stage_idle).
+# typed columns, the GPU health incidents, the replica lifecycle and the idle
+# history inside the commit's transaction, in DuckDB's own threads. An idle
+# map's payload is replaced by what changed since its router's previous map
+# (``idle_payload``), which only the fold knows.
 STAGING = """
 CREATE TEMP TABLE IF NOT EXISTS stage_parsed (
     stream VARCHAR, seq BIGINT, subject VARCHAR, stored_ns BIGINT, json VARCHAR, ts TIMESTAMPTZ, x VARCHAR[]);
-CREATE TEMP TABLE IF NOT EXISTS stage_maps (stream VARCHAR, seq BIGINT, ts_us BIGINT, router VARCHAR, tick BIGINT);
-CREATE TEMP TABLE IF NOT EXISTS stage_idle (
-    stream VARCHAR, seq BIGINT, replica_id VARCHAR, last_request_us BIGINT, serving_since_us BIGINT);
 """
 
 # One chunk: the stream, then comma-separated sequences, newline-separated subjects
@@ -120,16 +117,18 @@ SELECT stream, seq, ts, x[8], x[5],
        CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END
 FROM stage_parsed WHERE x[1] IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
 INSERT INTO idle_history
-SELECT stream, seq, make_timestamptz(ts_us), router, tick, replica_id, make_timestamptz(last_request_us),
-       make_timestamptz(serving_since_us),
+SELECT stream, seq, ts, router, tick, replica_id, last_request, serving_since,
        -- ts - the newer of the two times (the same float as Python's timedelta.total_seconds()), -1: unknown
-       CASE WHEN newest IS NULL THEN -1.0 ELSE greatest(0.0, (ts_us - newest) / 1e6) END
-FROM (SELECT *, greatest(coalesce(last_request_us, serving_since_us), coalesce(serving_since_us, last_request_us))
-                AS newest
-      FROM stage_idle JOIN stage_maps USING (stream, seq));
+       CASE WHEN newest IS NULL THEN -1.0 ELSE greatest(0.0, (epoch_us(ts) - epoch_us(newest)) / 1e6) END
+FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving_since, last_request)) AS newest
+      FROM (SELECT stream, seq, ts, m.router, m.tick, c[1] AS replica_id, c[2]::TIMESTAMPTZ AS last_request,
+                   c[3]::TIMESTAMPTZ AS serving_since
+            FROM (SELECT stream, seq, ts, m, unnest(m.changes) AS c
+                  FROM (SELECT stream, seq, ts,
+                               json_transform(json, '{"router": "VARCHAR", "tick": "BIGINT", "changes": [["VARCHAR"]]}')
+                               AS m
+                        FROM stage_parsed WHERE x[1] = 'IdleMapPublished'))));
 DELETE FROM stage_parsed;
-DELETE FROM stage_maps;
-DELETE FROM stage_idle;
 """
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
@@ -158,7 +157,7 @@ class Batch:
     """
 
     rows: dict[str, list[tuple[Any, ...]]] = field(
-        default_factory=lambda: {"stage_maps": [], "stage_idle": [], "unprojected_events": []})
+        default_factory=lambda: {"unprojected_events": []})
     raw: dict[str, tuple[list[int], list[str], list[int], list[bytes]]] = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
     events: int = 0
@@ -193,57 +192,55 @@ class Batch:
         return self
 
 
-def micros(t: datetime | None) -> int | None:
-    """A time as integer microseconds since the epoch (exact: the error of the float is < 0.5 µs)."""
-    return None if t is None else round(t.timestamp() * 1e6)
-
-
 def _join(items: tuple[str, ...]) -> str:
     return ",".join(items)
 
 
-def add_idle_rows(batch: Batch, stream: str, seq: int, event: m.IdleMapPublished, prev: RouterView | None) -> None:
-    """A row per replica whose entry in this router's map changed (appeared, moved, or vanished).
+class _IdleChanges(msgspec.Struct, tag="IdleMapPublished", tag_field="type"):
+    """What an idle map leaves for DuckDB: its time, router and tick, and the entries that changed."""
+
+    at: datetime
+    router: str
+    tick: int
+    changes: list[tuple[str, datetime | None, datetime | None]]  # replica, last request, serving since
+
+
+_IDLE_ENCODER = msgspec.json.Encoder()
+
+
+def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
+    """An idle map as DuckDB gets it: a change per replica whose entry appeared, moved, or vanished.
 
     ``prev`` is the router's map this one follows. Repeating an unchanged entry
     every tick would write routers × replicas rows per tick; the changes carry
     the same history and an idle stretch is the gap between two of them. A busy
-    fleet changes tens of entries a tick, so a row is only (stream, seq,
-    replica, two times in µs); the map's own columns and ``idle_s`` are joined
-    and computed in DuckDB.
+    fleet changes tens of entries a tick, so Python only finds which (the fold
+    has the previous map at hand) and encodes them in one call; DuckDB turns
+    them into idle_history rows and computes ``idle_s``.
     """
     last, serving = event.last_request, event.serving_since
     if prev is not None and prev.boot_id == event.boot_id:
         plast, pserving = prev.last_request, prev.serving_since
         if last == plast and serving == pserving:
-            return  # the common quiet tick: nothing moved
-        # Appeared or moved, then vanished; iterated in C, since most entries are unchanged.
-        changed = set(compress(last, map(ne, last.values(), map(plast.get, last))))
-        changed.update(compress(serving, map(ne, serving.values(), map(pserving.get, serving))))
-        changed.update(plast.keys() - last.keys(), pserving.keys() - serving.keys())
+            changed: set[str] = set()  # the common quiet tick: nothing moved
+        else:
+            # Appeared or moved, then vanished; iterated in C, since most entries are unchanged.
+            changed = set(compress(last, map(ne, last.values(), map(plast.get, last))))
+            changed.update(compress(serving, map(ne, serving.values(), map(pserving.get, serving))))
+            changed.update(plast.keys() - last.keys(), pserving.keys() - serving.keys())
     else:  # a first map, or a restarted router: everything it says (or forgot) is news
         changed = last.keys() | serving.keys()
         if prev is not None:
             changed |= prev.last_request.keys() | prev.serving_since.keys()
-    if not changed:
-        return
-    batch.rows["stage_maps"].append((stream, seq, micros(event.at), event.router, event.tick))
-    out = batch.rows["stage_idle"]
-    for r in sorted(changed):
-        out.append((stream, seq, r, micros(last.get(r)), micros(serving.get(r))))
-
-
-def idle_stub(event: m.IdleMapPublished) -> bytes:
-    """What ``events`` needs of an idle map (its type and time): the map itself goes to idle_history."""
-    return b'{"type":"IdleMapPublished","at":' + msgspec.json.encode(event.at) + b"}"
+    return _IDLE_ENCODER.encode(_IdleChanges(
+        event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)]))
 
 
 def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event,
                    prev_router: RouterView | None = None) -> None:
     """The rows one decoded event adds; ``prev_router`` is the map an IdleMapPublished follows."""
     if type(event) is m.IdleMapPublished:
-        add_idle_rows(batch, stream, seq, event, prev_router)
-        data = idle_stub(event)
+        data = idle_payload(event, prev_router)
     batch.add_raw(stream, [seq], [subject], [ts_ns], [data])
 
 

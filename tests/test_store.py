@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
@@ -52,6 +52,31 @@ def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
     assert store.query("SELECT name, replicas_wanted, replicas_placed FROM models ORDER BY name") == [
         ("deepseek-v3", 1, 0), ("gemma-9b", 1, 1), ("llama-70b", 1, 1), ("qwen-8b", 1, 1)]
     assert store.query("SELECT name, lost FROM nodes WHERE lost") == [("n5", True)]
+    store.close()
+
+
+def test_idle_history_keeps_microseconds_and_offsets_exactly(duckdb_path: Path) -> None:
+    """DuckDB parses the changed entries' times itself: the same instants, and idle_s as Python computes it."""
+    at = datetime(2026, 3, 2, 10, 0, 0, 250_000, tzinfo=UTC)
+    plus2 = timezone(timedelta(hours=2))
+    last = datetime(2026, 3, 2, 11, 58, 59, 123_457, tzinfo=plus2)  # 09:58:59.123457 UTC
+    since = datetime(2026, 3, 2, 9, 0, 0, 1, tzinfo=UTC)
+    maps = [
+        m.IdleMapPublished(at=at, router="rt", boot_id="b1", tick=1, last_request={"r1": last},
+                           serving_since={"r2": since}),
+        m.IdleMapPublished(at=at + timedelta(seconds=10), router="rt", boot_id="b1", tick=2,
+                           last_request={"r1": last}, serving_since={"r2": since}),  # unchanged: no rows
+        m.IdleMapPublished(at=at + timedelta(seconds=20), router="rt", boot_id="b1", tick=3,
+                           last_request={"r1": last}),  # r2 vanished
+    ]
+    store = Store(duckdb_path)
+    store.commit(batch_of(maps, FleetState()), encode_state(FleetState()))
+    assert store.query("SELECT tick, replica_id, last_request, serving_since, idle_s FROM idle_history "
+                       "ORDER BY tick, replica_id") == [
+        (1, "r1", last, None, (at - last).total_seconds()),
+        (1, "r2", None, since, (at - since).total_seconds()),
+        (3, "r2", None, None, -1.0),
+    ]
     store.close()
 
 
