@@ -84,8 +84,9 @@ CREATE TEMP TABLE IF NOT EXISTS stage_parsed (
 """
 
 # One chunk: the stream, then comma-separated sequences, newline-separated subjects
-# (a subject has no whitespace), comma-separated stored times (ns), newline-separated
-# payloads (a payload's line breaks, JSON whitespace, are made spaces when packed).
+# (a subject has no whitespace), comma-separated stored times (ns), and payloads
+# separated by the ASCII record separator, chr(30): JSON allows no raw control
+# character, so no payload msgspec decoded holds one, and each is stored as published.
 _STAGE_CHUNK = """
 INSERT INTO stage_parsed
 SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json, try_cast(x[2] AS TIMESTAMPTZ), x
@@ -93,7 +94,7 @@ FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[
                                            '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
                                            '$.healthy', '$.state', '$.detail', '$.reason']) AS x
       FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
-                   unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(10))) AS json))
+                   unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json))
 """  # (casting outside the unnest is a third faster than inside)
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
@@ -182,10 +183,7 @@ class Batch:
         for stream, (seqs, subjects, stored, payloads) in self.raw.items():
             if not seqs:
                 continue
-            blob = b"\n".join(payloads)
-            if blob.count(b"\n") != len(payloads) - 1:
-                # A raw line break can only be whitespace between JSON tokens: a space says the same.
-                blob = b"\n".join([p.replace(b"\r\n", b" ").replace(b"\n", b" ") for p in payloads])
+            blob = b"\x1e".join(payloads)
             self.chunks.append((stream, ",".join(map(str, seqs)), "\n".join(subjects),
                                 ",".join(map(str, stored)), blob.decode("utf-8", "replace")))
         self.raw = {}
