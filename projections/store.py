@@ -92,13 +92,15 @@ INSERT INTO stage_parsed
 SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json, try_cast(x[2] AS TIMESTAMPTZ), x
 FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
                                            '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
-                                           '$.healthy', '$.state', '$.detail', '$.reason']) AS x
+                                           '$.healthy', '$.state', '$.detail', '$.reason', '$.nodes', '$.gpus',
+                                           '$.reasons']) AS x
       FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
                    unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json))
 """  # (casting outside the unnest is a third faster than inside)
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
-#    healthy, state, detail, reason
+#    healthy, state, detail, reason, nodes, gpus, reasons (the last three as JSON text, so that
+#    no query parses a whole payload a second time)
 _FROM_STAGE = """
 INSERT INTO events
 SELECT stream, seq, subject, x[1], ts, make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
@@ -106,15 +108,15 @@ SELECT stream, seq, subject, x[1], ts, make_timestamptz(stored_ns // 1000), coal
 FROM stage_parsed;
 INSERT INTO gpu_health
 SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN,
-       coalesce(array_to_string(json_extract_string(json, '$.reasons[*]'), ','), '')
+       coalesce(array_to_string(x[17]::JSON::VARCHAR[], ','), '')
 FROM stage_parsed WHERE x[1] = 'GpuHealthChanged';
 INSERT INTO replica_lifecycle
 SELECT stream, seq, ts, x[8], x[5],
        CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE 'state' END,
        CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE x[12] END,
-       CASE x[1] WHEN 'ReplicaPlaced' THEN array_to_string(json_extract_string(json, '$.nodes[*]'), ',')
+       CASE x[1] WHEN 'ReplicaPlaced' THEN array_to_string(x[15]::JSON::VARCHAR[], ',')
                  WHEN 'ReplicaStateChanged' THEN x[3] END,
-       CASE x[1] WHEN 'ReplicaPlaced' THEN json_array_length(json, '$.gpus')::INTEGER END,
+       CASE x[1] WHEN 'ReplicaPlaced' THEN json_array_length(x[16])::INTEGER END,
        CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END
 FROM stage_parsed WHERE x[1] IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
 INSERT INTO idle_history
