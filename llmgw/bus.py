@@ -24,6 +24,7 @@ import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, AnyStr, NamedTuple
 
 import msgspec
@@ -425,13 +426,22 @@ class Bus:
 
     async def stream_last_seq(self, stream: str) -> int:
         """The last sequence stored in a stream (0 when empty)."""
+        return (await self.stream_head(stream))[0]
+
+    async def stream_head(self, stream: str) -> tuple[int, str]:
+        """A stream's last sequence (0 when empty) and when JetStream created it (ISO 8601).
+
+        The creation time tells one incarnation of a stream from another: a
+        stream deleted and declared again restarts at sequence 1 under the same name.
+        """
         try:
             info = await self.js.stream_info(stream)
         except nats.js.errors.NotFoundError as e:
             raise BusError(f"stream {stream} does not exist; start the control plane once (`llmgw up`) to declare it") from e
         except _RETRYABLE as e:
             raise BusError(f"JetStream did not answer for stream {stream}") from e
-        return int(info.state.last_seq)
+        created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
+        return int(info.state.last_seq), created
 
     async def key_value(self, bucket: str, ttl_s: float) -> KeyValue:
         """A KV bucket, created if missing (the scheduler's lease)."""

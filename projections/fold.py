@@ -97,6 +97,9 @@ class FleetState:
     # the last sequence folded per stream, and events that could not be decoded.
     positions: dict[str, int] = field(default_factory=dict)
     unprojected: int = 0
+    # When JetStream created each stream read (its identity: a stream deleted and
+    # declared again restarts at sequence 1 under the same name).
+    stream_created: dict[str, str] = field(default_factory=dict)
 
     # --- derived views, computed when asked ----------------------------------
 

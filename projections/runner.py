@@ -255,6 +255,7 @@ class Projector:
             batch, self.batch = self.batch, Batch()
             # Streams arrive in any order; sorted positions make the same state the same bytes.
             self.state.positions = dict(sorted(self.state.positions.items()))
+            self.state.stream_created = dict(sorted(self.state.stream_created.items()))
             snapshot = encode_state(self.state)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -315,7 +316,34 @@ class Projector:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+    async def _check_same_stream(self, stream: str) -> None:
+        """Refuse to go on from positions folded out of another incarnation of a stream.
+
+        A stream deleted and declared again (storage lost, restored from an
+        older backup, re-created to change its config) restarts at sequence 1.
+        Reading on from the old position would skip the new stream's events
+        until it grew past it, and status would show a stale fleet with no error.
+        """
+        last, created = await self.bus.stream_head(stream)
+        folded = self.state.positions.get(stream, 0)
+        known = self.state.stream_created.get(stream)
+        if known is not None and created and known != created:
+            why = f"it was created at {created}, and what is folded here came from one created at {known}"
+        elif folded > last:
+            why = f"{folded:,} of its messages are folded here, but it ends at sequence {last:,}"
+        else:
+            if created:
+                self.state.stream_created[stream] = created
+            return
+        where = f"{self.store.path} is" if self.store is not None else "this fold is"
+        raise ProjectionError(
+            f"{stream} is not the stream {where} projected from: {why} (deleted and declared again, or "
+            "restored from an older backup). Move the file away and run `llmgw project` again to rebuild "
+            "it from what the streams hold now (or give --db a new file)"
+        )
+
     async def _read_from_position(self, stream: str, stop: Stop | None) -> None:
+        await self._check_same_stream(stream)
         start = self.state.positions.get(stream, 0) + 1
         stop_at = stop.seq if stop is not None else None
         if stop_at is not None and start > stop_at:

@@ -24,6 +24,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
+from llmgw.errors import ProjectionError
 from llmgw.projections import status as status_report
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,
@@ -33,7 +34,7 @@ from llmgw.projections.runner import (
     fewer_gc_passes,
     replay,
 )
-from llmgw.projections.store import TABLES, Store
+from llmgw.projections.store import TABLES, Batch, Store, encode_state
 
 BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
@@ -249,6 +250,9 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
     at = crash.draw(st.integers(1, len(events)), label="crash at event")
     name = f"{abs(hash((repr(events), at, commit_every, on_loop)))}"
     clean, crashed = tmp_path / f"clean-{name}.duckdb", tmp_path / f"crashed-{name}.duckdb"
+    for path in (clean, crashed):  # hypothesis replays an example under the same name, on new streams
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".wal").unlink(missing_ok=True)
     await project_once(bus, clean)
     await crash_then_resume(settings, bus, crashed, f"{at}:fold" if on_loop else str(at), commit_every)
     assert tables(crashed) == tables(clean)
@@ -285,6 +289,39 @@ async def test_cancelled_while_commits_are_queued_loses_no_rows(bus: Bus, tmp_pa
     assert 0 < len(partial["events"]) < len(tables(clean)["events"])  # stopped midway, after some commits
     await project_once(bus, cancelled)
     assert tables(cancelled) == tables(clean)
+
+
+async def test_a_stream_declared_again_is_refused_not_read_past(bus: Bus, tmp_path: Path) -> None:
+    """A stream deleted and declared again restarts at sequence 1: reading on from the old
+    checkpoint would skip its events with no error. The projector stops and says what to do."""
+    await fresh_streams(bus)
+    await publish(bus, small_fleet()[:6])
+    path = tmp_path / "old.duckdb"
+    await project_once(bus, path)
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())  # the new streams already reach past the old checkpoint
+    with pytest.raises(ProjectionError, match=r"LLMGW_\w+ is not the stream .*old.duckdb is projected from: "
+                                              r"it was created at .*Move the file away"):
+        await project_once(bus, path)
+    # A file from before streams were told apart (no creation times) is caught by its positions.
+    store = Store(path)
+    try:
+        state = store.load()
+        state.stream_created.clear()
+        store.commit(Batch(), encode_state(state))
+    finally:
+        store.close()
+    await fresh_streams(bus)
+    await publish(bus, small_fleet()[:2])
+    with pytest.raises(ProjectionError, match=r"messages are folded here, but it ends at sequence"):
+        await project_once(bus, path)
+    fresh = tmp_path / "new.duckdb"
+    await project_once(bus, fresh)  # the next step the error gives: a new file
+    assert dict(tables(fresh)["checkpoint"]) == {k: v for k, v in (await _heads(bus)).items() if v}
+
+
+async def _heads(bus: Bus) -> dict[str, int]:
+    return {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
 
 
 async def test_a_projector_folds_with_fewer_collector_passes(bus: Bus) -> None:
