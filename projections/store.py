@@ -1,7 +1,8 @@
 """The DuckDB store: schema, row batches, and the checkpoint; the only module importing duckdb.
 
-One ``commit`` writes a batch's history rows (through the appender), rebuilds
-the current views from the folded state, and records the stream positions and
+One ``commit`` writes a batch's history rows (derived in SQL from the raw
+payloads; undecodable ones through the appender), rebuilds the current views
+from the folded state, and records the stream positions and
 an encoded FleetState, all in one transaction. A resumed projector loads that
 state and those positions and goes on exactly where the commit left it.
 """
@@ -159,8 +160,7 @@ class Batch:
     of four strings, which is all a commit hands DuckDB for them.
     """
 
-    rows: dict[str, list[tuple[Any, ...]]] = field(
-        default_factory=lambda: {"unprojected_events": []})
+    rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=lambda: {"unprojected_events": []})
     raw: dict[str, tuple[list[int], list[str], list[int], list[bytes]]] = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
     events: int = 0
