@@ -338,8 +338,8 @@ class Projector:
         where = f"{self.store.path} is" if self.store is not None else "this fold is"
         raise ProjectionError(
             f"{stream} is not the stream {where} projected from: {why} (deleted and declared again, or "
-            "restored from an older backup). Move the file away and run `llmgw project` again to rebuild "
-            "it from what the streams hold now (or give --db a new file)"
+            "restored from an older backup). Move the file away and start the projector again (`llmgw project`, "
+            "or `llmgw up`) to rebuild it from what the streams hold now"
         )
 
     async def _read_from_position(self, stream: str, stop: Stop | None) -> None:
