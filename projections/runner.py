@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -99,6 +99,31 @@ def fewer_gc_passes() -> Iterator[None]:
             _gc_users -= 1
             if _gc_users == 0:
                 gc.set_threshold(*_gc_saved)
+
+
+async def _all_or_none(reads: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run the stream readers together; when one fails or this is cancelled, stop them all first.
+
+    A plain gather leaves the others folding while the caller flushes, and
+    waits forever for a reader that ignored its cancellation: Python 3.11's
+    ``asyncio.wait_for`` (in nats-py's requests and the reader's waits) can
+    swallow a cancel that arrives as its inner await completes (fixed in
+    3.12), and the reader then follows its stream on. So: cancel again until
+    each has stopped.
+    """
+    tasks = [asyncio.ensure_future(r) for r in reads]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        pending = {t for t in tasks if not t.done()}
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+        for t in tasks:  # read every outcome, so that none is reported as never retrieved
+            if not t.cancelled():
+                t.exception()
+        raise
 
 
 def _kill_self() -> None:
@@ -325,6 +350,11 @@ class Projector:
         until it grew past it, and status would show a stale fleet with no error.
         """
         last, created = await self.bus.stream_head(stream)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Python 3.11's wait_for (in nats-py's request) returns a reply that arrived with
+            # a cancel and drops the cancel; this reader would then follow its stream forever.
+            raise asyncio.CancelledError
         folded = self.state.positions.get(stream, 0)
         known = self.state.stream_created.get(stream)
         if known is not None and created and known != created:
@@ -372,7 +402,7 @@ class Projector:
         self._total = sum(max(0, s.seq - self.state.positions.get(k, 0)) for k, s in stops.items())
         try:
             with fewer_gc_passes():
-                await asyncio.gather(*(self._read(stream, stops.get(stream)) for stream in self.streams))
+                await _all_or_none(self._read(stream, stops.get(stream)) for stream in self.streams)
             await self.flush()
         finally:
             # After a failed read, commits still queued finish (each a whole prefix). The read's
@@ -388,7 +418,7 @@ class Projector:
         ticker = asyncio.create_task(self._tick())
         try:
             with fewer_gc_passes():
-                await asyncio.gather(*(self._read(stream, None) for stream in self.streams))
+                await _all_or_none(self._read(stream, None) for stream in self.streams)
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, ProjectionError):
