@@ -433,9 +433,13 @@ class Bus:
 
         The creation time tells one incarnation of a stream from another: a
         stream deleted and declared again restarts at sequence 1 under the same name.
+        Guarded like every request here, which also keeps a cancel from being lost:
+        Python 3.11's ``asyncio.wait_for`` in nats-py returns a reply that arrives
+        with a cancel and drops the cancel, and a reader cancelled at its start
+        would then follow its stream forever.
         """
         try:
-            info = await self.js.stream_info(stream)
+            info = await self._guarded(f"$JS.API.STREAM.INFO.{stream}", self.js.stream_info(stream))
         except nats.js.errors.NotFoundError as e:
             raise BusError(f"stream {stream} does not exist; start the control plane once (`llmgw up`) to declare it") from e
         except _RETRYABLE as e:

@@ -350,11 +350,6 @@ class Projector:
         until it grew past it, and status would show a stale fleet with no error.
         """
         last, created = await self.bus.stream_head(stream)
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            # Python 3.11's wait_for (in nats-py's request) returns a reply that arrived with
-            # a cancel and drops the cancel; this reader would then follow its stream forever.
-            raise asyncio.CancelledError
         folded = self.state.positions.get(stream, 0)
         known = self.state.stream_created.get(stream)
         if known is not None and created and known != created:
