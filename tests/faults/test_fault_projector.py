@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -61,18 +62,15 @@ class Server:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/varz", timeout=5) as r:
             return dict(json.loads(r.read()))
 
-    def delivered(self, stream: str) -> int:
-        """The furthest stream sequence any consumer of ``stream`` has been delivered."""
+    def consumers(self, stream: str) -> dict[str, int]:
+        """Each consumer of ``stream`` and the furthest stream sequence it has been delivered."""
         url = f"http://127.0.0.1:{self.monitor}/jsz?accounts=true&streams=true&consumers=true"
         with urllib.request.urlopen(url, timeout=5) as r:
             data = json.loads(r.read())
-        best = 0
-        for acct in data.get("account_details") or []:
-            for sd in acct.get("stream_detail") or []:
-                if sd["name"] == stream:
-                    for c in sd.get("consumer_detail") or []:
-                        best = max(best, int(c["delivered"]["stream_seq"]))
-        return best
+        return {c["name"]: int(c["delivered"]["stream_seq"])
+                for acct in data.get("account_details") or []
+                for sd in acct.get("stream_detail") or [] if sd["name"] == stream
+                for c in sd.get("consumer_detail") or []}
 
     def connz(self) -> list[dict[str, Any]]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor}/connz?limit=1024", timeout=5) as r:
@@ -130,6 +128,30 @@ def positions(db: Path) -> dict[str, int]:
         store.close()
 
 
+class Throttled:
+    """A child process group run in short random slices and stopped between them.
+
+    Stopped, the child cannot move: whatever the server says it was delivered
+    is where it stands, and a SIGKILL sent then always lands, however fast the
+    machine folds. The slices' random lengths put the kill anywhere in reading,
+    folding or committing (in the parent or in its DuckDB writer).
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, rng: random.Random) -> None:
+        self.proc, self.rng, self.slices = proc, rng, 0
+
+    async def step(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it ended on its own: the caller sees its exit
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(self.rng.uniform(0.002, 0.025))
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.slices += 1
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the parent and its writer, as a node crash would
+
+
 async def test_sigkill_at_random_points_of_a_large_replay(
     server: Server, bus: Bus, tmp_path: Path, record: Callable[..., None]
 ) -> None:
@@ -140,31 +162,37 @@ async def test_sigkill_at_random_points_of_a_large_replay(
     assert rc == 0, err
     fleet_last = await bus.stream_last_seq(subjects.STREAM_FLEET)
     # Kill points are positions in the replay, not times: the server says how far the
-    # child's consumer has been delivered, so a loaded machine does not move them.
+    # child's own consumer has been delivered while the child stands stopped.
     rng = random.Random(8)
-    targets = sorted(rng.sample(range(1_000, fleet_last - 1_000), 4))
+    targets = sorted(rng.sample(range(1_000, fleet_last - 4_000), 4))
     kills: list[dict[str, Any]] = []
     for target in targets:
+        before = set(server.consumers(subjects.STREAM_FLEET))  # killed children's consumers linger 30 s
         proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--once", "--db", str(crashed), "--commit-every", "1000",
                                                     env=env(bus), stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.DEVNULL)
-        child = proc
-
-        def reached(t: int = target, p: asyncio.subprocess.Process = child) -> bool:
-            return p.returncode is not None or server.delivered(subjects.STREAM_FLEET) >= t
-
-        await poll(reached, 60)
-        # Delivery runs up to two read batches ahead of the fold; a random pause
-        # moves the kill anywhere into folding and committing what was delivered.
-        await asyncio.sleep(rng.uniform(0.0, 1.5))
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGKILL)
-        await asyncio.wait_for(proc.wait(), 30)
-        kills.append({"killed_at_delivered": target, "exit": proc.returncode,
+                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+        child = Throttled(proc, rng)
+        try:
+            delivered = 0
+            async with asyncio.timeout(120):
+                while delivered < target and proc.returncode is None:
+                    await child.step()
+                    ours = {k: v for k, v in (await asyncio.to_thread(server.consumers, subjects.STREAM_FLEET)).items()
+                            if k not in before}
+                    delivered = max(ours.values(), default=0)
+            # Delivery runs up to two read batches ahead of the fold: a few more slices
+            # move the kill anywhere into folding and committing what was delivered.
+            for _ in range(rng.randint(0, 6)):
+                await child.step()
+        finally:
+            child.kill()
+            await asyncio.wait_for(proc.wait(), 30)
+        kills.append({"target": target, "delivered": delivered, "slices": child.slices, "exit": proc.returncode,
                       "checkpoint": sum(positions(crashed).values()) if crashed.exists() else 0})
     rc, err = await project(bus, crashed)
     assert rc == 0, err
-    assert any(k["exit"] == -signal.SIGKILL for k in kills)
+    # Every kill landed mid-replay: none of the children finished on its own.
+    assert [k["exit"] for k in kills] == [-signal.SIGKILL] * len(targets), kills
     assert tables(crashed) == tables(clean)
     stored = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
     assert positions(clean) == {k: v for k, v in stored.items() if v}
