@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections import Counter
 from datetime import datetime
 
 import click
@@ -102,6 +103,11 @@ def render(r: m.StatusReport, console: Console, limit: int) -> None:
         f"{f' ({states})' if states else ''} · {r.unprojected_events} unprojected events",
 
     )
+    if r.model_states:
+        counts = Counter(r.model_states.values())
+        order = ("serving", "starting", "parked", "unplaceable", "stopped")
+        console.print("models: " + ", ".join(
+            f"{counts[k]} {k} ({', '.join(n for n, v in r.model_states.items() if v == k)})" for k in order if counts[k]))
     console.print("\nCapacity  (█ used  ░ free  x unhealthy  ? lost)")
     cap = Table(box=box.SIMPLE)
     for col in ("GPU class", "total", "used", "free", "unhealthy", "lost"):

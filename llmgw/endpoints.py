@@ -38,6 +38,15 @@ class Replica:
 
 
 @dataclass
+class Declared:
+    """A declared model as the router needs it: can a request wake it, or why not."""
+
+    replicas_wanted: int
+    replicas_by: str = "declared"  # declared | operator | autoscaler
+    unplaceable: str | None = None
+
+
+@dataclass
 class Pool:
     """Replicas by id and the healthy ones by model; mutated only by the sink."""
 
@@ -46,10 +55,33 @@ class Pool:
     # Models anyone declared or placed: "no such model" (404) differs from
     # "no healthy replica right now" (503).
     known_models: set[str] = field(default_factory=set)
+    declared: dict[str, Declared] = field(default_factory=dict)
 
     def models(self) -> list[str]:
         """Models with at least one healthy replica."""
         return sorted(name for name, reps in self.healthy.items() if reps)
+
+    def model_state(self, name: str) -> str:
+        """serving, starting, parked, unplaceable, stopped, or unknown (placed by no declaration we saw).
+
+        The same states as ``FleetState.model_states``, from this router's view.
+        """
+        if self.healthy.get(name):
+            return "serving"
+        if any(r.model == name for r in self.replicas.values()):
+            return "starting"
+        d = self.declared.get(name)
+        if d is None:
+            return "unknown"
+        if d.replicas_wanted == 0 and d.replicas_by != "autoscaler":
+            return "stopped"
+        return "unplaceable" if d.unplaceable else "parked"
+
+    def listed(self) -> dict[str, str]:
+        """Every model a request can reach or wake, with its state (stopped ones are not listed)."""
+        names = set(self.declared) | {n for n, reps in self.healthy.items() if reps}
+        states = {n: self.model_state(n) for n in sorted(names)}
+        return {n: st for n, st in states.items() if st != "stopped"}
 
     def states(self) -> dict[str, int]:
         """How many replicas are in each state."""
@@ -77,13 +109,30 @@ class Pool:
         match event:
             case m.ModelDeclared(spec=spec):
                 self.known_models.add(spec.name)
+                self.declared[spec.name] = Declared(spec.replicas)
+                return True
+            case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
+                d = self.declared.get(name)
+                if d is not None:
+                    d.replicas_wanted, d.replicas_by = n, "operator" if type(event) is m.ModelScaled else "autoscaler"
+                    return True
+            case m.ModelUnplaceable(name=name, reason=reason):
+                d = self.declared.get(name)
+                if d is not None:
+                    d.unplaceable = reason
+                    return True
             case m.ModelRemoved(name=name):
+                self.declared.pop(name, None)
                 if not any(r.model == name for r in self.replicas.values()):
                     self.known_models.discard(name)
+                return True
             case m.ReplicaPlaced(replica_id=rid, model=model):
                 self.known_models.add(model)
+                if (d := self.declared.get(model)) is not None:
+                    d.unplaceable = None
                 if rid not in self.replicas:
                     self.replicas[rid] = Replica(replica_id=rid, model=model)
+                return True
             case m.ReplicaStateChanged(replica_id=rid, model=model, state=state, endpoint=endpoint):
                 self.known_models.add(model)
                 rep = self.replicas.get(rid)

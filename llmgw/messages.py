@@ -105,6 +105,14 @@ HeartbeatEvent = HeartbeatSent
 # --- usage stream: llmgw.usage.<router>.idle ---------------------------------
 
 
+class ModelLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's demand at one router, at one tick."""
+
+    in_flight: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    queued: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    replicas: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+
+
 class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True):
     """One router's last request time per replica, once a tick.
 
@@ -119,9 +127,31 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     # Replicas in this router's pool with no request since it started routing
     # to them, and since when: "nobody asked since X", never "idle forever".
     serving_since: dict[str, datetime] = {}
+    # Demand, for the scheduler's autoscaler: per model this router knows, requests
+    # in flight to its replicas plus requests held while it wakes, and how many
+    # healthy replicas it routes to; per replica, requests in flight (non-zero only),
+    # so a scale-down never picks a replica in the middle of a request.
+    load: dict[str, ModelLoad] = {}
+    busy: dict[str, int] = {}
+    tick_s: float = 0.0  # the router's tick: how soon its load is stale
 
 
-UsageEvent = IdleMapPublished
+class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
+    """A router holds requests for a declared model that has no healthy replica.
+
+    ``control_seq`` is the last control-stream sequence the router had applied:
+    the scheduler wakes idle stops at or before it, so the answer does not
+    depend on how the usage and control streams interleave in a replay.
+    """
+
+    router: str
+    boot_id: str
+    model: str
+    control_seq: Annotated[int, msgspec.Meta(ge=0)]
+    waiting: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
+
+
+UsageEvent = IdleMapPublished | ModelWanted
 
 
 # --- control stream: llmgw.control.model.<name>.*, llmgw.control.replica.<id>.* --
@@ -147,6 +177,16 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     engine_args: tuple[str, ...] = ()
     gib_per_gpu: float = 0.0
     idle_ttl_s: float | None = None
+    # Autoscaling (both bounds set): the scheduler keeps between min and max replicas,
+    # aiming at ``target_in_flight`` requests per replica; min 0 scales to zero and a
+    # request wakes it. Unset: ``replicas`` is fixed, as before.
+    min_replicas: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=10_000)] | None = None
+    target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None and self.max_replicas is not None
 
 
 class ModelDeclared(Event, tag="ModelDeclared", frozen=True, kw_only=True):
@@ -160,6 +200,14 @@ class ModelScaled(Event, tag="ModelScaled", frozen=True, kw_only=True):
 
     name: str
     replicas: int
+
+
+class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
+    """The scheduler changed how many replicas an autoscaled model has, and says why."""
+
+    name: str
+    replicas: Annotated[int, msgspec.Meta(ge=0, le=10_000)]
+    reason: str = ""
 
 
 class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
@@ -222,6 +270,7 @@ class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
 ControlEvent = (
     ModelDeclared
     | ModelScaled
+    | ModelAutoscaled
     | ModelRemoved
     | ModelUnplaceable
     | ReplicaPlaced
@@ -334,6 +383,8 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     idle: tuple[IdleReplica, ...]
     unknown_idle: int
     unprojected_events: int
+    # Each declared model: serving, starting, parked (a request wakes it), unplaceable or stopped.
+    model_states: dict[str, str] = {}
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

@@ -123,8 +123,9 @@ class IdleTracker:
             return IdleFor(-1.0, False)
         return IdleFor(max(0.0, now - t), True)
 
-    def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime) -> m.IdleMapPublished:
-        """The next tick's map: requests seen, and pooled replicas with none since they joined."""
+    def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime,
+                 queued: dict[str, int] | None = None, tick_s: float = 0.0) -> m.IdleMapPublished:
+        """The next tick's map: requests seen, pooled replicas with none since they joined, and demand."""
         self.tick += 1
         # Stopped replicas leave the map: its size follows the fleet, not its history.
         for rid in [rid for rid in self.last if rid not in pool.replicas]:
@@ -136,8 +137,19 @@ class IdleTracker:
             for r in reps
             if r.replica_id not in self.last
         }
+        queued = queued or {}
+        in_flight: dict[str, int] = {}
+        busy: dict[str, int] = {}
+        for r in pool.replicas.values():
+            if r.outstanding > 0:
+                busy[r.replica_id] = r.outstanding
+                in_flight[r.model] = in_flight.get(r.model, 0) + r.outstanding
+        # Every declared model, zeros included: a quiet model is what lets the autoscaler scale down.
+        names = set(pool.declared) | set(in_flight) | {n for n, q in queued.items() if q}
+        load = {n: m.ModelLoad(in_flight=in_flight.get(n, 0), queued=queued.get(n, 0),
+                               replicas=len(pool.healthy.get(n, ()))) for n in sorted(names)}
         return m.IdleMapPublished(at=at, router=router, boot_id=boot_id, tick=self.tick,
-                                  last_request=last, serving_since=since)
+                                  last_request=last, serving_since=since, load=load, busy=busy, tick_s=tick_s)
 
 
 # --- metrics ----------------------------------------------------------------------
@@ -234,9 +246,12 @@ class Router:
         timeouts: Timeouts | None = None,
         idle_tracking: bool = True,
         body_timeout_s: float = 30.0,
+        wake_timeout_s: float = 120.0,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
+        if wake_timeout_s < 0:
+            raise ConfigError(f"--wake-timeout must be 0 or more (got {wake_timeout_s})")
         self.bus = bus
         self.name = name
         self.boot_id = uuid.uuid4().hex
@@ -246,13 +261,20 @@ class Router:
         self.body_timeout_s = body_timeout_s
         self.idle_tracking = idle_tracking
         self.pool = Pool()
-        self.sink = EndpointSink(bus, self.pool)
+        self.sink = EndpointSink(bus, self.pool, on_change=self._pool_changed)
+        self.wake_timeout_s = wake_timeout_s
+        # Requests held for a model with no healthy replica, oldest first, and the
+        # tick of the last wish published for each model (one per model per tick).
+        self.waiting: dict[str, list[asyncio.Future[str]]] = {}
+        self._wished_at_tick: dict[str, int] = {}
+        self.wishes = 0
         self.upstream = Upstream(timeouts)
         self.idle = IdleTracker()
         self.metrics = Metrics()
         self.idle_maps = 0
         self._rr = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._wish_tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -323,14 +345,21 @@ class Router:
         """Stop serving; a last idle map carries the requests since the last tick."""
         if self.idle_tracking and self.url and not self.bus.nc.is_closed:
             try:
-                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow())
+                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s)
                 await self.bus.publish(event, timeout=2.0)
                 self.idle_maps += 1
             except LlmgwError as e:
                 log.warning("router %s: last idle map not published: %s", self.name, e)
         self.url = ""
-        for t in self._tasks:
+        for held in self.waiting.values():
+            for fut in held:
+                if not fut.done():
+                    fut.set_result("stopping")
+        for t in [*self._tasks, *self._wish_tasks]:
             t.cancel()
+        for t in list(self._wish_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
@@ -361,11 +390,71 @@ class Router:
                 log.warning("router %s: idle map not published: %s", self.name, e)
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
-        """Publish this tick's idle map now and return it."""
-        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow())
+        """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
+        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s)
         await self.bus.publish(event, timeout=max(1.0, self.tick_s))
         self.idle_maps += 1
+        for model in [name for name, held in self.waiting.items() if held]:
+            self._wish(model)
         return event
+
+    # --- waking a model ------------------------------------------------------------
+
+    def _queued(self) -> dict[str, int]:
+        return {name: len(held) for name, held in self.waiting.items() if held}
+
+    def _wish(self, model: str) -> None:
+        """Publish ``ModelWanted`` for a model, at most once per tick; never awaits."""
+        if self._wished_at_tick.get(model) == self.idle.tick:
+            return
+        self._wished_at_tick[model] = self.idle.tick
+        event = m.ModelWanted(at=m.utcnow(), router=self.name, boot_id=self.boot_id, model=model,
+                              control_seq=self.sink.applied_seq, waiting=max(len(self.waiting.get(model, ())), 1))
+        task = asyncio.create_task(self._publish_wish(event), name=f"router-wish-{model}")
+        self._wish_tasks.add(task)
+        task.add_done_callback(self._wish_tasks.discard)
+
+    async def _publish_wish(self, event: m.ModelWanted) -> None:
+        try:
+            await self.bus.publish(event, timeout=max(1.0, self.tick_s))
+            self.wishes += 1
+        except LlmgwError as e:
+            # The next tick publishes again while requests still wait.
+            self._wished_at_tick.pop(event.model, None)
+            log.warning("router %s: wish for %s not published: %s", self.name, event.model, e)
+
+    def _pool_changed(self) -> None:
+        """Release held requests, oldest first, once their model serves or cannot wake."""
+        for model, held in list(self.waiting.items()):
+            state = self.pool.model_state(model)
+            if state in ("parked", "starting"):
+                continue
+            for fut in held:
+                if not fut.done():
+                    fut.set_result(state)
+            del self.waiting[model]
+
+    async def _wake(self, model: str) -> tuple[Replica | None, str]:
+        """Hold a request until its model has a healthy replica: (replica, "") or (None, why not)."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        held = self.waiting.setdefault(model, [])
+        held.append(fut)
+        self._wish(model)
+        try:
+            state = await asyncio.wait_for(asyncio.shield(fut), self.wake_timeout_s)
+        except TimeoutError:
+            state = "timeout"
+        finally:
+            if fut in held:
+                held.remove(fut)
+            if not held and self.waiting.get(model) is held:
+                del self.waiting[model]
+        if state == "serving":
+            rep = self.acquire(model)
+            if rep is not None:
+                return rep, ""
+            state = self.pool.model_state(model)
+        return None, state
 
     # --- handlers -----------------------------------------------------------------
 
@@ -445,7 +534,16 @@ class Router:
                        body: bytes) -> web.StreamResponse:
         rep = self.acquire(model)
         if rep is None:
-            return self._unavailable(model)
+            # Only a declared model wakes: one placed by a control plane we do not follow
+            # (or whose declaration was removed) answers at once, as before.
+            state = self.pool.model_state(model) if model in self.pool.declared else ""
+            if state == "unplaceable":
+                self._wish(model)  # the demand is recorded; the scheduler retries as cards free up
+            if state not in ("parked", "starting"):
+                return self._unavailable(model, state)
+            rep, state = await self._wake(model)
+            if rep is None:
+                return self._unavailable(model, state)
         retried = False
         while True:
             try:
@@ -525,12 +623,27 @@ class Router:
                 "the reply is incomplete", "server_error", "upstream_broken") + b"\n\n")
             await resp.write_eof()
 
-    def _unavailable(self, model: str) -> web.Response:
+    def _unavailable(self, model: str, state: str = "") -> web.Response:
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if state == "timeout":
+            self.metrics.error(model, "wake_timeout")
+            return _error(503, f"model {model!r} is starting (woken by a request) and had no healthy replica within "
+                               f"{self.wake_timeout_s:g}s; retry after {RETRY_AFTER_S}s",
+                          "server_error", "model_starting", "model", headers=retry)
+        if state == "unplaceable":
+            self.metrics.error(model, "unplaceable")
+            d = self.pool.declared.get(model)
+            why = d.unplaceable if d is not None and d.unplaceable else "the scheduler found no room"
+            return _error(503, f"model {model!r} cannot be placed: {why}", "server_error", "model_unplaceable", "model")
+        if state == "stopped":
+            self.metrics.error(model, "stopped")
+            return _error(503, f"model {model!r} is scaled to 0 replicas by its operator; "
+                               f"`llmgw ctl model scale {model} --replicas 1` brings it back",
+                          "server_error", "model_stopped", "model")
         if model in self.pool.known_models:
             self.metrics.error(model, "no_replica")
             return _error(503, f"model {model!r} has no healthy replica right now; retry after {RETRY_AFTER_S}s",
-                          "server_error", "no_healthy_replica", "model",
-                          headers={"Retry-After": str(RETRY_AFTER_S)})
+                          "server_error", "no_healthy_replica", "model", headers=retry)
         self.metrics.error("", "unknown_model")
         return _error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
                       "invalid_request_error", "model_not_found", "model")
@@ -539,7 +652,8 @@ class Router:
         if self.keys and not self._authorized(request):
             return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
                           "invalid_request_error", "invalid_api_key")
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw"} for name in self.pool.models()]
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "state": state}
+                for name, state in self.pool.listed().items()]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:

@@ -12,13 +12,16 @@ A replica takes ``tp`` healthy free GPUs of its class on one node, or, with
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 
 from llmgw import messages as m
+from llmgw import subjects
 from llmgw.projections.fold import FleetState, GpuView, NodeView, ReplicaView
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
@@ -26,33 +29,110 @@ BACKOFF_BASE_S = 5.0
 BACKOFF_MAX_S = 300.0
 
 
+# The autoscaler's windows, in router maps: scale up once every one of the last
+# UP_SAMPLES asks for more, down once every one of the last DOWN_SAMPLES asks for
+# fewer (with a 10 s router tick, 30 s and 5 min, like Kubernetes' HPA defaults).
+UP_SAMPLES = 3
+DOWN_SAMPLES = 30
+# A router's load counts until it misses this many of its ticks (at least STALE_MIN_S).
+STALE_TICKS = 3
+STALE_MIN_S = 30.0
+
+
+@dataclass
+class Wish:
+    """The newest ``ModelWanted`` for a model: a router waiting, and how much of control it had seen."""
+
+    control_seq: int
+    router: str
+    waiting: int
+
+
+@dataclass
+class RouterLoad:
+    """One router's latest demand report (from its idle map)."""
+
+    at: datetime
+    stale_after_s: float
+    load: dict[str, m.ModelLoad]
+    busy: dict[str, int]
+
+
 @dataclass
 class SchedulerMemory:
-    """What the scheduler needs beyond the shared fold, itself a pure fold of the control stream.
+    """What the scheduler needs beyond the shared fold, itself a pure fold of control and usage.
 
-    ``parked`` counts replicas stopped for idleness that must not come back
-    until the operator deploys or scales again; ``failures`` drives back-off.
+    Idle stops park a model until the operator deploys or scales it again, or a
+    router wants it: ``idle_stops`` holds the control sequences of those not yet
+    answered by a wish, and a wish answers every stop at or before the control
+    sequence its router had seen. Both sides are sets and maxima over sequences,
+    so the result is the same however the usage and control streams interleave.
     """
 
     placed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    parked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     failed_at: dict[str, datetime] = field(default_factory=dict)
+    idle_stops: dict[str, set[int]] = field(default_factory=dict)
+    last_idle_stop: dict[str, int] = field(default_factory=dict)
+    wished: dict[str, Wish] = field(default_factory=dict)
+    # The control sequence of the autoscaler's latest scale to zero, per model.
+    zeroed_at: dict[str, int] = field(default_factory=dict)
+    autoscalings: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    routers: dict[str, RouterLoad] = field(default_factory=dict)
+    # Per model, the demand summed over live routers at each router map, newest last.
+    samples: dict[str, deque[int]] = field(default_factory=dict)
+    ignored_wishes: int = 0
+    refused_claims: int = 0
+
+    def parked(self, model: str) -> int:
+        return len(self.idle_stops.get(model, ()))
+
+    def busy(self, replica_id: str) -> bool:
+        """Whether any live router has a request in flight to this replica."""
+        return any(r.busy.get(replica_id, 0) > 0 for r in self.routers.values())
+
+    def _forget(self, name: str) -> None:
+        for d in (self.idle_stops, self.last_idle_stop, self.failures, self.failed_at, self.zeroed_at):
+            d.pop(name, None)
 
 
-def observe(memory: SchedulerMemory, event: m.Event, state: FleetState) -> SchedulerMemory:
-    """Fold one event into the memory; call it BEFORE ``fold.apply`` of the same event."""
+def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int = 0, subject: str = "") -> SchedulerMemory:
+    """Fold one event into the memory; call it BEFORE ``fold.apply`` of the same event.
+
+    ``seq`` is the event's sequence in its stream and ``subject`` what it was
+    published on (a usage event whose subject names another router is refused).
+    """
     match event:
+        case m.IdleMapPublished():
+            if subject and not subjects.usage_speaks_for(subject, event.router):
+                memory.refused_claims += 1
+                return memory
+            _observe_load(memory, event)
+        case m.ModelWanted():
+            if subject and not subjects.usage_speaks_for(subject, event.router):
+                memory.refused_claims += 1
+                return memory
+            if event.model not in state.models:
+                memory.ignored_wishes += 1  # removed or never declared: counted, never placed
+            known = memory.wished.get(event.model)
+            if known is None or event.control_seq > known.control_seq:
+                memory.wished[event.model] = Wish(event.control_seq, event.router, event.waiting)
+                stops = memory.idle_stops.get(event.model)
+                if stops:
+                    memory.idle_stops[event.model] = {x for x in stops if x > event.control_seq}
         case m.ModelDeclared(spec=spec):
-            memory.parked.pop(spec.name, None)
-            memory.failures.pop(spec.name, None)
-            memory.failed_at.pop(spec.name, None)
+            memory._forget(spec.name)
         case m.ModelScaled(name=name):
-            memory.parked.pop(name, None)
+            memory.idle_stops.pop(name, None)
+            memory.zeroed_at.pop(name, None)
+        case m.ModelAutoscaled(name=name, replicas=replicas):
+            memory.autoscalings[name] += 1
+            if replicas == 0:
+                memory.zeroed_at[name] = seq
+            else:
+                memory.zeroed_at.pop(name, None)
         case m.ModelRemoved(name=name):
-            memory.parked.pop(name, None)
-            memory.failures.pop(name, None)
-            memory.failed_at.pop(name, None)
+            memory._forget(name)
         case m.ReplicaPlaced(model=model):
             memory.placed[model] += 1
         case m.ReplicaStateChanged(model=model, state="healthy"):
@@ -61,13 +141,33 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState) -> Sched
         case m.ReplicaStopped(replica_id=rid, model=model, reason=reason):
             if rid in state.replicas:
                 if reason.startswith("idle"):
-                    memory.parked[model] += 1
+                    memory.last_idle_stop[model] = max(memory.last_idle_stop.get(model, 0), seq)
+                    wish = memory.wished.get(model)
+                    if wish is None or seq > wish.control_seq:  # else a router already wanted it back
+                        memory.idle_stops.setdefault(model, set()).add(seq)
                 elif reason.startswith("failed"):
                     memory.failures[model] += 1
                     memory.failed_at[model] = event.at
         case _:
             pass
     return memory
+
+
+def _observe_load(memory: SchedulerMemory, event: m.IdleMapPublished) -> None:
+    stale = max(STALE_TICKS * event.tick_s, STALE_MIN_S)
+    memory.routers[event.router] = RouterLoad(event.at, stale, event.load, event.busy)
+    # A router that stopped reporting (stopped, cut off) must not hold its last load forever.
+    for name in [n for n, r in memory.routers.items() if (event.at - r.at).total_seconds() > r.stale_after_s]:
+        del memory.routers[name]
+    totals: dict[str, int] = defaultdict(int)
+    for r in memory.routers.values():
+        for model, load in r.load.items():
+            totals[model] += load.in_flight + load.queued
+    for model, total in totals.items():
+        window = memory.samples.get(model)
+        if window is None:
+            window = memory.samples[model] = deque(maxlen=DOWN_SAMPLES)
+        window.append(total)
 
 
 @dataclass(frozen=True)
@@ -189,8 +289,61 @@ def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str
 
 
 def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
-    """Whether a replica of spec ``a`` runs what ``b`` declares: replica count and idle TTL aside."""
-    return msgspec.structs.replace(a, replicas=0, idle_ttl_s=None) == msgspec.structs.replace(b, replicas=0, idle_ttl_s=None)
+    """Whether a replica of spec ``a`` runs what ``b`` declares: how many, and when to stop, aside."""
+    return _run_part(a) == _run_part(b)
+
+
+def _run_part(spec: m.ModelSpec) -> m.ModelSpec:
+    return msgspec.structs.replace(spec, replicas=0, idle_ttl_s=None, min_replicas=None, max_replicas=None,
+                                   target_in_flight=1.0)
+
+
+def _recommend(spec: m.ModelSpec, demand: int) -> int:
+    """Replicas for this demand: one per ``target_in_flight`` requests, within the bounds."""
+    assert spec.min_replicas is not None and spec.max_replicas is not None
+    return min(max(math.ceil(demand / spec.target_in_flight), spec.min_replicas), spec.max_replicas)
+
+
+def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[tuple[m.ModelAutoscaled, str]]:
+    """The autoscaler's changes (with their ids): wake on a wish, then up or down with the load.
+
+    A model scaled to zero wakes when a router wanted it after seeing that
+    scale (its control sequence is at or after it). Up needs every one of the
+    last UP_SAMPLES router maps to ask for more, down every one of the last
+    DOWN_SAMPLES to ask for fewer: the long window down is the hysteresis.
+    """
+    out = []
+    for name in sorted(state.models):
+        model = state.models[name]
+        spec = model.spec
+        if not spec.autoscaled or (model.replicas_wanted == 0 and model.replicas_by == "operator"):
+            continue  # an operator's 0 is "off" until they scale again
+        assert spec.min_replicas is not None
+        current = model.replicas_wanted
+        new, reason = current, ""
+        wish = memory.wished.get(name)
+        zeroed = memory.zeroed_at.get(name)
+        window = list(memory.samples.get(name, ()))
+        if current == 0 and zeroed is not None and wish is not None and wish.control_seq >= zeroed:
+            new = max(spec.min_replicas, 1)
+            reason = f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
+        elif len(window) >= UP_SAMPLES and (up := min(_recommend(spec, x) for x in window[-UP_SAMPLES:])) > current:
+            new = up
+            per = window[-1] / max(current, 1)
+            reason = (f"scaled up: {per:.1f} in flight per replica > {spec.target_in_flight:g} "
+                      f"for {UP_SAMPLES} router ticks")
+        elif len(window) >= DOWN_SAMPLES and (down := max(_recommend(spec, x) for x in window[-DOWN_SAMPLES:])) < current:
+            new = down
+            per = max(window[-DOWN_SAMPLES:]) / max(current, 1)
+            reason = (f"scaled down: at most {per:.1f} in flight per replica < {spec.target_in_flight:g} "
+                      f"for {DOWN_SAMPLES} router ticks")
+        elif not spec.min_replicas <= current <= (spec.max_replicas or current):
+            new = min(max(current, spec.min_replicas), spec.max_replicas or current)
+            reason = f"kept within min {spec.min_replicas} and max {spec.max_replicas}"
+        if new != current:
+            event = m.ModelAutoscaled(at=now, name=name, replicas=new, reason=reason)
+            out.append((event, f"ModelAutoscaled:{name}:{memory.autoscalings.get(name, 0)}:{new}:{_key(model.declared_at)}"))
+    return out
 
 
 def _key(*parts: object) -> str:
@@ -200,6 +353,14 @@ def _key(*parts: object) -> str:
 def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[Decision]:
     """Everything to publish now so that the fleet converges on what was declared."""
     out: list[Decision] = []
+    # The autoscaler's changes count at once, so a wake places in the same pass.
+    target: dict[str, int] = {}
+    why: dict[str, str] = {}
+    for event_a, msg_id in autoscale(state, memory, now):
+        out.append(Decision(event_a, msg_id))
+        target[event_a.name] = event_a.replicas
+        if event_a.replicas > state.models[event_a.name].replicas_wanted:
+            why[event_a.name] = event_a.reason
     held = {(g.node, g.index) for r in state.replicas.values() for g in r.gpus}
     live: dict[str, list[ReplicaView]] = defaultdict(list)
     # Stops decided in this pass count as if already folded: an idle stop parks
@@ -250,14 +411,16 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         model = state.models[name]
         spec = model.spec
         running = live.get(name, [])
-        wanted = max(model.replicas_wanted - memory.parked.get(name, 0) - parked_now[name], 0)
+        replicas_wanted = target.get(name, model.replicas_wanted)
+        wanted = max(replicas_wanted - memory.parked(name) - parked_now[name], 0)
         by_age = sorted(running, key=lambda r: (r.placed_at, r.replica_id))
         current = [r for r in by_age if same_run(r.spec, spec)]
         outdated = [r for r in by_age if not same_run(r.spec, spec)]
         if len(current) > wanted:
-            for replica in current[wanted:]:
-                stop(replica, f"scaled down to {model.replicas_wanted}")
-            current = current[:wanted]
+            def scale_stop(r: ReplicaView, n: int = replicas_wanted) -> None:
+                stop(r, f"scaled down to {n}")
+
+            current = _scale_down(state, memory, current, len(current) - wanted, scale_stop)
         # A re-declared spec rolls: an old replica stops only once a new one is
         # healthy in its place, so a redeploy never takes a model offline.
         healthy_new = sum(1 for r in current if r.state == "healthy")
@@ -293,9 +456,9 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
                     del free[node]
             n += 1
             rid = replica_id(name, n)
+            reason = why.get(name) or _woken(memory, name, running) or f"{len(running) + placed_now} of {wanted} running"
             event = m.ReplicaPlaced(
-                at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric,
-                reason=f"{len(running) + placed_now} of {wanted} running",
+                at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
             )
             out.append(Decision(event, f"ReplicaPlaced:{rid}"))
             held.update((g.node, g.index) for g in gpus)
@@ -313,6 +476,38 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
                 event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=left)
                 out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{_key(reason, model.declared_at)}"))
     return out
+
+
+def _scale_down(state: FleetState, memory: SchedulerMemory, current: list[ReplicaView], extra: int,
+                stop: Callable[[ReplicaView], None]) -> list[ReplicaView]:
+    """Stop ``extra`` replicas, those nobody is using first; never one with a request in flight.
+
+    Not yet healthy first (nothing to lose), then the longest idle; a replica
+    any router reports busy stays until a later pass finds it idle. Returns
+    the replicas that keep running, oldest first.
+    """
+    far = datetime.max.replace(tzinfo=UTC)
+
+    def key(r: ReplicaView) -> tuple[bool, datetime, float, str]:
+        return r.state == "healthy", state.idle_since(r.replica_id) or far, -r.placed_at.timestamp(), r.replica_id
+
+    stopped: set[str] = set()
+    for r in sorted(current, key=key):
+        if len(stopped) == extra:
+            break
+        if memory.busy(r.replica_id):
+            continue
+        stop(r)
+        stopped.add(r.replica_id)
+    return [r for r in current if r.replica_id not in stopped]
+
+
+def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> str:
+    """"woken by <router>" when nothing runs and a router wanted the model after its last idle stop."""
+    wish, stop = memory.wished.get(name), memory.last_idle_stop.get(name)
+    if running or wish is None or stop is None or wish.control_seq < stop:
+        return ""
+    return f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
 
 
 @dataclass(frozen=True)

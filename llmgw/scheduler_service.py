@@ -118,7 +118,7 @@ class SchedulerService:
         self.published: list[m.Event] = []
         self._changed = asyncio.Event()
 
-    def _fold(self, data: bytes, seq: int, stream: str) -> None:
+    def _fold(self, data: bytes, seq: int, stream: str, subject: str = "") -> None:
         try:
             event = m.decode_event(data)
         except m.DECODE_ERRORS as e:
@@ -126,14 +126,14 @@ class SchedulerService:
             self.stats.malformed += 1
             log.warning("scheduler: skipped malformed event %s#%d: %s", stream, seq, e)
             return
-        scheduler.observe(self.memory, event, self.state)
+        scheduler.observe(self.memory, event, self.state, seq, subject)
         apply(self.state, event)
 
     async def _follow(self, stream: str) -> None:
         reader = self.bus.reader(stream, 1, idle_expires_s=1.0)
         async for batch in reader.batches():
             for raw in batch:
-                self._fold(raw.data, raw.seq, stream)
+                self._fold(raw.data, raw.seq, stream, raw.subject)
             self.stats.applied[stream] = batch[-1].seq
             self._changed.set()
 
@@ -226,6 +226,8 @@ def _describe(event: m.Event) -> str:
             return f"stopped {event.replica_id}: {event.reason}"
         case m.ModelUnplaceable():
             return f"cannot place {event.name}: {event.reason}"
+        case m.ModelAutoscaled():
+            return f"autoscaled {event.name} to {event.replicas}: {event.reason}"
     return type(event).__name__
 
 

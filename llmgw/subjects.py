@@ -79,6 +79,17 @@ def usage_idle(router: str) -> str:
     return f"{PREFIX}.usage.{token(router)}.idle"
 
 
+def usage_wanted(router: str) -> str:
+    """``llmgw.usage.<router>.wanted``: a router holds requests for a model with no healthy replica."""
+    return f"{PREFIX}.usage.{token(router)}.wanted"
+
+
+def usage_speaks_for(subject: str, router: str) -> bool:
+    """Whether a usage subject's router token is ``router``: a subject is a claim the payload must match."""
+    parts = subject.split(".")
+    return len(parts) == 4 and parts[1] == "usage" and bool(router) and parts[2] == token(router)
+
+
 def model(name: str, kind: str) -> str:
     """``llmgw.control.model.<name>.<kind>``: declared, scaled, removed, unplaceable."""
     return f"{PREFIX}.control.model.{token(name)}.{kind}"
@@ -105,10 +116,14 @@ def subject_for(event: m.Event) -> str:
             return heartbeat(node)
         case m.IdleMapPublished(router=router):
             return usage_idle(router)
+        case m.ModelWanted(router=router):
+            return usage_wanted(router)
         case m.ModelDeclared(spec=spec):
             return model(spec.name, "declared")
         case m.ModelScaled(name=name):
             return model(name, "scaled")
+        case m.ModelAutoscaled(name=name):
+            return model(name, "autoscaled")
         case m.ModelRemoved(name=name):
             return model(name, "removed")
         case m.ModelUnplaceable(name=name):

@@ -55,6 +55,8 @@ class ModelView:
     declared_at: datetime
     unplaceable_reason: str | None = None
     unplaceable_at: datetime | None = None
+    # Who set replicas_wanted last: "declared", "operator" (ctl model scale) or "autoscaler".
+    replicas_by: str = "declared"
 
 
 @dataclass
@@ -121,6 +123,27 @@ class FleetState:
             return []
         held = self.held_gpus() if held is None else held
         return [g for g in node.gpus.values() if g.healthy and (node.name, g.index) not in held]
+
+    def model_states(self) -> dict[str, str]:
+        """Each declared model's cold-start state: serving, starting, unplaceable, parked or stopped.
+
+        Serving: a replica is healthy. Starting: replicas are placed, none healthy
+        yet. Stopped: the operator scaled it to 0, and only a scale brings it back.
+        Unplaceable: none placed and the scheduler said why. Parked: none placed,
+        stopped for idleness or scaled to zero by the autoscaler: a request wakes it.
+        """
+        placed: dict[str, bool] = {}
+        for r in self.replicas.values():
+            placed[r.model] = placed.get(r.model, False) or r.state == "healthy"
+        out = {}
+        for name, model in self.models.items():
+            if name in placed:
+                out[name] = "serving" if placed[name] else "starting"
+            elif model.replicas_wanted == 0 and model.replicas_by != "autoscaler":
+                out[name] = "stopped"
+            else:
+                out[name] = "unplaceable" if model.unplaceable_reason else "parked"
+        return out
 
     def idle_since(self, replica_id: str) -> datetime | None:
         """Since when nobody has asked for a replica, or None when no router knows.
@@ -228,10 +251,11 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 node.lost, node.lost_at, node.updated_at = False, None, event.at
         case m.ModelDeclared(spec=spec):
             state.models[spec.name] = ModelView(spec=spec, replicas_wanted=spec.replicas, declared_at=event.at)
-        case m.ModelScaled():
+        case m.ModelScaled() | m.ModelAutoscaled():
             model = state.models.get(event.name)
             if model is not None:
                 model.replicas_wanted = event.replicas
+                model.replicas_by = "operator" if type(event) is m.ModelScaled else "autoscaler"
         case m.ModelRemoved():
             state.models.pop(event.name, None)
         case m.ModelUnplaceable():

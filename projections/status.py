@@ -104,4 +104,5 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         idle=tuple(idle),
         unknown_idle=unknown,
         unprojected_events=state.unprojected,
+        model_states=dict(sorted(state.model_states().items())),
     )

@@ -23,6 +23,7 @@ from llmgw.projections.store import Store
 TABLE = """\
 Fleet at 2026-03-02 11:40:00 UTC  [control:11 fleet:7 usage:4]
 5 nodes (1 lost: n5) · 4 models · 3 replicas (2 healthy, 1 starting) · 0 unprojected events
+models: 2 serving (llama-70b, qwen-8b), 1 starting (gemma-9b), 1 unplaceable (deepseek-v3)
 
 Capacity  (█ used  ░ free  x unhealthy  ? lost)
 
