@@ -70,7 +70,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
         agents = [
             Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
                   heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"],
-                  services=(EngineSupervisor(node, EngineConfig(cmds=opts["engine_cmds"], simulate=opts["simulated"])),))
+                  services=(EngineSupervisor(node, EngineConfig(cmds=opts["engine_cmds"], simulate=opts["simulated"],
+                                                                fake_startup_s=opts["engine_startup_s"])),))
             for node, port, fabric, source in ports
         ]
         loop = asyncio.get_running_loop()
@@ -107,12 +108,15 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
 @click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")
 @click.option("--engine-cmd", multiple=True, metavar="ENGINE=CMD", help="The program for an engine, repeatable: vllm=…, llama.cpp=…, fake=… (e.g. 'vllm=/opt/vllm/bin/vllm serve').")
+@click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+              help="With --simulate: seconds each fake engine takes to start, as a real one loads weights.")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
 @click.pass_context
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
-          poll_s: float, engine_cmd: tuple[str, ...], once: bool, as_json: bool, settings: Settings) -> None:
+          poll_s: float, engine_cmd: tuple[str, ...], engine_startup_s: float, once: bool, as_json: bool,
+          settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -126,7 +130,7 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
         return
     opts: dict[str, Any] = {"heartbeat_s": heartbeat_s, "poll_s": poll_s, "once": once, "as_json": as_json,
                             "simulated": fleet_path is not None, "faults": (),
-                            "engine_cmds": _engine_cmds(engine_cmd)}
+                            "engine_cmds": _engine_cmds(engine_cmd), "engine_startup_s": engine_startup_s}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     try:
         if fleet_path is not None:

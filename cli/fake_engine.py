@@ -21,8 +21,11 @@ from llmgw.fake_engine import EngineOptions, bind, serve
 @click.option("--die-after-chunks", type=int, default=-1, show_default=True, help="Exit the process after sending N chunks of a stream (-1: never).")
 @click.option("--die-on-request", is_flag=True, help="Exit the process on the first completion request, before any byte.")
 @click.option("--refuse", is_flag=True, help="Answer every completion request with 503.")
+@click.option("--startup-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
+              help="Seconds of start-up (loading weights): /health and completions answer 503 until then.")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
-                chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool) -> None:
+                chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
+                startup_s: float) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -45,5 +48,5 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
     sys.stdout.flush()
     opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
                          chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
-                         die_on_request=die_on_request, refuse=refuse)
+                         die_on_request=die_on_request, refuse=refuse, startup_s=startup_s)
     run(serve(opts, sock))

@@ -83,8 +83,12 @@ async def _publish(settings: Settings, event: m.Event, *, must_exist: str | None
 
 def _describe(spec: m.ModelSpec) -> str:
     split = f"tp {spec.tp}" + (f" × pp {spec.pp}" if spec.pp > 1 else "")
+    count = f"{spec.replicas} replica{'s' if spec.replicas != 1 else ''}"
+    if spec.autoscaled:
+        count += (f" (autoscaled {spec.min_replicas}–{spec.max_replicas}, "
+                  f"{spec.target_in_flight:g} in flight per replica)")
     return (f"{spec.name}: {spec.source} {spec.precision} ({spec.engine}) on {spec.tp * spec.pp} × {spec.gpu_class} "
-            f"({split}), context {spec.context:,}, {spec.replicas} replica{'s' if spec.replicas != 1 else ''}")
+            f"({split}), context {spec.context:,}, {count}")
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
@@ -105,6 +109,10 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--gpu-class", help="e.g. H100-80GB.")
 @click.option("--context", type=click.IntRange(1), help="Context length (max_model_len).")
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True, help="How many replicas.")
+@click.option("--min-replicas", type=click.IntRange(0), help="Autoscale: never fewer (0: scale to zero; a request wakes it).")
+@click.option("--max-replicas", type=click.IntRange(1), help="Autoscale: never more.")
+@click.option("--target-in-flight", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="Autoscale: requests in flight (and waiting) per replica to aim at.")
 @click.option("--idle-ttl", callback=_duration, help="Stop a replica nobody asked for this long (e.g. 2h); the scheduler enforces it.")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
@@ -112,7 +120,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @json_option
 @nats_options
 def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
-           tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, replicas: int, idle_ttl: float | None,
+           tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, replicas: int,
+           min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
@@ -121,9 +130,16 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct
         llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --candidate 1 --replicas 2
         llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --precision fp8 --tp 1 --gpu-class L40S-48GB
+        llmgw ctl model deploy coder Qwen/Qwen2.5-Coder-32B-Instruct --from-plan --candidate 1 --min-replicas 0 --max-replicas 4
     """
     if candidate is not None and gpu_class is not None:
         raise click.UsageError("--candidate already names the GPU class; give one or the other")
+    if (min_replicas is None) != (max_replicas is None):
+        raise click.UsageError("autoscaling needs both --min-replicas and --max-replicas (or neither, for a fixed --replicas)")
+    if min_replicas is not None and max_replicas is not None:
+        if min_replicas > max_replicas:
+            raise click.UsageError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
+        replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
     request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
                             context=context, all=candidate is None)
     try:
@@ -133,7 +149,9 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         chosen = choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
     except LlmgwError as e:
         raise click.ClickException(str(e)) from e
-    spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args)
+    spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args,
+                                   min_replicas=min_replicas, max_replicas=max_replicas,
+                                   target_in_flight=target_in_flight)
     seq = run(_publish(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
     if as_json:
         echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})

@@ -146,8 +146,13 @@ def _default_models_dir() -> str | None:
 @click.option("--lost-after", type=click.FloatRange(0.5), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
 @click.option("--models-dir", help="Org__Name model folders for the planner [default: $LLMGW_MODELS_DIR, else ./examples/models].")
 @click.option("--no-example", is_flag=True, help="Do not declare the example model.")
+@click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+              help="With --simulate: seconds each fake engine takes to start, so a cold start shows.")
+@click.option("--wake-timeout", type=click.FloatRange(0), default=120.0, show_default=True,
+              help="Seconds the router holds a request while its parked model wakes.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
-       router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool) -> None:
+       router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool,
+       engine_startup_s: float, wake_timeout: float) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
     Example:
@@ -180,10 +185,12 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
             ("planner", ["planner"]),
             ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}"]),
-            ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}"]),
+            ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
+                        "--wake-timeout", f"{wake_timeout:g}"]),
         ]
         if fleet_path is not None:
-            parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}"]))
+            parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}",
+                                     "--engine-startup-s", f"{engine_startup_s:g}"]))
         for name, args in parts:
             child = Child(name, [*exe, *args], logs / f"{name}.log", env)
             child.start()

@@ -70,10 +70,12 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
     return out
 
 
-def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "") -> list[str]:
+def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "",
+                startup_s: float = 0.0) -> list[str]:
     """The command line for one replica's engine."""
     if simulate:
-        return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name]
+        return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
+                *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ())]
     if spec.engine == "vllm":
         argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
         if spec.pp > 1:
@@ -122,6 +124,7 @@ class EngineConfig:
     backoff_max_s: float = 60.0
     log_lines: int = 20
     log_dir: Path | None = None
+    fake_startup_s: float = 0.0  # simulation: each fake engine's start-up time
 
 
     def __post_init__(self) -> None:
@@ -183,7 +186,8 @@ class EngineRun:
     async def _start(self) -> asyncio.Task[None]:
         host = self.config.host
         self.port = free_port(host)
-        argv = engine_argv(self.placed.spec, self.port, host, self.config.cmds, simulate=self.config.simulate, name=self.replica_id)
+        argv = engine_argv(self.placed.spec, self.port, host, self.config.cmds, simulate=self.config.simulate, name=self.replica_id,
+                           startup_s=self.config.fake_startup_s)
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
         self.endpoint = f"http://{self.config.advertise_host}:{self.port}"

@@ -49,6 +49,7 @@ class EngineOptions:
     die_on_request: bool = False  # exit the process on the first completion request, before any byte
     refuse: bool = False  # answer every completion request with 503
     embedding_dim: int = 8
+    startup_s: float = 0.0  # /health and completions answer 503 until then, like an engine loading weights
 
 
 class FakeEngine:
@@ -59,6 +60,14 @@ class FakeEngine:
         self.name = opts.name or opts.model
         self.requests = 0
         self._headers = {"x-llmgw-replica": self.name}
+        self._ready_at = time.monotonic() + opts.startup_s
+
+    def _loading(self) -> web.Response | None:
+        left = self._ready_at - time.monotonic()
+        if left <= 0:
+            return None
+        return web.json_response({"error": {"message": f"{self.name} is loading ({left:.1f}s left)",
+                                            "type": "server_error"}}, status=503, headers=self._headers)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -73,6 +82,8 @@ class FakeEngine:
     async def _begin(self, request: web.Request) -> _Body | web.Response:
         """Count the request, apply the injected faults, and decode the body."""
         self.requests += 1
+        if (loading := self._loading()) is not None:
+            return loading
         if self.opts.die_on_request:
             os._exit(3)  # like an engine that crashed: the connection drops with no byte sent
         if self.opts.refuse:
@@ -181,7 +192,7 @@ class FakeEngine:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return self._loading() or web.Response(text="ok")
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.requests})

@@ -76,7 +76,7 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 
 def permissions(role: str, node: str | None = None) -> dict[str, object]:
-    """The publish/subscribe rules of one role (``agent`` needs its node)."""
+    """The publish/subscribe rules of one role (``agent`` needs its node; a named ``router`` its name)."""
     pub: list[str] = [JS_INFO]
     sub: list[str] = [INBOX]
     responses = False
@@ -98,7 +98,9 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
         responses = True
         deny_pub += [f"{P}.usage.>", f"{P}.control.model.>"]
     elif role == "router":
-        pub += [f"{P}.usage.*.idle", *_read(s.STREAM_CONTROL), *_read(s.STREAM_USAGE)]
+        # A named router speaks only for itself; the shared "router" user for any router name.
+        tok = s.token(node) if node else "*"
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(s.STREAM_CONTROL), *_read(s.STREAM_USAGE)]
         pub += [_stream_info(x) for x in ALL_STREAMS]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
@@ -119,6 +121,7 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
             f"{P}.fleet.*.lost",
             f"{P}.fleet.*.returned",
             f"{P}.control.model.*.unplaceable",
+            f"{P}.control.model.*.autoscaled",
             f"{P}.control.replica.*.placed",
             f"{P}.control.replica.*.stopped",
             *_kv(s.SCHEDULER_LEASE_BUCKET),
@@ -151,7 +154,7 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
 
 
 def user_name(role: str, node: str | None = None) -> str:
-    return f"agent-{s.token(node)}" if role == "agent" and node else role
+    return f"{role}-{s.token(node)}" if role in ("agent", "router") and node else role
 
 
 def password_env(user: str) -> str:
@@ -159,16 +162,17 @@ def password_env(user: str) -> str:
     return "LLMGW_PW_" + re.sub(r"[^A-Za-z0-9]", "_", user).upper()
 
 
-def users(nodes: Sequence[str]) -> list[tuple[str, str, str | None]]:
-    """(user, role, node) for every login nats.conf defines."""
+def users(nodes: Sequence[str], routers: Sequence[str] = ()) -> list[tuple[str, str, str | None]]:
+    """(user, role, node or router name) for every login nats.conf defines."""
     out: list[tuple[str, str, str | None]] = [(user_name(r), r, None) for r in ROLES]
     out += [(user_name("agent", n), "agent", n) for n in nodes]
+    out += [(user_name("router", r), "router", r) for r in routers]
     return out
 
 
-def make_passwords(nodes: Sequence[str]) -> dict[str, str]:
+def make_passwords(nodes: Sequence[str], routers: Sequence[str] = ()) -> dict[str, str]:
     """Random passwords for every login, keyed by environment variable (and the system user's)."""
-    env = {password_env(u): new_password() for u, _, _ in users(nodes)}
+    env = {password_env(u): new_password() for u, _, _ in users(nodes, routers)}
     env[password_env("sys")] = new_password()
     return env
 
@@ -255,8 +259,8 @@ CLUSTER_BLOCK = """\
 """
 
 
-def render(nodes: Sequence[str], *, store_dir: str = "/data/jetstream", port: int = 4222) -> str:
-    """The whole nats.conf for a fleet with these agent nodes."""
+def render(nodes: Sequence[str], *, routers: Sequence[str] = (), store_dir: str = "/data/jetstream", port: int = 4222) -> str:
+    """The whole nats.conf for a fleet with these agent nodes (and named routers)."""
     out = [HEADER, f"port: {port}", "http: 8222  # monitoring: /healthz, /jsz", ""]
     out += [
         "jetstream {",
@@ -280,8 +284,8 @@ def render(nodes: Sequence[str], *, store_dir: str = "/data/jetstream", port: in
         "    jetstream: enabled",
         "    users: [",
     ]
-    for user, role, node in users(nodes):
-        who = f"agent on node {node}" if node else role
+    for user, role, node in users(nodes, routers):
+        who = (f"agent on node {node}" if role == "agent" else f"router {node}") if node else role
         out.append(f"      # {who}")
         out.append("      {")
         out.append(f"        user: {_q(user)}")

@@ -27,6 +27,7 @@ from llmgw.natsserver import EmbeddedServer
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = fleetfile.load(ROOT / "examples" / "fleet.toml")
 NODES = [n.name for n in FLEET.nodes]
+ROUTERS = ["gw-1"]
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -46,8 +47,8 @@ class Secured:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     base = tmp_path_factory.mktemp("natsconf")
     conf = base / "nats.conf"
-    conf.write_text(natsconf.render(NODES, store_dir=str(base / "js")))
-    passwords = natsconf.make_passwords(NODES)
+    conf.write_text(natsconf.render(NODES, routers=ROUTERS, store_dir=str(base / "js")))
+    passwords = natsconf.make_passwords(NODES, ROUTERS)
     server = EmbeddedServer(base / "data", port=0, config_file=conf, env=passwords, extra_args=("-m", "0"))
     server.start()
     try:
@@ -123,6 +124,29 @@ async def test_router_cannot_publish_fleet_events(secured: Secured, admin: Bus) 
         await denied(router, m.ModelRemoved(at=AT, name="x"))
     finally:
         await router.close()
+
+
+async def test_a_named_router_wishes_and_reports_only_for_itself(secured: Secured, admin: Bus) -> None:
+    router = await secured.connect(natsconf.user_name("router", "gw-1"))
+    try:
+        await router.publish(m.IdleMapPublished(at=AT, router="gw-1", boot_id="b", tick=1))
+        await router.publish(m.ModelWanted(at=AT, router="gw-1", boot_id="b", model="x", control_seq=0))
+        await denied(router, m.ModelWanted(at=AT, router="gw-2", boot_id="b", model="x", control_seq=0))
+        await denied(router, m.IdleMapPublished(at=AT, router="gw-2", boot_id="b", tick=1))
+        await denied(router, m.ModelAutoscaled(at=AT, name="x", replicas=3))
+    finally:
+        await router.close()
+
+
+async def test_only_the_scheduler_autoscales(secured: Secured, admin: Bus) -> None:
+    scheduler, cli = await secured.connect("scheduler"), await secured.connect("cli")
+    try:
+        await scheduler.publish(m.ModelAutoscaled(at=AT, name="x", replicas=3, reason="scaled up"))
+        await denied(scheduler, m.ModelScaled(at=AT, name="x", replicas=3))  # the operator's word, not its own
+        await denied(cli, m.ModelAutoscaled(at=AT, name="x", replicas=3))
+    finally:
+        await scheduler.close()
+        await cli.close()
 
 
 async def test_cli_cannot_publish_fleet_events_or_delete_streams(secured: Secured, admin: Bus) -> None:
