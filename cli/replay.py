@@ -121,6 +121,11 @@ def describe(event: m.Event) -> str:
                     f"{s.precision} ({s.engine})")
         case m.ModelScaled():
             return f"model {event.name} scaled to {event.replicas} replicas"
+        case m.ModelAutoscaled():
+            return f"model {event.name} autoscaled to {event.replicas} replicas: {event.reason}"
+        case m.ModelWanted():
+            return (f"router {event.router} wants model {event.model}: {event.waiting} request"
+                    f"{'s' if event.waiting != 1 else ''} waiting (it had seen control up to #{event.control_seq})")
         case m.ModelRemoved():
             return f"model {event.name} removed"
         case m.ModelUnplaceable():

@@ -134,6 +134,9 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     load: dict[str, ModelLoad] = {}
     busy: dict[str, int] = {}
     tick_s: float = 0.0  # the router's tick: how soon its load is stale
+    # The last control-stream sequence the router had applied: a sample taken before a
+    # model's replica count last changed says nothing about the new count.
+    control_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):

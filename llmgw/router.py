@@ -124,7 +124,7 @@ class IdleTracker:
         return IdleFor(max(0.0, now - t), True)
 
     def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime,
-                 queued: dict[str, int] | None = None, tick_s: float = 0.0) -> m.IdleMapPublished:
+                 queued: dict[str, int] | None = None, tick_s: float = 0.0, control_seq: int = 0) -> m.IdleMapPublished:
         """The next tick's map: requests seen, pooled replicas with none since they joined, and demand."""
         self.tick += 1
         # Stopped replicas leave the map: its size follows the fleet, not its history.
@@ -149,7 +149,8 @@ class IdleTracker:
         load = {n: m.ModelLoad(in_flight=in_flight.get(n, 0), queued=queued.get(n, 0),
                                replicas=len(pool.healthy.get(n, ()))) for n in sorted(names)}
         return m.IdleMapPublished(at=at, router=router, boot_id=boot_id, tick=self.tick,
-                                  last_request=last, serving_since=since, load=load, busy=busy, tick_s=tick_s)
+                                  last_request=last, serving_since=since, load=load, busy=busy, tick_s=tick_s,
+                                  control_seq=control_seq)
 
 
 # --- metrics ----------------------------------------------------------------------
@@ -345,7 +346,8 @@ class Router:
         """Stop serving; a last idle map carries the requests since the last tick."""
         if self.idle_tracking and self.url and not self.bus.nc.is_closed:
             try:
-                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s)
+                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
+                                    self.sink.applied_seq)
                 await self.bus.publish(event, timeout=2.0)
                 self.idle_maps += 1
             except LlmgwError as e:
@@ -391,7 +393,8 @@ class Router:
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
         """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
-        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s)
+        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
+                                    self.sink.applied_seq)
         await self.bus.publish(event, timeout=max(1.0, self.tick_s))
         self.idle_maps += 1
         for model in [name for name, held in self.waiting.items() if held]:

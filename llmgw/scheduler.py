@@ -79,8 +79,10 @@ class SchedulerMemory:
     zeroed_at: dict[str, int] = field(default_factory=dict)
     autoscalings: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     routers: dict[str, RouterLoad] = field(default_factory=dict)
-    # Per model, the demand summed over live routers at each router map, newest last.
-    samples: dict[str, deque[int]] = field(default_factory=dict)
+    # Per model, (router's control sequence, demand summed over live routers) at each
+    # router map, newest last; and the control sequence of its count's last change.
+    samples: dict[str, deque[tuple[int, int]]] = field(default_factory=dict)
+    count_changed_at: dict[str, int] = field(default_factory=dict)
     ignored_wishes: int = 0
     refused_claims: int = 0
 
@@ -122,11 +124,14 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
                     memory.idle_stops[event.model] = {x for x in stops if x > event.control_seq}
         case m.ModelDeclared(spec=spec):
             memory._forget(spec.name)
+            memory.count_changed_at[spec.name] = seq
         case m.ModelScaled(name=name):
             memory.idle_stops.pop(name, None)
             memory.zeroed_at.pop(name, None)
+            memory.count_changed_at[name] = seq
         case m.ModelAutoscaled(name=name, replicas=replicas):
             memory.autoscalings[name] += 1
+            memory.count_changed_at[name] = seq
             if replicas == 0:
                 memory.zeroed_at[name] = seq
             else:
@@ -167,7 +172,7 @@ def _observe_load(memory: SchedulerMemory, event: m.IdleMapPublished) -> None:
         window = memory.samples.get(model)
         if window is None:
             window = memory.samples[model] = deque(maxlen=DOWN_SAMPLES)
-        window.append(total)
+        window.append((event.control_seq, total))
 
 
 @dataclass(frozen=True)
@@ -323,7 +328,11 @@ def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list
         new, reason = current, ""
         wish = memory.wished.get(name)
         zeroed = memory.zeroed_at.get(name)
-        window = list(memory.samples.get(name, ()))
+        # Only maps from routers that had seen the count's last change: the stabilization
+        # windows start again at every change, and the comparison of sequences does not
+        # depend on how the usage and control streams interleave.
+        since = memory.count_changed_at.get(name, 0)
+        window = [total for seen, total in memory.samples.get(name, ()) if seen >= since]
         if current == 0 and zeroed is not None and wish is not None and wish.control_seq >= zeroed:
             new = max(spec.min_replicas, 1)
             reason = f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"

@@ -64,7 +64,7 @@ class World:
         at = T0 + timedelta(seconds=self.tick)
         self.feed(m.IdleMapPublished(at=at, router=router, boot_id="b", tick=self.tick, tick_s=1.0,
                                      load={model: m.ModelLoad(in_flight=in_flight, queued=queued)},
-                                     busy=busy or {}))
+                                     busy=busy or {}, control_seq=self.seqs[subjects.STREAM_CONTROL]))
 
     def wish(self, model: str, router: str = "gw-a", subject: str | None = None) -> None:
         control_seq = self.seqs[subjects.STREAM_CONTROL]
@@ -242,12 +242,17 @@ def test_scale_to_zero_then_a_request_wakes_it() -> None:
     got = w.step()
     assert [e.replicas for e in got if isinstance(e, m.ModelAutoscaled)] == [0]
     assert w.running() == [] and w.state.model_states() == {"m": "parked"}
-    w.load("m", 0, queued=3)
     w.wish("m", router="gw-b")
     got = w.step()
     woke = [e for e in got if isinstance(e, m.ModelAutoscaled)]
     assert [(e.replicas, e.reason) for e in woke] == [(1, "woken by gw-b: 1 request waiting")]
     assert [p.reason for p in placed(got)] == [woke[0].reason]
+    w.healthy(got)
+    # The thirty quiet maps before the wake say nothing about the new count: no flap back to zero.
+    assert w.step() == []
+    for _ in range(s.UP_SAMPLES):
+        w.load("m", 0, queued=7)  # maps that saw the wake, with requests still waiting: up to two
+    assert [e.replicas for e in w.step() if isinstance(e, m.ModelAutoscaled)] == [2]
 
 
 def test_a_model_scaled_to_zero_by_its_operator_stays_stopped() -> None:
