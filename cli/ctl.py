@@ -25,7 +25,8 @@ def ctl() -> None:
         "deploy": "llmgw.cli.models:deploy",
         "scale": "llmgw.cli.models:scale",
         "remove": "llmgw.cli.models:remove",
+        "list": "llmgw.cli.models:list_models",
     },
 )
 def model() -> None:
-    """Plan, deploy, scale and remove models."""
+    """Plan, deploy, scale, list and remove models."""

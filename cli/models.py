@@ -196,3 +196,68 @@ def remove(name: str, as_json: bool, settings: Settings) -> None:
         echo_json({"removed": name, "seq": seq})
     else:
         click.echo(f"removed {name}; its replicas stop and their GPUs are freed")
+
+
+async def _models(settings: Settings) -> list[dict[str, Any]]:
+    from llmgw import subjects
+    from llmgw.bus import Bus
+    from llmgw.scheduler_service import replay_state
+
+    bus = await Bus.connect(settings, "llmgw-ctl-model", reconnect=False)
+    try:
+        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+    finally:
+        await bus.close()
+    states = state.model_states()
+    rows = []
+    for name in sorted(state.models):
+        v = state.models[name]
+        reps = [r for r in state.replicas.values() if r.model == name]
+        spec = v.spec
+        rows.append({
+            "name": name, "state": states[name], "healthy": sum(r.state == "healthy" for r in reps),
+            "placed": len(reps), "wanted": v.replicas_wanted, "set_by": v.replicas_by,
+            "min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
+            "target_in_flight": spec.target_in_flight if spec.autoscaled else None,
+            "idle_ttl_s": spec.idle_ttl_s, "source": spec.source, "precision": spec.precision,
+            "gpus_per_replica": spec.tp * spec.pp, "gpu_class": spec.gpu_class,
+            "unplaceable": v.unplaceable_reason,
+        })
+    return rows
+
+
+@click.command("list")
+@json_option
+@nats_options
+def list_models(as_json: bool, settings: Settings) -> None:
+    """Every declared model: serving, starting, parked (a request wakes it), unplaceable or stopped.
+
+    Example:
+
+        llmgw ctl model list
+        llmgw ctl model list --json | jq '.[] | select(.state == "parked") | .name'
+    """
+    rows = run(_models(settings))
+    if as_json:
+        echo_json(rows)
+        return
+    if not rows:
+        click.echo("no model is declared; deploy one with `llmgw ctl model deploy NAME MODEL --from-plan`")
+        return
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE)
+    for col in ("model", "state", "replicas", "scaling", "runs", "why"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        scaling = (f"auto {r['min_replicas']}–{r['max_replicas']}, {r['target_in_flight']:g}/replica"
+                   if r["min_replicas"] is not None else "fixed")
+        if r["idle_ttl_s"]:
+            scaling += f", idle ttl {r['idle_ttl_s']:g}s"
+        why = r["unplaceable"] or ("a request wakes it" if r["state"] == "parked" else
+                                   "`ctl model scale` brings it back" if r["state"] == "stopped" else "")
+        table.add_row(r["name"], r["state"], f"{r['healthy']}/{r['placed']} healthy, {r['wanted']} wanted",
+                      scaling, f"{r['source']} {r['precision']} on {r['gpus_per_replica']} × {r['gpu_class']}", why)
+    Console(width=160, highlight=False, markup=False).print(table)

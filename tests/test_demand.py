@@ -264,3 +264,15 @@ def test_a_model_scaled_to_zero_by_its_operator_stays_stopped() -> None:
         w.load("m", 0, queued=5)
     assert w.step() == []  # neither a wish nor load overrides the operator's 0
     assert w.state.model_states() == {"m": "stopped"}
+
+
+def test_two_routers_and_a_restarted_one_wishing_at_once_make_one_placement() -> None:
+    w = parked_world()
+    w.wish("m", router="gw-a")
+    w.wish("m", router="gw-b")
+    w.feed(m.ModelWanted(at=T0, router="gw-a", boot_id="after-restart", model="m",
+                         control_seq=w.seqs[subjects.STREAM_CONTROL]))
+    got = placed(w.step(T0 + timedelta(seconds=63)))
+    assert len(got) == 1
+    w.wish("m", router="gw-b")  # still waiting while it starts: nothing more
+    assert w.step(T0 + timedelta(seconds=64)) == []

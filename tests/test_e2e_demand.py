@@ -91,6 +91,11 @@ def test_parked_models_wake_on_requests_and_autoscale_with_load(tmp_path: Path) 
         wait_for("auto parked", lambda: model_state(url, "auto") == "parked", within_s=40)
         listed = {x.id: x.model_extra["state"] for x in clients[0].models.list().data}
         assert listed == {"fixed": "parked", "auto": "parked"}
+        rows = {r["name"]: r for r in json.loads(ok(url, "ctl", "model", "list", "--json"))}
+        assert {n: (r["state"], r["placed"], r["set_by"]) for n, r in rows.items()} == {
+            "fixed": ("parked", 0, "declared"), "auto": ("parked", 0, "autoscaler")}
+        table = ok(url, "ctl", "model", "list")
+        assert "a request wakes it" in table and "auto 0–2, 4/replica" in table
 
         # 2. A plain request wakes the fixed model: held through placement and start-up, then answered.
         assert chat(clients[0], "fixed", stream=False)

@@ -145,6 +145,18 @@ async def test_held_requests_hear_at_once_when_the_wake_turns_out_unplaceable(bu
     assert resp.status == 503 and data["error"]["code"] == "model_unplaceable"
 
 
+async def test_a_router_stopping_answers_its_held_requests_and_its_wish_stays(bus: Bus, router: Router) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        task = asyncio.create_task(session.post(router.url + "/v1/chat/completions", json=body))
+        await until(lambda: router.wishes == 1, "the wish stored", 10)
+        await router.stop()  # a restart: the held request hears so at once, it does not hang
+        resp = await asyncio.wait_for(task, 10)
+        resp.release()
+    assert resp.status == 503
+    assert [w.model for w in await wishes(bus)] == [MODEL]  # the scheduler still places it
+
+
 async def test_an_operator_stopped_model_is_not_listed_and_refused_at_once(bus: Bus, router: Router) -> None:
     await bus.publish(m.ModelScaled(at=now(), name=MODEL, replicas=0))
     await router.sink.wait_for(lambda p: p.model_state(MODEL) == "stopped")
