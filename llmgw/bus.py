@@ -556,18 +556,34 @@ class Bus:
                 raise ServiceError(f"the {who} refused the request: {err.error}")
         return data
 
-    async def serve(self, subject: str, handler: Handler, *, queue: str = "") -> Any:
-        """Answer requests on a subject; a handler that raises gets an error reply, never a dead service."""
+    async def serve(self, subject: str, handler: Handler, *, queue: str = "", concurrency: int = 32) -> Any:
+        """Answer requests on a subject; a handler that raises gets an error reply, never a dead service.
+
+        Up to ``concurrency`` requests are answered at once, each in its own task:
+        nats-py runs a subscription's callbacks one after another, so one slow
+        request (a Hub lookup) would otherwise hold every request behind it.
+        """
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(msg: Msg) -> None:
+            try:
+                try:
+                    reply = await handler(msg.data)
+                except Exception as e:  # noqa: BLE001 - a bad request must not kill the service
+                    log.warning("%s: request failed: %s", subject, e)
+                    reply = m.encode(m.ErrorReply(error=str(e) or type(e).__name__))
+                if msg.reply:
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.respond(reply)
+            finally:
+                slots.release()
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                reply = await handler(msg.data)
-            except Exception as e:  # noqa: BLE001 - a bad request must not kill the service
-                log.warning("%s: request failed: %s", subject, e)
-                reply = m.encode(m.ErrorReply(error=str(e) or type(e).__name__))
-            if msg.reply:
-                with contextlib.suppress(nats.errors.Error):
-                    await msg.respond(reply)
+            await slots.acquire()  # past the bound, the subscription waits: nats-py buffers, bounded
+            task = asyncio.create_task(answer(msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
         # Once serve() returns the server knows the subscription: a service that then says

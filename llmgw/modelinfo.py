@@ -10,12 +10,17 @@ in order: ``--params``; the safetensors index's ``metadata.total_size``; the
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
+import socket
 import struct
+import threading
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import msgspec
 
@@ -174,6 +179,63 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+# The Hub, bounded: huggingface_hub retries a failed request five times with back-off
+# (~24 s when the network is down), and a planner answering plans must not wait that
+# long, nor make every other request wait behind it.
+HUB_PROBE_S = 2.0  # connecting to the Hub (or the proxy): longer is "unreachable"
+HUB_LOOKUP_S = 3.0  # a whole lookup of a repository's files on the Hub
+MISS_TTL_S = 60.0  # how long a model that could not be found stays "not found"
+_probe: tuple[float, bool] | None = None
+_misses: dict[str, tuple[float, str]] = {}
+_lock = threading.Lock()
+_hub_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmgw-hub")
+
+
+def hub_reachable() -> bool:
+    """Whether a TCP connection to the Hub (or the HTTPS proxy) opens within HUB_PROBE_S; kept a minute."""
+    global _probe
+    now = time.monotonic()
+    with _lock:
+        if _probe is not None and now - _probe[0] < MISS_TTL_S:
+            return _probe[1]
+    from huggingface_hub import constants
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlparse(proxy or constants.ENDPOINT)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+
+    def connect() -> bool:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+            return True
+        except OSError:
+            return False
+
+    try:  # the name lookup has no timeout of its own: bound it from outside
+        ok = bool(host) and _hub_pool.submit(connect).result(timeout=HUB_PROBE_S * 1.5)
+    except concurrent.futures.TimeoutError:
+        ok = False
+    with _lock:
+        _probe = (time.monotonic(), ok)
+    return ok
+
+
+def _missed(model: str) -> str | None:
+    with _lock:
+        hit = _misses.get(model)
+        if hit is not None and time.monotonic() - hit[0] < MISS_TTL_S:
+            return hit[1]
+        _misses.pop(model, None)
+    return None
+
+
+def _remember_miss(model: str, why: str) -> None:
+    with _lock:
+        if len(_misses) > 1024:
+            _misses.clear()
+        _misses[model] = (time.monotonic(), why)
+
+
 def _hf_file(repo: str, filename: str, offline: bool) -> Path | None:
     """A file of a repo from the cache (or the Hub when online); None when the repo has no such file."""
     from huggingface_hub import hf_hub_download
@@ -258,13 +320,33 @@ def load(model: str, *, models_dir_: str | Path | None = None, params: int | Non
     if not _REPO_ID.match(model):
         raise ModelError(f"{model!r} is neither a directory with a config.json nor a Hugging Face repo id "
                          "(Org/Name); check the path or the name")
-    offline = _offline()
+    if (why := _missed(model)) is not None:
+        raise ModelError(why)
+    offline = _offline() or not hub_reachable()
+    if offline:
+        return _load_hub(model, md, params, offline=True)
+    try:
+        return _hub_pool.submit(_load_hub, model, md, params, offline=False).result(timeout=HUB_LOOKUP_S)
+    except concurrent.futures.TimeoutError:
+        why = (f"{model}: the Hugging Face Hub did not answer within {HUB_LOOKUP_S:g}s; fetch it once with "
+               f"`hf download {model} config.json model.safetensors.index.json` (then it is read from the cache), "
+               "set HF_HUB_OFFLINE=1 on an air-gapped fleet, or pass a local directory holding its config.json")
+        _remember_miss(model, why)
+        raise ModelError(why) from None
+    except ModelError as e:
+        _remember_miss(model, str(e))
+        raise
+
+
+def _load_hub(model: str, md: Path | None, params: int | None, *, offline: bool) -> ModelInfo:
+    """A model by Hugging Face repo id: from the cache, and from the Hub when ``offline`` is False."""
     cfg = _hf_file(model, "config.json", offline)
     if cfg is None:
         where = f" under {md}" if md else ""
         raise ModelError(
             f"{model}: no config.json in the Hugging Face cache ({hf_cache_dir()}){where}"
-            + (" and HF_HUB_OFFLINE=1 forbids the network" if offline else " and the Hub could not be reached")
+            + (" and HF_HUB_OFFLINE=1 forbids the network" if _offline() else
+               " and the Hub cannot be reached from here" if offline else " and the Hub could not be reached")
             + f"; fetch it once with `hf download {model} config.json model.safetensors.index.json`, "
             "or pass a local directory holding its config.json"
         )

@@ -149,3 +149,40 @@ async def test_planner_process_answers_and_stops_on_sigterm(bus: Bus, settings: 
             proc.terminate()
         code = await asyncio.wait_for(proc.wait(), 15)
     assert code == 0
+
+
+async def test_an_unknown_repo_behind_a_silent_hub_is_refused_in_bounded_time_and_blocks_no_one(
+    service: PlannerService, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # accept, and never answer: a Hub behind a black-holing firewall
+
+    hub = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = hub.sockets[0].getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read from the environment at import
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(modelinfo, "_probe", None)
+    monkeypatch.setattr(modelinfo, "_misses", {})
+    try:
+        unknown = asyncio.create_task(ask(bus, m.PlanRequest(model="foo/DoesNotExist-7B"), timeout=10))
+        await asyncio.sleep(0.3)  # the unknown lookup is under way in the service
+        good = await ask(bus, m.PlanRequest(model="Qwen/Qwen2.5-14B-Instruct"), timeout=10)
+        assert not unknown.done()  # a plan for a model on disk was answered while the Hub lookup waits
+        assert good.candidates
+        with pytest.raises(ServiceError, match=rf"did not answer within {modelinfo.HUB_LOOKUP_S:g}s") as first:
+            await unknown
+        assert "hf download foo/DoesNotExist-7B" in str(first.value)
+        # Asked again, the miss is remembered: the same answer, without asking the Hub again.
+        before = len(held)
+        with pytest.raises(ServiceError, match="did not answer within"):
+            await ask(bus, m.PlanRequest(model="foo/DoesNotExist-7B"), timeout=10)
+        assert len(held) == before
+    finally:
+        for w in held:
+            w.close()
+        hub.close()
