@@ -93,10 +93,14 @@ def render(reply: m.PlanReply, model: str) -> None:
                       f"{c.kv_tokens:,}", f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
     console.print(table)
     console.print("\ncommands:")
+    # The same command on several GPU classes is printed once, with every candidate it serves.
+    lines: dict[str, list[int]] = {}
     for i, c in enumerate(reply.candidates, 1):
         extra = f"   # download {c.file} ({c.file_gib} GiB)" if c.file else ""
         why = f"   # does not fit: {c.reason}" if not c.fits else ""
-        console.print(f"{i:>3}  {c.command}{extra}{why}", soft_wrap=True)
+        lines.setdefault(f"{c.command}{extra}{why}", []).append(i)
+    for line, numbers in lines.items():
+        console.print(f"{', '.join(map(str, numbers)):>3}  {line}", soft_wrap=True)
     first = next((i for i, c in enumerate(reply.candidates, 1) if c.fits), None)
     if first is not None:
         name = reply.model.rstrip("/").split("/")[-1].lower()

@@ -66,6 +66,9 @@ CUDA_GRAPHS_BYTES = GIB // 2
 NCCL_BYTES = GIB // 4
 KV_DTYPE_BYTES = 2
 MIN_CONTEXT = 2048
+# Without --context every candidate is judged at the model's full context, capped here:
+# a 128k window is rarely what a replica is sized for, and 2k is no recommendation.
+DEFAULT_CONTEXT_CAP = 32_768
 VLLM_BLOCK = 16
 LLAMACPP_CTX_PAD = 256
 DEFAULT_TPS = (1, 2, 4, 8)
@@ -441,9 +444,18 @@ class Split:
     pp: int = 1
 
 
+def default_context(info: m.ModelInfo) -> int:
+    """The context candidates are judged at when none is asked for."""
+    return min(info.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+
+
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
              replicas_now: int) -> m.Candidate:
-    """Fit one precision on one split: weights, overhead and KV per GPU, and the context left."""
+    """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
+
+    With no ``context``, a split that holds ``default_context`` runs at it; one that
+    holds less (but at least MIN_CONTEXT) still fits, at the most it holds.
+    """
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
     weights, overhead, kv = sizes(info, p, tp, pp)
@@ -463,7 +475,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
             reason = (f"a {context}-token context needs {gib(kv.bytes_for(context))} GiB of KV cache per GPU; "
                       f"{gib(kv_budget)} GiB is left, enough for {max_context} tokens")
     else:
-        chosen = max_context
+        chosen = min(max_context, default_context(info))
         floor = min(MIN_CONTEXT, info.max_position_embeddings)
         if max_context < floor:
             reason = f"the {gib(kv_budget)} GiB left for KV cache per GPU holds {max_context} tokens, under {floor}"
@@ -643,8 +655,21 @@ def validate(info: m.ModelInfo, request: m.PlanRequest) -> tuple[tuple[Precision
     return precs, tps
 
 
-def _sort_key(c: m.Candidate) -> tuple[object, ...]:
-    return (not c.fits, c.gpus, RANK[c.precision], -c.max_context, c.gpu_class, c.fabric or "")
+def _sort_key(c: m.Candidate, target: int) -> tuple[object, ...]:
+    """Fitting first; those that hold the common context before those that hold less; then
+    the fewest GPUs, the highest precision, the longest context."""
+    return (not c.fits, c.context < target, c.gpus, RANK[c.precision], -c.max_context, c.gpu_class, c.fabric or "")
+
+
+def best_per_class(candidates: Iterable[m.Candidate]) -> list[m.Candidate]:
+    """The first candidate of each (GPU class, precision), in the order given."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in candidates:
+        if (c.gpu_class, c.precision) not in seen:
+            seen.add((c.gpu_class, c.precision))
+            out.append(c)
+    return out
 
 
 def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
@@ -663,6 +688,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     notes: list[str] = []
     by_class = pools(fleet) if fleet_pools is None else fleet_pools
     gpus = sum(n.healthy for p in by_class.values() for n in p.nodes)
+    target = request.context or default_context(info)
     if not by_class:
         notes.append("the fleet has no live healthy GPUs: no agent has reported, or every node is lost; "
                      "start agents (`llmgw agent`) or plan against a fleet file with --fleet")
@@ -676,7 +702,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
             for tp in ok_tps:
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
                              replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)))
-                single_fits |= c.fits
+                single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
                 continue  # multi-node only where one node cannot hold it; llama.cpp stays on one node
@@ -690,17 +716,21 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                                      util=util, replicas_now=0)
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
-                            break  # more stages than the fewest that hold it only cost GPUs
-                        out.append(c)
+                            if c.context >= target:
+                                break  # more stages than the fewest that hold it only cost GPUs
+                        else:
+                            out.append(c)
     fitting = [c for c in out if c.fits]
     if by_class and not fitting:
         notes.append(_nothing_fits(info, out, by_class))
-    shown = out if request.all else fitting
+    ranked = sorted(out if request.all else fitting, key=lambda c: _sort_key(c, target))
+    if not request.all:
+        ranked = best_per_class(ranked)
     return m.PlanReply(
         model=info.name,
         params=info.params,
         params_source=info.params_source,
-        candidates=tuple(sorted(shown, key=_sort_key)),
+        candidates=tuple(ranked),
         context=request.context,
         fleet_gpus=gpus,
         notes=tuple(notes),

@@ -323,7 +323,7 @@ def test_replicas_now_counts_free_healthy_gpus_only() -> None:
     gpus = tuple(m.GpuRef(node="n2", index=i, uuid=state.nodes["n2"].gpus[i].uuid) for i in range(4))
     spec = m.ModelSpec(name="x", source="x", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=1024, tp=4)
     fold([m.ReplicaPlaced(at=AT, replica_id="r1", model="x", nodes=("n2",), gpus=gpus, spec=spec)], state)
-    reply = P.plan(model(LLAMA8), state, m.PlanRequest(model="l", precisions=("bf16",)))
+    reply = P.plan(model(LLAMA8), state, m.PlanRequest(model="l", precisions=("bf16",), all=True))
     assert one(reply.candidates, tp=1).replicas_now == 6 + 4
     assert one(reply.candidates, tp=2).replicas_now == 3 + 2
     assert one(reply.candidates, tp=4).replicas_now == 1 + 1
@@ -436,3 +436,30 @@ def test_every_fit_adds_up_within_the_budget(dirname: str, util: float, context:
 
 
 MODELS_BY_DIR = {d: model(d) for d in (LLAMA70, LLAMA8, QWEN14, QWEN3, GEMMA, MIXTRAL, DEEPSEEK)}
+
+
+# --- candidate 1 ----------------------------------------------------------------------------------
+
+
+def test_candidate_one_for_70b_on_the_example_fleet_holds_the_common_context() -> None:
+    reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l"))
+    first = reply.candidates[0]
+    assert first.fits and first.context == P.DEFAULT_CONTEXT_CAP and first.max_context >= 32_768
+    # The fewest GPUs that hold it, highest precision first; no candidate that holds it uses fewer GPUs.
+    holding = [c for c in reply.candidates if c.context >= P.DEFAULT_CONTEXT_CAP]
+    assert first.gpus == min(c.gpus for c in holding)
+    assert all(P.RANK[first.precision] <= P.RANK[c.precision] for c in holding if c.gpus == first.gpus)
+    # Splits that hold less come after every split that holds it, with what they hold.
+    kinds = [c.context >= P.DEFAULT_CONTEXT_CAP for c in reply.candidates]
+    assert kinds == sorted(kinds, reverse=True)
+    short = [c for c in reply.candidates if c.context < P.DEFAULT_CONTEXT_CAP]
+    assert all(c.context == c.max_context // 16 * 16 or c.context == c.max_context for c in short)
+    # By default one candidate per (class, precision); --all lists every split.
+    assert len({(c.gpu_class, c.precision) for c in reply.candidates}) == len(reply.candidates)
+    every = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", all=True))
+    assert len([c for c in every.candidates if c.fits]) > len(reply.candidates)
+
+
+def test_an_explicit_context_is_what_every_candidate_is_judged_at() -> None:
+    reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192))
+    assert reply.candidates and all(c.context == 8192 for c in reply.candidates)
