@@ -108,6 +108,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--pp", type=click.IntRange(1), help="Nodes (pipeline stages) in one fabric [default with --tp: 1].")
 @click.option("--gpu-class", help="e.g. H100-80GB.")
 @click.option("--context", type=click.IntRange(1), help="Context length (max_model_len).")
+@click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="vLLM's KV cache dtype (fp8 halves it); planned and passed to the engine.")
 @click.option("--replicas", type=click.IntRange(1), default=1, show_default=True, help="How many replicas.")
 @click.option("--min-replicas", type=click.IntRange(0), help="Autoscale: never fewer (0: scale to zero; a request wakes it).")
 @click.option("--max-replicas", type=click.IntRange(1), help="Autoscale: never more.")
@@ -120,7 +122,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @json_option
 @nats_options
 def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
-           tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, replicas: int,
+           tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
@@ -141,7 +143,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
             raise click.UsageError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
         replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
     request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
-                            context=context, all=candidate is None)
+                            context=context, all=candidate is None, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
     try:
         reply = _plan(model, request, fleet, models_dir, settings)
         if pp is None and tp is not None and candidate is None:

@@ -121,13 +121,16 @@ def render(reply: m.PlanReply, model: str) -> None:
 @click.option("--gpu-memory-utilization", "util", type=float, default=0.9, show_default=True,
               help="Fraction of each card's total memory the engine may use.")
 @click.option("--params", callback=_params, help="Parameter count override, e.g. 70.6B (when the checkpoint does not say).")
-@click.option("--all", "show_all", is_flag=True, help="Also list candidates that do not fit, with the reason.")
+@click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
+              help="vLLM's KV cache dtype: fp8 halves it (auto: the model's, or the checkpoint's kv_cache_scheme).")
+@click.option("--all", "show_all", is_flag=True, help="Every split, also those that do not fit (default: the best per GPU class and precision).")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR",
               help="Directory of Org__Name model folders holding config.json [env LLMGW_MODELS_DIR].")
 @json_option
 @nats_options
 def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: tuple[int, ...], context: int | None,
-         util: float, params: int | None, show_all: bool, models_dir: str | None, as_json: bool, settings: Settings) -> None:
+         util: float, params: int | None, kv_dtype: str, show_all: bool, models_dir: str | None, as_json: bool,
+         settings: Settings) -> None:
     """Will MODEL fit on the fleet, and how to split it: every candidate, with its engine command.
 
     MODEL is a Hugging Face repo id (offline from the HF cache with HF_HUB_OFFLINE=1)
@@ -140,7 +143,8 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
         llmgw ctl model plan ./models/Llama-3.3-70B --fleet examples/fleet.toml --context 8192 --json
     """
     request = m.PlanRequest(model=model, precisions=precisions, tp=tps, context=context,
-                            gpu_memory_utilization=util, params=params, all=show_all)
+                            gpu_memory_utilization=util, params=params, all=show_all,
+                            kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
     try:
         if fleet_path is not None:
             reply = plan_locally(model, fleet_path, request, models_dir)

@@ -82,6 +82,8 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
             argv += ["--pipeline-parallel-size", str(spec.pp)]
         if spec.quantization:
             argv += ["--quantization", spec.quantization]
+        if spec.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
         argv += [
             "--max-model-len", str(spec.context),
             "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",

@@ -186,6 +186,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     min_replicas: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
     max_replicas: Annotated[int, msgspec.Meta(ge=1, le=10_000)] | None = None
     target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
+    kv_cache_dtype: str = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
 
     @property
     def autoscaled(self) -> bool:
@@ -427,7 +428,14 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    quantization: str | None = None  # the checkpoint's quant_method: fp8 | awq | gptq | None
+    # The checkpoint's own precision when it is pre-quantized: fp8 | int8 | int4 | fp4 | awq | gptq |
+    # bnb-4bit | bnb-8bit | None; with the bits each quantized weight takes (scales and zero points
+    # included), the modules it leaves 16-bit (its ``ignore`` list), its format, and its KV cache dtype.
+    quantization: str | None = None
+    quant_bits: float = 0.0
+    quant_ignore: tuple[str, ...] = ()
+    quant_format: str = ""  # compressed-tensors | fp8 | awq | gptq | bitsandbytes
+    kv_cache_dtype: str = ""  # "fp8" when the checkpoint carries a kv_cache_scheme
     params: int = 0
     params_source: str = ""  # safetensors-index | safetensors-header | hf-metadata | architecture | --params
 
@@ -443,6 +451,7 @@ class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     params: int | None = None
     all: bool = False
     info: ModelInfo | None = None  # the model as the asker read it; None: the planner resolves it
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the model's dtype, or the checkpoint's kv_cache_scheme
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -473,6 +482,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     overhead_gib_per_gpu: float = 0.0
     file: str | None = None  # GGUF: the file to download
     file_gib: float | None = None
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -490,6 +500,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             file=self.file,
             gpu_memory_utilization=self.gpu_memory_utilization,
             gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
 

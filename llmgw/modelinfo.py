@@ -90,11 +90,7 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     sliding = _sliding_layers(cfg, n)
     if window is not None and (window >= cfg["max_position_embeddings"] or not sliding):
         window, sliding = None, ()
-    qc = cfg.get("quantization_config") or {}
-    quant = str(qc.get("quant_method", "")).lower() or None
-    if quant not in (None, "fp8", "awq", "gptq"):
-        raise ModelError(f"{name} is a {quant} checkpoint, which the planner cannot size; plan the "
-                         "16-bit repository it was made from (GGUF and fp8 are planned from there)")
+    q = quantization(cfg.get("quantization_config"), name)
     mt = str(cfg.get("model_type", ""))
     return ModelInfo(
         name=name,
@@ -124,8 +120,94 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
         qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
         v_head_dim=int(cfg.get("v_head_dim") or 0),
-        quantization=quant,
+        quantization=q.precision,
+        quant_bits=q.bits,
+        quant_ignore=q.ignore,
+        quant_format=q.format,
+        kv_cache_dtype=q.kv_cache_dtype,
     )
+
+
+class Quantization(msgspec.Struct, frozen=True):
+    """What a pre-quantized checkpoint's quantization_config says, as the planner needs it."""
+
+    precision: str | None = None
+    bits: float = 0.0  # per quantized weight, scales and zero points included (per-row ones left to the planner)
+    ignore: tuple[str, ...] = ()
+    format: str = ""
+    kv_cache_dtype: str = ""
+
+
+SUPPORTED_QUANT = "compressed-tensors (fp8, int8, int4, fp4), fp8, awq, gptq and bitsandbytes"
+
+
+def _num(d: dict[str, Any], key: str, default: float) -> float:
+    v = d.get(key, default)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(str(x) for x in value) if isinstance(value, list) else ()
+
+
+def quantization(qc: Any, name: str) -> Quantization:
+    """The checkpoint's quantization, from its config's ``quantization_config``; a method we cannot size is refused."""
+    if not qc:
+        return Quantization()
+    if not isinstance(qc, dict):
+        raise ModelError(f"{name}: quantization_config is not an object; check the model's config.json")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, name)
+    if method == "fp8":
+        # Per-tensor or per-block (DeepSeek-V3: 128 x 128) scales: a few bits per million weights.
+        block = qc.get("weight_block_size")
+        per = block[0] * block[1] if isinstance(block, list) and len(block) == 2 and all(isinstance(x, int) and x > 0 for x in block) else 0
+        ignore = _names(qc.get("ignored_layers")) + _names(qc.get("modules_to_not_convert"))
+        return Quantization("fp8", 8 + (32 / per if per else 0.0), ignore, "fp8")
+    if method in ("awq", "gptq"):
+        bits = _num(qc, "bits", _num(qc, "w_bit", 4))
+        group = _num(qc, "group_size", _num(qc, "q_group_size", 128))
+        if bits not in (2, 3, 4, 8):
+            raise ModelError(f"{name}: {method} with {bits:g} bits; the planner sizes 2, 3, 4 and 8-bit {method} checkpoints")
+        # A 16-bit scale and a packed zero point per group (per output row when group_size is -1).
+        extra = (16 + bits) / group if group > 0 else 0.0
+        return Quantization(method, bits + extra, _names(qc.get("modules_to_not_convert")), method)
+    if method == "bitsandbytes":
+        skip = _names(qc.get("llm_int8_skip_modules"))
+        if qc.get("load_in_4bit"):
+            # Blocks of 64 with an fp32 absmax; double quantization stores it in 8 bits (+ fp32 per 256 blocks).
+            extra = (8 / 64 + 32 / (64 * 256)) if qc.get("bnb_4bit_use_double_quant") else 32 / 64
+            return Quantization("bnb-4bit", 4 + extra, skip, "bitsandbytes")
+        if qc.get("load_in_8bit"):
+            return Quantization("bnb-8bit", 8.0, skip, "bitsandbytes")
+        raise ModelError(f"{name}: a bitsandbytes config with neither load_in_4bit nor load_in_8bit; check its config.json")
+    raise ModelError(f"{name} is a {method or 'quantized (no quant_method)'} checkpoint, which the planner cannot size; "
+                     f"it sizes {SUPPORTED_QUANT} checkpoints: plan the 16-bit repository it was made from "
+                     "(with --precision fp8 or a GGUF precision), or pass --params with that repository's count")
+
+
+def _compressed_tensors(qc: dict[str, Any], name: str) -> Quantization:
+    groups = qc.get("config_groups") or {}
+    weights = next((g.get("weights") for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None) \
+        if isinstance(groups, dict) else None
+    if weights is None:
+        raise ModelError(f"{name}: a compressed-tensors config with no weight scheme in config_groups; check its config.json")
+    bits = _num(weights, "num_bits", 0)
+    kind = str(weights.get("type", "int")).lower()
+    label = {("float", 8): "fp8", ("int", 8): "int8", ("int", 4): "int4", ("float", 4): "fp4"}.get((kind, int(bits)))
+    if label is None:
+        raise ModelError(f"{name}: compressed-tensors weights of {bits:g}-bit {kind}; the planner sizes "
+                         "8-bit float or int, 4-bit int and 4-bit float weights")
+    strategy = str(weights.get("strategy", "tensor")).lower()
+    extra = 0.0
+    if strategy == "group":
+        group = _num(weights, "group_size", 128)
+        scale_bits = 8 if label == "fp4" else 16  # NVFP4 keeps an fp8 scale per 16 weights
+        extra = (scale_bits + (0 if weights.get("symmetric", True) else bits)) / max(group, 1)
+    kv = qc.get("kv_cache_scheme")
+    kv_dtype = "fp8" if isinstance(kv, dict) and int(_num(kv, "num_bits", 16)) == 8 and kv.get("type") == "float" else ""
+    return Quantization(label, bits + extra, _names(qc.get("ignore")), "compressed-tensors", kv_dtype)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ fit in the KV cache.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -82,7 +83,7 @@ class Precision:
 
     name: str
     engine: m.Engine
-    kind: str  # 16bit | fp8 | int4 | gguf
+    kind: str  # 16bit | fp8 | int4 | ckpt (only a checkpoint already so) | gguf
     ggml: str = ""  # GGUF: the base block type of the file
 
 
@@ -90,8 +91,13 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("bf16", "vllm", "16bit"),
     Precision("fp16", "vllm", "16bit"),
     Precision("fp8", "vllm", "fp8"),
+    Precision("int8", "vllm", "ckpt"),
+    Precision("bnb-8bit", "vllm", "ckpt"),
     Precision("awq", "vllm", "int4"),
     Precision("gptq", "vllm", "int4"),
+    Precision("int4", "vllm", "ckpt"),
+    Precision("fp4", "vllm", "ckpt"),
+    Precision("bnb-4bit", "vllm", "ckpt"),
     Precision("q8_0", "llama.cpp", "gguf", "Q8_0"),
     Precision("q6_K", "llama.cpp", "gguf", "Q6_K"),
     Precision("q5_K_M", "llama.cpp", "gguf", "Q5_K"),
@@ -229,10 +235,53 @@ def gguf_type(p: Precision, t: Tensor, info: m.ModelInfo) -> str:
     return qt
 
 
+# Hugging Face module names of the tensors above, as a checkpoint's ``ignore`` list names them.
+_HF_NAMES = {
+    "attn_q": ("self_attn.q_proj",), "attn_k": ("self_attn.k_proj",), "attn_v": ("self_attn.v_proj",),
+    "attn_output": ("self_attn.o_proj",), "attn_q_a": ("self_attn.q_a_proj",), "attn_q_b": ("self_attn.q_b_proj",),
+    "attn_kv_a_mqa": ("self_attn.kv_a_proj_with_mqa",), "attn_kv_b": ("self_attn.kv_b_proj",),
+    "ffn_gate": ("mlp.gate_proj",), "ffn_up": ("mlp.up_proj",), "ffn_down": ("mlp.down_proj",),
+    "ffn_gate_exps": ("mlp.experts.0.gate_proj", "block_sparse_moe.experts.0.w1"),
+    "ffn_up_exps": ("mlp.experts.0.up_proj", "block_sparse_moe.experts.0.w3"),
+    "ffn_down_exps": ("mlp.experts.0.down_proj", "block_sparse_moe.experts.0.w2"),
+    "ffn_gate_shexp": ("mlp.shared_experts.gate_proj",), "ffn_up_shexp": ("mlp.shared_experts.up_proj",),
+    "ffn_down_shexp": ("mlp.shared_experts.down_proj",),
+}
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """compressed-tensors' rule (``re:`` a regular expression, else the exact name), and a name's suffix."""
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error:
+            return False
+    return name == pattern or name.endswith("." + pattern)
+
+
+@lru_cache(maxsize=64)
+def ignored(info: m.ModelInfo) -> frozenset[tuple[str, int]]:
+    """(tensor, layer) pairs a pre-quantized checkpoint keeps in 16 bits (its ``ignore`` list)."""
+    if not info.quant_ignore:
+        return frozenset()
+    out = set()
+    for t in tensors(info):
+        for hf in _HF_NAMES.get(t.name, ()):
+            full = f"model.layers.{t.layer}.{hf}"
+            if any(_matches(p, full) for p in info.quant_ignore):
+                out.add((t.name, t.layer))
+    return frozenset(out)
+
+
 def tensor_bits(p: Precision, t: Tensor, info: m.ModelInfo) -> float:
     """Bits one tensor takes at a precision."""
     if p.kind == "gguf":
         return t.params * GGML_BPW[gguf_type(p, t, info)]
+    if info.quantization == p.name and info.quant_bits:
+        # The checkpoint's own format: its quantized matmuls at its bits, what it ignores at 16.
+        if t.matmul and (t.name, t.layer) not in ignored(info):
+            return t.params * info.quant_bits
+        return t.params * 16.0
     if t.matmul and p.kind == "fp8":
         return t.params * 8.0
     if t.matmul and p.kind == "int4":
@@ -344,8 +393,8 @@ class KvShape(NamedTuple):
         return int((budget / self.per_layer - self.window_layers * self.window) // self.full_layers)
 
 
-def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1) -> KvShape:
-    """KV per token per GPU for a split; the worst stage is charged."""
+def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes: int = KV_DTYPE_BYTES) -> KvShape:
+    """KV per token per GPU for a split; the worst stage is charged. ``kv_bytes``: 1 for an fp8 cache."""
     if engine == "llama.cpp":
         layers = stages(info.num_layers, tp)[0]
         heads = info.num_kv_heads
@@ -355,9 +404,9 @@ def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1) -> KvSha
         heads = kv_heads_per_rank(info, tp)
         batch = VLLM_BATCHED_TOKENS
     if info.kv_lora_rank:
-        per_layer = (info.kv_lora_rank + info.qk_rope_head_dim) * KV_DTYPE_BYTES  # replicated, not split
+        per_layer = (info.kv_lora_rank + info.qk_rope_head_dim) * kv_bytes  # replicated, not split
     else:
-        per_layer = 2 * heads * info.head_dim * KV_DTYPE_BYTES
+        per_layer = 2 * heads * info.head_dim * kv_bytes
     sliding = set(info.sliding_layers) if info.sliding_window else set()
     window_layers = sum(1 for i in layers if i in sliding)
     window = (info.sliding_window or 0) + batch if window_layers else 0
@@ -401,7 +450,7 @@ def gguf_file(info: m.ModelInfo, p: Precision) -> str:
     return f"{info.name.rstrip('/').split('/')[-1]}-{p.name.upper()}.gguf"
 
 
-def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float) -> str:
+def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float, kv_dtype: str = "auto") -> str:
     """The engine command line this candidate would run."""
     if p.engine == "llama.cpp":
         return f"llama-server -m {gguf_file(info, p)} -c {context} -ngl 999"
@@ -414,6 +463,8 @@ def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, uti
     native = "fp16" if info.torch_dtype == "float16" else "bf16"
     if p.kind == "16bit" and p.name != native:
         parts.append(f"--dtype {'float16' if p.name == 'fp16' else 'bfloat16'}")
+    if kv_dtype != "auto":
+        parts.append(f"--kv-cache-dtype {kv_dtype}")
     parts += [f"--max-model-len {context}", f"--gpu-memory-utilization {util:g}"]
     return " ".join(parts)
 
@@ -427,10 +478,21 @@ def quantization_flag(info: m.ModelInfo, p: Precision) -> str | None:
     return p.name
 
 
+def kv_dtype_for(info: m.ModelInfo, p: Precision, asked: str) -> str:
+    """The KV cache dtype a candidate runs: what was asked, else the checkpoint's own; llama.cpp keeps f16."""
+    if p.engine != "vllm":
+        return "auto"
+    if asked != "auto":
+        return asked
+    return info.kv_cache_dtype or "auto"
+
+
 @lru_cache(maxsize=4096)
-def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int) -> tuple[float, float, KvShape]:
+def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto") -> tuple[float, float, KvShape]:
     """Weights, overhead and KV shape per GPU: they depend on the split, not on the card."""
-    return weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp), kv_shape(info, p.engine, tp, pp)
+    kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
+    return (weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp),
+            kv_shape(info, p.engine, tp, pp, kv_bytes))
 
 
 @dataclass(frozen=True)
@@ -450,7 +512,7 @@ def default_context(info: m.ModelInfo) -> int:
 
 
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
-             replicas_now: int) -> m.Candidate:
+             replicas_now: int, kv_dtype: str = "auto") -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
@@ -458,7 +520,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     """
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
-    weights, overhead, kv = sizes(info, p, tp, pp)
+    kv_dtype = kv_dtype_for(info, p, kv_dtype)
+    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype)
     kv_budget = budget - weights - overhead
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
@@ -500,7 +563,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         kv_tokens=kv_tokens,
         max_context=max_context,
         replicas_now=replicas_now if fits else 0,
-        command=command(info, p, tp, pp, chosen, util),
+        command=command(info, p, tp, pp, chosen, util, kv_dtype),
+        kv_cache_dtype=kv_dtype,
         source=info.source,
         context=chosen,
         gpus=tp * pp,
@@ -584,12 +648,10 @@ def valid_tp(info: m.ModelInfo, tp: int) -> bool:
 
 
 def available_precisions(info: m.ModelInfo) -> tuple[Precision, ...]:
-    """What the repository can be served at: its own format, fp8, and the GGUF mixes."""
+    """What the repository can be served at: its own format (and fp8 when 16-bit), and the GGUF mixes."""
     q = info.quantization
-    if q in ("awq", "gptq"):
+    if q:
         own: tuple[str, ...] = (q,)
-    elif q == "fp8":
-        own = ("fp8",)
     else:
         own = ("fp16" if info.torch_dtype == "float16" else "bf16", "fp8")
     return tuple(BY_NAME[n.lower()] for n in (*own, *GGUF_NAMES))
@@ -597,14 +659,14 @@ def available_precisions(info: m.ModelInfo) -> tuple[Precision, ...]:
 
 def _check_precision(info: m.ModelInfo, p: Precision) -> None:
     q = info.quantization
-    if p.kind == "16bit" and q in ("fp8", "awq", "gptq"):
+    if p.kind == "16bit" and q:
         raise PlanError(f"{info.name} holds {q} weights; vLLM serves them as {q}, not {p.name}: "
                         f"choose --precision {q} or a GGUF precision ({', '.join(GGUF_NAMES)})")
-    if p.kind == "int4" and q != p.name:
+    if p.kind in ("int4", "ckpt") and q != p.name:
         raise PlanError(f"{p.name} needs a repository that holds {p.name.upper()} weights (e.g. an "
                         f"…-{p.name.upper()} repository); {info.name} holds {q or info.torch_dtype}: "
                         f"choose --precision fp8, a GGUF precision, or plan that repository")
-    if p.kind == "fp8" and q in ("awq", "gptq"):
+    if p.kind == "fp8" and q not in (None, "fp8"):
         raise PlanError(f"{info.name} holds {q} weights; fp8 needs the 16-bit or fp8 repository")
 
 
@@ -701,7 +763,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
             single_fits = False
             for tp in ok_tps:
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
-                             replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)))
+                             replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)),
+                             kv_dtype=request.kv_cache_dtype)
                 single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -713,7 +776,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                     wide = [n for n in nodes if n.healthy >= tp]
                     for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
-                                     util=util, replicas_now=0)
+                                     util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype)
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             if c.context >= target:

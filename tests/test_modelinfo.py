@@ -168,9 +168,9 @@ def test_quantized_checkpoint_counts_params_from_architecture(tmp_path: Path) ->
 
 def test_unsupported_quantization_is_refused(tmp_path: Path) -> None:
     cfg = json.loads((MODELS / "Qwen__Qwen3-8B" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    cfg["quantization_config"] = {"quant_method": "hqq"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match="bitsandbytes checkpoint, which the planner cannot size"):
+    with pytest.raises(ModelError, match="hqq checkpoint, which the planner cannot size; it sizes compressed-tensors"):
         modelinfo.load(str(tmp_path))
 
 

@@ -1,0 +1,126 @@
+"""Pre-quantized checkpoints sized from their own quantization_config, and the KV cache dtype.
+
+The configs are the 16-bit example models' config.json with the quantization_config
+that llm-compressor, AutoAWQ, GPTQ and bitsandbytes write (the formats vLLM reads);
+real repositories' configs and stated sizes are in ``tests/data/quantized/``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw import fleetfile, modelinfo
+from llmgw import messages as m
+from llmgw import planner as P
+from llmgw.errors import ModelError, PlanError
+from llmgw.projections.fold import fold
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models"
+QUANTIZED = Path(__file__).resolve().parent / "data" / "quantized"
+FLEET = fold(fleetfile.inventories(fleetfile.load(ROOT / "examples" / "fleet.toml"), datetime(2026, 1, 1, tzinfo=UTC)))
+GIB = 1024**3
+
+FP8_DYNAMIC = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {"targets": ["Linear"],
+                                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+                                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+}
+W8A8 = {**FP8_DYNAMIC, "format": "int-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}
+W4A16 = {**FP8_DYNAMIC, "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}}
+
+
+def quantized(base: str, qc: dict[str, Any], tmp_path: Path) -> m.ModelInfo:
+    """An example model's config with a quantization_config, read as the planner reads a checkpoint."""
+    cfg = json.loads((MODELS / base / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    d = tmp_path / base
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return modelinfo.load_dir(d)
+
+
+def split_params(info: m.ModelInfo) -> tuple[int, int]:
+    """(matmul, other) parameters of the architecture."""
+    ts = P.tensors(info)
+    return sum(t.params for t in ts if t.matmul), sum(t.params for t in ts if not t.matmul)
+
+
+@pytest.mark.parametrize(("qc", "precision", "bits"), [(FP8_DYNAMIC, "fp8", 8.0), (W8A8, "int8", 8.0),
+                                                        (W4A16, "int4", 4 + 16 / 128)])
+def test_compressed_tensors_checkpoints_are_sized_from_their_scheme(qc: dict[str, Any], precision: str, bits: float,
+                                                                    tmp_path: Path) -> None:
+    info = quantized("meta-llama__Llama-3.1-8B-Instruct", qc, tmp_path)
+    assert (info.quantization, info.quant_format, info.quant_bits) == (precision, "compressed-tensors", bits)
+    matmul, other = split_params(info)
+    # Hand-checked: quantized matmuls at their bits, embeddings, lm_head (ignored) and norms at 16.
+    assert P.layout(info, P.precision(precision)).total == pytest.approx((matmul * bits + other * 16) / 8)
+    reply = P.plan(info, FLEET, m.PlanRequest(model=info.name))
+    assert {c.precision for c in reply.candidates} >= {precision}
+    own = [c for c in reply.candidates if c.precision == precision]
+    assert own and all(c.quantization is None and "--quantization" not in c.command for c in own)  # vLLM reads the config
+    with pytest.raises(PlanError, match=f"holds {precision} weights"):
+        P.plan(info, FLEET, m.PlanRequest(model=info.name, precisions=("bf16",)))
+
+
+def test_ignored_layers_stay_16_bit(tmp_path: Path) -> None:
+    plain = quantized("meta-llama__Llama-3.1-8B-Instruct", FP8_DYNAMIC, tmp_path)
+    (tmp_path / "b").mkdir()
+    first_last = quantized("meta-llama__Llama-3.1-8B-Instruct",
+                           {**FP8_DYNAMIC, "ignore": ["lm_head", "re:model.layers.0\\..*", "model.layers.31.mlp.down_proj"]},
+                           tmp_path / "b")
+    layer0 = sum(t.params for t in P.tensors(plain) if t.layer == 0 and t.matmul)
+    down31 = next(t.params for t in P.tensors(plain) if t.layer == 31 and t.name == "ffn_down")
+    fp8 = P.precision("fp8")
+    assert P.layout(first_last, fp8).total - P.layout(plain, fp8).total == pytest.approx((layer0 + down31) * 1.0)
+
+
+def test_kv_cache_scheme_and_the_kv_flag_halve_the_cache(tmp_path: Path) -> None:
+    info = quantized("meta-llama__Llama-3.1-8B-Instruct",
+                     {**FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, tmp_path)
+    assert info.kv_cache_dtype == "fp8"
+    ours = P.plan(info, FLEET, m.PlanRequest(model=info.name, precisions=("fp8",), tp=(1,), context=8192))
+    plain = modelinfo.load_dir(MODELS / "meta-llama__Llama-3.1-8B-Instruct")
+    asked = P.plan(plain, FLEET, m.PlanRequest(model=plain.name, precisions=("fp8",), tp=(1,), context=8192,
+                                               kv_cache_dtype="fp8"))
+    auto = P.plan(plain, FLEET, m.PlanRequest(model=plain.name, precisions=("fp8",), tp=(1,), context=8192))
+    for reply in (ours, asked):
+        c = reply.candidates[0]
+        assert c.kv_cache_dtype == "fp8" and "--kv-cache-dtype fp8" in c.command
+        assert c.kv_bytes_per_token_per_gpu * 2 == auto.candidates[0].kv_bytes_per_token_per_gpu
+        assert c.spec("x").kv_cache_dtype == "fp8"
+    assert auto.candidates[0].kv_cache_dtype == "auto" and "--kv-cache-dtype" not in auto.candidates[0].command
+    # llama.cpp keeps its f16 cache whatever is asked.
+    gguf = P.plan(plain, FLEET, m.PlanRequest(model=plain.name, precisions=("q8_0",), tp=(1,), context=8192,
+                                              kv_cache_dtype="fp8"))
+    assert gguf.candidates[0].kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize(("qc", "precision", "bits"), [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "awq", 4 + 20 / 128),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False, "sym": True}, "gptq", 8 + 24 / 128),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+      "bnb_4bit_use_double_quant": True}, "bnb-4bit", 4 + 8 / 64 + 32 / (64 * 256)),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bnb-8bit", 8.0),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "fp8", 8 + 32 / 16384),
+])
+def test_other_checkpoint_formats(qc: dict[str, Any], precision: str, bits: float, tmp_path: Path) -> None:
+    info = quantized("Qwen__Qwen2.5-14B-Instruct", qc, tmp_path)
+    assert (info.quantization, info.quant_bits) == (precision, pytest.approx(bits))
+    assert P.available_precisions(info)[0].name == precision
+    reply = P.plan(info, FLEET, m.PlanRequest(model=info.name, precisions=(precision,)))
+    assert reply.candidates and all("--quantization" not in c.command for c in reply.candidates)
+
+
+def test_a_method_the_planner_cannot_size_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="is a modelopt checkpoint, which the planner cannot size; it sizes "
+                                         "compressed-tensors .* plan the 16-bit repository"):
+        quantized("Qwen__Qwen3-8B", {"quant_method": "modelopt"}, tmp_path)
