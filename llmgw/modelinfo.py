@@ -90,7 +90,8 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     sliding = _sliding_layers(cfg, n)
     if window is not None and (window >= cfg["max_position_embeddings"] or not sliding):
         window, sliding = None, ()
-    q = quantization(cfg.get("quantization_config"), name)
+    # Older llm-compressor checkpoints name the section compression_config.
+    q = quantization(cfg.get("quantization_config") or cfg.get("compression_config"), name)
     mt = str(cfg.get("model_type", ""))
     return ModelInfo(
         name=name,
@@ -164,7 +165,8 @@ def quantization(qc: Any, name: str) -> Quantization:
         block = qc.get("weight_block_size")
         per = block[0] * block[1] if isinstance(block, list) and len(block) == 2 and all(isinstance(x, int) and x > 0 for x in block) else 0
         ignore = _names(qc.get("ignored_layers")) + _names(qc.get("modules_to_not_convert"))
-        return Quantization("fp8", 8 + (32 / per if per else 0.0), ignore, "fp8")
+        kv = "fp8" if qc.get("kv_cache_scheme") else ""  # AMD's …-FP8-KV: "static", with scales in the checkpoint
+        return Quantization("fp8", 8 + (32 / per if per else 0.0), ignore, "fp8", kv)
     if method in ("awq", "gptq"):
         bits = _num(qc, "bits", _num(qc, "w_bit", 4))
         group = _num(qc, "group_size", _num(qc, "q_group_size", 128))

@@ -18,17 +18,22 @@ spreads over, on one node):
   with token embeddings left in host memory unless they double as the output.
   The tensor breakdown comes from the architecture and is scaled to the
   parameter count read from the checkpoint, so both always agree on the total.
-* **Overhead per GPU**, from that rank's share:
-  - activation peak of vLLM's profiling run: ``max_num_batched_tokens`` (8192,
-    vLLM's default for the OpenAI server) x 2 bytes x (the rank's q/k/v width +
-    4 x hidden + 3 x the rank's MLP width, top-k experts for MoE), plus the
-    sampler's dummy pass: 256 sequences (``max_num_seqs``) x vocab x fp32 x 2.
-    llama.cpp's compute buffer likewise with its ``n_ubatch`` of 512 tokens in fp32.
-  - CUDA context and cuBLAS workspaces: 0.5 GiB per process (what an idle
-    torch process shows in nvidia-smi on Hopper).
-  - CUDA graphs captured by vLLM after profiling: 0.5 GiB (vLLM logs 0.3-0.6 GiB
-    for 8B-70B models).
-  - NCCL communicators and vLLM's custom all-reduce buffers: 0.25 GiB when tp x pp > 1.
+* **Overhead per GPU**, from that rank's share, as vLLM (V1 engine, 0.11) accounts
+  for it when it sizes the KV cache (calibrated on published start-up logs:
+  ``tests/data/vllm_observed.jsonl``, table in the README):
+  - the activation peak of its profiling run, the larger of the forward pass
+    (``max_num_batched_tokens`` x 2 bytes x (the rank's q/k/v width + 4 x hidden +
+    3 x the rank's MLP width, top-k experts for MoE)) and the sampler's dummy pass
+    (``max_num_seqs`` x vocab x fp32, 9.7 times over: logits, probabilities, the
+    top-p/top-k sort and its indices; not split by tp). vLLM's defaults for the
+    OpenAI server: 8192 tokens and 1024 sequences on cards of 70 GiB or more
+    except the A100, else 2048 and 256.
+  - memory outside torch's allocator that it counts: 0.13 GiB, plus 0.42 GiB of
+    NCCL and custom all-reduce buffers when tp x pp > 1.
+  - The CUDA context (~0.5 GiB) and the CUDA graphs it captures after sizing the
+    cache (0.3-1.9 GiB in the logs) come out of the slack, not the budget.
+  llama.cpp: a CUDA context of 0.5 GiB and its compute buffer with its
+  ``n_ubatch`` of 512 tokens in fp32.
 * **KV cache** = budget - weights - overhead. Per token per GPU: layers x 2 x
   max(1, kv_heads / tp) x head_dim x 2 bytes (16-bit cache). MLA caches one
   latent of kv_lora_rank + qk_rope_head_dim per layer, replicated on every tp
@@ -59,12 +64,16 @@ GIB = 1024**3
 MIB = 1024**2
 
 # --- constants of the memory model (see the module docstring for their sources) ---
-VLLM_BATCHED_TOKENS = 8192
-VLLM_MAX_SEQS = 256
+VLLM_BATCHED_TOKENS = 8192  # max_num_batched_tokens and max_num_seqs, on a large card
+VLLM_MAX_SEQS = 1024
+VLLM_SMALL_BATCHED_TOKENS = 2048  # … and elsewhere (A100s, cards under 70 GiB)
+VLLM_SMALL_MAX_SEQS = 256
+VLLM_LARGE_CARD_BYTES = 70 * 1024**3
+VLLM_SAMPLER_COPIES = 9.7  # fitted: the 0.11 logs' activation peak over max_num_seqs x vocab x 4 B
+VLLM_NON_TORCH_BYTES = int(0.13 * 1024**3)
+VLLM_ALLREDUCE_BYTES = int(0.42 * 1024**3)
 LLAMACPP_UBATCH = 512
 CUDA_CONTEXT_BYTES = GIB // 2
-CUDA_GRAPHS_BYTES = GIB // 2
-NCCL_BYTES = GIB // 4
 KV_DTYPE_BYTES = 2
 MIN_CONTEXT = 2048
 # Without --context every candidate is judged at the model's full context, capped here:
@@ -423,8 +432,13 @@ def _ffn_width(info: m.ModelInfo) -> int:
     return info.intermediate_size
 
 
-def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1) -> float:
-    """Activation peak, CUDA context and graphs, NCCL: from this rank's share."""
+def large_card(gpu_class: str, memory_mib: int) -> bool:
+    """Whether vLLM gives this card its larger batch defaults (70 GiB or more, and not an A100)."""
+    return memory_mib * MIB >= VLLM_LARGE_CARD_BYTES and "a100" not in gpu_class.lower()
+
+
+def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, large: bool = True) -> float:
+    """Activation peak and the memory outside torch that vLLM counts, from this rank's share."""
     if engine == "llama.cpp":
         compute = LLAMACPP_UBATCH * 4 * (info.vocab_size + 4 * info.hidden_size + 3 * _ffn_width(info))
         return CUDA_CONTEXT_BYTES + compute
@@ -433,9 +447,10 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
     else:
         qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
     width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
-    activation = VLLM_BATCHED_TOKENS * 2 * width + VLLM_MAX_SEQS * info.vocab_size * 4 * 2
-    nccl = NCCL_BYTES if tp * pp > 1 else 0
-    return activation + CUDA_CONTEXT_BYTES + CUDA_GRAPHS_BYTES + nccl
+    tokens, seqs = (VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS) if large else (VLLM_SMALL_BATCHED_TOKENS, VLLM_SMALL_MAX_SEQS)
+    activation = max(tokens * 2 * width, int(VLLM_SAMPLER_COPIES * seqs * info.vocab_size * 4))
+    allreduce = VLLM_ALLREDUCE_BYTES if tp * pp > 1 else 0
+    return activation + VLLM_NON_TORCH_BYTES + allreduce
 
 
 # --- one candidate ---------------------------------------------------------------------------------
@@ -488,10 +503,11 @@ def kv_dtype_for(info: m.ModelInfo, p: Precision, asked: str) -> str:
 
 
 @lru_cache(maxsize=4096)
-def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto") -> tuple[float, float, KvShape]:
-    """Weights, overhead and KV shape per GPU: they depend on the split, not on the card."""
+def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto",
+          large: bool = True) -> tuple[float, float, KvShape]:
+    """Weights, overhead and KV shape per GPU: they depend on the split and the card's batch defaults."""
     kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
-    return (weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp),
+    return (weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp, large),
             kv_shape(info, p.engine, tp, pp, kv_bytes))
 
 
@@ -521,7 +537,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
     kv_dtype = kv_dtype_for(info, p, kv_dtype)
-    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype)
+    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, large_card(split.gpu_class, split.memory_mib))
     kv_budget = budget - weights - overhead
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0

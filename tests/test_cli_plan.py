@@ -63,7 +63,9 @@ def test_all_lists_what_does_not_fit_with_reasons() -> None:
     assert misfits and all(c["reason"] for c in misfits) and all(c["replicas_now"] == 0 for c in misfits)
     assert cands[: len(cands) - len(misfits)] == [c for c in cands if c["fits"]]  # fitting ones first
     h100 = {c["tp"]: c["fits"] for c in cands if c["gpu_class"] == "H100-80GB"}
-    assert h100 == {1: False, 2: True, 4: True, 8: True}
+    # At 0.9, two H100s hold the bf16 weights but vLLM 0.11's profiling peak (~4.8 GiB for a
+    # 128k vocabulary) leaves ~4,400 tokens of KV: 8,192 needs 0.95 (see the 0.95 test).
+    assert h100 == {1: False, 2: False, 4: True, 8: True}
 
 
 def test_table_for_people() -> None:

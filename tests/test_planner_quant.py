@@ -124,3 +124,34 @@ def test_a_method_the_planner_cannot_size_is_one_clear_error(tmp_path: Path) -> 
     with pytest.raises(ModelError, match="is a modelopt checkpoint, which the planner cannot size; it sizes "
                                          "compressed-tensors .* plan the 16-bit repository"):
         quantized("Qwen__Qwen3-8B", {"quant_method": "modelopt"}, tmp_path)
+
+
+def real(name: str) -> dict[str, Any]:
+    return dict(json.loads((QUANTIZED / f"{name}.json").read_text()))
+
+
+@pytest.mark.parametrize(("name", "precision", "bits", "kv"), [
+    ("cortecs__Llama-3.3-70B-Instruct-FP8-Dynamic", "fp8", 8.0, ""),
+    ("amd__Llama-3.1-8B-Instruct-FP8-KV", "fp8", 8.0, "fp8"),
+    ("dwetzel__Meta-Llama-3.1-70B-Instruct-W4A16-G128", "int4", 4 + 16 / 128, ""),
+    ("TheBloke__Llama-2-13B-chat-GPTQ__gptq-8bit-64g-actorder_True", "gptq", 8 + 24 / 64, ""),
+    ("aiplanet__LuxLlama", "bnb-4bit", 4 + 8 / 64 + 32 / (64 * 256), ""),
+])
+def test_real_checkpoint_configs_are_read(name: str, precision: str, bits: float, kv: str) -> None:
+    cfg = real(name)
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    q = modelinfo.quantization(qc, name)
+    assert (q.precision, q.bits, q.kv_cache_dtype) == (precision, pytest.approx(bits), kv)
+
+
+@pytest.mark.parametrize(("base", "scheme_from", "stated_bytes"), [
+    ("meta-llama__Llama-3.1-8B-Instruct", "cortecs__Llama-3.3-70B-Instruct-FP8-Dynamic", 9.08e9),
+    ("meta-llama__Llama-3.1-8B-Instruct", "dwetzel__Meta-Llama-3.1-70B-Instruct-W4A16-G128", 5.74e9),
+    ("meta-llama__Llama-3.3-70B-Instruct", "dwetzel__Meta-Llama-3.1-70B-Instruct-W4A16-G128", 39.8e9),
+])
+def test_sizes_agree_with_what_the_repositories_state(base: str, scheme_from: str, stated_bytes: float,
+                                                      tmp_path: Path) -> None:
+    cfg = real(scheme_from)
+    info = quantized(base, cfg.get("quantization_config") or cfg["compression_config"], tmp_path)
+    total = P.layout(info, P.precision(str(info.quantization))).total
+    assert total == pytest.approx(stated_bytes, rel=0.03)  # tests/data/quantized/SOURCES.md

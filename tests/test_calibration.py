@@ -1,0 +1,49 @@
+"""The memory model against vLLM's own start-up logs (tests/data/vllm_observed.jsonl).
+
+The table ``benchmarks/calibration.py`` prints is in the README; this test fails when
+any verdict (starts or not) is wrong, or fewer than 85% of the KV figures are within
+max(10%, 1.5 GiB) of what vLLM printed, or a weights figure is off by more than 3%.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("calibration", ROOT / "benchmarks" / "calibration.py")
+assert _spec and _spec.loader
+calibration = importlib.util.module_from_spec(_spec)
+sys.modules["calibration"] = calibration  # dataclasses look their module up there
+_spec.loader.exec_module(calibration)
+
+
+def test_every_observation_names_its_public_source() -> None:
+    rows = calibration.rows()
+    assert len(rows) >= 25
+    for row in rows:
+        assert str(row["source"]).startswith("https://"), row
+        assert row.get("quote"), row
+        assert row.get("weights_gib") is not None or row.get("kv_cache_gib") is not None \
+            or row.get("kv_tokens") or row.get("gpu_blocks"), row
+
+
+def test_predictions_agree_with_what_vllm_printed() -> None:
+    results = calibration.evaluate_all()
+    print("\n" + calibration.table(results))
+    used = [r for r in results if not r.excluded]
+    assert used, "no observation in the calibration set"
+    verdicts = [r for r in used if r.fits is not None]
+    assert [(r.row["model"], r.fits) for r in verdicts] == [(r.row["model"], r.observed_fits) for r in verdicts]
+    kv = [r for r in used if r.kv_ok is not None]
+    assert kv and sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv)
+    for r in used:
+        if r.row.get("weights_gib") is not None:
+            assert abs(r.weights - r.row["weights_gib"]) <= 0.03 * r.row["weights_gib"], (r.row["model"], r.weights)
+
+
+def test_every_excluded_row_says_why() -> None:
+    for r in calibration.evaluate_all():
+        if r.excluded:
+            assert len(r.excluded) > 10
