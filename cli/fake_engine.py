@@ -23,9 +23,11 @@ from llmgw.fake_engine import EngineOptions, bind, serve
 @click.option("--refuse", is_flag=True, help="Answer every completion request with 503.")
 @click.option("--startup-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
               help="Seconds of start-up (loading weights): /health and completions answer 503 until then.")
+@click.option("--kv-tokens", type=click.IntRange(0, 10**10), default=0, show_default=True,
+              help="KV cache tokens it reports on /metrics as vLLM does (0: none).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
                 chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
-                startup_s: float) -> None:
+                startup_s: float, kv_tokens: int) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -48,5 +50,6 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
     sys.stdout.flush()
     opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
                          chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
-                         die_on_request=die_on_request, refuse=refuse, startup_s=startup_s)
+                         die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
+                         kv_tokens=kv_tokens)
     run(serve(opts, sock))

@@ -224,6 +224,9 @@ async def _models(settings: Settings) -> list[dict[str, Any]]:
             "idle_ttl_s": spec.idle_ttl_s, "source": spec.source, "precision": spec.precision,
             "gpus_per_replica": spec.tp * spec.pp, "gpu_class": spec.gpu_class,
             "unplaceable": v.unplaceable_reason,
+            # The plan's KV cache per replica, and what its engines reserved (0: not reported).
+            "kv_tokens_planned": spec.kv_tokens,
+            "kv_tokens_observed": max((r.observed_kv_tokens for r in reps), default=0),
         })
     return rows
 
@@ -260,6 +263,10 @@ def list_models(as_json: bool, settings: Settings) -> None:
             scaling += f", idle ttl {r['idle_ttl_s']:g}s"
         why = r["unplaceable"] or ("a request wakes it" if r["state"] == "parked" else
                                    "`ctl model scale` brings it back" if r["state"] == "stopped" else "")
+        kv = ""
+        if r["kv_tokens_planned"] and r["kv_tokens_observed"]:
+            err = (r["kv_tokens_planned"] - r["kv_tokens_observed"]) / r["kv_tokens_observed"]
+            kv = f"; KV {r['kv_tokens_observed']:,} tokens (planned {r['kv_tokens_planned']:,}, {err:+.1%})"
         table.add_row(r["name"], r["state"], f"{r['healthy']}/{r['placed']} healthy, {r['wanted']} wanted",
-                      scaling, f"{r['source']} {r['precision']} on {r['gpus_per_replica']} × {r['gpu_class']}", why)
+                      scaling, f"{r['source']} {r['precision']} on {r['gpus_per_replica']} × {r['gpu_class']}{kv}", why)
     Console(width=160, highlight=False, markup=False).print(table)

@@ -90,8 +90,14 @@ def render(reply: m.PlanReply, model: str) -> None:
     for i, c in enumerate(reply.candidates, 1):
         table.add_row(str(i), "yes" if c.fits else "no", c.gpu_class, c.fabric or "-", str(c.nodes), str(c.tp),
                       str(c.pp), c.precision, c.engine, f"{c.weights_gib_per_gpu:.2f}", f"{c.kv_gib_per_gpu:.2f}",
-                      f"{c.kv_tokens:,}", f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
+                      f"{c.kv_tokens:,}" + (" obs" if c.observed_kv_tokens is not None else ""),
+                      f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
     console.print(table)
+    for i, c in enumerate(reply.candidates, 1):
+        if c.observed_kv_tokens is not None:
+            err = (c.estimated_kv_tokens - c.observed_kv_tokens) / c.observed_kv_tokens if c.observed_kv_tokens else 0.0
+            console.print(f"candidate {i}: KV tokens observed on this fleet ({c.observed_kv_tokens:,} reserved by an "
+                          f"engine of this very spec; the estimate was {c.estimated_kv_tokens:,}, {err:+.1%})")
     console.print("\ncommands:")
     # The same command on several GPU classes is printed once, with every candidate it serves.
     lines: dict[str, list[int]] = {}

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -75,7 +76,9 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
     """The command line for one replica's engine."""
     if simulate:
         return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
-                *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ())]
+                *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
+                # A plausible reservation: a little under the plan, as a real engine's often is.
+                *(("--kv-tokens", str(spec.kv_tokens * 97 // 100)) if spec.kv_tokens > 0 else ())]
     if spec.engine == "vllm":
         argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
         if spec.pp > 1:
@@ -100,6 +103,22 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
     argv = [*cmds["llama.cpp"], *where, "-c", str(spec.context), "-ngl", "999",
             "--host", host, "--port", str(port), "--alias", spec.name]
     return [*argv, *spec.engine_args]
+
+
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def kv_tokens_from_metrics(text: str) -> int:
+    """num_gpu_blocks x block_size from vLLM's Prometheus ``vllm:cache_config_info``; 0 when absent."""
+    found = _CACHE_INFO.search(text)
+    if found is None:
+        return 0
+    labels = dict(_LABEL.findall(found.group(1)))
+    try:
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0
 
 
 def free_port(host: str) -> int:
@@ -160,11 +179,12 @@ class EngineRun:
     def replica_id(self) -> str:
         return self.placed.replica_id
 
-    def report(self, state: m.ReplicaState, detail: str = "") -> None:
+    def report(self, state: m.ReplicaState, detail: str = "", observed_kv_tokens: int = 0) -> None:
         self.state = state
         self.outbox.put(m.ReplicaStateChanged(
             at=m.utcnow(), replica_id=self.replica_id, model=self.placed.model, node=self.node,
             state=state, endpoint=self.endpoint if state == "healthy" else "", detail=detail, restarts=self.restarts,
+            observed_kv_tokens=observed_kv_tokens,
         ))
         log.info("engine %s: %s %s", self.replica_id, state, detail)
 
@@ -230,6 +250,19 @@ class EngineRun:
         except (TimeoutError, aiohttp.ClientError):
             return False
 
+    async def _observe(self) -> int:
+        """KV tokens the engine reserved (vLLM's cache_config_info on /metrics); 0 when it does not say."""
+        base = f"http://{self.config.check_host}:{self.port}"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
+                    session.get(f"{base}/metrics") as r:
+                if r.status != 200:
+                    return 0
+                text = await r.content.read(4 << 20)
+        except (TimeoutError, aiohttp.ClientError):
+            return 0
+        return kv_tokens_from_metrics(text.decode(errors="replace"))
+
     async def _wait_healthy(self) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.health_timeout_s
@@ -269,7 +302,7 @@ class EngineRun:
                     self.report("failed", self._last_lines())
                     return
                 if await self._wait_healthy():
-                    self.report("healthy")
+                    self.report("healthy", observed_kv_tokens=await self._observe())
                     await self.proc.wait()  # type: ignore[union-attr]
                 await self.stop()
                 await asyncio.gather(pump, return_exceptions=True)

@@ -50,6 +50,7 @@ class EngineOptions:
     refuse: bool = False  # answer every completion request with 503
     embedding_dim: int = 8
     startup_s: float = 0.0  # /health and completions answer 503 until then, like an engine loading weights
+    kv_tokens: int = 0  # KV cache it claims on /metrics (vLLM's cache_config_info); 0: no such line
 
 
 class FakeEngine:
@@ -77,6 +78,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     async def _begin(self, request: web.Request) -> _Body | web.Response:
@@ -193,6 +195,15 @@ class FakeEngine:
 
     async def health(self, request: web.Request) -> web.Response:
         return self._loading() or web.Response(text="ok")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """vLLM's cache_config_info line, so an agent reads what this engine reserved as it reads vLLM's."""
+        lines = ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                 "# TYPE vllm:cache_config_info gauge"]
+        if self.opts.kv_tokens > 0:
+            lines.append(f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",'
+                         f'num_gpu_blocks="{self.opts.kv_tokens // 16}"}} 1.0')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.requests})

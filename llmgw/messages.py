@@ -187,6 +187,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas: Annotated[int, msgspec.Meta(ge=1, le=10_000)] | None = None
     target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
     kv_cache_dtype: str = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
+    kv_tokens: int = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
 
     @property
     def autoscaled(self) -> bool:
@@ -261,6 +262,10 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     endpoint: str = ""
     detail: str = ""
     restarts: int = 0
+    # What a healthy engine actually reserved for KV cache, in tokens (vLLM: num_gpu_blocks x
+    # block_size from /metrics); 0 when unknown. Not bounded here: a figure out of range must
+    # not cost the state change; the planner ignores and counts it.
+    observed_kv_tokens: int = 0
 
 
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
@@ -483,6 +488,10 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     file: str | None = None  # GGUF: the file to download
     file_gib: float | None = None
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
+    # KV tokens an engine of this very spec reserved on this fleet (then kv_tokens is that
+    # figure and the estimate is ``estimated_kv_tokens``); None: never run here.
+    observed_kv_tokens: int | None = None
+    estimated_kv_tokens: int = 0
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -501,6 +510,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             gpu_memory_utilization=self.gpu_memory_utilization,
             gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_tokens=self.kv_tokens,
         )
 
 

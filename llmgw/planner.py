@@ -527,8 +527,46 @@ def default_context(info: m.ModelInfo) -> int:
     return min(info.max_position_embeddings, DEFAULT_CONTEXT_CAP)
 
 
+# --- what engines actually reserved --------------------------------------------------------------
+
+MAX_OBSERVED_TOKENS = 10**10  # no card holds more; a larger figure is a broken or lying agent
+MAX_OBSERVED_RATIO = 4  # nor does an engine reserve 4 x what the plan left for the cache
+
+
+@dataclass(frozen=True)
+class Observed:
+    """KV tokens a healthy engine of one spec reserved on this fleet, next to what the plan said."""
+
+    tokens: int
+    planned: int
+    replica_id: str
+
+
+def observation_key(source: str, precision: str, tp: int, pp: int, gpu_class: str, util: float, kv_dtype: str) -> str:
+    """The spec facts an engine's reservation depends on (not the context: vLLM sizes the cache by memory)."""
+    return f"{source}|{precision}|{tp}|{pp}|{gpu_class}|{util:g}|{kv_dtype}"
+
+
+def record_observation(observed: dict[str, Observed], state: FleetState, event: m.ReplicaStateChanged) -> bool | None:
+    """Keep a healthy engine's reservation: True kept, False refused (implausible, or not from the
+    replica's own node), None when the event carries none."""
+    if event.state != "healthy" or event.observed_kv_tokens == 0:
+        return None
+    replica = state.replicas.get(event.replica_id)
+    if replica is None or event.node not in replica.nodes:
+        return False
+    spec = replica.spec
+    tokens = event.observed_kv_tokens
+    if not 0 < tokens <= MAX_OBSERVED_TOKENS or (spec.kv_tokens and tokens > MAX_OBSERVED_RATIO * spec.kv_tokens):
+        return False
+    key = observation_key(spec.source, spec.precision, spec.tp, spec.pp, spec.gpu_class, spec.gpu_memory_utilization,
+                          spec.kv_cache_dtype)
+    observed[key] = Observed(tokens, spec.kv_tokens, event.replica_id)
+    return True
+
+
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
-             replicas_now: int, kv_dtype: str = "auto") -> m.Candidate:
+             replicas_now: int, kv_dtype: str = "auto", observed: Observed | None = None) -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
@@ -541,6 +579,11 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     kv_budget = budget - weights - overhead
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
+    estimated = kv_tokens
+    if observed is not None and kv.bytes_per_token:
+        # An engine of this very spec ran here: what it reserved replaces the estimate.
+        kv_tokens = observed.tokens
+        kv_budget = float(observed.tokens * kv.bytes_per_token)
     longest = kv.max_context(kv_budget)
     max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
     reason: str | None = None
@@ -581,6 +624,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         replicas_now=replicas_now if fits else 0,
         command=command(info, p, tp, pp, chosen, util, kv_dtype),
         kv_cache_dtype=kv_dtype,
+        observed_kv_tokens=observed.tokens if observed is not None else None,
+        estimated_kv_tokens=estimated,
         source=info.source,
         context=chosen,
         gpus=tp * pp,
@@ -751,11 +796,21 @@ def best_per_class(candidates: Iterable[m.Candidate]) -> list[m.Candidate]:
 
 
 def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
-         fleet_pools: dict[str, ClassPool] | None = None) -> m.PlanReply:
+         fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, Observed] | None = None) -> m.PlanReply:
     """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too.
 
-    ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests.
+    ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests; ``observed``
+    what engines of a spec reserved on this fleet (``record_observation``), used in place of
+    the estimate for candidates of that very spec.
     """
+    observed = observed or {}
+
+    def seen(p: Precision, tp: int, pp: int, cls: str) -> Observed | None:
+        if not observed:
+            return None
+        kv = kv_dtype_for(info, p, request.kv_cache_dtype)
+        return observed.get(observation_key(info.source, p.name, tp, pp, cls, request.gpu_memory_utilization, kv))
+
     info = model
     if request.params:
         info = _with_params(model, request.params)
@@ -780,7 +835,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
             for tp in ok_tps:
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
                              replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)),
-                             kv_dtype=request.kv_cache_dtype)
+                             kv_dtype=request.kv_cache_dtype, observed=seen(p, tp, 1, cls))
                 single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -792,7 +847,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                     wide = [n for n in nodes if n.healthy >= tp]
                     for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
-                                     util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype)
+                                     util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype,
+                                     observed=seen(p, tp, pp, cls))
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             if c.context >= target:

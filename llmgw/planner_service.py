@@ -45,6 +45,9 @@ class PlannerService:
         self._cache_size = cache_size
         self._progress = asyncio.Event()
         self._pools: dict[str, planner.ClassPool] | None = None  # pools of the fold, until it changes
+        # What healthy engines reserved, per spec; and reports refused as implausible or foreign.
+        self.observed: dict[str, planner.Observed] = {}
+        self.refused_observations = 0
 
     # --- requests ---------------------------------------------------------------------
 
@@ -68,7 +71,7 @@ class PlannerService:
         info = request.info or await self.model(request.model, request.params)
         if self._pools is None:
             self._pools = planner.pools(self.state)
-        reply = planner.plan(info, self.state, request, fleet_pools=self._pools)
+        reply = planner.plan(info, self.state, request, fleet_pools=self._pools, observed=self.observed)
         self.answered += 1
         return m.encode(reply)
 
@@ -84,6 +87,12 @@ class PlannerService:
                     self.skipped += 1
                     log.warning("planner: %s seq %d (%s) cannot be decoded, skipped: %s", stream, raw.seq, raw.subject, e)
                 else:
+                    if isinstance(event, m.ReplicaStateChanged) and \
+                            planner.record_observation(self.observed, self.state, event) is False:
+                        self.refused_observations += 1
+                        log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
+                                    "or not its replica's node)", stream, raw.seq, event.observed_kv_tokens,
+                                    event.node, event.replica_id)
                     apply(self.state, event)
                     self._pools = None
                 self.positions[stream] = raw.seq

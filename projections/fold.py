@@ -73,6 +73,7 @@ class ReplicaView:
     endpoint: str = ""
     detail: str = ""
     restarts: int = 0
+    observed_kv_tokens: int = 0  # what its engine reserved, as its agent last reported (0: unknown)
 
 
 @dataclass
@@ -176,6 +177,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             if replica is not None and event.state != "stopped":
                 replica.state, replica.state_at = event.state, event.at
                 replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
+                if event.observed_kv_tokens > 0:
+                    replica.observed_kv_tokens = event.observed_kv_tokens
         case m.ReplicaPlaced():
             state.replicas[event.replica_id] = ReplicaView(
                 replica_id=event.replica_id,

@@ -102,6 +102,10 @@ def test_parked_models_wake_on_requests_and_autoscale_with_load(tmp_path: Path) 
         placed, stopped, _ = replicas_of(url, "fixed")
         assert [p["reason"] for p in placed] == ["0 of 1 running", "woken by router-up: 1 request waiting"]
         assert [s["reason"].split(":")[0] for s in stopped] == ["idle"]
+        # The woken replica's engine said what it reserved; the plan it ran from is next to it.
+        row = next(r for r in json.loads(ok(url, "ctl", "model", "list", "--json")) if r["name"] == "fixed")
+        assert row["kv_tokens_planned"] > 0
+        assert row["kv_tokens_observed"] == row["kv_tokens_planned"] * 97 // 100 // 16 * 16
 
         # 3. Both routers at once, 16 requests (some streamed) for the model at zero: one wake,
         #    and the requests waiting push it up to its max; every request answered.

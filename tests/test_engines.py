@@ -20,6 +20,7 @@ from llmgw.engines import (
     EngineSupervisor,
     default_commands,
     engine_argv,
+    kv_tokens_from_metrics,
     parse_engine_cmds,
 )
 from llmgw.errors import ConfigError
@@ -156,3 +157,26 @@ def test_engine_hosts_default_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (real.host, real.advertise_host, real.check_host) == ("0.0.0.0", socket.gethostname(), "127.0.0.1")
     monkeypatch.setenv("LLMGW_ADVERTISE_HOST", "10.1.2.3")
     assert EngineConfig().advertise_host == "10.1.2.3"
+
+
+def test_kv_tokens_are_read_from_vllms_metrics() -> None:
+    # The line as vLLM 0.11 prints it on /metrics (labels abridged to the ones that matter and a few others).
+    line = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",'
+            'enable_prefix_caching="True",gpu_memory_utilization="0.9",num_cpu_blocks="None",'
+            'num_gpu_blocks="27153",swap_space="4"} 1.0')
+    text = "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n" + line + "\nvllm:num_requests_running 0\n"
+    assert kv_tokens_from_metrics(text) == 27153 * 16
+    assert kv_tokens_from_metrics("vllm:num_requests_running 0\n") == 0
+    assert kv_tokens_from_metrics('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0') == 0
+
+
+async def test_a_healthy_engine_reports_what_it_reserved(bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    s = spec(kv_tokens=100_000)
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(placed("qwen-r1", s=s))
+    _, start = agent
+    start(EngineConfig(simulate=True, health_timeout_s=20))
+    got = await wait_for(bus, lambda ss: any(x.state == "healthy" for x in ss))
+    healthy = next(x for x in got if x.state == "healthy")
+    # The fake engine claims 97% of the plan, in vLLM's blocks of 16, and the agent reads it back.
+    assert healthy.observed_kv_tokens == 97_000 // 16 * 16

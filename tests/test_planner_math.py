@@ -475,3 +475,61 @@ def test_candidate_one_for_70b_on_the_example_fleet_holds_the_common_context() -
 def test_an_explicit_context_is_what_every_candidate_is_judged_at() -> None:
     reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192))
     assert reply.candidates and all(c.context == 8192 for c in reply.candidates)
+
+
+# --- learning from the fleet ----------------------------------------------------------------------
+
+
+def _ran_here(state: FleetState, spec: m.ModelSpec, node: str = "n1") -> None:
+    gpus = tuple(m.GpuRef(node=node, index=i, uuid=state.nodes[node].gpus[i].uuid) for i in range(spec.tp))
+    fold([m.ReplicaPlaced(at=AT, replica_id="x-r1", model="x", nodes=(node,), gpus=gpus, spec=spec)], state)
+
+
+def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "ib-a"))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192)
+    before = P.plan(info, state, req).candidates[0]
+    assert before.observed_kv_tokens is None and before.kv_tokens == before.estimated_kv_tokens
+    spec = before.spec("x")
+    assert spec.kv_tokens == before.kv_tokens
+    _ran_here(state, spec)
+    observed: dict[str, P.Observed] = {}
+    reserved = before.kv_tokens * 3 // 4
+    ok = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=reserved)
+    assert P.record_observation(observed, state, ok) is True
+    after = P.plan(info, state, req).candidates[0]
+    assert after.kv_tokens == before.kv_tokens  # without the observations, the estimate
+    after = P.plan(info, state, req, observed=observed).candidates[0]
+    assert (after.kv_tokens, after.observed_kv_tokens, after.estimated_kv_tokens) == (reserved, reserved, before.kv_tokens)
+    assert after.max_context <= before.max_context
+    # Another split or card of the same model is not "this very spec": still the estimate.
+    other = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(2,), context=8192),
+                   observed=observed).candidates[0]
+    assert other.observed_kv_tokens is None
+    # A reservation too small for the context asked turns the verdict.
+    tiny = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=4096)
+    assert P.record_observation(observed, state, tiny) is True
+    refused = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192, all=True),
+                     observed=observed).candidates[0]
+    assert not refused.fits and refused.max_context < 8192
+
+
+def test_implausible_or_foreign_reservations_are_refused() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "ib-a") + node("n2", "ib-a"))
+    spec = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192)).candidates[0].spec("x")
+    _ran_here(state, spec)
+    observed: dict[str, P.Observed] = {}
+
+    def report(node: str, tokens: int, rid: str = "x-r1") -> bool | None:
+        return P.record_observation(observed, state, m.ReplicaStateChanged(
+            at=AT, replica_id=rid, model="x", node=node, state="healthy", observed_kv_tokens=tokens))
+
+    assert report("n1", 0) is None  # nothing reported
+    assert report("n1", -5) is False
+    assert report("n1", spec.kv_tokens * 5) is False  # more than the card could hold
+    assert report("n1", 10**12) is False
+    assert report("n2", 1000) is False  # n2 does not run x-r1
+    assert report("n1", 1000, rid="nobody") is False
+    assert observed == {}

@@ -186,3 +186,31 @@ async def test_an_unknown_repo_behind_a_silent_hub_is_refused_in_bounded_time_an
         for w in held:
             w.close()
         hub.close()
+
+
+async def test_the_planner_learns_what_a_simulated_engine_reserved(service: PlannerService, bus: Bus) -> None:
+    from llmgw.engines import EngineConfig, EngineSupervisor
+
+    request = m.PlanRequest(model="Qwen/Qwen2.5-14B-Instruct", precisions=("bf16",), tp=(1,), context=8192)
+    first = next(c for c in (await ask(bus, request)).candidates if c.gpu_class == "H100-80GB")
+    assert first.observed_kv_tokens is None
+    spec = first.spec("qwen")
+    node = "h100-a-01"
+    gpu = service.state.nodes[node].gpus[0]
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(node,),
+                                      gpus=(m.GpuRef(node=node, index=0, uuid=gpu.uuid),), spec=spec, fabric="ib-a"))
+    outbox = bus.outbox()
+    tasks = [asyncio.create_task(outbox.run()),
+             asyncio.create_task(EngineSupervisor(node, EngineConfig(simulate=True, health_timeout_s=20)).run(bus, outbox))]
+    try:
+        await service.wait_until(lambda _: bool(service.observed), 30)
+        learned = next(c for c in (await ask(bus, request)).candidates if c.gpu_class == "H100-80GB")
+    finally:
+        for t in reversed(tasks):
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+    # The fake engine claimed 97% of the plan in blocks of 16; the plan now says so, and keeps its estimate.
+    assert learned.observed_kv_tokens == spec.kv_tokens * 97 // 100 // 16 * 16
+    assert learned.kv_tokens == learned.observed_kv_tokens and learned.estimated_kv_tokens == first.kv_tokens
+    assert service.refused_observations == 0
