@@ -48,8 +48,10 @@ async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: dat
     bus = await Bus.connect(settings, "llmgw-ctl-status", reconnect=False)
     try:
         if not replay:
+            # What is stored now is what the answer must include: the projector waits for it.
+            heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
             data = await bus.request(
-                subjects.STATUS, m.encode(m.StatusRequest(idle_threshold_s=threshold_s)),
+                subjects.STATUS, m.encode(m.StatusRequest(idle_threshold_s=threshold_s, wait_for=heads, wait_s=3.0)),
                 service="projector (status service; run `llmgw project` or use --replay)",
             )
             return m.STATUS_REPORT_DECODER.decode(data)

@@ -333,6 +333,10 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Judge idle against this time (the asker's clock, e.g. ``ctl idle``) instead of the
     # time of the last event folded, which stands still while nothing happens.
     now: Annotated[datetime, msgspec.Meta(tz=True)] | None = None
+    # Answer only once the projector has folded these stream sequences (what the asker saw
+    # stored when it asked), waiting up to ``wait_s``: status reads its own writes.
+    wait_for: dict[str, Annotated[int, msgspec.Meta(ge=0)]] = {}
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=30)] = 5.0
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):

@@ -48,6 +48,7 @@ fit in the KV cache.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -259,7 +260,10 @@ _HF_NAMES = {
 
 
 def _matches(pattern: str, name: str) -> bool:
-    """compressed-tensors' rule (``re:`` a regular expression, else the exact name), and a name's suffix."""
+    """compressed-tensors' rule (``re:`` a regular expression, else the exact name), a name's suffix,
+    and the ``*`` globs of ``modules_to_not_convert`` (a glob names a module and all inside it)."""
+    if "*" in pattern and not pattern.startswith("re:"):
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
     if pattern.startswith("re:"):
         try:
             return re.match(pattern[3:], name) is not None

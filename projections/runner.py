@@ -159,6 +159,7 @@ class Projector:
         self.state = store.load() if store is not None else FleetState()
         self.batch = Batch()
         self.folded = 0
+        self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
         self.committed = 0
         self._total = 0
         self._lock = asyncio.Lock()
@@ -212,6 +213,7 @@ class Projector:
                 apply(state, event)
         self.folded += len(msgs)
         state.positions[stream] = msgs[-1].seq
+        self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
 
@@ -239,6 +241,7 @@ class Projector:
                 _kill_self()
             self.folded += 1
         state.positions[stream] = msgs[-1].seq
+        self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
 
@@ -433,7 +436,23 @@ class Projector:
     async def handle_status(self, data: bytes) -> bytes:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
+        await self.caught_up(req.wait_for, req.wait_s)
         return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s))
+
+    async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
+        """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""
+        seqs = {s: seq for s, seq in seqs.items() if s in self.streams}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while behind := {s: seq for s, seq in seqs.items() if self.state.positions.get(s, 0) < seq}:
+            left = deadline - loop.time()
+            if left <= 0:
+                lag = ", ".join(f"{s} {self.state.positions.get(s, 0)} of {seq}" for s, seq in sorted(behind.items()))
+                raise ProjectionError(f"the projector has not yet folded what was stored when you asked ({lag}) "
+                                      f"after {within_s:g}s; it is catching up: ask again, or use --replay")
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from projection_events import small_fleet
 from streams import fresh_streams
 
+from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
@@ -112,6 +113,28 @@ def live_projector(fleet: Settings, tmp_path: Path) -> Iterator[Settings]:
 def _status(settings: Settings, *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(cli, ["ctl", "status", "--nats-url", settings.nats_url, *args])
     return result.exit_code, result.output
+
+
+def test_status_right_after_a_burst_reads_its_own_writes(live_projector: Settings) -> None:
+    # Health flips on a known GPU, published just before asking: no sleep, no poll.
+    at = datetime(2026, 3, 2, 11, 41, tzinfo=UTC)
+    burst = [m.GpuHealthChanged(at=at + timedelta(milliseconds=i), node="n1", gpu_index=0, gpu_uuid="GPU-n1-0",
+                                healthy=i % 2 == 1, reasons=() if i % 2 else (f"xid {i}",)) for i in range(4001)]
+
+    async def publish() -> None:
+        bus = await Bus.connect(live_projector, "llmgw-test-burst")
+        try:
+            await bus.publish_many(burst)
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+    code, live = _status(live_projector, "--json")
+    assert code == 0, live
+    code, replayed = _status(live_projector, "--json", "--replay")
+    assert code == 0, replayed
+    assert live == replayed
+    assert json.loads(live)["positions"]["LLMGW_FLEET"] >= len(burst)
 
 
 def test_status_table_from_a_replay(fleet: Settings) -> None:

@@ -339,3 +339,29 @@ def test_collector_thresholds_are_raised_while_folding_and_restored_after_the_la
             assert gc.get_threshold() == GC_THRESHOLDS
         assert gc.get_threshold() == GC_THRESHOLDS
     assert gc.get_threshold() == before != GC_THRESHOLDS
+
+
+async def test_a_status_request_waits_for_what_the_asker_saw_stored(bus: Bus, tmp_path: Path) -> None:
+    last = await publish(bus, small_fleet())
+    store = Store(tmp_path / "live.duckdb")
+    projector = Projector(bus, store, commit_interval_s=0.05)
+    task = asyncio.create_task(projector.run_forever(serve_status=False))
+    try:
+        fleet = subjects.STREAM_FLEET
+        # The asker saw 50 more fleet events stored than the projector has folded yet.
+        ask = m.StatusRequest(wait_for={fleet: last[fleet] + 50, "NO_SUCH_STREAM": 10**9}, wait_s=20)
+        answer = asyncio.create_task(projector.handle_status(m.encode(ask)))
+        await asyncio.sleep(0.3)
+        assert not answer.done()  # it waits for them, it does not answer from an older fold
+        flips = [m.GpuHealthChanged(at=t(100 + i), node="n1", gpu_index=0, gpu_uuid="GPU-n1-0", healthy=i % 2 == 1)
+                 for i in range(50)]
+        await publish(bus, flips)
+        report = m.STATUS_REPORT_DECODER.decode(await asyncio.wait_for(answer, 20))
+        assert report.positions[fleet] >= last[fleet] + 50
+        # Never stored: past the wait, an error that names the lag, not an old answer.
+        with pytest.raises(ProjectionError, match=r"LLMGW_FLEET \d+ of \d+\) after 0.2s; it is catching up"):
+            await projector.handle_status(m.encode(m.StatusRequest(wait_for={fleet: 10**9}, wait_s=0.2)))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        store.close()
