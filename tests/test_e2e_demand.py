@@ -16,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 from test_e2e import (
+    FLEET,
     LLMGW,
     MODEL,
     MODELS,
@@ -26,22 +27,6 @@ from test_e2e import (
     stop_up,
     wait_for,
 )
-
-FLEET = """
-[[nodes]]
-name = "gpu-a"
-fabric = "ib-a"
-gpu_class = "A100-40GB"
-gpu_count = 2
-gpu_memory_mib = 40960
-
-[[nodes]]
-name = "gpu-b"
-fabric = "ib-a"
-gpu_class = "A100-40GB"
-gpu_count = 2
-gpu_memory_mib = 40960
-"""
 
 
 def model_state(url: str, name: str) -> str:
