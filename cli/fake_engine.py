@@ -25,9 +25,15 @@ from llmgw.fake_engine import EngineOptions, bind, serve
               help="Seconds of start-up (loading weights): /health and completions answer 503 until then.")
 @click.option("--kv-tokens", type=click.IntRange(0, 10**10), default=0, show_default=True,
               help="KV cache tokens it reports on /metrics as vLLM does (0: none).")
+@click.option("--parts", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="A replica over this many nodes: serve only once the other parts have joined (--rendezvous-port).")
+@click.option("--rendezvous-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="With --parts: where the other nodes' parts connect.")
+@click.option("--join", "join_address", metavar="HOST:PORT",
+              help="Be a worker part: join the head at HOST:PORT and hold until it goes away (no HTTP).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
                 chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
-                startup_s: float, kv_tokens: int) -> None:
+                startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, join_address: str | None) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -40,6 +46,14 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
         llmgw fake-engine --host 127.0.0.1 --port 0 --model qwen --latency-ms 20 --chunks 20
         llmgw fake-engine --port 0 --model qwen --chunks 10 --die-after-chunks 3
     """
+    if join_address:
+        from llmgw.fake_engine import join
+
+        try:
+            run(join(join_address, name or model))
+        except OSError as e:
+            raise click.ClickException(f"cannot join the head at {join_address} ({e}); is its part running?") from e
+        raise SystemExit(5)  # the head went away
     try:
         sock = bind(host, port)
     except OSError as e:
@@ -51,5 +65,5 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
     opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
                          chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
                          die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
-                         kv_tokens=kv_tokens)
-    run(serve(opts, sock))
+                         kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port)
+    run(serve(opts, sock, host))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.projections.fold import part_state
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ class Replica:
     in_pool: bool = False
     # Wall clock when this router put the replica in its pool (for serving_since).
     pooled_at: float = 0.0
+    # Over several nodes: each node's part; routable only when every part is healthy.
+    nodes: tuple[str, ...] = ()
+    parts: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,7 +135,7 @@ class Pool:
                 if (d := self.declared.get(model)) is not None:
                     d.unplaceable = None
                 if rid not in self.replicas:
-                    self.replicas[rid] = Replica(replica_id=rid, model=model)
+                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes)
                 return True
             case m.ReplicaStateChanged(replica_id=rid, model=model, state=state, endpoint=endpoint):
                 self.known_models.add(model)
@@ -145,6 +149,13 @@ class Pool:
                     del self.replicas[rid]
                     return True
                 was = (rep.in_pool, rep.endpoint)
+                if len(rep.nodes) > 1:
+                    if event.node not in rep.nodes:
+                        return False  # only the replica's own nodes speak for it
+                    rep.parts[event.node] = state
+                    state = part_state(rep.nodes, rep.parts)
+                    if event.node != rep.nodes[0]:
+                        endpoint = ""  # only the head serves; a worker's report never moves the endpoint
                 rep.state = state
                 if endpoint:
                     rep.endpoint = endpoint.rstrip("/")

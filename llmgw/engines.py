@@ -37,7 +37,9 @@ from llmgw.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ENGINE_KEYS = ("vllm", "llama.cpp", "fake")
+ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
+# What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
+JOINED_MARKERS = ("Ray runtime started", "joined ")
 
 
 def _llmgw_program() -> list[str]:
@@ -50,7 +52,8 @@ def _llmgw_program() -> list[str]:
 
 def default_commands() -> dict[str, list[str]]:
     """The program prefix each engine starts with, before llmgw's arguments."""
-    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*_llmgw_program(), "fake-engine"]}
+    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*_llmgw_program(), "fake-engine"],
+            "ray": ["ray"]}
 
 
 def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
@@ -82,7 +85,7 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
     if spec.engine == "vllm":
         argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
         if spec.pp > 1:
-            argv += ["--pipeline-parallel-size", str(spec.pp)]
+            argv += ["--pipeline-parallel-size", str(spec.pp), "--distributed-executor-backend", "ray"]
         if spec.quantization:
             argv += ["--quantization", spec.quantization]
         if spec.kv_cache_dtype != "auto":
@@ -119,6 +122,28 @@ def kv_tokens_from_metrics(text: str) -> int:
         return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
     except (KeyError, ValueError):
         return 0
+
+
+def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool,
+               name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0) -> list[list[str]]:
+    """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
+
+    vLLM: a Ray cluster per replica. The head (rank 0) runs ``ray start --head`` and then
+    ``vllm serve … --distributed-executor-backend ray``, which finds it through RAY_ADDRESS;
+    every other node runs ``ray start --address HEAD --block`` (``--block``: killing it
+    takes down what it started). Simulated: the head's fake engine waits on a TCP port for
+    the other parts; each other part connects to it and holds the connection.
+    """
+    if simulate:
+        if rank == 0:
+            return [[*engine_argv(spec, port, host, cmds, simulate=True, name=name, startup_s=startup_s),
+                     "--parts", str(spec.pp), "--rendezvous-port", str(rendezvous_port)]]
+        return [[*cmds["fake"], "--model", spec.name, "--name", f"{name}/part{rank}", "--join", head_address]]
+    gpus = str(spec.tp)
+    if rank == 0:
+        return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
+                engine_argv(spec, port, host, cmds, simulate=False, name=name)]
+    return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
 
 
 def free_port(host: str) -> int:
@@ -161,14 +186,19 @@ class EngineConfig:
 
 
 class EngineRun:
-    """One replica's engine and its restarts."""
+    """One replica's engine on this node (or this node's part of it), and its restarts."""
 
-    def __init__(self, node: str, placed: m.ReplicaPlaced, config: EngineConfig, outbox: Outbox) -> None:
+    def __init__(self, node: str, placed: m.ReplicaPlaced, config: EngineConfig, outbox: Outbox,
+                 head_address: str = "") -> None:
         self.node = node
         self.placed = placed
         self.config = config
         self.outbox = outbox
-        self.proc: asyncio.subprocess.Process | None = None
+        # Over several nodes this node runs one part: the head (rank 0) serves, the others join it.
+        self.rank = placed.nodes.index(node) if node in placed.nodes else 0
+        self.multi = len(placed.nodes) > 1
+        self.head_address = head_address  # a worker's: where it joins; the head's: what it publishes
+        self.procs: list[asyncio.subprocess.Process] = []
         self.port = 0
         self.restarts = 0
         self.state = "placed"
@@ -179,14 +209,20 @@ class EngineRun:
     def replica_id(self) -> str:
         return self.placed.replica_id
 
+    @property
+    def proc(self) -> asyncio.subprocess.Process | None:
+        """The process that serves (head or single engine), or this worker part's."""
+        return self.procs[-1] if self.procs else None
+
     def report(self, state: m.ReplicaState, detail: str = "", observed_kv_tokens: int = 0) -> None:
         self.state = state
         self.outbox.put(m.ReplicaStateChanged(
             at=m.utcnow(), replica_id=self.replica_id, model=self.placed.model, node=self.node,
-            state=state, endpoint=self.endpoint if state == "healthy" else "", detail=detail, restarts=self.restarts,
-            observed_kv_tokens=observed_kv_tokens,
+            state=state, endpoint=self.endpoint if state == "healthy" and self.rank == 0 else "", detail=detail,
+            restarts=self.restarts, observed_kv_tokens=observed_kv_tokens,
+            head_address=self.head_address if self.multi and self.rank == 0 else "",
         ))
-        log.info("engine %s: %s %s", self.replica_id, state, detail)
+        log.info("engine %s%s: %s %s", self.replica_id, f" part {self.rank}" if self.multi else "", state, detail)
 
     def _last_lines(self) -> str:
         return " | ".join(self.tail) or "(no output)"
@@ -205,50 +241,72 @@ class EngineRun:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         return open(self.config.log_dir / f"{subjects.token(self.replica_id)}.log", "ab")  # noqa: SIM115 - the pump closes it
 
-    async def _start(self) -> asyncio.Task[None]:
-        host = self.config.host
+    def _argvs(self) -> tuple[list[list[str]], dict[str, str]]:
+        host, spec = self.config.host, self.placed.spec
         self.port = free_port(host)
-        argv = engine_argv(self.placed.spec, self.port, host, self.config.cmds, simulate=self.config.simulate, name=self.replica_id,
+        if not self.multi:
+            return [engine_argv(spec, self.port, host, self.config.cmds, simulate=self.config.simulate,
+                                name=self.replica_id, startup_s=self.config.fake_startup_s)], {}
+        rendezvous = free_port(host) if self.rank == 0 else 0
+        if self.rank == 0:
+            self.head_address = f"{self.config.advertise_host}:{rendezvous}"
+        argvs = part_argvs(spec, self.rank, self.port, host, self.config.cmds, simulate=self.config.simulate,
+                           name=self.replica_id, head_address=self.head_address, rendezvous_port=rendezvous,
                            startup_s=self.config.fake_startup_s)
-        env = dict(os.environ)
+        # vLLM on the head joins the Ray cluster its own `ray start --head` made.
+        return argvs, {"RAY_ADDRESS": f"{self.config.check_host}:{rendezvous}"} if self.rank == 0 else {}
+
+    async def _start(self) -> list[asyncio.Task[None]]:
+        argvs, extra_env = self._argvs()
+        env = dict(os.environ, **extra_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
         self.endpoint = f"http://{self.config.advertise_host}:{self.port}"
         self.tail.clear()
-        self.tail.append(f"$ {shlex.join(argv)}")
-        sink = self._open_log()
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            )
-        except OSError as e:
-            if sink is not None:
-                sink.close()
-            self.tail.append(f"cannot start {argv[0]}: {e.strerror or e}; set --engine-cmd {self.placed.spec.engine}=…")
-            raise
-        assert self.proc.stdout is not None
-
-        async def pump() -> None:
+        self.procs = []
+        pumps: list[asyncio.Task[None]] = []
+        for i, argv in enumerate(argvs):
+            self.tail.append(f"$ {shlex.join(argv)}")
+            sink = self._open_log()
             try:
-                await self._pump(self.proc.stdout, sink)  # type: ignore[union-attr,arg-type]
-            finally:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                )
+            except OSError as e:
                 if sink is not None:
                     sink.close()
+                key = "ray" if argv[:len(self.config.cmds["ray"])] == self.config.cmds["ray"] else self.placed.spec.engine
+                self.tail.append(f"cannot start {argv[0]}: {e.strerror or e}; install it or set --engine-cmd {key}=…")
+                raise
+            self.procs.append(proc)
+            pumps.append(asyncio.create_task(self._pump_to(proc, sink)))
+            if i < len(argvs) - 1 and not await self._joined():  # the Ray head is up before vLLM starts
+                break
+        return pumps
 
-        return asyncio.create_task(pump())
-
-    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
-        """/health answers 200, then a one-token completion does too."""
-        base = f"http://{self.config.check_host}:{self.port}"
+    async def _pump_to(self, proc: asyncio.subprocess.Process, sink: BinaryIO | None) -> None:
         try:
-            async with session.get(f"{base}/health") as r:
-                if r.status != 200:
-                    return False
-            body = {"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}
-            async with session.post(f"{base}/v1/completions", json=body) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
+            assert proc.stdout is not None
+            await self._pump(proc.stdout, sink)
+        finally:
+            if sink is not None:
+                sink.close()
+
+    def _exited(self) -> bool:
+        return not self.procs or any(p.returncode is not None for p in self.procs)
+
+    async def _joined(self) -> bool:
+        """A part is up once its process says it joined (Ray: "Ray runtime started"; fake: "joined")."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.health_timeout_s
+        while loop.time() < deadline:
+            if self._exited():
+                return False
+            if any(marker in line for line in self.tail for marker in JOINED_MARKERS):
+                return True
+            await asyncio.sleep(min(self.config.health_interval_s, 0.2))
+        self.tail.append(f"did not join within {self.config.health_timeout_s:g}s")
+        return False
 
     async def _observe(self) -> int:
         """KV tokens the engine reserved (vLLM's cache_config_info on /metrics); 0 when it does not say."""
@@ -263,13 +321,26 @@ class EngineRun:
             return 0
         return kv_tokens_from_metrics(text.decode(errors="replace"))
 
+    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+        """/health answers 200, then a one-token completion does too."""
+        base = f"http://{self.config.check_host}:{self.port}"
+        try:
+            async with session.get(f"{base}/health") as r:
+                if r.status != 200:
+                    return False
+            body = {"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}
+            async with session.post(f"{base}/v1/completions", json=body) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
     async def _wait_healthy(self) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.health_timeout_s
         timeout = aiohttp.ClientTimeout(total=10)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while loop.time() < deadline:
-                if self.proc is None or self.proc.returncode is not None:
+                if self._exited():
                     return False
                 if await self._healthy(session):
                     return True
@@ -278,18 +349,26 @@ class EngineRun:
         return False
 
     async def stop(self) -> None:
-        """SIGTERM the engine's process group; SIGKILL if it does not go within 10 s."""
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
+        """SIGTERM every process group this run started (last first); SIGKILL what does not go within 10 s."""
+        for proc in reversed(self.procs):
+            if proc.returncode is not None:
+                continue
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+
+    async def _any_exit(self) -> None:
+        waits = [asyncio.ensure_future(p.wait()) for p in self.procs]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def run(self) -> None:
         """Start, check, watch, restart with back-off; report failed when restarts run out."""
@@ -297,16 +376,20 @@ class EngineRun:
             while True:
                 self.report("starting", f"restart {self.restarts}" if self.restarts else "")
                 try:
-                    pump = await self._start()
+                    pumps = await self._start()
                 except OSError:
                     self.report("failed", self._last_lines())
                     return
-                if await self._wait_healthy():
-                    self.report("healthy", observed_kv_tokens=await self._observe())
-                    await self.proc.wait()  # type: ignore[union-attr]
+                if self.multi and self.rank == 0:
+                    self.report("starting", "waiting for the other nodes' parts")  # with the address they join
+                worker = self.multi and self.rank > 0
+                if await (self._joined() if worker else self._wait_healthy()):
+                    self.report("healthy", observed_kv_tokens=0 if worker else await self._observe())
+                    await self._any_exit()
                 await self.stop()
-                await asyncio.gather(pump, return_exceptions=True)
-                code = self.proc.returncode if self.proc else None
+                await asyncio.gather(*pumps, return_exceptions=True)
+                code = next((p.returncode for p in self.procs if p.returncode not in (None, -signal.SIGTERM)),
+                            self.proc.returncode if self.proc else None)
                 if self.restarts >= self.config.max_restarts:
                     self.report("failed", f"exit {code} after {self.restarts} restarts: {self._last_lines()}")
                     return
@@ -326,16 +409,22 @@ class EngineSupervisor:
         self.config = config or EngineConfig()
         self.placed: dict[str, m.ReplicaPlaced] = {}
         self.runs: dict[str, EngineRun] = {}
+        self.heads: dict[str, str] = {}  # replica → its head's address, for this node's worker parts
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
 
     def _fold(self, event: m.Event) -> None:
         match event:
-            case m.ReplicaPlaced() if event.nodes and event.nodes[0] == self.node:
-                # pp > 1: the engine runs on the first node; the other nodes' GPUs are held for it.
+            case m.ReplicaPlaced() if self.node in event.nodes:
+                # Over several nodes, every node runs its part; the first node's is the head.
                 self.placed[event.replica_id] = event
+            case m.ReplicaStateChanged(replica_id=rid, node=node, head_address=address) if address:
+                placed = self.placed.get(rid)
+                if placed is not None and placed.nodes[0] == node and node != self.node:
+                    self.heads[rid] = address  # where this node's part joins (only the head's own node says)
             case m.ReplicaStopped(replica_id=rid):
                 self.placed.pop(rid, None)
+                self.heads.pop(rid, None)
             case m.ModelRemoved(name=name):
                 for rid in [r for r, p in self.placed.items() if p.model == name]:
                     del self.placed[rid]
@@ -344,16 +433,23 @@ class EngineSupervisor:
 
     async def _reconcile(self, outbox: Outbox) -> None:
         for rid in [r for r in self._tasks if r not in self.placed]:
-            task = self._tasks.pop(rid)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            run = self.runs.pop(rid)
-            run.report("stopped", "stopped on request")
+            await self._end(rid)
+            self.runs.pop(rid).report("stopped", "stopped on request")
         for rid, placed in self.placed.items():
-            if rid not in self._tasks:
-                run = EngineRun(self.node, placed, self.config, outbox)
+            worker = placed.nodes[0] != self.node
+            head = self.heads.get(rid, "")
+            if worker and rid in self.runs and self.runs[rid].head_address != head:
+                await self._end(rid)  # the head started again elsewhere: join it there
+                del self.runs[rid]
+            if rid not in self._tasks and (head or not worker):
+                run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
                 self.runs[rid] = run
                 self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
+
+    async def _end(self, rid: str) -> None:
+        task = self._tasks.pop(rid)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def run(self, bus: Bus, outbox: Outbox) -> None:
         """Follow the control stream; the agent runs this next to itself (``services=``)."""

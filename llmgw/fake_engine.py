@@ -51,6 +51,8 @@ class EngineOptions:
     embedding_dim: int = 8
     startup_s: float = 0.0  # /health and completions answer 503 until then, like an engine loading weights
     kv_tokens: int = 0  # KV cache it claims on /metrics (vLLM's cache_config_info); 0: no such line
+    parts: int = 1  # a head waiting for parts - 1 other nodes' parts to connect before it serves
+    rendezvous_port: int = 0  # where they connect (the head's address is host:this)
 
 
 class FakeEngine:
@@ -62,13 +64,23 @@ class FakeEngine:
         self.requests = 0
         self._headers = {"x-llmgw-replica": self.name}
         self._ready_at = time.monotonic() + opts.startup_s
+        self.joined = 0  # other nodes' parts connected to this head
 
     def _loading(self) -> web.Response | None:
         left = self._ready_at - time.monotonic()
-        if left <= 0:
+        if left <= 0 and self.joined >= self.opts.parts - 1:
             return None
-        return web.json_response({"error": {"message": f"{self.name} is loading ({left:.1f}s left)",
-                                            "type": "server_error"}}, status=503, headers=self._headers)
+        why = f"loading ({left:.1f}s left)" if left > 0 else f"waiting for parts ({self.joined + 1} of {self.opts.parts})"
+        return web.json_response({"error": {"message": f"{self.name} is {why}", "type": "server_error"}},
+                                 status=503, headers=self._headers)
+
+    async def part(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another node's part joined; losing it later takes this head down, as a lost Ray worker takes vLLM."""
+        self.joined += 1
+        writer.write(b"ok\n")
+        await writer.drain()
+        await reader.read()  # until it goes away
+        os._exit(4)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -224,15 +236,38 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(opts: EngineOptions, sock: socket.socket) -> None:
-    """Serve on an already bound socket until cancelled."""
-    runner = web.AppRunner(FakeEngine(opts).app(), access_log=None, handle_signals=False)
+async def serve(opts: EngineOptions, sock: socket.socket, host: str = "127.0.0.1") -> None:
+    """Serve on an already bound socket until cancelled (and, for a head of several parts, their rendezvous)."""
+    engine = FakeEngine(opts)
+    runner = web.AppRunner(engine.app(), access_log=None, handle_signals=False)
     await runner.setup()
     await web.SockSite(runner, sock).start()
+    rendezvous = await asyncio.start_server(engine.part, host, opts.rendezvous_port) if opts.parts > 1 else None
     try:
         await asyncio.Event().wait()
     finally:
+        if rendezvous is not None:
+            rendezvous.close()
         await runner.cleanup()
+
+
+async def join(address: str, name: str, within_s: float = 120.0) -> None:
+    """A worker part: connect to the head's rendezvous, say so, and hold until the head goes away."""
+    host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            break
+        except OSError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+    await reader.readline()
+    print(f"joined {address} as {name}", flush=True)
+    await reader.read()  # the head went away: so does this part
+    writer.close()
 
 
 @dataclass

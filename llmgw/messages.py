@@ -266,6 +266,9 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     # block_size from /metrics); 0 when unknown. Not bounded here: a figure out of range must
     # not cost the state change; the planner ignores and counts it.
     observed_kv_tokens: int = 0
+    # A replica over several nodes (pp > 1): each node reports its own part; the head's part
+    # (the first node) says where the others join it (Ray's head, host:port).
+    head_address: str = ""
 
 
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):

@@ -74,6 +74,10 @@ class ReplicaView:
     detail: str = ""
     restarts: int = 0
     observed_kv_tokens: int = 0  # what its engine reserved, as its agent last reported (0: unknown)
+    # Over several nodes: each node's part, as its own agent reports it. The replica is
+    # healthy only when every part is; its endpoint is the head's (the first node).
+    parts: dict[str, str] = field(default_factory=dict)
+    head_address: str = ""
 
 
 @dataclass
@@ -175,8 +179,11 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
         case m.ReplicaStateChanged():
             replica = state.replicas.get(event.replica_id)
             if replica is not None and event.state != "stopped":
-                replica.state, replica.state_at = event.state, event.at
-                replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
+                if len(replica.nodes) > 1:
+                    _part_changed(replica, event)
+                else:
+                    replica.state, replica.state_at = event.state, event.at
+                    replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
                 if event.observed_kv_tokens > 0:
                     replica.observed_kv_tokens = event.observed_kv_tokens
         case m.ReplicaPlaced():
@@ -268,6 +275,29 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
         case _:
             pass  # heartbeats and anything newer than this fold: not part of history
     return state
+
+
+# How bad a part's state is: the replica is as bad as its worst part.
+_PART_RANK = {"failed": 0, "unhealthy": 1, "starting": 2, "placed": 3, "healthy": 4}
+
+
+def part_state(nodes: tuple[str, ...], parts: dict[str, str]) -> str:
+    """A multi-node replica's state from its parts': healthy only when every node's part is."""
+    if any(n not in parts for n in nodes):
+        worst = min((parts[n] for n in nodes if n in parts), key=_PART_RANK.__getitem__, default="placed")
+        return worst if _PART_RANK[worst] < _PART_RANK["starting"] else "starting"
+    return min((parts[n] for n in nodes), key=_PART_RANK.__getitem__)
+
+
+def _part_changed(replica: ReplicaView, event: m.ReplicaStateChanged) -> None:
+    if event.node not in replica.nodes:
+        return  # a node the replica was not placed on does not speak for it
+    replica.parts[event.node] = event.state
+    if event.node == replica.nodes[0]:
+        replica.endpoint, replica.head_address = event.endpoint, event.head_address
+    replica.detail = f"{event.node}: {event.detail}" if event.detail else replica.detail
+    replica.restarts = max(replica.restarts, event.restarts)
+    replica.state, replica.state_at = part_state(replica.nodes, replica.parts), event.at
 
 
 def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterView) -> None:

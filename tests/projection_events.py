@@ -64,6 +64,7 @@ def small_fleet() -> list[m.Event]:
         placed("r-gemma", gemma, [("n4", 0)], t(4), fabric="pcie"),
         m.ModelUnplaceable(at=t(5), name="deepseek-v3", reason="needs 4 whole H100-80GB nodes on one fabric; ib-a has 0 free, ib-b 0"),
         m.ReplicaStateChanged(at=t(6), replica_id="r-llama", model="llama-70b", node="n2", state="healthy", endpoint="http://n2:8000"),
+        m.ReplicaStateChanged(at=t(6), replica_id="r-llama", model="llama-70b", node="n3", state="healthy"),  # its second part
         m.ReplicaStateChanged(at=t(6), replica_id="r-qwen", model="qwen-8b", node="n1", state="healthy", endpoint="http://n1:8000"),
         m.ReplicaStateChanged(at=t(6), replica_id="r-gemma", model="gemma-9b", node="n4", state="starting"),
         m.IdleMapPublished(at=t(10), router="rt-a", boot_id="a1", tick=1,

@@ -22,7 +22,7 @@ from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
 
 TABLE = """\
-Fleet at 2026-03-02 11:40:00 UTC  [control:11 fleet:7 usage:4]
+Fleet at 2026-03-02 11:40:00 UTC  [control:12 fleet:7 usage:4]
 5 nodes (1 lost: n5) · 4 models · 3 replicas (2 healthy, 1 starting) · 0 unprojected events
 models: 2 serving (llama-70b, qwen-8b), 1 starting (gemma-9b), 1 unplaceable (deepseek-v3)
 
@@ -190,12 +190,16 @@ def test_status_at_a_past_moment(settings: Settings) -> None:
 
 
 def test_status_at_seq(fleet: Settings) -> None:
-    # control:9 is r-llama turning healthy: three replicas placed, usage not yet published.
+    # control:9 is r-llama's head part turning healthy; its second node's part has not said so yet.
     code, out = _status(fleet, "--json", "--at-seq", "control:9")
     assert code == 0, out
     data = json.loads(out)
     assert data["positions"] == {"LLMGW_CONTROL": 9, "LLMGW_FLEET": 7}
-    assert data["replicas"] == 3 and data["replicas_by_state"] == {"healthy": 1, "placed": 2}
+    assert data["replicas"] == 3 and data["replicas_by_state"] == {"starting": 1, "placed": 2}
+    # control:10: both parts healthy, so the replica is.
+    code, out = _status(fleet, "--json", "--at-seq", "control:10")
+    assert code == 0, out
+    assert json.loads(out)["replicas_by_state"] == {"healthy": 1, "placed": 2}
     assert data["unplaceable"][0]["name"] == "deepseek-v3"
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -79,7 +80,7 @@ def test_engine_command_lines() -> None:
     cmds = parse_engine_cmds(["vllm=/opt/v/bin/vllm serve"])
     argv = engine_argv(spec(quantization="fp8", pp=2), 8001, "0.0.0.0", cmds, simulate=False)
     assert argv == ["/opt/v/bin/vllm", "serve", "Qwen/Qwen2.5-14B-Instruct", "--tensor-parallel-size", "2",
-                    "--pipeline-parallel-size", "2", "--quantization", "fp8", "--max-model-len", "8192",
+                    "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray", "--quantization", "fp8", "--max-model-len", "8192",
                     "--gpu-memory-utilization", "0.9", "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "qwen"]
     gguf = spec(engine="llama.cpp", source="/models/q.gguf", precision="q4_K_M", tp=1)
     assert engine_argv(gguf, 9, "h", default_commands(), simulate=False) == [
@@ -180,3 +181,77 @@ async def test_a_healthy_engine_reports_what_it_reserved(bus: Bus, agent: tuple[
     healthy = next(x for x in got if x.state == "healthy")
     # The fake engine claims 97% of the plan, in vLLM's blocks of 16, and the agent reads it back.
     assert healthy.observed_kv_tokens == 97_000 // 16 * 16
+
+
+FAKE_RAY = f"""#!{sys.executable}
+import os, sys, time
+with open(os.environ["LLMGW_TEST_RECORD"], "a") as f:
+    f.write("ray " + " ".join(sys.argv[1:]) + "\\n")
+print("Ray runtime started.", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+FAKE_VLLM = f"""#!{sys.executable}
+import os, sys
+with open(os.environ["LLMGW_TEST_RECORD"], "a") as f:
+    f.write("vllm " + " ".join(sys.argv[1:]) + " RAY_ADDRESS=" + os.environ.get("RAY_ADDRESS", "") + "\\n")
+a = sys.argv
+os.execv(sys.executable, [sys.executable, "-c", "from llmgw.cli.main import main; main()", "fake-engine",
+         "--host", a[a.index("--host") + 1], "--port", a[a.index("--port") + 1],
+         "--model", a[a.index("--served-model-name") + 1]])
+"""
+
+
+async def test_a_replica_over_two_nodes_runs_ray_and_vllm_as_documented(
+    bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "record.txt"
+    record.touch()
+    monkeypatch.setenv("LLMGW_TEST_RECORD", str(record))
+    for name, text in (("ray", FAKE_RAY), ("vllm", FAKE_VLLM)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    cmds = parse_engine_cmds([f"vllm={tmp_path / 'vllm'}", f"ray={tmp_path / 'ray'}"])
+    s = spec(tp=2, pp=2)
+    gpus = tuple(m.GpuRef(node=n, index=i, uuid=f"GPU-{n}-{i}") for n in ("n1", "n2") for i in range(2))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=("n1", "n2"),
+                                      gpus=gpus, spec=s, fabric="f"))
+    outbox = bus.outbox()
+    config = EngineConfig(cmds=cmds, simulate=False, host="127.0.0.1", advertise_host="127.0.0.1", health_timeout_s=20)
+    tasks = [asyncio.create_task(outbox.run())]
+    tasks += [asyncio.create_task(EngineSupervisor(n, config).run(bus, outbox)) for n in ("n1", "n2")]
+    try:
+        got = await wait_for(bus, lambda ss: {(x.node, x.state) for x in ss} >= {("n1", "healthy"), ("n2", "healthy")})
+    finally:
+        for t in reversed(tasks):
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+    head = next(x for x in got if x.node == "n1" and x.head_address)
+    lines = record.read_text().splitlines()
+    port = head.head_address.rsplit(":", 1)[1]
+    assert f"ray start --head --port {port} --num-gpus 2 --block" in lines
+    assert f"ray start --address {head.head_address} --num-gpus 2 --block" in lines
+    vllm = next(x for x in lines if x.startswith("vllm "))
+    assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 --distributed-executor-backend ray" in vllm
+            and vllm.endswith(f"RAY_ADDRESS=127.0.0.1:{port}"))
+    # The head serves and says so with its endpoint; the worker's part has none.
+    assert next(x for x in got if x.node == "n1" and x.state == "healthy").endpoint.startswith("http://127.0.0.1:")
+    assert next(x for x in got if x.node == "n2" and x.state == "healthy").endpoint == ""
+
+
+async def test_a_node_without_ray_fails_once_with_what_is_missing(
+    bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
+) -> None:
+    s = spec(tp=1, pp=2)
+    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
+                                      gpus=gpus, spec=s, fabric="f"))
+    _, start = agent
+    start(EngineConfig(cmds=parse_engine_cmds(["ray=/nonexistent/ray"]), simulate=False, health_timeout_s=5))
+    got = await wait_for(bus, lambda ss: any(x.state == "failed" for x in ss))
+    failed = [x for x in got if x.state == "failed"]
+    assert len(failed) == 1 and "cannot start /nonexistent/ray" in failed[0].detail
+    assert "--engine-cmd ray=" in failed[0].detail

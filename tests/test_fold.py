@@ -214,3 +214,34 @@ def test_newest_request_follows_the_maps(maps: list[tuple[str, bool, dict[str, i
             last_request={r: t(s) for r, s in seen.items()},
             serving_since={r: t(tick) for r in serving if r not in seen}))
     assert fold(events).last_request == newest_requests(events)
+
+
+def test_a_replica_over_two_nodes_is_healthy_only_when_both_parts_are() -> None:
+    from llmgw.endpoints import Pool
+
+    s = spec("big")
+    two = m.ReplicaPlaced(at=t(0), replica_id="big-r1", model="big", nodes=("n1", "n2"), spec=s, fabric="ib-a",
+                          gpus=(m.GpuRef(node="n1", index=0, uuid="GPU-n1-0"), m.GpuRef(node="n2", index=0, uuid="GPU-n2-0")))
+
+    def part(node: str, state: str, endpoint: str = "") -> m.ReplicaStateChanged:
+        return m.ReplicaStateChanged(at=t(1), replica_id="big-r1", model="big", node=node, state=state,  # type: ignore[arg-type]
+                                     endpoint=endpoint)
+
+    steps = [
+        (part("n1", "healthy", "http://n1:8000"), "starting", False),  # the head alone is not the replica
+        (part("n3", "healthy", "http://evil:1"), "starting", False),  # not one of its nodes: ignored
+        (part("n2", "healthy"), "healthy", True),
+        (part("n2", "unhealthy"), "unhealthy", False),  # a part down takes the whole replica down
+        (part("n2", "healthy"), "healthy", True),
+        (part("n2", "failed"), "failed", False),
+    ]
+    state = fold([*[inventory(n, "ib-a", 1, t(0)) for n in ("n1", "n2")], two])
+    pool = Pool()
+    pool.apply(two, 0.0)
+    for event, want, routable in steps:
+        fold([event], state)
+        pool.apply(event, 0.0)
+        assert state.replicas["big-r1"].state == want, event
+        assert bool(pool.healthy.get("big")) == routable, event
+        assert state.replicas["big-r1"].endpoint == "http://n1:8000"
+    assert [r.endpoint for r in pool.replicas.values()] == ["http://n1:8000"]  # a worker never moves the endpoint

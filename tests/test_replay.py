@@ -70,6 +70,7 @@ def test_node_filter_includes_replicas_placed_on_it(history: Settings) -> None:
     assert [(r["stream"], r["seq"], r["event"]["type"]) for r in rows] == [
         ("LLMGW_FLEET", 3, "NodeInventoryReported"),
         ("LLMGW_CONTROL", 5, "ReplicaPlaced"),
+        ("LLMGW_CONTROL", 10, "ReplicaStateChanged"),  # its part on n3, reported by n3
     ]
     assert rows[1]["event"]["nodes"] == ["n2", "n3"]
 
@@ -78,7 +79,7 @@ def test_subject_and_window_filters(history: Settings) -> None:
     code, out = _replay(history, "--subject", "llmgw.control.replica.>", "--since", "2026-03-02T10:05",
                         "--until", "2026-03-02T10:06")
     assert code == 0, out
-    assert [x.split("  ")[1].strip() for x in out.splitlines()] == ["control:9", "control:10", "control:11"]
+    assert [x.split("  ")[1].strip() for x in out.splitlines()] == ["control:9", "control:10", "control:11", "control:12"]
 
 
 def test_nothing_matches(history: Settings) -> None:
