@@ -58,6 +58,16 @@ def _print_inventory(inv: m.NodeInventoryReported, as_json: bool) -> None:
     console.print(table)
 
 
+def _engine_env(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for raw in values:
+        key, sep, value = raw.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum():
+            raise click.UsageError(f"--engine-env {raw!r}: expected NAME=VALUE, e.g. --engine-env NCCL_SOCKET_IFNAME=ib0")
+        out[key] = value
+    return out
+
+
 def _stop_all(agents: list[Agent]) -> None:
     for a in agents:
         a.stop()
@@ -71,7 +81,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
             Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
                   heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"],
                   services=(EngineSupervisor(node, EngineConfig(cmds=opts["engine_cmds"], simulate=opts["simulated"],
-                                                                fake_startup_s=opts["engine_startup_s"])),))
+                                                                fake_startup_s=opts["engine_startup_s"],
+                                                                env=opts["engine_env"])),))
             for node, port, fabric, source in ports
         ]
         loop = asyncio.get_running_loop()
@@ -108,6 +119,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
 @click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")
 @click.option("--engine-cmd", multiple=True, metavar="ENGINE=CMD", help="The program for an engine, repeatable: vllm=…, llama.cpp=…, fake=… (e.g. 'vllm=/opt/vllm/bin/vllm serve').")
+@click.option("--engine-env", multiple=True, metavar="K=V",
+              help="Set for every engine process, repeatable: NCCL_SOCKET_IFNAME=ib0, GLOO_SOCKET_IFNAME=eth0, RAY_… ")
 @click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
               help="With --simulate: seconds each fake engine takes to start, as a real one loads weights.")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
@@ -115,8 +128,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @nats_options
 @click.pass_context
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
-          poll_s: float, engine_cmd: tuple[str, ...], engine_startup_s: float, once: bool, as_json: bool,
-          settings: Settings) -> None:
+          poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float, once: bool,
+          as_json: bool, settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -130,7 +143,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
         return
     opts: dict[str, Any] = {"heartbeat_s": heartbeat_s, "poll_s": poll_s, "once": once, "as_json": as_json,
                             "simulated": fleet_path is not None, "faults": (),
-                            "engine_cmds": _engine_cmds(engine_cmd), "engine_startup_s": engine_startup_s}
+                            "engine_cmds": _engine_cmds(engine_cmd), "engine_startup_s": engine_startup_s,
+                            "engine_env": _engine_env(engine_env)}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     try:
         if fleet_path is not None:

@@ -104,7 +104,8 @@ def render(reply: m.PlanReply, model: str) -> None:
     for i, c in enumerate(reply.candidates, 1):
         extra = f"   # download {c.file} ({c.file_gib} GiB)" if c.file else ""
         why = f"   # does not fit: {c.reason}" if not c.fits else ""
-        lines.setdefault(f"{c.command}{extra}{why}", []).append(i)
+        shown = "\n       ".join(c.node_commands) if c.node_commands else c.command
+        lines.setdefault(f"{shown}{extra}{why}", []).append(i)
     for line, numbers in lines.items():
         console.print(f"{', '.join(map(str, numbers)):>3}  {line}", soft_wrap=True)
     first = next((i for i, c in enumerate(reply.candidates, 1) if c.fits), None)

@@ -171,6 +171,8 @@ class EngineConfig:
     log_lines: int = 20
     log_dir: Path | None = None
     fake_startup_s: float = 0.0  # simulation: each fake engine's start-up time
+    # Set for every engine process: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, Ray's port range (--engine-env).
+    env: dict[str, str] = field(default_factory=dict)
 
 
     def __post_init__(self) -> None:
@@ -258,7 +260,7 @@ class EngineRun:
 
     async def _start(self) -> list[asyncio.Task[None]]:
         argvs, extra_env = self._argvs()
-        env = dict(os.environ, **extra_env)
+        env = dict(os.environ, **self.config.env, **extra_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
         self.endpoint = f"http://{self.config.advertise_host}:{self.port}"
         self.tail.clear()
@@ -380,8 +382,10 @@ class EngineRun:
                 except OSError:
                     self.report("failed", self._last_lines())
                     return
-                if self.multi and self.rank == 0:
-                    self.report("starting", "waiting for the other nodes' parts")  # with the address they join
+                if self.multi:
+                    # Replay shows what each node runs; the head's report carries the address the others join.
+                    ran = " && ".join(line[2:] for line in self.tail if line.startswith("$ "))
+                    self.report("starting", f"part {self.rank + 1} of {len(self.placed.nodes)}: {ran}")
                 worker = self.multi and self.rank > 0
                 if await (self._joined() if worker else self._wait_healthy()):
                     self.report("healthy", observed_kv_tokens=0 if worker else await self._observe())

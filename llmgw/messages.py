@@ -499,6 +499,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     # figure and the estimate is ``estimated_kv_tokens``); None: never run here.
     observed_kv_tokens: int | None = None
     estimated_kv_tokens: int = 0
+    # Over several nodes: what each node runs, the head first (``command`` is the head's vLLM).
+    node_commands: tuple[str, ...] = ()
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""

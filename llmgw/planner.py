@@ -488,6 +488,16 @@ def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, uti
     return " ".join(parts)
 
 
+def node_commands(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float,
+                  kv_dtype: str = "auto") -> tuple[str, ...]:
+    """A replica over ``pp`` nodes: one Ray cluster per replica, the head serving (as the agents run it)."""
+    if pp <= 1 or p.engine != "vllm":
+        return ()
+    head = (f"node 1 (head): ray start --head --port 6379 --num-gpus {tp} --block & "
+            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype)}")
+    return (head, *(f"node {i + 1}: ray start --address HEAD:6379 --num-gpus {tp} --block" for i in range(1, pp)))
+
+
 def quantization_flag(info: m.ModelInfo, p: Precision) -> str | None:
     """``--quantization`` wherever vLLM would otherwise load the checkpoint's 16-bit weights."""
     if p.engine != "vllm" or p.kind == "16bit":
@@ -627,6 +637,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         max_context=max_context,
         replicas_now=replicas_now if fits else 0,
         command=command(info, p, tp, pp, chosen, util, kv_dtype),
+        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype),
         kv_cache_dtype=kv_dtype,
         observed_kv_tokens=observed.tokens if observed is not None else None,
         estimated_kv_tokens=estimated,

@@ -195,7 +195,8 @@ while True:
 FAKE_VLLM = f"""#!{sys.executable}
 import os, sys
 with open(os.environ["LLMGW_TEST_RECORD"], "a") as f:
-    f.write("vllm " + " ".join(sys.argv[1:]) + " RAY_ADDRESS=" + os.environ.get("RAY_ADDRESS", "") + "\\n")
+    f.write("vllm " + " ".join(sys.argv[1:]) + " NCCL_SOCKET_IFNAME=" + os.environ.get("NCCL_SOCKET_IFNAME", "")
+            + " RAY_ADDRESS=" + os.environ.get("RAY_ADDRESS", "") + "\\n")
 a = sys.argv
 os.execv(sys.executable, [sys.executable, "-c", "from llmgw.cli.main import main; main()", "fake-engine",
          "--host", a[a.index("--host") + 1], "--port", a[a.index("--port") + 1],
@@ -219,7 +220,8 @@ async def test_a_replica_over_two_nodes_runs_ray_and_vllm_as_documented(
     await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=("n1", "n2"),
                                       gpus=gpus, spec=s, fabric="f"))
     outbox = bus.outbox()
-    config = EngineConfig(cmds=cmds, simulate=False, host="127.0.0.1", advertise_host="127.0.0.1", health_timeout_s=20)
+    config = EngineConfig(cmds=cmds, simulate=False, host="127.0.0.1", advertise_host="127.0.0.1", health_timeout_s=20,
+                          env={"NCCL_SOCKET_IFNAME": "ib0"})
     tasks = [asyncio.create_task(outbox.run())]
     tasks += [asyncio.create_task(EngineSupervisor(n, config).run(bus, outbox)) for n in ("n1", "n2")]
     try:
@@ -235,7 +237,11 @@ async def test_a_replica_over_two_nodes_runs_ray_and_vllm_as_documented(
     assert f"ray start --address {head.head_address} --num-gpus 2 --block" in lines
     vllm = next(x for x in lines if x.startswith("vllm "))
     assert ("--tensor-parallel-size 2 --pipeline-parallel-size 2 --distributed-executor-backend ray" in vllm
-            and vllm.endswith(f"RAY_ADDRESS=127.0.0.1:{port}"))
+            and vllm.endswith(f"NCCL_SOCKET_IFNAME=ib0 RAY_ADDRESS=127.0.0.1:{port}"))
+    # Replay shows what each node ran.
+    starting = {x.node: x.detail for x in got if x.state == "starting" and x.detail.startswith("part ")}
+    assert starting["n1"].startswith("part 1 of 2: ") and "ray start --head" in starting["n1"] and "vllm" in starting["n1"]
+    assert starting["n2"].startswith("part 2 of 2: ") and f"ray start --address {head.head_address}" in starting["n2"]
     # The head serves and says so with its endpoint; the worker's part has none.
     assert next(x for x in got if x.node == "n1" and x.state == "healthy").endpoint.startswith("http://127.0.0.1:")
     assert next(x for x in got if x.node == "n2" and x.state == "healthy").endpoint == ""
