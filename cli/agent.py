@@ -85,6 +85,10 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
                                                                 env=opts["engine_env"])),))
             for node, port, fabric, source in ports
         ]
+        for a in agents:
+            for svc in a.services:
+                if isinstance(svc, EngineSupervisor):
+                    svc.fabric_of = lambda agent=a: agent.fabric
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             # Not in the main thread (tests, embedding): Ctrl-C then ends it the hard way.

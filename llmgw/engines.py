@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -414,6 +414,9 @@ class EngineSupervisor:
         self.placed: dict[str, m.ReplicaPlaced] = {}
         self.runs: dict[str, EngineRun] = {}
         self.heads: dict[str, str] = {}  # replica → its head's address, for this node's worker parts
+        # This node's fabric, as its agent knows it; a placement that names another is refused.
+        self.fabric_of: Callable[[], str] | None = None
+        self.refused: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
 
@@ -429,6 +432,7 @@ class EngineSupervisor:
             case m.ReplicaStopped(replica_id=rid):
                 self.placed.pop(rid, None)
                 self.heads.pop(rid, None)
+                self.refused.discard(rid)
             case m.ModelRemoved(name=name):
                 for rid in [r for r, p in self.placed.items() if p.model == name]:
                     del self.placed[rid]
@@ -440,6 +444,16 @@ class EngineSupervisor:
             await self._end(rid)
             self.runs.pop(rid).report("stopped", "stopped on request")
         for rid, placed in self.placed.items():
+            if rid in self.refused:
+                continue
+            fabric = self.fabric_of() if self.fabric_of is not None else ""
+            if len(placed.nodes) > 1 and placed.fabric and fabric and placed.fabric != fabric:
+                # A replica never spans fabrics: this node is not where the placement says.
+                self.refused.add(rid)
+                EngineRun(self.node, placed, self.config, outbox).report(
+                    "failed", f"placed on fabric {placed.fabric}, but {self.node} is on {fabric}: a replica over "
+                              "several nodes never spans fabrics; not started")
+                continue
             worker = placed.nodes[0] != self.node
             head = self.heads.get(rid, "")
             if worker and rid in self.runs and self.runs[rid].head_address != head:

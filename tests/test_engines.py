@@ -261,3 +261,20 @@ async def test_a_node_without_ray_fails_once_with_what_is_missing(
     failed = [x for x in got if x.state == "failed"]
     assert len(failed) == 1 and "cannot start /nonexistent/ray" in failed[0].detail
     assert "--engine-cmd ray=" in failed[0].detail
+
+
+async def test_a_placement_naming_another_fabric_is_refused_not_run(
+    bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
+) -> None:
+    s = spec(tp=1, pp=2)
+    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
+                                      gpus=gpus, spec=s, fabric="ib-b"))
+    _, start = agent
+    sup = start(EngineConfig(simulate=True, health_timeout_s=5))
+    sup.fabric_of = lambda: "ib-a"
+    got = await wait_for(bus, lambda ss: any(x.state == "failed" for x in ss))
+    assert [x.state for x in got] == ["failed"]
+    assert "placed on fabric ib-b, but n1 is on ib-a" in got[0].detail
+    assert sup.runs == {} and sup.refused == {"qwen-r1"}
