@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -144,6 +145,17 @@ def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping
         return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
                 engine_argv(spec, port, host, cmds, simulate=False, name=name)]
     return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
+
+
+def kv_tokens_from_props(text: str) -> int:
+    """llama-server's /props: ``default_generation_settings.n_ctx`` (or a top-level ``n_ctx``); 0 when absent."""
+    try:
+        props = json.loads(text)
+        settings = props.get("default_generation_settings") or {}
+        n = settings.get("n_ctx", props.get("n_ctx", 0))
+        return int(n) if isinstance(n, int) and n > 0 else 0
+    except (ValueError, AttributeError):
+        return 0
 
 
 def free_port(host: str) -> int:
@@ -311,17 +323,19 @@ class EngineRun:
         return False
 
     async def _observe(self) -> int:
-        """KV tokens the engine reserved (vLLM's cache_config_info on /metrics); 0 when it does not say."""
+        """KV tokens the engine reserved: vLLM's cache_config_info on /metrics, llama.cpp's n_ctx on
+        /props (it allocates exactly that many cells); 0 when it does not say."""
         base = f"http://{self.config.check_host}:{self.port}"
+        llama = self.placed.spec.engine == "llama.cpp" and not self.config.simulate
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
-                    session.get(f"{base}/metrics") as r:
+                    session.get(f"{base}/props" if llama else f"{base}/metrics") as r:
                 if r.status != 200:
                     return 0
-                text = await r.content.read(4 << 20)
+                text = (await r.content.read(4 << 20)).decode(errors="replace")
         except (TimeoutError, aiohttp.ClientError):
             return 0
-        return kv_tokens_from_metrics(text.decode(errors="replace"))
+        return kv_tokens_from_props(text) if llama else kv_tokens_from_metrics(text)
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         """/health answers 200, then a one-token completion does too."""

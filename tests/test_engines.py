@@ -22,6 +22,7 @@ from llmgw.engines import (
     default_commands,
     engine_argv,
     kv_tokens_from_metrics,
+    kv_tokens_from_props,
     parse_engine_cmds,
 )
 from llmgw.errors import ConfigError
@@ -278,3 +279,35 @@ async def test_a_placement_naming_another_fabric_is_refused_not_run(
     assert [x.state for x in got] == ["failed"]
     assert "placed on fabric ib-b, but n1 is on ib-a" in got[0].detail
     assert sup.runs == {} and sup.refused == {"qwen-r1"}
+
+
+def test_kv_tokens_are_read_from_llama_servers_props() -> None:
+    # The shape of llama-server's GET /props (abridged).
+    props = '{"default_generation_settings": {"n_ctx": 8192, "params": {"temperature": 0.8}}, "total_slots": 1}'
+    assert kv_tokens_from_props(props) == 8192
+    assert kv_tokens_from_props('{"n_ctx": 4096}') == 4096
+    assert kv_tokens_from_props("not json") == 0 and kv_tokens_from_props("[]") == 0
+
+
+async def test_a_head_whose_other_part_never_joins_is_never_healthy(
+    bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
+) -> None:
+    s = spec(tp=1, pp=2)
+    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
+                                      gpus=gpus, spec=s, fabric="f"))
+    _, start = agent
+    sup = start(EngineConfig(simulate=True, health_timeout_s=60))  # n2's agent never runs
+    got = await wait_for(bus, lambda ss: any(x.head_address for x in ss))
+    run = sup.runs["qwen-r1"]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(50):  # the fake head is up: it says what it waits for
+            try:
+                async with http.get(f"http://127.0.0.1:{run.port}/health") as r:
+                    body = await r.text()
+                    break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+    assert r.status == 503 and "waiting for parts (1 of 2)" in body
+    assert all(x.state != "healthy" for x in await states(bus)) and got[-1].node == NODE
