@@ -147,9 +147,9 @@ class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
     depend on how the usage and control streams interleave in a replay.
     """
 
-    router: str
-    boot_id: str
-    model: str
+    router: Annotated[str, msgspec.Meta(max_length=256)]
+    boot_id: Annotated[str, msgspec.Meta(max_length=64)]
+    model: Annotated[str, msgspec.Meta(max_length=256)]
     control_seq: Annotated[int, msgspec.Meta(ge=0)]
     waiting: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
 

@@ -37,6 +37,9 @@ DOWN_SAMPLES = 30
 # A router's load counts until it misses this many of its ticks (at least STALE_MIN_S).
 STALE_TICKS = 3
 STALE_MIN_S = 30.0
+# Wishes are kept per model name, also for names not declared (yet: a replay may fold a wish
+# before its model's declaration); past this many, wishes for undeclared names are dropped.
+MAX_WISHES = 10_000
 
 
 @dataclass
@@ -116,6 +119,8 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
                 return memory
             if event.model not in state.models:
                 memory.ignored_wishes += 1  # removed or never declared: counted, never placed
+                if len(memory.wished) >= MAX_WISHES:
+                    return memory  # a flood of made-up names must not grow the scheduler without bound
             known = memory.wished.get(event.model)
             if known is None or event.control_seq > known.control_seq:
                 memory.wished[event.model] = Wish(event.control_seq, event.router, event.waiting)
@@ -299,8 +304,9 @@ def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
 
 
 def _run_part(spec: m.ModelSpec) -> m.ModelSpec:
+    # kv_tokens is the plan's figure (or what an engine reserved), not something the engine runs with.
     return msgspec.structs.replace(spec, replicas=0, idle_ttl_s=None, min_replicas=None, max_replicas=None,
-                                   target_in_flight=1.0)
+                                   target_in_flight=1.0, kv_tokens=0)
 
 
 def _recommend(spec: m.ModelSpec, demand: int) -> int:

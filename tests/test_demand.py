@@ -276,3 +276,21 @@ def test_two_routers_and_a_restarted_one_wishing_at_once_make_one_placement() ->
     assert len(got) == 1
     w.wish("m", router="gw-b")  # still waiting while it starts: nothing more
     assert w.step(T0 + timedelta(seconds=64)) == []
+
+
+def test_a_flood_of_wishes_for_made_up_models_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(s, "MAX_WISHES", 50)
+    w = parked_world()
+    for i in range(200):
+        w.wish(f"made-up-{i}")
+    assert len(w.memory.wished) == 50 and w.memory.ignored_wishes == 200
+    w.wish("m")  # a declared model is always heard
+    assert [p.replica_id for p in placed(w.step(T0 + timedelta(seconds=63)))] == ["m-r2"]
+
+
+def test_a_redeploy_that_only_changes_the_plans_figures_restarts_nothing() -> None:
+    w = World()
+    w.feed(m.ModelDeclared(at=T0, spec=spec(kv_tokens=100_000)))
+    w.healthy(w.step())
+    w.feed(m.ModelDeclared(at=T0, spec=spec(kv_tokens=97_000)))  # the plan now says what the engine reserved
+    assert w.step() == []
