@@ -397,7 +397,8 @@ class Router:
                                     self.sink.applied_seq)
         await self.bus.publish(event, timeout=max(1.0, self.tick_s))
         self.idle_maps += 1
-        for model in [name for name, held in self.waiting.items() if held]:
+        # Again while it is still parked (a lost wish, a scheduler that was away); not while it starts.
+        for model in [name for name, held in self.waiting.items() if held and self.pool.model_state(name) == "parked"]:
             self._wish(model)
         return event
 

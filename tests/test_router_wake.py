@@ -170,3 +170,22 @@ async def test_an_operator_stopped_model_is_not_listed_and_refused_at_once(bus: 
     assert err.value.status_code == 503 and err.value.code == "model_stopped"
     assert f"llmgw ctl model scale {MODEL} --replicas 1" in err.value.message
     assert await wishes(bus) == []
+
+
+async def test_a_held_request_wishes_again_each_tick_while_parked_not_while_starting(bus: Bus, router: Router) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        task = asyncio.create_task(session.post(router.url + "/v1/chat/completions", json=body))
+        await until(lambda: router.wishes == 1, "the first wish", 10)
+        await router.publish_idle_map()  # a tick with the model still parked: asked again (a wish may be lost)
+        await until(lambda: router.wishes == 2, "the wish repeated while parked", 10)
+        await bus.publish(m.ReplicaPlaced(at=now(), replica_id=f"{MODEL}-r2", model=MODEL, nodes=("n1",),
+                                          gpus=(m.GpuRef(node="n1", index=0, uuid="GPU-x"),), spec=spec()))
+        await router.sink.wait_for(lambda p: p.model_state(MODEL) == "starting")
+        for _ in range(3):
+            await router.publish_idle_map()
+        await asyncio.sleep(0.2)  # a wish would be on its way by now
+        assert router.wishes == 2  # starting: the scheduler has answered, nothing more to ask
+        router.wake_timeout_s = 0.01
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
