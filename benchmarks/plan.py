@@ -24,9 +24,9 @@ from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.nats_cmd import declare_streams
 from llmgw.config import Settings
+from llmgw.fleet.fold import fold
 from llmgw.natsserver import EmbeddedServer
 from llmgw.planner_service import ask
-from llmgw.projections.fold import fold
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"

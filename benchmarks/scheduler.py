@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 
 from llmgw import messages as m
 from llmgw import scheduler as s
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
-from llmgw.projections.fold import FleetState, apply
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 

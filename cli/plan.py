@@ -39,7 +39,7 @@ def _local_model(model: str, models_dir: str | None, params: int | None) -> m.Mo
 def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
     """What-if: plan against a fleet file, without NATS."""
     from llmgw import fleetfile, modelinfo, planner
-    from llmgw.projections.fold import fold
+    from llmgw.fleet.fold import fold
 
     fleet = fleetfile.load(fleet_path)
     state = fold(fleetfile.inventories(fleet, m.utcnow()))

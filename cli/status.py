@@ -18,7 +18,7 @@ from llmgw.bus import Bus
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import parse_duration, parse_time, progress
 from llmgw.config import Settings
-from llmgw.projections.status import report
+from llmgw.fleet.status import report
 
 BAR_WIDTH = 20
 

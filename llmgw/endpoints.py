@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
-from llmgw.projections.fold import part_state
+from llmgw.fleet.fold import part_state
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +149,18 @@ class Pool:
                     del self.replicas[rid]
                     return True
                 was = (rep.in_pool, rep.endpoint)
+                whole: str = state
                 if len(rep.nodes) > 1:
                     if event.node not in rep.nodes:
                         return False  # only the replica's own nodes speak for it
                     rep.parts[event.node] = state
-                    state = part_state(rep.nodes, rep.parts)
+                    whole = part_state(rep.nodes, rep.parts)
                     if event.node != rep.nodes[0]:
                         endpoint = ""  # only the head serves; a worker's report never moves the endpoint
-                rep.state = state
+                rep.state = whole
                 if endpoint:
                     rep.endpoint = endpoint.rstrip("/")
-                if state == "healthy" and rep.endpoint:
+                if whole == "healthy" and rep.endpoint:
                     if rep.in_pool and was[1] != rep.endpoint:
                         self._leave(rep)  # moved: count it as new from now
                     self._enter(rep, now)

@@ -59,7 +59,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.errors import PlanError
-from llmgw.projections.fold import FleetState
+from llmgw.fleet.fold import FleetState
 
 GIB = 1024**3
 MIB = 1024**2

@@ -23,7 +23,7 @@ from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
 from llmgw.bus import Bus
 from llmgw.errors import PlanError, ServiceError
-from llmgw.projections.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply
 
 log = logging.getLogger(__name__)
 

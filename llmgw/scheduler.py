@@ -22,7 +22,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.projections.fold import FleetState, GpuView, NodeView, ReplicaView
+from llmgw.fleet.fold import FleetState, GpuView, NodeView, ReplicaView
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
 BACKOFF_BASE_S = 5.0
@@ -487,8 +487,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
             reason = unplaceable_reason(state, spec, held)
             if reason != model.unplaceable_reason:
-                left = missing - placed_now
-                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=left)
+                short = missing - placed_now
+                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=short)
                 out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{_key(reason, model.declared_at)}"))
     return out
 

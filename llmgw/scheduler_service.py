@@ -23,7 +23,7 @@ from typing import Any
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus
-from llmgw.projections.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
-from llmgw.projections import status as status_report
-from llmgw.projections.fold import FleetState, apply
+from llmgw.fleet import status as status_report
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.projections.store import (
     Batch,
     Store,

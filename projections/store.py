@@ -25,7 +25,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
-from llmgw.projections.fold import FleetState, RouterView
+from llmgw.fleet.fold import FleetState, RouterView
 
 # 2: the usage fold forgets replicas that left every router's map, so a state checkpointed
 # by schema 1 would not resume into what a clean replay gives.

@@ -21,10 +21,10 @@ from llmgw.bus import Bus, Outbox
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
+from llmgw.fleet.fold import fold
 from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
 from llmgw.natsserver import EmbeddedServer, port_free
 from llmgw.nvml import GpuStatic
-from llmgw.projections.fold import fold
 from llmgw.simnvml import SimNvml
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

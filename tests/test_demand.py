@@ -10,8 +10,8 @@ import pytest
 from llmgw import messages as m
 from llmgw import scheduler as s
 from llmgw import subjects
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
-from llmgw.projections.fold import FleetState, apply
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STREAM_OF = {"fleet": subjects.STREAM_FLEET, "control": subjects.STREAM_CONTROL, "usage": subjects.STREAM_USAGE}

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.projections.fold import FleetState, fold
+from llmgw.fleet.fold import FleetState, fold
 from llmgw.projections.store import decode_state, encode_state
 
 QWEN = spec("qwen-8b")

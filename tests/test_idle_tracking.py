@@ -21,7 +21,7 @@ from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess
-from llmgw.projections.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.router import IdleFor, IdleTracker, Router
 
 

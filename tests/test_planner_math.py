@@ -14,7 +14,7 @@ from llmgw import fleetfile, modelinfo
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import PlanError
-from llmgw.projections.fold import FleetState, fold
+from llmgw.fleet.fold import FleetState, fold
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

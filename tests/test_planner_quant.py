@@ -18,7 +18,7 @@ from llmgw import fleetfile, modelinfo
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import ModelError, PlanError
-from llmgw.projections.fold import fold
+from llmgw.fleet.fold import fold
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"

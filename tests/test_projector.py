@@ -25,7 +25,7 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ProjectionError
-from llmgw.projections import status as status_report
+from llmgw.fleet import status as status_report
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,
     CRASH_ENV,

@@ -11,8 +11,8 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
-from llmgw.projections.fold import FleetState, apply
 from llmgw.scheduler_service import SchedulerService
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.projections.fold import fold
-from llmgw.projections.status import UNKNOWN_IDLE, report
+from llmgw.fleet.fold import fold
+from llmgw.fleet.status import UNKNOWN_IDLE, report
 
 
 def test_capacity_counts_unhealthy_and_lost_as_neither_used_nor_free() -> None:

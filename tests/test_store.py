@@ -12,7 +12,7 @@ from projection_events import small_fleet, t
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
-from llmgw.projections.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
 
 TS_NS = 1_772_445_600_000_000_000  # when "NATS stored" the messages below

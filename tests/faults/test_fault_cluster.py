@@ -19,8 +19,8 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PublishError
+from llmgw.fleet.fold import fold
 from llmgw.natsserver import Cluster
-from llmgw.projections.fold import fold
 
 pytestmark = pytest.mark.slow
 FLEET = subjects.STREAM_FLEET

@@ -10,7 +10,7 @@ from collections import Counter
 from datetime import UTC, datetime
 
 from llmgw import messages as m
-from llmgw.projections.fold import FleetState
+from llmgw.fleet.fold import FleetState
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 
@@ -67,13 +67,14 @@ def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -
     unknown: list[m.IdleReplica] = []
     for r in state.replicas.values():
         since = state.idle_since(r.replica_id)
-        row = dict(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes, state=r.state)
         if since is None or now is None:
-            unknown.append(m.IdleReplica(**row, idle_s=UNKNOWN_IDLE))
+            unknown.append(m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes,
+                                         state=r.state, idle_s=UNKNOWN_IDLE))
             continue
         idle_s = max(0.0, (now - since).total_seconds())
         if idle_s >= threshold_s:
-            idle.append(m.IdleReplica(**row, idle_s=idle_s, idle_since=_utc(since)))
+            idle.append(m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes,
+                                      state=r.state, idle_s=idle_s, idle_since=_utc(since)))
     idle.sort(key=lambda x: (-x.gpus * x.idle_s, x.replica_id))
     unknown.sort(key=lambda x: (-x.gpus, x.replica_id))
     return idle + unknown, len(unknown)
