@@ -10,6 +10,7 @@ import click
 
 from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.scheduler import IdleRow, idle_report, longest_idle_first
 
@@ -18,17 +19,6 @@ def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float
     from llmgw.cli.progress import parse_duration
 
     return parse_duration(value, "--older-than")
-
-
-def human(seconds: float | None) -> str:
-    """``-`` for unknown, else the two largest units: 1h32m, 3d4h, 45s."""
-    if seconds is None or seconds < 0:
-        return "-"
-    s = int(seconds)
-    parts = [(s // 86400, "d"), (s % 86400 // 3600, "h"), (s % 3600 // 60, "m"), (s % 60, "s")]
-    while len(parts) > 1 and parts[0][0] == 0:
-        parts.pop(0)
-    return "".join(f"{v}{u}" for v, u in parts[:2])
 
 
 CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before we replay
@@ -172,18 +162,18 @@ def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, 
 
     console = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     if not chosen:
-        console.print(f"no replica idle for {human(older_than_s)} or more")
+        console.print(f"no replica idle for {human_duration(older_than_s)} or more")
     else:
         table = Table(box=None, pad_edge=False)
         for col, just in (("replica", "left"), ("model", "left"), ("nodes", "left"), ("GPUs", "right"),
                           ("state", "left"), ("idle", "right"), ("GPU-hours idle", "right")):
             table.add_column(col, justify=just)  # type: ignore[arg-type]
         for r in chosen:
-            table.add_row(r.replica_id, r.model, ",".join(r.nodes), str(r.gpus), r.state, human(r.idle_s), f"{r.gpu_hours_idle:.2f}")
+            table.add_row(r.replica_id, r.model, ",".join(r.nodes), str(r.gpus), r.state, human_duration(r.idle_s), f"{r.gpu_hours_idle:.2f}")
         console.print(table)
         gpus = sum(r.gpus for r in chosen)
         hours = sum(r.gpu_hours_idle for r in chosen)
-        console.print(f"{len(chosen)} replica{'s' if len(chosen) != 1 else ''} idle ≥ {human(older_than_s)} hold {gpus} GPUs; "
+        console.print(f"{len(chosen)} replica{'s' if len(chosen) != 1 else ''} idle ≥ {human_duration(older_than_s)} hold {gpus} GPUs; "
                       f"{hours:.2f} GPU-hours idle")
     if unknown:
         console.print(f"{len(unknown)} replica{'s' if len(unknown) != 1 else ''} with unknown idle time "

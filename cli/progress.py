@@ -67,3 +67,17 @@ def progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
             bar.update(task, completed=done, total=total or None, rate=rate)
 
         yield update
+
+
+def human_duration(seconds: float | None) -> str:
+    """``-`` for unknown (None or negative), else the two largest units: 1h32m, 3d4h, 45s, 2h."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    mi, s = divmod(s, 60)
+    parts = [(d, "d"), (h, "h"), (mi, "m"), (s, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        parts.pop(0)
+    return "".join(f"{v}{u}" for v, u in parts[:2] if v) or "0s"

@@ -16,7 +16,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.cli.options import json_option, nats_options, run
-from llmgw.cli.progress import parse_duration, parse_time, progress
+from llmgw.cli.progress import human_duration, parse_duration, parse_time, progress
 from llmgw.config import Settings
 from llmgw.fleet.status import report
 
@@ -64,20 +64,6 @@ async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: dat
         return report(state, at, threshold_s)
     finally:
         await bus.close()
-
-
-def human_duration(seconds: float) -> str:
-    """``-`` for unknown, else the two largest units: 1h32m, 3d4h, 45s."""
-    if seconds < 0:
-        return "-"
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    mi, s = divmod(s, 60)
-    parts = [(d, "d"), (h, "h"), (mi, "m"), (s, "s")]
-    while len(parts) > 1 and parts[0][0] == 0:
-        parts.pop(0)
-    return "".join(f"{v}{u}" for v, u in parts[:2] if v) or "0s"
 
 
 def usage_bar(c: m.ClassCapacity, width: int = BAR_WIDTH) -> str:

@@ -13,7 +13,7 @@ from streams import stored
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
-from llmgw.cli.idle import human
+from llmgw.cli.progress import human_duration as human
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
@@ -62,11 +62,11 @@ async def test_lists_idle_and_never_unknown(bus: Bus, nats_url: str) -> None:
     assert r.exit_code == 0
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["replica", "model", "nodes", "GPUs", "state", "idle", "GPU-hours", "idle"]
-    assert lines[1].split()[:6] == ["qwen-r1", "qwen", "n1", "2", "placed", "3h0m"]
+    assert lines[1].split()[:6] == ["qwen-r1", "qwen", "n1", "2", "placed", "3h"]
     # Idle is measured against now: the seconds this test took may show (10m0s, 10m3s …).
     assert lines[2].split()[:5] == ["qwen-r2", "qwen", "n1", "2", "placed"]
     assert lines[2].split()[5].startswith("10m")
-    assert "2 replicas idle ≥ 5m0s hold 4 GPUs" in r.stdout
+    assert "2 replicas idle ≥ 5m hold 4 GPUs" in r.stdout
     assert "1 replica with unknown idle time (no router has reported them) are not counted: qwen-r3" in r.stdout
 
 
@@ -127,7 +127,7 @@ async def test_stop_dry_run_then_stop(bus: Bus, nats_url: str) -> None:
     assert [(e.replica_id, e.reason) for e in stops] == [("qwen-r1", "idle")]
 
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h")
-    assert r.stdout.startswith("no replica idle for 2h0m or more")
+    assert r.stdout.startswith("no replica idle for 2h or more")
 
 
 async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:
@@ -137,3 +137,4 @@ async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:
 
 def test_human_durations() -> None:
     assert [human(None), human(-1), human(45), human(5400), human(3 * 86400 + 4 * 3600 + 5)] == ["-", "-", "45s", "1h30m", "3d4h"]
+    assert [human(0), human(7200), human(1800), human(3601)] == ["0s", "2h", "30m", "1h"]  # zero units dropped
