@@ -12,7 +12,7 @@ from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
-from llmgw.scheduler import IdleRow, idle_report, longest_idle_first
+from llmgw.fleet.status import IdleRow, idle_rows
 
 
 def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float:
@@ -24,7 +24,7 @@ def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float
 CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before we replay
 
 
-async def idle_rows(settings: Settings, older_than_s: float, *, replay: bool = False,
+async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False,
                     now: datetime | None = None) -> tuple[list[IdleRow], datetime, str]:
     """Every replica idle ``older_than_s`` or more and every unknown one, and where that came from.
 
@@ -47,43 +47,33 @@ async def idle_rows(settings: Settings, older_than_s: float, *, replay: bool = F
         state = await replay_state(bus)
     finally:
         await bus.close()
-    rows = [r for r in idle_report(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
+    rows = [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
     return rows, now, "replay"
 
 
 async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[IdleRow] | None:
     """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
-    import asyncio
-
     import msgspec
 
     from llmgw import subjects
     from llmgw.errors import NoServiceError, ServiceError
 
+    # The projector answers once it has folded what is stored now (it waits up to CATCH_UP_S).
     heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
-    req = m.encode(m.StatusRequest(idle_threshold_s=older_than_s, now=now))
-    deadline = asyncio.get_running_loop().time() + CATCH_UP_S
-    while True:
-        try:
-            data = await bus.request(subjects.STATUS, req, service="projector (status service)")
-            report = m.STATUS_REPORT_DECODER.decode(data)
-        except NoServiceError:
-            click.echo("no projector is running: replaying the streams here (slower on a long history)", err=True)
-            return None
-        except (ServiceError, msgspec.DecodeError) as e:  # no answer in time, an error, another version
-            click.echo(f"the projector could not answer ({e}): replaying the streams here", err=True)
-            return None
-        behind = {s: seq for s, seq in heads.items() if report.positions.get(s, 0) < seq}
-        if not behind:
-            break
-        if asyncio.get_running_loop().time() >= deadline:
-            lag = ", ".join(f"{s} {report.positions.get(s, 0)}/{seq}" for s, seq in sorted(behind.items()))
-            click.echo(f"the projector is behind the streams ({lag}): replaying them here", err=True)
-            return None
-        await asyncio.sleep(0.2)
-    rows = [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
+    req = m.encode(m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=heads, wait_s=CATCH_UP_S))
+    try:
+        data = await bus.request(subjects.STATUS, req, service="projector (status service)",
+                                 timeout=CATCH_UP_S + bus.settings.request_timeout_s)
+        report = m.STATUS_REPORT_DECODER.decode(data)
+    except NoServiceError:
+        click.echo("no projector is running: replaying the streams here (slower on a long history)", err=True)
+        return None
+    except (ServiceError, msgspec.DecodeError) as e:  # behind, no answer in time, an error, another version
+        click.echo(f"the projector could not answer ({e}): replaying the streams here", err=True)
+        return None
+    # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
+    return [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
             for r in report.idle]
-    return longest_idle_first(rows)
 
 
 async def stop_replicas(settings: Settings, rows: list[IdleRow], older_than_s: float) -> list[int]:
@@ -136,7 +126,7 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, as_json: 
         llmgw ctl idle --older-than 2h --stop --dry-run
         llmgw ctl idle --older-than 2h --stop --json
     """
-    rows, now, source = run(idle_rows(settings, older_than_s, replay=replay))
+    rows, now, source = run(fetch_idle(settings, older_than_s, replay=replay))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []

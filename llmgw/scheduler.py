@@ -523,35 +523,3 @@ def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> st
     if running or wish is None or stop is None or wish.control_seq < stop:
         return ""
     return f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
-
-
-@dataclass(frozen=True)
-class IdleRow:
-    """One replica and how long nobody has asked for it (None: no router knows)."""
-
-    replica_id: str
-    model: str
-    nodes: tuple[str, ...]
-    gpus: int
-    state: str
-    idle_s: float | None
-    idle_since: datetime | None
-
-    @property
-    def gpu_hours_idle(self) -> float:
-        return self.gpus * self.idle_s / 3600 if self.idle_s is not None else 0.0
-
-
-def idle_report(state: FleetState, now: datetime) -> list[IdleRow]:
-    """Every replica with its idle time, longest idle first, unknown last."""
-    rows = []
-    for r in state.replicas.values():
-        since = state.idle_since(r.replica_id)
-        idle = max((now - since).total_seconds(), 0.0) if since is not None else None
-        rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since))
-    return longest_idle_first(rows)
-
-
-def longest_idle_first(rows: list[IdleRow]) -> list[IdleRow]:
-    """Longest idle first, unknown last, by replica id within a tie."""
-    return sorted(rows, key=lambda x: (x.idle_s is None, -(x.idle_s or 0.0), x.replica_id))

@@ -441,6 +441,10 @@ class Projector:
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""
+        missing = sorted(s for s, seq in seqs.items() if s in subjects.HISTORY_STREAMS and s not in self.streams and seq)
+        if missing:
+            raise ProjectionError(f"this projector does not follow {', '.join(missing)}, so it cannot say what was "
+                                  "stored there: use --replay, or a projector that follows every history stream")
         seqs = {s: seq for s, seq in seqs.items() if s in self.streams}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s

@@ -7,6 +7,7 @@ crash all call ``report`` on the state they folded, so they cannot disagree.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from llmgw import messages as m
@@ -61,23 +62,43 @@ def free_nodes(state: FleetState, held: dict[tuple[str, int], str]) -> tuple[m.F
     )
 
 
-def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -> tuple[list[m.IdleReplica], int]:
-    """Replicas idle past the threshold (most GPU-seconds first), then those nobody knows about."""
-    idle: list[m.IdleReplica] = []
-    unknown: list[m.IdleReplica] = []
+@dataclass(frozen=True)
+class IdleRow:
+    """One replica and how long nobody has asked for it (None: no router knows; never idle)."""
+
+    replica_id: str
+    model: str
+    nodes: tuple[str, ...]
+    gpus: int
+    state: str
+    idle_s: float | None
+    idle_since: datetime | None
+
+    @property
+    def gpu_hours_idle(self) -> float:
+        return self.gpus * self.idle_s / 3600 if self.idle_s is not None else 0.0
+
+
+def idle_rows(state: FleetState, now: datetime | None) -> list[IdleRow]:
+    """Every replica and its idle time: the most GPU-time idle first, those nobody knows about last.
+
+    The one idle answer: ``ctl status`` and ``ctl idle`` both read it.
+    """
+    rows = []
     for r in state.replicas.values():
-        since = state.idle_since(r.replica_id)
-        if since is None or now is None:
-            unknown.append(m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes,
-                                         state=r.state, idle_s=UNKNOWN_IDLE))
-            continue
-        idle_s = max(0.0, (now - since).total_seconds())
-        if idle_s >= threshold_s:
-            idle.append(m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=len(r.gpus), nodes=r.nodes,
-                                      state=r.state, idle_s=idle_s, idle_since=_utc(since)))
-    idle.sort(key=lambda x: (-x.gpus * x.idle_s, x.replica_id))
-    unknown.sort(key=lambda x: (-x.gpus, x.replica_id))
-    return idle + unknown, len(unknown)
+        since = state.idle_since(r.replica_id) if now is not None else None
+        idle = max(0.0, (now - since).total_seconds()) if since is not None and now is not None else None
+        rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since))
+    return sorted(rows, key=lambda x: (x.idle_s is None, -x.gpus * (1.0 if x.idle_s is None else x.idle_s), x.replica_id))
+
+
+def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -> tuple[list[m.IdleReplica], int]:
+    """The status report's idle list: idle past the threshold, then those nobody knows about (-1 on the wire)."""
+    out = [m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=r.gpus, nodes=r.nodes, state=r.state,
+                         idle_s=UNKNOWN_IDLE if r.idle_s is None else r.idle_s,
+                         idle_since=None if r.idle_s is None else _utc(r.idle_since))
+           for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= threshold_s]
+    return out, sum(r.idle_s < 0 for r in out)
 
 
 def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0) -> m.StatusReport:
