@@ -1,31 +1,14 @@
-"""The bus: the only module that imports ``nats``.
-
-* ``Bus.connect`` logs in with URL, credentials and TLS from ``Settings``.
-* ``Bus.publish`` stores an event with a deterministic ``Nats-Msg-Id`` and
-  retries with the same id until acked: a publish that timed out may still have
-  been stored, and the server drops the retry as a duplicate.
-* ``Outbox`` queues events (bounded) and delivers them in order, exactly once,
-  across server outages.
-* ``StreamReader`` reads a stream from a sequence in large batches with a
-  client-driven pull loop on ``$JS.API.CONSUMER.MSG.NEXT`` (nats-py's
-  ``fetch()`` costs a round trip and a Future per batch and tops out near
-  30k msgs/s here; this reaches several times that). Its deliveries skip
-  nats-py's per-message work: ``_FrameParser`` cuts them out of the socket's
-  bytes in one pass and hands each reader a chunk's worth at once.
-"""
+"""The connection: log in, publish idempotently, request/reply, serve, declare streams, key-value."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import ssl
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Sequence
 from datetime import datetime
-from typing import Any, AnyStr, NamedTuple
+from typing import Any
 
 import msgspec
 import nats
@@ -33,141 +16,34 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import ProtocolError
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
-from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser
+from nats.protocol.parser import Parser
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.bus.frames import (
+    READER_BYTES_IN_FLIGHT,
+    Ack,
+    FrameHandler,
+    Handler,
+    RawHandler,
+    _FrameParser,
+)
+from llmgw.bus.outbox import Outbox
+from llmgw.bus.reader import StreamReader
 from llmgw.config import Settings
 from llmgw.errors import (
     BusError,
     ConnectError,
     NoServiceError,
-    OutboxFullError,
     PermissionDeniedError,
     PublishError,
     ServiceError,
 )
 
 log = logging.getLogger(__name__)
-
-# What one reader may have asked nats-server for and not yet received: 3 readers on
-# a connection stay far below the server's 64 MB slow-consumer limit (max_pending).
-READER_BYTES_IN_FLIGHT = 8 << 20
-# Per delivered message beyond its payload: the HMSG line with subject and $JS.ACK
-# reply, and the Nats-Msg-Id header.
-_FRAME_OVERHEAD = 256
-
-
-Handler = Callable[[bytes], Awaitable[bytes]]
-RawHandler = Callable[[bytes, bytes, bytes, "bytes | None"], None]
-# A JetStream delivery as the parser cuts it out: (its reply subject split at the dots,
-# subject, data). The reply is $JS.ACK.[<domain>.<account>.]<stream>.<consumer>.<delivered>.
-# <stream seq>.<delivery seq>.<stored ns>.<pending>[.<token>].
-Frame = tuple[list[bytes], bytes, bytes]
-FrameHandler = Callable[[list[Frame]], None]
-
-
-class Ack(NamedTuple):
-    stream: str
-    seq: int
-    duplicate: bool
-
-
-class RawMsg(NamedTuple):
-    """One stored message as the reader hands it out; decoded where it is used."""
-
-    seq: int
-    subject: str
-    data: bytes
-    ts_ns: int
-
-
-def _ack_fields(t: Sequence[AnyStr]) -> tuple[AnyStr, AnyStr, AnyStr, AnyStr, AnyStr] | None:
-    """(consumer, stream seq, delivery seq, stored ns, pending) of a JetStream reply split at the dots.
-
-    $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>, or with
-    <domain>.<account> after ACK and a token at the end (12 parts).
-    """
-    if len(t) >= 12:
-        return t[5], t[7], t[8], t[9], t[10]
-    if len(t) >= 9:
-        return t[3], t[5], t[6], t[7], t[8]
-    return None
-
-
-class _FrameParser(Parser):
-    """nats-py's protocol parser with one fast lane: deliveries to stream readers.
-
-    A replay is hundreds of thousands of JetStream deliveries in a row. For
-    each, nats-py tries its regular expressions in turn, copies the payload
-    twice, awaits a coroutine, and (without the fast lane) parses the headers
-    into a dict and queues a ``Msg``. Here the control line is split once, the
-    payload sliced once, and a chunk's deliveries go to their reader as one
-    list. Every other operation (PING, +OK, API replies, status messages, any
-    message for an ordinary subscription) is cut out whole and handed to
-    nats-py's own parser, so the connection behaves as before.
-    """
-
-    def __init__(self, nc: NatsClient, frames: dict[bytes, FrameHandler], old: Parser) -> None:
-        super().__init__(nc)
-        self.frames = frames
-        # Whatever the old parser held (normally nothing: this runs right after CONNECT).
-        self.buf, self.state, self.needed = old.buf, old.state, old.needed
-        self.header_needed, self.msg_arg = old.header_needed, old.msg_arg
-
-    async def parse(self, data: bytes = b"") -> None:
-        if self.state != AWAITING_CONTROL_LINE or not self.frames:
-            await super().parse(data)
-            return
-        buf = bytes(self.buf) + data if self.buf else data
-        self.buf = bytearray()
-        pos, n = 0, len(buf)
-        find, frames = buf.find, self.frames
-        got: dict[bytes, list[Frame]] = {}
-        try:
-            while pos < n:
-                eol = find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                parts = buf[pos:eol].split(b" ")
-                # HMSG <subject> <sid> <reply> <header bytes> <total bytes>
-                if len(parts) == 6 and parts[2] in frames and parts[3].startswith(b"$JS.ACK.") and parts[0] == b"HMSG":
-                    start = eol + 2
-                    end = start + int(parts[5])
-                    if end + 2 > n:
-                        break  # the payload is still on its way
-                    got.setdefault(parts[2], []).append((parts[3].split(b"."), parts[1], buf[start + int(parts[4]):end]))
-                    pos = end + 2
-                    continue
-                # Anything else: cut out this one operation and let nats-py have it.
-                end = eol + 2
-                if parts[0] in (b"MSG", b"HMSG"):
-                    end += int(parts[-1]) + 2
-                    if end > n:
-                        break
-                self._deliver(got)  # what came before it, first
-                got = {}
-                await super().parse(buf[pos:end])
-                pos = end
-        except ValueError as e:  # a size that is not a number: as nats-py, a protocol error (it reconnects)
-            raise ProtocolError("nats: malformed MSG") from e
-        self._deliver(got)
-        if pos < n:
-            self.buf = bytearray(buf[pos:])
-
-    def _deliver(self, got: dict[bytes, list[Frame]]) -> None:
-        for sid, batch in got.items():
-            handler = self.frames.get(sid)
-            if handler is None:
-                continue  # the reader stopped in between
-            try:
-                handler(batch)
-            except Exception:  # a bug in a reader must not end the connection's read loop
-                log.exception("a stream reader failed on %d deliveries; it will see the gap and re-read", len(batch))
 
 
 _RETRYABLE = (
@@ -611,329 +487,3 @@ class Bus:
 
     def outbox(self, maxlen: int = 10_000) -> Outbox:
         return Outbox(self, maxlen)
-
-
-class StreamReader:
-    """Read a stream in order from a sequence, in batches, following or up to ``stop_at``.
-
-    An ephemeral, unacknowledged consumer starts at ``start_seq``; the caller's
-    checkpoint (not the server) is the durable cursor, so a resumed reader
-    starts exactly after what was committed. Gaps in the consumer's delivery
-    sequence, a deleted consumer, or silence all recreate it after the last
-    sequence handed out.
-    """
-
-    def __init__(
-        self,
-        bus: Bus,
-        stream: str,
-        start_seq: int,
-        *,
-        batch: int,
-        stop_at: int | None,
-        filter_subjects: Sequence[str],
-        idle_expires_s: float,
-        max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
-    ) -> None:
-        self.bus = bus
-        self.stream = stream
-        self.next_seq = max(1, start_seq)
-        self.batch = batch
-        self.max_bytes_in_flight = max_bytes_in_flight
-        self._msg_bytes = 0  # unknown until the first messages arrive
-        self._wake_at = batch
-        self.stop_at = stop_at
-        self.filter_subjects = list(filter_subjects)
-        self.expires_ns = int(idle_expires_s * 1e9)
-        self._idle_s = idle_expires_s
-        self._buf: list[RawMsg] = []
-        self._wake = asyncio.Event()
-        self._credit = 0
-        self._expected_dseq = 1
-        self._reset = False
-        # Nothing more matches right now: with a filter, ``stop_at`` may never be reached.
-        self._drained = False
-        self._consumer = ""
-        self._inbox = ""
-        self._sub: Any = None
-        self.resets = 0
-
-    async def _create_consumer(self) -> None:
-        config: dict[str, Any] = {
-            "deliver_policy": "by_start_sequence",
-            "opt_start_seq": self.next_seq,
-            "ack_policy": "none",
-            "replay_policy": "instant",
-            "inactive_threshold": int(30e9),
-            "mem_storage": True,
-            "num_replicas": 1,
-            "max_waiting": 16,
-        }
-        if len(self.filter_subjects) == 1:
-            config["filter_subject"] = self.filter_subjects[0]
-        elif self.filter_subjects:
-            config["filter_subjects"] = self.filter_subjects
-        req = json.dumps({"stream_name": self.stream, "config": config}).encode()
-        subject = f"$JS.API.CONSUMER.CREATE.{self.stream}"
-        loop = asyncio.get_running_loop()
-        # A cluster electing leaders, or a server coming back, answers "temporarily
-        # unavailable" or not at all for a few seconds; a reader rides that out.
-        deadline = loop.time() + self.bus.settings.request_timeout_s * 6
-        delay = 0.1
-        while True:
-            problem = ""
-            try:
-                msg = await self.bus._guarded(subject, self.bus.nc.request(subject, req, timeout=self.bus.settings.request_timeout_s))
-            except nats.errors.NoRespondersError as e:
-                raise BusError(f"JetStream is not available on {self.bus.settings.nats_url}") from e
-            except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError,
-                    nats.errors.StaleConnectionError):
-                problem = "no answer"
-            else:
-                resp = json.loads(msg.data)
-                err = resp.get("error")
-                if not err:
-                    break
-                problem = f"{err.get('description')} (code {err.get('err_code')})"
-                if err.get("code") != 503 and err.get("err_code") != 10008:
-                    raise BusError(f"cannot read stream {self.stream}: {problem}")
-            if loop.time() + delay > deadline:
-                raise BusError(f"cannot read stream {self.stream}: {problem} for "
-                               f"{self.bus.settings.request_timeout_s * 6:.0f}s; does the cluster have quorum?")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-        self._consumer = resp["name"]
-        self._credit = 0
-        self._expected_dseq = 1
-        self._reset = False
-        self._drained = int(resp.get("num_pending", 1)) == 0
-
-    async def _delete_consumer(self) -> None:
-        if self._consumer and not self.bus.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await self.bus.nc.request(
-                    f"$JS.API.CONSUMER.DELETE.{self.stream}.{self._consumer}", b"", timeout=1
-                )
-        self._consumer = ""
-
-    def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-        """One message for this reader, as the protocol parser saw it (the fast path)."""
-        if reply.startswith(b"$JS.ACK."):
-            self._on_frames([(reply.split(b"."), subject, data)])
-            return
-        # A status message: "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 8\r\n…"
-        lines = (headers or b"").decode(errors="replace").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        status = parts[1] if len(parts) > 1 else ""
-        fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
-        left = fields.get("Nats-Pending-Messages")
-        self._status(status, parts[2] if len(parts) > 2 else "", left.strip() if left else None)
-
-    def _on_frames(self, frames: list[Frame]) -> None:
-        """A chunk's worth of messages for this reader, from the parser's fast lane."""
-        first, last = frames[0][0], frames[-1][0]
-        k = 0 if len(first) == 9 else 2  # the reply without or with <domain>.<account>
-        consumer = self._consumer.encode()
-        if (not self._reset and len(first) == len(last) and len(first) in (9, 12)
-                and first[3 + k] == consumer and last[3 + k] == consumer
-                and int(first[6 + k]) == self._expected_dseq
-                and int(last[6 + k]) == self._expected_dseq + len(frames) - 1):
-            # The common case: all in order from the current consumer. Delivery
-            # sequences only grow, so first and last in place means none is missing.
-            self._credit -= len(frames)
-            self._expected_dseq += len(frames)
-            self._sized(max(len(frames[0][2]), len(frames[-1][2])))
-            new = tuple.__new__
-            self._buf.extend([new(RawMsg, (int(t[5 + k]), s.decode(), d, int(t[7 + k]))) for t, s, d in frames])
-            self._drained = last[8 + k] == b"0"
-            if len(self._buf) >= self._wake_at or self._drained:
-                self._wake.set()
-            return
-        for t, subject, data in frames:
-            fields = _ack_fields(t)
-            if fields is None:
-                continue  # not a delivery this reader can place
-            consumer, sseq, dseq, ts, pending = fields
-            self._stored(consumer.decode(), int(sseq), int(dseq), int(ts), pending == b"0", subject.decode(), data)
-
-    async def _on_msg(self, msg: Msg) -> None:
-        """The same through nats-py's ordinary path, when the fast one is not installed."""
-        reply = msg.reply
-        if reply.startswith("$JS.ACK."):
-            fields = _ack_fields(reply.split("."))
-            if fields is not None:
-                consumer, sseq, dseq, ts, pending = fields
-                self._stored(consumer, int(sseq), int(dseq), int(ts), pending == "0", msg.subject, msg.data)
-            return
-        headers = msg.headers or {}
-        self._status(headers.get("Status") or "", headers.get("Description") or "", headers.get("Nats-Pending-Messages"))
-
-    def _stored(self, consumer: str, sseq: int, dseq: int, ts: int, last: bool, subject: str, data: bytes) -> None:
-        if consumer != self._consumer:
-            return  # still in flight from a consumer we replaced
-        self._credit -= 1
-        if self._reset:
-            return
-        if dseq != self._expected_dseq:
-            self._reset = True  # a gap: recreate from the last sequence handed out
-        else:
-            self._expected_dseq += 1
-            self._sized(len(data))
-            self._buf.append(RawMsg(sseq, subject, data, ts))
-            self._drained = last
-        if len(self._buf) >= self._wake_at or self._reset or self._drained:
-            self._wake.set()
-
-    def _sized(self, payload: int) -> None:
-        """Follow the size of this stream's messages: up at once, down slowly."""
-        seen = payload + _FRAME_OVERHEAD
-        self._msg_bytes = max(seen, self._msg_bytes - (self._msg_bytes >> 4)) if self._msg_bytes else seen
-
-    def _status(self, status: str, description: str, pending: str | None) -> None:
-        if status in ("404", "408", "409"):
-            # The pull request ended; what it did not deliver is credit no longer owed.
-            if status == "409" and ("Deleted" in description or "Leadership" in description):
-                self._reset = True
-            self._credit -= int(pending) if pending else self._credit
-        self._credit = max(self._credit, 0)
-        self._wake.set()
-
-    async def _pull(self) -> None:
-        # Messages asked for and not yet here wait in nats-server's buffer for this
-        # connection, which it drops as a slow consumer past 64 MB. Two batches of
-        # idle maps (2 KB each in a 48-replica fleet, 20 KB at 500) can pass that
-        # whenever the reader stalls for a moment, so the window is in bytes too.
-        # Before the first message, assume the largest the server allows (a few messages).
-        size = self._msg_bytes or (getattr(self.bus.nc, "max_payload", 0) or 1 << 20) + _FRAME_OVERHEAD
-        window = max(1, min(self.batch * 2, self.max_bytes_in_flight // size))
-        self._wake_at = max(1, min(self.batch, window // 2))
-        want = window - self._credit
-        if want < (window + 1) // 2:
-            return
-        req = json.dumps({"batch": want, "expires": self.expires_ns}).encode()
-        await self.bus.nc.publish(
-            f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}", req, reply=self._inbox
-        )
-        self._credit += want
-
-    async def batches(self) -> AsyncIterator[list[RawMsg]]:
-        """Yield lists of messages in stream order until ``stop_at`` (or forever)."""
-        if self.stop_at is not None and self.next_seq > self.stop_at:
-            return
-        self._inbox = self.bus.nc.new_inbox()
-        self._sub = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
-        self.bus._raw_handlers[self._sub._id] = self._on_raw
-        self.bus._frame_handlers[b"%d" % self._sub._id] = self._on_frames
-        try:
-            await self._create_consumer()
-            silent_since = asyncio.get_running_loop().time()
-            while True:
-                if self._reset or self._consumer == "":
-                    self.resets += 1
-                    await self._delete_consumer()
-                    self._buf.clear()
-                    await self._create_consumer()
-                if self.stop_at is not None and self._drained and not self._buf:
-                    return
-                await self._pull()
-                if not self._buf:
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=self._idle_s + 3)
-                    except TimeoutError:
-                        # No message and no status for a whole request: the consumer is gone
-                        # (a server restart drops memory consumers). Recreate it.
-                        if asyncio.get_running_loop().time() - silent_since > self._idle_s + 3:
-                            self._reset = True
-                        continue
-                silent_since = asyncio.get_running_loop().time()
-                if not self._buf:
-                    continue
-                out, self._buf = self._buf, []
-                if self.stop_at is not None and (out[-1].seq >= self.stop_at or self._drained):
-                    out = [x for x in out if x.seq <= self.stop_at]
-                    self.next_seq = max(self.next_seq, min(out[-1].seq if out else 0, self.stop_at) + 1)
-                    if out:
-                        yield out
-                    return
-                self.next_seq = out[-1].seq + 1
-                yield out
-        finally:
-            self.bus._raw_handlers.pop(self._sub._id, None)
-            self.bus._frame_handlers.pop(b"%d" % self._sub._id, None)
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            await self._delete_consumer()
-
-
-@dataclass
-class _Pending:
-    subject: str
-    payload: bytes
-    msg_id: str
-
-
-class Outbox:
-    """A bounded queue of events, delivered in order and exactly once.
-
-    ``put`` never blocks and never talks to the network; ``run`` drains the
-    queue, retrying each event with its own ``Nats-Msg-Id`` until the server
-    acknowledges it, however long the outage. When the queue is full, ``put``
-    raises OutboxFullError: the caller decides, nothing is dropped silently.
-    """
-
-    def __init__(self, bus: Bus, maxlen: int) -> None:
-        self.bus = bus
-        self.maxlen = maxlen
-        self._queue: deque[_Pending] = deque()
-        self._ready = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self.delivered = 0
-        self.duplicates = 0
-        self.refused = 0
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def put(self, event: m.Event, *, msg_id: str | None = None) -> None:
-        if len(self._queue) >= self.maxlen:
-            raise OutboxFullError(
-                f"the outbox holds {self.maxlen} undelivered events; NATS has been unreachable too long"
-            )
-        payload = m.encode(event)
-        self._queue.append(_Pending(subjects.subject_for(event), payload, msg_id or subjects.msg_id(event, payload)))
-        self._idle.clear()
-        self._ready.set()
-
-    async def run(self) -> None:
-        """Deliver forever; cancel to stop (what is queued stays queued)."""
-        while True:
-            if not self._queue:
-                self._idle.set()
-                self._ready.clear()
-                await self._ready.wait()
-                continue
-            item = self._queue[0]
-            try:
-                ack = await self.bus.publish_bytes(item.subject, item.payload, item.msg_id, timeout=None)
-            except PermissionDeniedError as e:
-                # It can never succeed, and retrying would block everything behind it.
-                log.error("outbox: %s; dropping that event", e)
-                self._queue.popleft()
-                self.refused += 1
-                continue
-            except PublishError as e:
-                log.warning("outbox: %s", e)
-                await asyncio.sleep(1.0)
-                continue
-            self._queue.popleft()
-            self.delivered += 1
-            self.duplicates += ack.duplicate
-
-    async def flush(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109 - public API
-        """Wait until everything queued is acknowledged."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=timeout)
-        except TimeoutError as e:
-            raise PublishError(f"{len(self._queue)} events still undelivered after {timeout:.0f}s") from e
