@@ -23,40 +23,40 @@ MIN_SERVER_VERSION = (2, 12, 3)
 
 P = s.PREFIX
 INBOX = "_INBOX.>"
-JS_INFO = "$JS.API.INFO"
+JS_INFO = s.JS_API_INFO
 
 # JetStream API subjects as llmgw's bus uses them (Bus.ensure_streams, StreamReader, key_value).
 
 
 def _stream_info(stream: str) -> str:
-    return f"$JS.API.STREAM.INFO.{stream}"
+    return s.js_stream("INFO", stream)
 
 
 def _read(stream: str) -> list[str]:
     """What a StreamReader needs: an ephemeral consumer, pull requests, and deleting it."""
     return [
         _stream_info(stream),
-        f"$JS.API.CONSUMER.CREATE.{stream}",
-        f"$JS.API.CONSUMER.CREATE.{stream}.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-        f"$JS.API.CONSUMER.DELETE.{stream}.*",
-        f"$JS.API.CONSUMER.INFO.{stream}.*",
+        s.js_consumer("CREATE", stream),
+        s.js_consumer("CREATE", stream, ">"),
+        s.js_consumer("MSG.NEXT", stream, "*"),
+        s.js_consumer("DELETE", stream, "*"),
+        s.js_consumer("INFO", stream, "*"),
     ]
 
 
 def _declare(stream: str) -> list[str]:
     """Create or update (never delete or purge) a stream: Bus.ensure_streams."""
-    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+    return [s.js_stream("CREATE", stream), s.js_stream("UPDATE", stream)]
 
 
 def _kv(bucket: str) -> list[str]:
     stream = f"KV_{bucket}"
     return [
         _stream_info(stream),
-        f"$JS.API.STREAM.CREATE.{stream}",
-        f"$JS.API.DIRECT.GET.{stream}.>",
-        f"$JS.API.STREAM.MSG.GET.{stream}",
-        f"$KV.{bucket}.>",
+        s.js_stream("CREATE", stream),
+        s.js_api("DIRECT.GET", stream, ">"),
+        s.js_stream("MSG.GET", stream),
+        s.kv_subjects(bucket),
         *_read(stream)[1:],
     ]
 
@@ -64,10 +64,10 @@ def _kv(bucket: str) -> list[str]:
 ALL_STREAMS = tuple(spec.name for spec in s.STREAMS)
 # Whatever a role's allow list says, these stay refused for every role but admin.
 NEVER = [
-    "$JS.API.STREAM.DELETE.>",
-    "$JS.API.STREAM.PURGE.>",
-    "$JS.API.STREAM.MSG.DELETE.>",
-    "$JS.API.ACCOUNT.PURGE.>",
+    s.js_stream("DELETE", ">"),
+    s.js_stream("PURGE", ">"),
+    s.js_stream("MSG.DELETE", ">"),
+    s.js_api("ACCOUNT.PURGE", ">"),
 ]
 
 

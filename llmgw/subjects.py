@@ -147,6 +147,30 @@ def msg_id(event: m.Event, payload: bytes) -> str:
     return f"{type(event).__name__}:{digest}"
 
 
+# --- JetStream's own API: what the bus calls and nats.conf grants -------------------
+
+JS_API_INFO = "$JS.API.INFO"
+
+
+def js_api(*tokens: str) -> str:
+    """``$JS.API.<tokens…>``, e.g. ``js_api("STREAM.INFO", stream)`` or, for nats.conf, ``js_api("STREAM.DELETE", ">")``."""
+    return ".".join(("$JS.API", *tokens))
+
+
+def js_stream(verb: str, stream: str) -> str:
+    """CREATE, UPDATE, INFO, DELETE, PURGE, MSG.GET, MSG.DELETE of a stream."""
+    return js_api("STREAM", verb, stream)
+
+
+def js_consumer(verb: str, stream: str, consumer: str = "") -> str:
+    """CREATE, DELETE, INFO, MSG.NEXT of a stream's consumer (``*``/``>`` for nats.conf)."""
+    return js_api("CONSUMER", verb, stream, *((consumer,) if consumer else ()))
+
+
+def kv_subjects(bucket: str) -> str:
+    return f"$KV.{bucket}.>"
+
+
 # --- streams ----------------------------------------------------------------------
 
 

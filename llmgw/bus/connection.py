@@ -279,7 +279,7 @@ class Bus:
                 try:
                     info = await self.js.stream_info(spec.name)
                 except nats.js.errors.NotFoundError:
-                    await self._guarded(f"$JS.API.STREAM.CREATE.{spec.name}", self.js.add_stream(config))
+                    await self._guarded(subjects.js_stream("CREATE", spec.name), self.js.add_stream(config))
                     continue
                 current = info.config
                 if (
@@ -291,7 +291,7 @@ class Bus:
                 ):
                     # Replicas are left as the operator set them on a running cluster.
                     config.num_replicas = current.num_replicas
-                    await self._guarded(f"$JS.API.STREAM.UPDATE.{spec.name}", self.js.update_stream(config))
+                    await self._guarded(subjects.js_stream("UPDATE", spec.name), self.js.update_stream(config))
             except nats.js.errors.APIError as e:
                 raise BusError(f"cannot declare stream {spec.name}: {e.description} (code {e.err_code})") from e
             except _RETRYABLE as e:
@@ -315,7 +315,7 @@ class Bus:
         would then follow its stream forever.
         """
         try:
-            info = await self._guarded(f"$JS.API.STREAM.INFO.{stream}", self.js.stream_info(stream))
+            info = await self._guarded(subjects.js_stream("INFO", stream), self.js.stream_info(stream))
         except nats.js.errors.NotFoundError as e:
             raise BusError(f"stream {stream} does not exist; start the control plane once (`llmgw up`) to declare it") from e
         except _RETRYABLE as e:

@@ -14,6 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
+from llmgw import subjects
 from llmgw.bus.frames import _FRAME_OVERHEAD, READER_BYTES_IN_FLIGHT, Frame, RawMsg, _ack_fields
 from llmgw.errors import BusError
 
@@ -84,7 +85,7 @@ class StreamReader:
         elif self.filter_subjects:
             config["filter_subjects"] = self.filter_subjects
         req = json.dumps({"stream_name": self.stream, "config": config}).encode()
-        subject = f"$JS.API.CONSUMER.CREATE.{self.stream}"
+        subject = subjects.js_consumer("CREATE", self.stream)
         loop = asyncio.get_running_loop()
         # A cluster electing leaders, or a server coming back, answers "temporarily
         # unavailable" or not at all for a few seconds; a reader rides that out.
@@ -122,7 +123,7 @@ class StreamReader:
         if self._consumer and not self.bus.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.bus.nc.request(
-                    f"$JS.API.CONSUMER.DELETE.{self.stream}.{self._consumer}", b"", timeout=1
+                    subjects.js_consumer("DELETE", self.stream, self._consumer), b"", timeout=1
                 )
         self._consumer = ""
 
@@ -222,7 +223,7 @@ class StreamReader:
             return
         req = json.dumps({"batch": want, "expires": self.expires_ns}).encode()
         await self.bus.nc.publish(
-            f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}", req, reply=self._inbox
+            subjects.js_consumer("MSG.NEXT", self.stream, self._consumer), req, reply=self._inbox
         )
         self._credit += want
 
