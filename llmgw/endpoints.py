@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus
+from llmgw.bus import Bus, RawMsg
 from llmgw.fleet.fold import part_state
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,9 @@ class EndpointSink:
         self.caught_up = asyncio.Event()
         self._changed = asyncio.Condition()
 
+    def _skipped(self, raw: RawMsg, error: Exception) -> None:
+        self.bad_events += 1  # recorded and skipped: one bad event must not stop routing
+
     async def run(self) -> None:
         """Follow forever; cancel to stop. ``caught_up`` is set once history is in.
 
@@ -196,20 +199,14 @@ class EndpointSink:
         target = await self.bus.stream_last_seq(subjects.STREAM_CONTROL)
         if target <= self.applied_seq:
             self.caught_up.set()
-        reader = self.bus.reader(subjects.STREAM_CONTROL, self.applied_seq + 1, idle_expires_s=1.0)
-        async for batch in reader.batches():
+        follower = self.bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, self.applied_seq + 1, who="router",
+                                   on_skip=self._skipped)
+        async for batch in follower.batches():
             changed = False
             now = time.time()
-            for msg in batch:
-                try:
-                    event = m.CONTROL_DECODER.decode(msg.data)
-                except m.DECODE_ERRORS as e:
-                    # Recorded and skipped: one bad event must not stop routing.
-                    self.bad_events += 1
-                    log.warning("control seq %d on %s is not a control event (%s); skipped", msg.seq, msg.subject, e)
-                    continue
-                changed |= self.pool.apply(event, now)
-            self.applied_seq = batch[-1].seq
+            for d in batch:
+                changed |= self.pool.apply(d.event, now)
+            self.applied_seq = follower.last_seq
             if self.applied_seq >= target:
                 self.caught_up.set()
             if changed and self.on_change is not None:

@@ -486,20 +486,15 @@ class EngineSupervisor:
     async def run(self, bus: Bus, outbox: Outbox) -> None:
         """Follow the control stream; the agent runs this next to itself (``services=``)."""
         target = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-        reader = bus.reader(subjects.STREAM_CONTROL, 1, idle_expires_s=1.0)
+        follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, who=f"engines on {self.node}")
         try:
             if target == 0:
                 self.caught_up.set()
-            async for batch in reader.batches():
-                for raw in batch:
-                    try:
-                        event = m.CONTROL_DECODER.decode(raw.data)
-                    except m.DECODE_ERRORS as e:
-                        log.warning("engines: skipped malformed control event #%d: %s", raw.seq, e)
-                        continue
-                    self._fold(event)
+            async for batch in follower.batches():
+                for d in batch:
+                    self._fold(d.event)
                 # Reconcile only on what the whole history says, never on a prefix of it.
-                if batch[-1].seq >= target:
+                if follower.last_seq >= target:
                     self.caught_up.set()
                 if self.caught_up.is_set():
                     await self._reconcile(outbox)

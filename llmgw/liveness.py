@@ -68,41 +68,32 @@ class HeartbeatMonitor:
         if last == 0:
             return
         # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
-        reader = self.bus.reader(subjects.STREAM_FLEET, 1, stop_at=last)
-        async for batch in reader.batches():
-            for raw in batch:
-                if raw.subject.rsplit(".", 1)[-1] not in ("lost", "returned"):
-                    continue
-                try:
-                    ev = m.FLEET_DECODER.decode(raw.data)
-                except m.DECODE_ERRORS as e:
-                    self.malformed += 1
-                    log.warning("fleet seq %d: skipping a malformed event: %s", raw.seq, e)
-                    continue
-                if isinstance(ev, m.NodeLost):
-                    self.lost[ev.node] = _Lost(key="", stream_seq=raw.seq)
-                elif isinstance(ev, m.NodeReturned):
-                    self.lost.pop(ev.node, None)
+        follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, stop_at=last, idle_expires_s=2.0,
+                                   who="liveness", keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned"),
+                                   on_skip=self._skipped)
+        async for batch in follower.batches():
+            for d in batch:
+                if isinstance(d.event, m.NodeLost):
+                    self.lost[d.event.node] = _Lost(key="", stream_seq=d.raw.seq)
+                elif isinstance(d.event, m.NodeReturned):
+                    self.lost.pop(d.event.node, None)
 
     # --- following heartbeats -------------------------------------------------------------
 
-    def _on_heartbeat(self, raw: RawMsg) -> None:
-        try:
-            hb = m.HEARTBEAT_DECODER.decode(raw.data)
-        except m.DECODE_ERRORS as e:
-            self.malformed += 1
-            log.warning("heartbeat seq %d (%s): skipping a malformed heartbeat: %s", raw.seq, raw.subject, e)
-            return
+    def _skipped(self, raw: RawMsg, error: Exception) -> None:
+        self.malformed += 1
+
+    def _on_heartbeat(self, raw: RawMsg, hb: m.HeartbeatSent) -> None:
         received = datetime.fromtimestamp(raw.ts_ns / 1e9, UTC)
         prev = self.heard.get(hb.node)
         if prev is None or received >= prev.received:
             self.heard[hb.node] = _Heard(hb.boot_id, hb.seq, hb.at, received)
 
     async def _follow(self) -> None:
-        reader = self.bus.reader(subjects.STREAM_HEARTBEAT, 1, idle_expires_s=1.0)
-        async for batch in reader.batches():
-            for raw in batch:
-                self._on_heartbeat(raw)
+        follower = self.bus.follow(subjects.STREAM_HEARTBEAT, m.HEARTBEAT_DECODER, who="liveness", on_skip=self._skipped)
+        async for batch in follower.batches():
+            for d in batch:
+                self._on_heartbeat(d.raw, d.event)
 
     # --- judging ------------------------------------------------------------------------------
 

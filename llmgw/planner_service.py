@@ -21,7 +21,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
-from llmgw.bus import Bus
+from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PlanError, ServiceError
 from llmgw.fleet.fold import FleetState, apply
 
@@ -78,25 +78,23 @@ class PlannerService:
     # --- the fold ---------------------------------------------------------------------
 
     async def _follow(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
-        reader = self.bus.reader(stream, 1)
-        async for batch in reader.batches():
-            for raw in batch:
-                try:
-                    event = decoder.decode(raw.data)
-                except m.DECODE_ERRORS as e:
-                    self.skipped += 1
-                    log.warning("planner: %s seq %d (%s) cannot be decoded, skipped: %s", stream, raw.seq, raw.subject, e)
-                else:
-                    if isinstance(event, m.ReplicaStateChanged) and \
-                            planner.record_observation(self.observed, self.state, event) is False:
-                        self.refused_observations += 1
-                        log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
-                                    "or not its replica's node)", stream, raw.seq, event.observed_kv_tokens,
-                                    event.node, event.replica_id)
-                    apply(self.state, event)
-                    self._pools = None
-                self.positions[stream] = raw.seq
+        follower = self.bus.follow(stream, decoder, idle_expires_s=2.0, who="planner", on_skip=self._skipped)
+        async for batch in follower.batches():
+            for d in batch:
+                event = d.event
+                if isinstance(event, m.ReplicaStateChanged) and \
+                        planner.record_observation(self.observed, self.state, event) is False:
+                    self.refused_observations += 1
+                    log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
+                                "or not its replica's node)", stream, d.raw.seq, event.observed_kv_tokens,
+                                event.node, event.replica_id)
+                apply(self.state, event)
+                self._pools = None
+            self.positions[stream] = follower.last_seq
             self._progress.set()
+
+    def _skipped(self, raw: RawMsg, error: Exception) -> None:
+        self.skipped += 1
 
     async def wait_for(self, positions: dict[str, int], timeout: float = 10.0) -> None:  # noqa: ASYNC109 - bounded wait is the point
         """Return once the fold has reached these stream sequences."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from llmgw import messages as m
 from llmgw import scheduler, subjects
-from llmgw.bus import Bus
+from llmgw.bus import Bus, RawMsg
 from llmgw.fleet.fold import FleetState, apply
 
 log = logging.getLogger(__name__)
@@ -118,23 +118,16 @@ class SchedulerService:
         self.published: list[m.Event] = []
         self._changed = asyncio.Event()
 
-    def _fold(self, data: bytes, seq: int, stream: str, subject: str = "") -> None:
-        try:
-            event = m.decode_event(data)
-        except m.DECODE_ERRORS as e:
-            # A malformed event is recorded and skipped; it must not stop placement.
-            self.stats.malformed += 1
-            log.warning("scheduler: skipped malformed event %s#%d: %s", stream, seq, e)
-            return
-        scheduler.observe(self.memory, event, self.state, seq, subject)
-        apply(self.state, event)
+    def _skipped(self, raw: RawMsg, error: Exception) -> None:
+        self.stats.malformed += 1  # recorded and skipped: a malformed event must not stop placement
 
     async def _follow(self, stream: str) -> None:
-        reader = self.bus.reader(stream, 1, idle_expires_s=1.0)
-        async for batch in reader.batches():
-            for raw in batch:
-                self._fold(raw.data, raw.seq, stream, raw.subject)
-            self.stats.applied[stream] = batch[-1].seq
+        follower = self.bus.follow(stream, m.ANY_DECODER, who="scheduler", on_skip=self._skipped)
+        async for batch in follower.batches():
+            for d in batch:
+                scheduler.observe(self.memory, d.event, self.state, d.raw.seq, d.raw.subject)
+                apply(self.state, d.event)
+            self.stats.applied[stream] = follower.last_seq
             self._changed.set()
 
     async def _caught_up(self) -> bool:
@@ -238,10 +231,7 @@ async def replay_state(bus: Bus, streams: tuple[str, ...] = FOLLOWED) -> FleetSt
         last = await bus.stream_last_seq(stream)
         if last == 0:
             continue
-        async for batch in bus.reader(stream, 1, stop_at=last).batches():
-            for raw in batch:
-                try:
-                    apply(state, m.decode_event(raw.data))
-                except m.DECODE_ERRORS as e:
-                    log.warning("skipped malformed event %s#%d: %s", stream, raw.seq, e)
+        async for batch in bus.follow(stream, m.ANY_DECODER, stop_at=last, idle_expires_s=2.0, who="replay").batches():
+            for d in batch:
+                apply(state, d.event)
     return state

@@ -15,8 +15,10 @@
 """
 
 from llmgw.bus.connection import Bus
+from llmgw.bus.follow import Decoded, Follower
 from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, RawMsg, _FrameParser
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
 
-__all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Frame", "FrameHandler", "Outbox", "RawMsg", "StreamReader", "_FrameParser"]
+__all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "Follower", "Frame", "FrameHandler", "Outbox", "RawMsg",
+           "StreamReader", "_FrameParser"]

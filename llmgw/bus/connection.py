@@ -8,7 +8,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -23,6 +23,7 @@ from nats.protocol.parser import Parser
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.bus.follow import Follower
 from llmgw.bus.frames import (
     READER_BYTES_IN_FLIGHT,
     Ack,
@@ -44,6 +45,7 @@ from llmgw.errors import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 _RETRYABLE = (
@@ -487,3 +489,7 @@ class Bus:
 
     def outbox(self, maxlen: int = 10_000) -> Outbox:
         return Outbox(self, maxlen)
+
+    def follow(self, stream: str, decoder: msgspec.json.Decoder[T], start: int = 1, **kw: Any) -> Follower[T]:
+        """Read ``stream`` decoded, bad messages logged, counted and skipped (see ``Follower``)."""
+        return Follower(self, stream, decoder, start, **kw)
