@@ -220,13 +220,7 @@ def _lost_reason(state: FleetState, replica: ReplicaView) -> str | None:
 def _free_by_node(state: FleetState, held: set[tuple[str, int]], gpu_class: str) -> dict[str, list[GpuView]]:
     out: dict[str, list[GpuView]] = {}
     for node in state.nodes.values():
-        if node.lost:
-            continue
-        free = [
-            g
-            for g in sorted(node.gpus.values(), key=lambda g: g.index)
-            if g.healthy and g.gpu_class == gpu_class and (node.name, g.index) not in held
-        ]
+        free = sorted((g for g in state.free_gpus(node, held) if g.gpu_class == gpu_class), key=lambda g: g.index)
         if free:
             out[node.name] = free
     return out

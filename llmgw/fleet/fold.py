@@ -13,7 +13,7 @@ fixes: a live projector and a fresh replay agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import compress
@@ -122,8 +122,9 @@ class FleetState:
         """Healthy on a node that is not lost: the only GPUs that are used or free."""
         return gpu.healthy and not self.nodes[gpu.node].lost
 
-    def free_gpus(self, node: NodeView, held: dict[tuple[str, int], str] | None = None) -> list[GpuView]:
-        """Healthy GPUs of a live node that no replica holds."""
+    def free_gpus(self, node: NodeView, held: Container[tuple[str, int]] | None = None) -> list[GpuView]:
+        """Healthy GPUs of a live node that no replica holds: the one definition of free, for
+        the planner's pools, the scheduler's placements and the status report."""
         if node.lost:
             return []
         held = self.held_gpus() if held is None else held

@@ -54,7 +54,7 @@ def free_nodes(state: FleetState, held: dict[tuple[str, int], str]) -> tuple[m.F
         if node.lost:
             continue
         live[key] += 1
-        if all(g.healthy and (node.name, g.index) not in held for g in node.gpus.values()):
+        if len(state.free_gpus(node, held)) == len(node.gpus):
             free[key] += 1
     return tuple(
         m.FabricNodes(fabric=f, gpu_class=c, free_nodes=free[(f, c)], live_nodes=n)
