@@ -34,8 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from control_loop import (  # the same CLI and event helpers, side by side in benchmarks/
+    at,
+    cli,
+    events,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 LLMGW = str(Path(sys.executable).parent / "llmgw")
 MODEL = "Qwen/Qwen2.5-14B-Instruct"
 TICK_S = 0.5
@@ -54,23 +58,6 @@ gpu_class = "A100-40GB"
 gpu_count = 8
 gpu_memory_mib = 40960
 """
-
-
-def cli(url: str, *args: str) -> str:
-    env = dict(os.environ, LLMGW_NATS_URL=url, LLMGW_MODELS_DIR=str(ROOT / "examples" / "models"))
-    return subprocess.run([LLMGW, *args], capture_output=True, text=True, env=env, timeout=120, check=True).stdout
-
-
-def control(url: str) -> list[dict[str, Any]]:
-    return [json.loads(x)["event"] for x in cli(url, "replay", "--stream", "control", "--json").splitlines() if x.strip()]
-
-
-def usage(url: str) -> list[dict[str, Any]]:
-    return [json.loads(x)["event"] for x in cli(url, "replay", "--stream", "usage", "--json").splitlines() if x.strip()]
-
-
-def at(e: dict[str, Any]) -> datetime:
-    return datetime.fromisoformat(e["at"])
 
 
 def until(what: str, pred: Any, within_s: float = 120, every_s: float = 0.5) -> Any:
@@ -110,12 +97,12 @@ def wake(url: str, base: str, rounds: int, startup_s: float) -> None:
         until("sleepy parked", lambda: model_state(url, "sleepy") == "parked", every_s=0.3)
         sent = datetime.now(UTC)
         ttfb = asyncio.run(first_byte(base, "sleepy"))
-        evs = control(url)
+        evs = events(url, "control")
         placed = [e for e in evs if e["type"] == "ReplicaPlaced" and e["model"] == "sleepy"][-1]
         healthy = next(e for e in evs if e["type"] == "ReplicaStateChanged" and e["replica_id"] == placed["replica_id"]
                        and e["state"] == "healthy")
         # The router wishes again every tick while the request waits: the first one is the request's.
-        wish = next(e for e in usage(url) if e["type"] == "ModelWanted" and e["model"] == "sleepy" and at(e) >= sent)
+        wish = next(e for e in events(url, "usage") if e["type"] == "ModelWanted" and e["model"] == "sleepy" and at(e) >= sent)
         rows.append({"request → first byte": ttfb, "  less the engine's start-up": ttfb - startup_s,
                      "request → wish stored": (at(wish) - sent).total_seconds(),
                      "wish → placed": (at(placed) - at(wish)).total_seconds(),
@@ -159,28 +146,28 @@ def scale(url: str, base: str) -> None:
         placed_at = healthy_at = 0.0
         while time.monotonic() - t0 < 120:
             await asyncio.sleep(0.25)
-            evs = await asyncio.to_thread(control, url)
+            evs = await asyncio.to_thread(events, url, "control")
             n_placed = len([e for e in evs if e["type"] == "ReplicaPlaced" and e["model"] == "busy"])
             if n_placed >= 16 and not placed_at:
                 placed_at = time.monotonic() - t0
             if placed_at and await asyncio.to_thread(healthy_count) >= 16:
                 healthy_at = time.monotonic() - t0
                 break
-        before = len([e for e in await asyncio.to_thread(control, url) if e["type"] == "ModelAutoscaled"])
+        before = len([e for e in await asyncio.to_thread(events, url, "control") if e["type"] == "ModelAutoscaled"])
         await asyncio.sleep(60 * TICK_S)  # 60 ticks under the same load
-        changes = len([e for e in await asyncio.to_thread(control, url) if e["type"] == "ModelAutoscaled"]) - before
+        changes = len([e for e in await asyncio.to_thread(events, url, "control") if e["type"] == "ModelAutoscaled"]) - before
         stop.set()
         await task
         t1 = time.monotonic()
         while time.monotonic() - t1 < 120:
             await asyncio.sleep(0.25)
-            scaled = [e for e in await asyncio.to_thread(control, url) if e["type"] == "ModelAutoscaled"]
+            scaled = [e for e in await asyncio.to_thread(events, url, "control") if e["type"] == "ModelAutoscaled"]
             if scaled and scaled[-1]["replicas"] == 1:
                 return placed_at, healthy_at, time.monotonic() - t1, changes
         raise SystemExit("never scaled back down")
 
     placed_s, healthy_s, down_s, changes = asyncio.run(drive())
-    scaled = [e for e in control(url) if e["type"] == "ModelAutoscaled"]
+    scaled = [e for e in events(url, "control") if e["type"] == "ModelAutoscaled"]
     print(f"\nscale: 64 clients back to back, target 4 in flight per replica, 1..16 replicas, router tick {TICK_S:g} s")
     print(f"  16 replicas placed after            {placed_s / TICK_S:5.1f} ticks ({placed_s:.1f} s)")
     print(f"  16 replicas healthy after           {healthy_s / TICK_S:5.1f} ticks ({healthy_s:.1f} s; 15 fake engines starting on 2 cores)")
