@@ -58,6 +58,15 @@ async def wait_for(bus: Bus, cond: Callable[[list[m.ReplicaStateChanged]], bool]
         await asyncio.sleep(0.1)
 
 
+async def place_over_two_nodes(bus: Bus, fabric: str = "f") -> None:
+    """qwen-r1, tp 1 × pp 2: this test's node (the head) and n2."""
+    s = spec(tp=1, pp=2)
+    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
+    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
+                                      gpus=gpus, spec=s, fabric=fabric))
+
+
 @pytest.fixture
 async def agent(bus: Bus) -> AsyncIterator[tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]]:
     """An outbox delivering like the agent's, and supervisors started on demand (stopped after)."""
@@ -251,11 +260,7 @@ async def test_a_replica_over_two_nodes_runs_ray_and_vllm_as_documented(
 async def test_a_node_without_ray_fails_once_with_what_is_missing(
     bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
 ) -> None:
-    s = spec(tp=1, pp=2)
-    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
-    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
-    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
-                                      gpus=gpus, spec=s, fabric="f"))
+    await place_over_two_nodes(bus)
     _, start = agent
     start(EngineConfig(cmds=parse_engine_cmds(["ray=/nonexistent/ray"]), simulate=False, health_timeout_s=5))
     got = await wait_for(bus, lambda ss: any(x.state == "failed" for x in ss))
@@ -267,11 +272,7 @@ async def test_a_node_without_ray_fails_once_with_what_is_missing(
 async def test_a_placement_naming_another_fabric_is_refused_not_run(
     bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
 ) -> None:
-    s = spec(tp=1, pp=2)
-    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
-    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
-    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
-                                      gpus=gpus, spec=s, fabric="ib-b"))
+    await place_over_two_nodes(bus, fabric="ib-b")
     _, start = agent
     sup = start(EngineConfig(simulate=True, health_timeout_s=5))
     sup.fabric_of = lambda: "ib-a"
@@ -292,11 +293,7 @@ def test_kv_tokens_are_read_from_llama_servers_props() -> None:
 async def test_a_head_whose_other_part_never_joins_is_never_healthy(
     bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
 ) -> None:
-    s = spec(tp=1, pp=2)
-    gpus = tuple(m.GpuRef(node=n, index=0, uuid=f"GPU-{n}") for n in (NODE, "n2"))
-    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=s))
-    await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(NODE, "n2"),
-                                      gpus=gpus, spec=s, fabric="f"))
+    await place_over_two_nodes(bus)
     _, start = agent
     sup = start(EngineConfig(simulate=True, health_timeout_s=60))  # n2's agent never runs
     got = await wait_for(bus, lambda ss: any(x.head_address for x in ss))

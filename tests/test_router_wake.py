@@ -51,6 +51,17 @@ async def serve_replica(bus: Bus, rid: str, model: str, endpoint: str) -> None:
                                             endpoint=endpoint))
 
 
+async def refusal(router: Router, client_timeout_s: float) -> openai.APIStatusError:
+    """What an openai client hears when it asks the router for MODEL and is refused."""
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0, timeout=client_timeout_s)
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    finally:
+        await client.close()
+    return err.value
+
+
 @pytest.fixture
 async def router(bus: Bus) -> AsyncIterator[Router]:
     await bus.publish(m.ModelDeclared(at=now(), spec=spec()))
@@ -105,16 +116,11 @@ async def test_a_burst_for_a_parked_model_is_held_wished_for_once_and_served_in_
 
 async def test_past_the_wake_timeout_the_client_hears_the_model_is_starting(bus: Bus, router: Router) -> None:
     router.wake_timeout_s = 0.5
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0, timeout=20)
-    try:
-        with pytest.raises(openai.APIStatusError) as err:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    finally:
-        await client.close()
-    assert err.value.status_code == 503
-    assert err.value.response.headers["Retry-After"] == "5"
-    assert err.value.code == "model_starting"
-    assert "is starting" in err.value.message
+    err = await refusal(router, 20)
+    assert err.status_code == 503
+    assert err.response.headers["Retry-After"] == "5"
+    assert err.code == "model_starting"
+    assert "is starting" in err.message
     assert router.waiting == {}
 
 
@@ -122,14 +128,9 @@ async def test_an_unplaceable_model_answers_at_once_with_the_schedulers_reason(b
     reason = "needs 1 × H100 on one node; fabric ib-a has none free"
     await bus.publish(m.ModelUnplaceable(at=now(), name=MODEL, reason=reason))
     await router.sink.wait_for(lambda p: p.model_state(MODEL) == "unplaceable")
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0, timeout=5)
-    try:
-        with pytest.raises(openai.APIStatusError) as err:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    finally:
-        await client.close()
-    assert err.value.status_code == 503 and err.value.code == "model_unplaceable"
-    assert reason in err.value.message
+    err = await refusal(router, 5)
+    assert err.status_code == 503 and err.code == "model_unplaceable"
+    assert reason in err.message
     await until(lambda: router.wishes == 1, "the demand recorded all the same", 10)
 
 
@@ -163,12 +164,11 @@ async def test_an_operator_stopped_model_is_not_listed_and_refused_at_once(bus: 
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="-", max_retries=0, timeout=5)
     try:
         assert (await client.models.list()).data == []
-        with pytest.raises(openai.APIStatusError) as err:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     finally:
         await client.close()
-    assert err.value.status_code == 503 and err.value.code == "model_stopped"
-    assert f"llmgw ctl model scale {MODEL} --replicas 1" in err.value.message
+    err = await refusal(router, 5)
+    assert err.status_code == 503 and err.code == "model_stopped"
+    assert f"llmgw ctl model scale {MODEL} --replicas 1" in err.message
     assert await wishes(bus) == []
 
 
