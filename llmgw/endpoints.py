@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.fleet.fold import part_state
+from llmgw.fleet.fold import model_state, part_state
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +70,13 @@ class Pool:
 
         The same states as ``FleetState.model_states``, from this router's view.
         """
-        if self.healthy.get(name):
-            return "serving"
-        if any(r.model == name for r in self.replicas.values()):
-            return "starting"
+        healthy = bool(self.healthy.get(name))
+        placed = healthy or any(r.model == name for r in self.replicas.values())
         d = self.declared.get(name)
         if d is None:
-            return "unknown"
-        if d.replicas_wanted == 0 and d.replicas_by != "autoscaler":
-            return "stopped"
-        return "unplaceable" if d.unplaceable else "parked"
+            return "serving" if healthy else "starting" if placed else "unknown"
+        return model_state(healthy=healthy, placed=placed, replicas_wanted=d.replicas_wanted,
+                           replicas_by=d.replicas_by, unplaceable=d.unplaceable)
 
     def listed(self) -> dict[str, str]:
         """Every model a request can reach or wake, with its state (stopped ones are not listed)."""

@@ -131,25 +131,14 @@ class FleetState:
         return [g for g in node.gpus.values() if g.healthy and (node.name, g.index) not in held]
 
     def model_states(self) -> dict[str, str]:
-        """Each declared model's cold-start state: serving, starting, unplaceable, parked or stopped.
-
-        Serving: a replica is healthy. Starting: replicas are placed, none healthy
-        yet. Stopped: the operator scaled it to 0, and only a scale brings it back.
-        Unplaceable: none placed and the scheduler said why. Parked: none placed,
-        stopped for idleness or scaled to zero by the autoscaler: a request wakes it.
-        """
-        placed: dict[str, bool] = {}
+        """Each declared model's cold-start state (``model_state``)."""
+        healthy: dict[str, bool] = {}
         for r in self.replicas.values():
-            placed[r.model] = placed.get(r.model, False) or r.state == "healthy"
-        out = {}
-        for name, model in self.models.items():
-            if name in placed:
-                out[name] = "serving" if placed[name] else "starting"
-            elif model.replicas_wanted == 0 and model.replicas_by != "autoscaler":
-                out[name] = "stopped"
-            else:
-                out[name] = "unplaceable" if model.unplaceable_reason else "parked"
-        return out
+            healthy[r.model] = healthy.get(r.model, False) or r.state == "healthy"
+        return {name: model_state(healthy=healthy.get(name, False), placed=name in healthy,
+                                  replicas_wanted=v.replicas_wanted, replicas_by=v.replicas_by,
+                                  unplaceable=v.unplaceable_reason)
+                for name, v in self.models.items()}
 
     def idle_since(self, replica_id: str) -> datetime | None:
         """Since when nobody has asked for a replica, or None when no router knows.
@@ -276,6 +265,24 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
         case _:
             pass  # heartbeats and anything newer than this fold: not part of history
     return state
+
+
+def model_state(*, healthy: bool, placed: bool, replicas_wanted: int, replicas_by: str, unplaceable: str | None) -> str:
+    """A declared model's cold-start state: serving, starting, stopped, unplaceable or parked.
+
+    Serving: a replica is healthy. Starting: replicas are placed, none healthy
+    yet. Stopped: the operator scaled it to 0, and only a scale brings it back.
+    Unplaceable: none placed and the scheduler said why. Parked: none placed,
+    stopped for idleness or scaled to zero by the autoscaler: a request wakes it.
+    The fold and the router's pool both ask this, each from its own view.
+    """
+    if healthy:
+        return "serving"
+    if placed:
+        return "starting"
+    if replicas_wanted == 0 and replicas_by != "autoscaler":
+        return "stopped"
+    return "unplaceable" if unplaceable else "parked"
 
 
 # How bad a part's state is: the replica is as bad as its worst part.
