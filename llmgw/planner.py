@@ -547,23 +547,14 @@ MAX_OBSERVED_TOKENS = 10**10  # no card holds more; a larger figure is a broken 
 MAX_OBSERVED_RATIO = 4  # nor does an engine reserve 4 x what the plan left for the cache
 
 
-@dataclass(frozen=True)
-class Observed:
-    """KV tokens a healthy engine of one spec reserved on this fleet, next to what the plan said."""
-
-    tokens: int
-    planned: int
-    replica_id: str
-
-
 def observation_key(source: str, precision: str, tp: int, pp: int, gpu_class: str, util: float, kv_dtype: str) -> str:
     """The spec facts an engine's reservation depends on (not the context: vLLM sizes the cache by memory)."""
     return f"{source}|{precision}|{tp}|{pp}|{gpu_class}|{util:g}|{kv_dtype}"
 
 
-def record_observation(observed: dict[str, Observed], state: FleetState, event: m.ReplicaStateChanged) -> bool | None:
-    """Keep a healthy engine's reservation: True kept, False refused (implausible, or not from the
-    replica's own node), None when the event carries none."""
+def record_observation(observed: dict[str, int], state: FleetState, event: m.ReplicaStateChanged) -> bool | None:
+    """Keep a healthy engine's KV reservation (tokens) by ``observation_key``: True kept, False refused
+    (implausible, or not from the replica's own node), None when the event carries none."""
     if event.state != "healthy" or event.observed_kv_tokens == 0:
         return None
     replica = state.replicas.get(event.replica_id)
@@ -575,12 +566,12 @@ def record_observation(observed: dict[str, Observed], state: FleetState, event: 
         return False
     key = observation_key(spec.source, spec.precision, spec.tp, spec.pp, spec.gpu_class, spec.gpu_memory_utilization,
                           spec.kv_cache_dtype)
-    observed[key] = Observed(tokens, spec.kv_tokens, event.replica_id)
+    observed[key] = tokens
     return True
 
 
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
-             replicas_now: int, kv_dtype: str = "auto", observed: Observed | None = None) -> m.Candidate:
+             replicas_now: int, kv_dtype: str = "auto", observed: int | None = None) -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
@@ -596,8 +587,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     estimated = kv_tokens
     if observed is not None and kv.bytes_per_token:
         # An engine of this very spec ran here: what it reserved replaces the estimate.
-        kv_tokens = observed.tokens
-        kv_budget = float(observed.tokens * kv.bytes_per_token)
+        kv_tokens = observed
+        kv_budget = float(observed * kv.bytes_per_token)
     longest = kv.max_context(kv_budget)
     max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
     reason: str | None = None
@@ -639,7 +630,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         command=command(info, p, tp, pp, chosen, util, kv_dtype),
         node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype),
         kv_cache_dtype=kv_dtype,
-        observed_kv_tokens=observed.tokens if observed is not None else None,
+        observed_kv_tokens=observed,
         estimated_kv_tokens=estimated,
         source=info.source,
         context=chosen,
@@ -811,7 +802,7 @@ def best_per_class(candidates: Iterable[m.Candidate]) -> list[m.Candidate]:
 
 
 def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
-         fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, Observed] | None = None) -> m.PlanReply:
+         fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, int] | None = None) -> m.PlanReply:
     """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too.
 
     ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests; ``observed``
@@ -820,7 +811,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     """
     observed = observed or {}
 
-    def seen(p: Precision, tp: int, pp: int, cls: str) -> Observed | None:
+    def seen(p: Precision, tp: int, pp: int, cls: str) -> int | None:
         if not observed:
             return None
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)

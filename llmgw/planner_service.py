@@ -46,7 +46,7 @@ class PlannerService:
         self._progress = asyncio.Event()
         self._pools: dict[str, planner.ClassPool] | None = None  # pools of the fold, until it changes
         # What healthy engines reserved, per spec; and reports refused as implausible or foreign.
-        self.observed: dict[str, planner.Observed] = {}
+        self.observed: dict[str, int] = {}  # KV tokens by planner.observation_key
         self.refused_observations = 0
 
     # --- requests ---------------------------------------------------------------------

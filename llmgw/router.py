@@ -445,7 +445,7 @@ class Router:
         held.append(fut)
         self._wish(model)
         try:
-            state = await asyncio.wait_for(asyncio.shield(fut), self.wake_timeout_s)
+            state = await asyncio.wait_for(fut, self.wake_timeout_s)
         except TimeoutError:
             state = "timeout"
         finally:

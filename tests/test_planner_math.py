@@ -494,7 +494,7 @@ def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> N
     spec = before.spec("x")
     assert spec.kv_tokens == before.kv_tokens
     _ran_here(state, spec)
-    observed: dict[str, P.Observed] = {}
+    observed: dict[str, int] = {}
     reserved = before.kv_tokens * 3 // 4
     ok = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=reserved)
     assert P.record_observation(observed, state, ok) is True
@@ -520,7 +520,7 @@ def test_implausible_or_foreign_reservations_are_refused() -> None:
     state = fleet(node("n1", "ib-a") + node("n2", "ib-a"))
     spec = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192)).candidates[0].spec("x")
     _ran_here(state, spec)
-    observed: dict[str, P.Observed] = {}
+    observed: dict[str, int] = {}
 
     def report(node: str, tokens: int, rid: str = "x-r1") -> bool | None:
         return P.record_observation(observed, state, m.ReplicaStateChanged(
