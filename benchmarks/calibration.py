@@ -65,22 +65,22 @@ def _info(row: dict[str, Any]) -> Any:
 
 def evaluate(row: dict[str, Any]) -> Result:
     """One row: what the planner predicts for its model, card, split and settings, next to what vLLM printed."""
-    from llmgw import planner as P
+    from llmgw import memory as M
 
     r = Result(row)
     if why := row.get("excluded"):
         r.excluded = why
         return r
     info = _info(row)
-    p = P.precision(info.quantization or ("fp16" if info.torch_dtype == "float16" else "bf16"))
+    p = M.precision(info.quantization or ("fp16" if info.torch_dtype == "float16" else "bf16"))
     tp, pp = int(row.get("tp") or 1), int(row.get("pp") or 1)
     kv_dtype = row.get("kv_cache_dtype") or "auto"
     if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
-        r.weights = P.weight_bytes_per_gpu(info, p, tp, pp) / GIB
+        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp) / GIB
         return r
     mem_gib = float(row["gpu_memory_gib"])
-    large = P.large_card(str(row.get("gpu_class") or row.get("gpu") or ""), int(mem_gib * 1024))
-    weights, overhead, kv = P.sizes(info, p, tp, pp, kv_dtype, large)
+    large = M.large_card(str(row.get("gpu_class") or row.get("gpu") or ""), int(mem_gib * 1024))
+    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, large)
     budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
     r.weights = weights / GIB
     r.kv = (budget - weights - overhead) / GIB

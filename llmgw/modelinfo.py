@@ -25,8 +25,8 @@ from urllib.parse import urlparse
 import msgspec
 
 from llmgw.errors import ModelError
+from llmgw.memory import architecture_params
 from llmgw.messages import ModelInfo
-from llmgw.planner import architecture_params
 
 __all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
 

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import hashlib
 import hmac
@@ -24,9 +23,7 @@ import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import NamedTuple
 
 import aiohttp
 import msgspec
@@ -36,13 +33,14 @@ from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
+from llmgw.idletracker import IdleFor, IdleTracker
+from llmgw.metrics import Metrics
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
 
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 RETRY_AFTER_S = 5
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class _Head(msgspec.Struct):
@@ -97,137 +95,6 @@ def load_api_keys(path: str | Path) -> frozenset[str]:
 def hash_key(key: str) -> str:
     """The digest an API key file stores for ``key``."""
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-# --- idle tracking ----------------------------------------------------------------
-
-
-class IdleFor(NamedTuple):
-    """How long nobody asked for a replica; ``seconds`` means something only when ``known``."""
-
-    seconds: float
-    known: bool
-
-
-class IdleTracker:
-    """Last request time per replica, written by acquire, read once a tick."""
-
-    def __init__(self) -> None:
-        self.last: dict[str, float] = {}
-        self.tick = 0
-
-    def idle_for(self, replica_id: str, now: float) -> IdleFor:
-        """A value and a flag: a replica this router has not served is unknown, not idle."""
-        t = self.last.get(replica_id)
-        if t is None:
-            return IdleFor(-1.0, False)
-        return IdleFor(max(0.0, now - t), True)
-
-    def idle_map(self, router: str, boot_id: str, pool: Pool, at: datetime,
-                 queued: dict[str, int] | None = None, tick_s: float = 0.0, control_seq: int = 0) -> m.IdleMapPublished:
-        """The next tick's map: requests seen, pooled replicas with none since they joined, and demand."""
-        self.tick += 1
-        # Stopped replicas leave the map: its size follows the fleet, not its history.
-        for rid in [rid for rid in self.last if rid not in pool.replicas]:
-            del self.last[rid]
-        last = {rid: datetime.fromtimestamp(t, UTC) for rid, t in self.last.items()}
-        since = {
-            r.replica_id: datetime.fromtimestamp(r.pooled_at, UTC)
-            for reps in pool.healthy.values()
-            for r in reps
-            if r.replica_id not in self.last
-        }
-        queued = queued or {}
-        in_flight: dict[str, int] = {}
-        busy: dict[str, int] = {}
-        for r in pool.replicas.values():
-            if r.outstanding > 0:
-                busy[r.replica_id] = r.outstanding
-                in_flight[r.model] = in_flight.get(r.model, 0) + r.outstanding
-        # Every declared model, zeros included: a quiet model is what lets the autoscaler scale down.
-        names = set(pool.declared) | set(in_flight) | {n for n, q in queued.items() if q}
-        load = {n: m.ModelLoad(in_flight=in_flight.get(n, 0), queued=queued.get(n, 0),
-                               replicas=len(pool.healthy.get(n, ()))) for n in sorted(names)}
-        return m.IdleMapPublished(at=at, router=router, boot_id=boot_id, tick=self.tick,
-                                  last_request=last, serving_since=since, load=load, busy=busy, tick_s=tick_s,
-                                  control_seq=control_seq)
-
-
-# --- metrics ----------------------------------------------------------------------
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class Metrics:
-    """Counters and histograms in Prometheus text format, written by hand."""
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, int], int] = {}
-        self.errors: dict[tuple[str, str], int] = {}
-        self.latency: dict[tuple[str, bool], list[float]] = {}  # bucket counts..., sum, count
-        self.retries = 0
-
-    def observe(self, model: str, route: str, status: int, stream: bool, seconds: float) -> None:
-        key = (model, route, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        hist = self.latency.get((model, stream))
-        if hist is None:
-            hist = self.latency[(model, stream)] = [0.0] * (len(LATENCY_BUCKETS) + 2)
-        hist[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        hist[-2] += seconds
-        hist[-1] += 1
-
-    def error(self, model: str, kind: str) -> None:
-        key = (model, kind)
-        self.errors[key] = self.errors.get(key, 0) + 1
-
-    def render(self, pool: Pool, bad_events: int, idle_maps: int) -> str:
-        out: list[str] = []
-        out.append("# HELP llmgw_router_requests_total Requests answered, by model, route and status.")
-        out.append("# TYPE llmgw_router_requests_total counter")
-        for (model, route, status), n in sorted(self.requests.items()):
-            out.append(f'llmgw_router_requests_total{{model="{_label(model)}",route="{route}",code="{status}"}} {n}')
-        out.append("# HELP llmgw_router_errors_total Requests that failed, by model and kind.")
-        out.append("# TYPE llmgw_router_errors_total counter")
-        for (model, kind), n in sorted(self.errors.items()):
-            out.append(f'llmgw_router_errors_total{{model="{_label(model)}",kind="{kind}"}} {n}')
-        out.append("# HELP llmgw_router_retries_total Requests retried on another replica after a connection failure.")
-        out.append("# TYPE llmgw_router_retries_total counter")
-        out.append(f"llmgw_router_retries_total {self.retries}")
-        out.append("# HELP llmgw_router_request_seconds Time from request to the last byte, by model and stream.")
-        out.append("# TYPE llmgw_router_request_seconds histogram")
-        for (model, stream), hist in sorted(self.latency.items()):
-            labels = f'model="{_label(model)}",stream="{str(stream).lower()}"'
-            acc = 0
-            for bound, count in zip(LATENCY_BUCKETS, hist, strict=False):
-                acc += int(count)
-                out.append(f'llmgw_router_request_seconds_bucket{{{labels},le="{bound}"}} {acc}')
-            out.append(f'llmgw_router_request_seconds_bucket{{{labels},le="+Inf"}} {int(hist[-1])}')
-            out.append(f"llmgw_router_request_seconds_sum{{{labels}}} {hist[-2]:.6f}")
-            out.append(f"llmgw_router_request_seconds_count{{{labels}}} {int(hist[-1])}")
-        out.append("# HELP llmgw_router_in_flight Requests in flight per replica.")
-        out.append("# TYPE llmgw_router_in_flight gauge")
-        per_model: dict[str, int] = {}
-        for r in sorted(pool.replicas.values(), key=lambda r: r.replica_id):
-            out.append(f'llmgw_router_in_flight{{replica="{_label(r.replica_id)}",model="{_label(r.model)}"}} {r.outstanding}')
-            per_model[r.model] = per_model.get(r.model, 0) + r.outstanding
-        out.append("# HELP llmgw_router_model_in_flight Requests in flight per model.")
-        out.append("# TYPE llmgw_router_model_in_flight gauge")
-        for model, n in sorted(per_model.items()):
-            out.append(f'llmgw_router_model_in_flight{{model="{_label(model)}"}} {n}')
-        out.append("# HELP llmgw_router_replicas Replicas this router knows, by state.")
-        out.append("# TYPE llmgw_router_replicas gauge")
-        for state, n in sorted(pool.states().items()):
-            out.append(f'llmgw_router_replicas{{state="{state}"}} {n}')
-        out.append("# HELP llmgw_router_bad_events_total Control events that could not be decoded and were skipped.")
-        out.append("# TYPE llmgw_router_bad_events_total counter")
-        out.append(f"llmgw_router_bad_events_total {bad_events}")
-        out.append("# HELP llmgw_router_idle_maps_total Idle maps published.")
-        out.append("# TYPE llmgw_router_idle_maps_total counter")
-        out.append(f"llmgw_router_idle_maps_total {idle_maps}")
-        return "\n".join(out) + "\n"
 
 
 # --- the router -------------------------------------------------------------------

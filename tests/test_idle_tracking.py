@@ -22,7 +22,8 @@ from llmgw.config import Settings
 from llmgw.endpoints import Pool
 from llmgw.fake_engine import EngineProcess
 from llmgw.fleet.fold import FleetState, apply
-from llmgw.router import IdleFor, IdleTracker, Router
+from llmgw.idletracker import IdleFor, IdleTracker
+from llmgw.router import Router
 
 
 async def up(bus: Bus, rid: str, model: str, endpoint: str) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from llmgw import memory as M
 from llmgw import modelinfo
-from llmgw import planner as P
 from llmgw.errors import ModelError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def test_architecture_agrees_with_every_index() -> None:
     for d in MODELS.iterdir():
         info = modelinfo.load(str(d))
         if info.params_source == "safetensors-index":
-            assert P.architecture_params(info) == pytest.approx(info.params, rel=1e-3), d.name
+            assert M.architecture_params(info) == pytest.approx(info.params, rel=1e-3), d.name
 
 
 def test_params_override_wins(tmp_path: Path) -> None:

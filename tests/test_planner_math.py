@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw import fleetfile, modelinfo
+from llmgw import memory as M
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import PlanError
@@ -72,31 +73,31 @@ EXAMPLE_FLEET = fold(fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml
     ],
 )
 def test_kv_bytes_per_token_per_gpu(dirname: str, tp: int, expected: int) -> None:
-    assert P.kv_shape(model(dirname), "vllm", tp).bytes_per_token == expected
+    assert M.kv_shape(model(dirname), "vllm", tp).bytes_per_token == expected
 
 
 def test_kv_pipeline_stage_holds_its_layers_only() -> None:
-    assert P.kv_shape(model(LLAMA70), "vllm", 8, pp=2).bytes_per_token == 40 * 2 * 1 * 128 * 2
-    assert P.kv_shape(model(DEEPSEEK), "vllm", 8, pp=2).bytes_per_token == 31 * 576 * 2  # 61 layers: 31 + 30
+    assert M.kv_shape(model(LLAMA70), "vllm", 8, pp=2).bytes_per_token == 40 * 2 * 1 * 128 * 2
+    assert M.kv_shape(model(DEEPSEEK), "vllm", 8, pp=2).bytes_per_token == 31 * 576 * 2  # 61 layers: 31 + 30
 
 
 def test_kv_heads_replicate_beyond_tp() -> None:
     """Past one KV head per rank the heads are replicated, so KV per GPU stops shrinking."""
     info = model(LLAMA70)
-    assert P.kv_heads_per_rank(info, 16) == 1
-    assert P.kv_shape(info, "vllm", 16).bytes_per_token == P.kv_shape(info, "vllm", 8).bytes_per_token
+    assert M.kv_heads_per_rank(info, 16) == 1
+    assert M.kv_shape(info, "vllm", 16).bytes_per_token == M.kv_shape(info, "vllm", 8).bytes_per_token
 
 
 def test_sliding_window_layers_hold_at_most_window_plus_batch() -> None:
     info = model(GEMMA)
     assert info.sliding_window == 4096
     assert info.sliding_layers == tuple(range(0, 42, 2))
-    shape = P.kv_shape(info, "llama.cpp", 1)  # llama.cpp's SWA cache: window + n_ubatch (512)
+    shape = M.kv_shape(info, "llama.cpp", 1)  # llama.cpp's SWA cache: window + n_ubatch (512)
     assert (shape.full_layers, shape.window_layers, shape.window) == (21, 21, 4096 + 512)
     per_layer = 2 * 8 * 256 * 2
     assert shape.bytes_for(8192) == per_layer * (21 * 8192 + 21 * 4608)
     assert shape.bytes_for(4000) == per_layer * 42 * 4000  # inside the window every layer pays
-    vllm = P.kv_shape(info, "vllm", 1)
+    vllm = M.kv_shape(info, "vllm", 1)
     assert vllm.window == 4096 + 8192
     # 8 GiB holds more than the window: past it only the 21 global layers grow.
     c = vllm.max_context(8 * GIB)
@@ -117,32 +118,32 @@ def test_weights_llama70_bf16_per_rank_hand_checked() -> None:
     info = model(LLAMA70)
     total = 141_107_412_992  # safetensors index: every parameter at 2 bytes
     norms = 2 * (80 * 2 * 8192 + 8192)  # replicated on every rank
-    bf16 = P.BY_NAME["bf16"]
-    assert P.layout(info, bf16).total == total
-    assert P.weight_bytes_per_gpu(info, bf16, 1) == total
-    assert P.weight_bytes_per_gpu(info, bf16, 2) == (total - norms) / 2 + norms
-    assert P.weight_bytes_per_gpu(info, bf16, 8) == (total - norms) / 8 + norms
+    bf16 = M.BY_NAME["bf16"]
+    assert M.layout(info, bf16).total == total
+    assert M.weight_bytes_per_gpu(info, bf16, 1) == total
+    assert M.weight_bytes_per_gpu(info, bf16, 2) == (total - norms) / 2 + norms
+    assert M.weight_bytes_per_gpu(info, bf16, 8) == (total - norms) / 8 + norms
 
 
 def test_weights_pipeline_charges_the_worst_stage() -> None:
     info = model(LLAMA70)
-    bf16 = P.BY_NAME["bf16"]
+    bf16 = M.BY_NAME["bf16"]
     layer = (8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672) * 2  # q, o, k, v, gate/up/down
     norm = 2 * 8192 * 2
     embd = 128256 * 8192 * 2
     final_norm = 8192 * 2
     # Stage 0: 40 layers + embeddings; stage 1: 40 layers + lm_head (as large) + the final norm: the worst.
-    assert P.weight_bytes_per_gpu(info, bf16, 1, pp=2) == 40 * (layer + norm) + embd + final_norm
-    assert P.weight_bytes_per_gpu(info, bf16, 8, pp=2) == 40 * (layer / 8 + norm) + embd / 8 + final_norm
+    assert M.weight_bytes_per_gpu(info, bf16, 1, pp=2) == 40 * (layer + norm) + embd + final_norm
+    assert M.weight_bytes_per_gpu(info, bf16, 8, pp=2) == 40 * (layer / 8 + norm) + embd / 8 + final_norm
 
 
 def test_moe_counts_every_expert() -> None:
     info = model(MIXTRAL)
     assert (info.num_experts, info.experts_per_token) == (8, 2)
     per_layer_experts = 8 * 3 * 4096 * 14336
-    assert P.architecture_params(info) == 46_702_792_704 == info.params
-    assert sum(t.params for t in P.tensors(info) if "exps" in t.name) == 32 * per_layer_experts
-    assert P.weight_bytes_per_gpu(info, P.BY_NAME["bf16"], 1) == 2 * 46_702_792_704
+    assert M.architecture_params(info) == 46_702_792_704 == info.params
+    assert sum(t.params for t in M.tensors(info) if "exps" in t.name) == 32 * per_layer_experts
+    assert M.weight_bytes_per_gpu(info, M.BY_NAME["bf16"], 1) == 2 * 46_702_792_704
 
 
 def test_mla_moe_params_from_architecture() -> None:
@@ -160,10 +161,10 @@ def test_mla_moe_params_from_architecture() -> None:
 def test_tied_embeddings_are_stored_once() -> None:
     info = model(GEMMA)
     assert info.tie_word_embeddings
-    assert not any(t.name == "output" for t in P.tensors(info))
-    assert P.layout(info, P.BY_NAME["bf16"]).output == 0
+    assert not any(t.name == "output" for t in M.tensors(info))
+    assert M.layout(info, M.BY_NAME["bf16"]).output == 0
     untied = msgspec.structs.replace(info, tie_word_embeddings=False, params=0)
-    assert P.architecture_params(untied) - P.architecture_params(msgspec.structs.replace(info, params=0)) == 256000 * 3584
+    assert M.architecture_params(untied) - M.architecture_params(msgspec.structs.replace(info, params=0)) == 256000 * 3584
 
 
 def test_fp8_keeps_embeddings_and_lm_head_in_16_bits() -> None:
@@ -171,29 +172,29 @@ def test_fp8_keeps_embeddings_and_lm_head_in_16_bits() -> None:
     embd = 128256 * 8192
     norms = 80 * 2 * 8192 + 8192
     matmuls = info.params - 2 * embd - norms
-    assert P.layout(info, P.BY_NAME["fp8"]).total == pytest.approx(matmuls * 1 + 2 * embd * 2 + norms * 2)
+    assert M.layout(info, M.BY_NAME["fp8"]).total == pytest.approx(matmuls * 1 + 2 * embd * 2 + norms * 2)
 
 
 @pytest.mark.parametrize(("precision", "gib"), [("q8_0", 14.62), ("q4_K_M", 8.37)])
 def test_gguf_calibration_qwen25_14b(precision: str, gib: float) -> None:
     """llama.cpp reported 14.62 GiB (q8_0) and 8.37 GiB (q4_K_M) for Qwen2.5-14B."""
-    size = P.layout(model(QWEN14), P.BY_NAME[precision.lower()]).total / GIB
+    size = M.layout(model(QWEN14), M.BY_NAME[precision.lower()]).total / GIB
     assert size == pytest.approx(gib, rel=0.02)
 
 
 def test_gguf_k_quant_rules() -> None:
     info = model(QWEN14)
-    q4 = P.BY_NAME["q4_k_m"]
-    by = {(t.name, t.layer): t for t in P.tensors(info)}
-    assert P.gguf_type(q4, by[("output", -1)], info) == "Q6_K"
-    assert P.gguf_type(q4, by[("attn_q", 10)], info) == "Q4_K"
-    assert P.gguf_type(q4, by[("ffn_down", 0)], info) == "Q6_K"  # first eighth: more bits
-    assert P.gguf_type(q4, by[("ffn_down", 8)], info) == "Q6_K"  # (8 - 6) % 3 == 2
-    assert P.gguf_type(q4, by[("ffn_down", 9)], info) == "Q4_K"
-    odd = P.Tensor("ffn_down", 9, 1056 * 4096, 1056, True, "tp")  # a row of 1056 is no multiple of 256
-    assert P.gguf_type(q4, odd, info) == "Q5_0"
-    assert P.gguf_type(P.BY_NAME["q6_k"], odd, info) == "Q8_0"
-    assert P.gguf_type(q4, by[("norm", 3)], info) == "F32"
+    q4 = M.BY_NAME["q4_k_m"]
+    by = {(t.name, t.layer): t for t in M.tensors(info)}
+    assert M.gguf_type(q4, by[("output", -1)], info) == "Q6_K"
+    assert M.gguf_type(q4, by[("attn_q", 10)], info) == "Q4_K"
+    assert M.gguf_type(q4, by[("ffn_down", 0)], info) == "Q6_K"  # first eighth: more bits
+    assert M.gguf_type(q4, by[("ffn_down", 8)], info) == "Q6_K"  # (8 - 6) % 3 == 2
+    assert M.gguf_type(q4, by[("ffn_down", 9)], info) == "Q4_K"
+    odd = M.Tensor("ffn_down", 9, 1056 * 4096, 1056, True, "tp")  # a row of 1056 is no multiple of 256
+    assert M.gguf_type(q4, odd, info) == "Q5_0"
+    assert M.gguf_type(M.BY_NAME["q6_k"], odd, info) == "Q8_0"
+    assert M.gguf_type(q4, by[("norm", 3)], info) == "F32"
 
 
 # --- fit: the facts people rely on ---------------------------------------------------------------
@@ -215,8 +216,8 @@ def test_llama70_bf16_fits_on_two_h100_at_8k_and_not_on_one() -> None:
     assert tp2.fits and tp2.context == 8192 and tp2.max_context >= 8192
     assert not tp1.fits and "exceed" in (tp1.reason or "")
     # The slack is the unused 5% of the card, reserved once: the KV cache is exactly what is left.
-    weights = P.weight_bytes_per_gpu(info, P.BY_NAME["bf16"], 2)
-    overhead = P.overhead_bytes_per_gpu(info, "vllm", 2)
+    weights = M.weight_bytes_per_gpu(info, M.BY_NAME["bf16"], 2)
+    overhead = M.overhead_bytes_per_gpu(info, "vllm", 2)
     assert tp2.kv_gib_per_gpu == round((0.95 * H100_MIB * MIB - weights - overhead) / GIB, 2)
     assert tp2.kv_tokens == int((0.95 * H100_MIB * MIB - weights - overhead) // 163_840) // 16 * 16
     assert tp2.command == ("vllm serve meta-llama/Llama-3.3-70B-Instruct --tensor-parallel-size 2 "
@@ -231,17 +232,17 @@ def test_overhead_is_per_rank_from_the_ranks_share() -> None:
     sampler = int(9.7 * 1024 * 128256 * 4)
     expected = max(forward, sampler) + int(0.13 * GIB) + int(0.42 * GIB)
     assert sampler > forward
-    assert P.overhead_bytes_per_gpu(info, "vllm", 2) == expected == 5_686_322_790
+    assert M.overhead_bytes_per_gpu(info, "vllm", 2) == expected == 5_686_322_790
     # An A100 or a smaller card gets vLLM's smaller defaults (2048 tokens, 256 sequences).
     small = max(2048 * 2 * ((32 + 2 * 4) * 128 + 4 * 8192 + 3 * 28672 // 2), int(9.7 * 256 * 128256 * 4))
-    assert P.overhead_bytes_per_gpu(info, "vllm", 2, large=False) == small + int(0.13 * GIB) + int(0.42 * GIB)
-    assert not P.large_card("A100-80GB", 81920) and P.large_card("H100-80GB", 81559) and not P.large_card("L40S-48GB", 46068)
+    assert M.overhead_bytes_per_gpu(info, "vllm", 2, large=False) == small + int(0.13 * GIB) + int(0.42 * GIB)
+    assert not M.large_card("A100-80GB", 81920) and M.large_card("H100-80GB", 81559) and not M.large_card("L40S-48GB", 46068)
     # The forward pass is the rank's share; the sampler's logits are the whole vocabulary on every rank.
     mixtral = model(MIXTRAL)  # a wide MoE MLP and a 32k vocabulary: there the forward pass is the peak at tp 1
-    assert P.overhead_bytes_per_gpu(mixtral, "vllm", 2) < P.overhead_bytes_per_gpu(mixtral, "vllm", 1)
-    assert P.overhead_bytes_per_gpu(info, "vllm", 8) == P.overhead_bytes_per_gpu(info, "vllm", 2)
+    assert M.overhead_bytes_per_gpu(mixtral, "vllm", 2) < M.overhead_bytes_per_gpu(mixtral, "vllm", 1)
+    assert M.overhead_bytes_per_gpu(info, "vllm", 8) == M.overhead_bytes_per_gpu(info, "vllm", 2)
     # Not a fraction of the whole model: a bigger parameter count leaves the overhead alone.
-    assert P.overhead_bytes_per_gpu(msgspec.structs.replace(info, params=info.params * 3), "vllm", 2) == expected
+    assert M.overhead_bytes_per_gpu(msgspec.structs.replace(info, params=info.params * 3), "vllm", 2) == expected
 
 
 def test_full_context_falls_back_to_the_largest_that_fits() -> None:
@@ -268,18 +269,18 @@ def test_requested_context_that_does_not_fit_says_why() -> None:
 def test_seed_mistake_attention_heads_instead_of_kv_heads() -> None:
     info = model(LLAMA70)
     wrong = 80 * 2 * 64 * 128 * 2
-    right = P.kv_shape(info, "vllm", 1).bytes_per_token
+    right = M.kv_shape(info, "vllm", 1).bytes_per_token
     assert right == 327_680 and wrong == 8 * right
     # A config that says kv heads == attention heads is the only way to get the 8x figure.
     mha = msgspec.structs.replace(info, num_kv_heads=64)
-    assert P.kv_shape(mha, "vllm", 1).bytes_per_token == wrong
+    assert M.kv_shape(mha, "vllm", 1).bytes_per_token == wrong
 
 
 def test_seed_mistake_slack_reserved_twice() -> None:
     """At 0.95 the 70B fits on two cards; taking another 10% off the 95% would wrongly refuse it."""
     info = model(LLAMA70)
-    fits = P.evaluate(info, P.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95, replicas_now=1)
-    twice = P.evaluate(info, P.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95 * 0.9, replicas_now=1)
+    fits = P.evaluate(info, M.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95, replicas_now=1)
+    twice = P.evaluate(info, M.BY_NAME["bf16"], P.Split("H100-80GB", None, H100_MIB, 2), context=8192, util=0.95 * 0.9, replicas_now=1)
     assert fits.fits and not twice.fits
 
 
@@ -287,7 +288,7 @@ def test_seed_mistake_gguf_emitted_as_vllm_profile() -> None:
     reply = P.plan(model(QWEN14), EXAMPLE_FLEET, m.PlanRequest(model="q", all=True))
     assert {c.precision for c in reply.candidates} == {"bf16", "fp8", "q8_0", "q6_K", "q5_K_M", "q4_K_M"}
     for c in reply.candidates:
-        if c.precision in P.GGUF_NAMES:
+        if c.precision in M.GGUF_NAMES:
             assert c.engine == "llama.cpp" and c.quantization is None and c.pp == 1
             assert c.command.startswith(f"llama-server -m Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf -c ")
             assert c.file == f"Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf" and c.file_gib
@@ -301,7 +302,7 @@ def test_seed_mistake_gguf_emitted_as_vllm_profile() -> None:
 def test_native_fp8_checkpoint_needs_no_quantization_flag_and_refuses_bf16() -> None:
     info = model(DEEPSEEK)
     assert info.quantization == "fp8"
-    fp8 = P.evaluate(info, P.BY_NAME["fp8"], P.Split("H200-141GB", None, 143771, 8), context=None, util=0.9, replicas_now=0)
+    fp8 = P.evaluate(info, M.BY_NAME["fp8"], P.Split("H200-141GB", None, 143771, 8), context=None, util=0.9, replicas_now=0)
     assert fp8.quantization is None and "--quantization" not in fp8.command
     with pytest.raises(PlanError, match="holds fp8 weights"):
         P.plan(info, EXAMPLE_FLEET, m.PlanRequest(model="d", precisions=("bf16",)))
@@ -359,7 +360,7 @@ def test_replicas_multi_needs_distinct_nodes() -> None:
 
 def test_candidates_sorted_fewest_gpus_then_best_precision() -> None:
     reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192))
-    keys = [(c.gpus, P.RANK[c.precision]) for c in reply.candidates]
+    keys = [(c.gpus, M.RANK[c.precision]) for c in reply.candidates]
     assert keys == sorted(keys) and all(c.fits for c in reply.candidates)
     assert reply.candidates[0].gpus == 1 and reply.candidates[0].precision == "q6_K"  # fp8 leaves 0.8 GiB of KV
 
@@ -408,11 +409,11 @@ def test_gguf_only_request_may_use_any_gpu_count() -> None:
 def test_awq_checkpoint_is_served_as_awq_by_vllm() -> None:
     base = model(QWEN14)
     awq = msgspec.structs.replace(base, quantization="awq", source="Qwen/Qwen2.5-14B-Instruct-AWQ")
-    assert [p.name for p in P.available_precisions(awq)] == ["awq", *P.GGUF_NAMES]
+    assert [p.name for p in P.available_precisions(awq)] == ["awq", *M.GGUF_NAMES]
     embd = 152064 * 5120
-    norms_biases = sum(t.params for t in P.tensors(awq) if not t.matmul) - 2 * embd
+    norms_biases = sum(t.params for t in M.tensors(awq) if not t.matmul) - 2 * embd
     matmuls = awq.params - 2 * embd - norms_biases
-    assert P.layout(awq, P.BY_NAME["awq"]).total == pytest.approx(
+    assert M.layout(awq, M.BY_NAME["awq"]).total == pytest.approx(
         matmuls * (4 + 20 / 128) / 8 + (2 * embd + norms_biases) * 2, rel=1e-9)
     c = one(P.plan(awq, EXAMPLE_FLEET, m.PlanRequest(model="a", precisions=("AWQ",), tp=(1,))).candidates,
             gpu_class="L40S-48GB")
@@ -436,8 +437,8 @@ def test_every_fit_adds_up_within_the_budget(dirname: str, util: float, context:
     reply = P.plan(info, state, m.PlanRequest(model=info.name, context=context, gpu_memory_utilization=util, all=True))
     assert reply.candidates
     for c in reply.candidates:
-        p = P.BY_NAME[c.precision.lower()]
-        weights, overhead, kv = P.sizes(info, p, c.tp, c.pp, c.kv_cache_dtype, P.large_card("X-1GB", mem))
+        p = M.BY_NAME[c.precision.lower()]
+        weights, overhead, kv = M.sizes(info, p, c.tp, c.pp, c.kv_cache_dtype, M.large_card("X-1GB", mem))
         if c.fits:
             assert weights + overhead + kv.bytes_for(c.context) <= util * mem * MIB
             assert c.context <= c.max_context <= info.max_position_embeddings
@@ -456,15 +457,15 @@ MODELS_BY_DIR = {d: model(d) for d in (LLAMA70, LLAMA8, QWEN14, QWEN3, GEMMA, MI
 def test_candidate_one_for_70b_on_the_example_fleet_holds_the_common_context() -> None:
     reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l"))
     first = reply.candidates[0]
-    assert first.fits and first.context == P.DEFAULT_CONTEXT_CAP and first.max_context >= 32_768
+    assert first.fits and first.context == M.DEFAULT_CONTEXT_CAP and first.max_context >= 32_768
     # The fewest GPUs that hold it, highest precision first; no candidate that holds it uses fewer GPUs.
-    holding = [c for c in reply.candidates if c.context >= P.DEFAULT_CONTEXT_CAP]
+    holding = [c for c in reply.candidates if c.context >= M.DEFAULT_CONTEXT_CAP]
     assert first.gpus == min(c.gpus for c in holding)
-    assert all(P.RANK[first.precision] <= P.RANK[c.precision] for c in holding if c.gpus == first.gpus)
+    assert all(M.RANK[first.precision] <= M.RANK[c.precision] for c in holding if c.gpus == first.gpus)
     # Splits that hold less come after every split that holds it, with what they hold.
-    kinds = [c.context >= P.DEFAULT_CONTEXT_CAP for c in reply.candidates]
+    kinds = [c.context >= M.DEFAULT_CONTEXT_CAP for c in reply.candidates]
     assert kinds == sorted(kinds, reverse=True)
-    short = [c for c in reply.candidates if c.context < P.DEFAULT_CONTEXT_CAP]
+    short = [c for c in reply.candidates if c.context < M.DEFAULT_CONTEXT_CAP]
     assert all(c.context == c.max_context // 16 * 16 or c.context == c.max_context for c in short)
     # By default one candidate per (class, precision); --all lists every split.
     assert len({(c.gpu_class, c.precision) for c in reply.candidates}) == len(reply.candidates)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from llmgw import fleetfile, modelinfo
+from llmgw import memory as M
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import ModelError, PlanError
@@ -50,7 +51,7 @@ def quantized(base: str, qc: dict[str, Any], tmp_path: Path) -> m.ModelInfo:
 
 def split_params(info: m.ModelInfo) -> tuple[int, int]:
     """(matmul, other) parameters of the architecture."""
-    ts = P.tensors(info)
+    ts = M.tensors(info)
     return sum(t.params for t in ts if t.matmul), sum(t.params for t in ts if not t.matmul)
 
 
@@ -62,7 +63,7 @@ def test_compressed_tensors_checkpoints_are_sized_from_their_scheme(qc: dict[str
     assert (info.quantization, info.quant_format, info.quant_bits) == (precision, "compressed-tensors", bits)
     matmul, other = split_params(info)
     # Hand-checked: quantized matmuls at their bits, embeddings, lm_head (ignored) and norms at 16.
-    assert P.layout(info, P.precision(precision)).total == pytest.approx((matmul * bits + other * 16) / 8)
+    assert M.layout(info, M.precision(precision)).total == pytest.approx((matmul * bits + other * 16) / 8)
     reply = P.plan(info, FLEET, m.PlanRequest(model=info.name))
     assert {c.precision for c in reply.candidates} >= {precision}
     own = [c for c in reply.candidates if c.precision == precision]
@@ -77,10 +78,10 @@ def test_ignored_layers_stay_16_bit(tmp_path: Path) -> None:
     first_last = quantized("meta-llama__Llama-3.1-8B-Instruct",
                            {**FP8_DYNAMIC, "ignore": ["lm_head", "re:model.layers.0\\..*", "model.layers.31.mlp.down_proj"]},
                            tmp_path / "b")
-    layer0 = sum(t.params for t in P.tensors(plain) if t.layer == 0 and t.matmul)
-    down31 = next(t.params for t in P.tensors(plain) if t.layer == 31 and t.name == "ffn_down")
-    fp8 = P.precision("fp8")
-    assert P.layout(first_last, fp8).total - P.layout(plain, fp8).total == pytest.approx((layer0 + down31) * 1.0)
+    layer0 = sum(t.params for t in M.tensors(plain) if t.layer == 0 and t.matmul)
+    down31 = next(t.params for t in M.tensors(plain) if t.layer == 31 and t.name == "ffn_down")
+    fp8 = M.precision("fp8")
+    assert M.layout(first_last, fp8).total - M.layout(plain, fp8).total == pytest.approx((layer0 + down31) * 1.0)
 
 
 def test_kv_cache_scheme_and_the_kv_flag_halve_the_cache(tmp_path: Path) -> None:
@@ -153,5 +154,5 @@ def test_sizes_agree_with_what_the_repositories_state(base: str, scheme_from: st
                                                       tmp_path: Path) -> None:
     cfg = real(scheme_from)
     info = quantized(base, cfg.get("quantization_config") or cfg["compression_config"], tmp_path)
-    total = P.layout(info, P.precision(str(info.quantization))).total
+    total = M.layout(info, M.precision(str(info.quantization))).total
     assert total == pytest.approx(stated_bytes, rel=0.03)  # tests/data/quantized/SOURCES.md

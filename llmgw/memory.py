@@ -1,0 +1,465 @@
+"""The memory model: bytes per GPU for weights, overhead and KV cache of one split. Pure: no I/O, no clock.
+
+The memory model, per GPU, for one replica split ``tp`` ways inside a node and
+``pp`` ways across nodes (llama.cpp: ``tp`` counts the GPUs its layer split
+spreads over, on one node):
+
+* **Budget** = ``gpu_memory_utilization`` x the card's *total* memory. vLLM
+  sizes everything from that fraction; the rest of the card is the slack, and
+  it is reserved exactly once, here. llama.cpp has no such flag; the planner
+  holds it to the same fraction so that both engines leave the same slack.
+* **Weights per GPU** = the rank's share, tensor by tensor, at the precision's
+  real size. vLLM: matmuls, embeddings and lm_head are split by tp (K/V
+  projections only down to one KV head per rank, then replicated; MLA's
+  low-rank down-projections and MoE routers are replicated), layers by pp;
+  the worst stage is charged. fp8 and AWQ/GPTQ (4 bits + a 16-bit scale and a
+  4-bit zero per group of 128) apply to matmuls only; embeddings, lm_head, norms
+  and routers stay 16-bit. GGUF: llama.cpp's own tensor-type rules (below),
+  with token embeddings left in host memory unless they double as the output.
+  The tensor breakdown comes from the architecture and is scaled to the
+  parameter count read from the checkpoint, so both always agree on the total.
+* **Overhead per GPU**, from that rank's share, as vLLM (V1 engine, 0.11) accounts
+  for it when it sizes the KV cache (calibrated on published start-up logs:
+  ``tests/data/vllm_observed.jsonl``, table in the README):
+  - the activation peak of its profiling run, the larger of the forward pass
+    (``max_num_batched_tokens`` x 2 bytes x (the rank's q/k/v width + 4 x hidden +
+    3 x the rank's MLP width, top-k experts for MoE)) and the sampler's dummy pass
+    (``max_num_seqs`` x vocab x fp32, 9.7 times over: logits, probabilities, the
+    top-p/top-k sort and its indices; not split by tp). vLLM's defaults for the
+    OpenAI server: 8192 tokens and 1024 sequences on cards of 70 GiB or more
+    except the A100, else 2048 and 256.
+  - memory outside torch's allocator that it counts: 0.13 GiB, plus 0.42 GiB of
+    NCCL and custom all-reduce buffers when tp x pp > 1.
+  - The CUDA context (~0.5 GiB) and the CUDA graphs it captures after sizing the
+    cache (0.3-1.9 GiB in the logs) come out of the slack, not the budget.
+  llama.cpp: a CUDA context of 0.5 GiB and its compute buffer with its
+  ``n_ubatch`` of 512 tokens in fp32.
+* **KV cache** = budget - weights - overhead. Per token per GPU: layers x 2 x
+  max(1, kv_heads / tp) x head_dim x 2 bytes (16-bit cache). MLA caches one
+  latent of kv_lora_rank + qk_rope_head_dim per layer, replicated on every tp
+  rank. Sliding-window layers hold at most their window plus the batch in
+  flight (vLLM's hybrid allocator; llama.cpp's SWA cache).
+
+A candidate fits when weights + overhead leave room for the context asked for
+(default: the model's full context, else the largest that fits, at least 2048
+tokens): vLLM refuses to start when one sequence of ``max_model_len`` does not
+fit in the KV cache.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from llmgw import messages as m
+from llmgw.errors import PlanError
+
+GIB = 1024**3
+MIB = 1024**2
+
+# --- constants of the memory model (see the module docstring for their sources) ---
+VLLM_BATCHED_TOKENS = 8192  # max_num_batched_tokens and max_num_seqs, on a large card
+VLLM_MAX_SEQS = 1024
+VLLM_SMALL_BATCHED_TOKENS = 2048  # … and elsewhere (A100s, cards under 70 GiB)
+VLLM_SMALL_MAX_SEQS = 256
+VLLM_LARGE_CARD_BYTES = 70 * 1024**3
+VLLM_SAMPLER_COPIES = 9.7  # fitted: the 0.11 logs' activation peak over max_num_seqs x vocab x 4 B
+VLLM_NON_TORCH_BYTES = int(0.13 * 1024**3)
+VLLM_ALLREDUCE_BYTES = int(0.42 * 1024**3)
+LLAMACPP_UBATCH = 512
+CUDA_CONTEXT_BYTES = GIB // 2
+KV_DTYPE_BYTES = 2
+MIN_CONTEXT = 2048
+# Without --context every candidate is judged at the model's full context, capped here:
+# a 128k window is rarely what a replica is sized for, and 2k is no recommendation.
+DEFAULT_CONTEXT_CAP = 32_768
+VLLM_BLOCK = 16
+LLAMACPP_CTX_PAD = 256
+DEFAULT_TPS = (1, 2, 4, 8)
+MAX_PP = 8
+INT4_BPW = 4 + (16 + 4) / 128  # AWQ/GPTQ: 4-bit weights, fp16 scale and 4-bit zero per group of 128
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision as its engine spells it; choosing it chooses the engine."""
+
+    name: str
+    engine: m.Engine
+    kind: str  # 16bit | fp8 | int4 | ckpt (only a checkpoint already so) | gguf
+    ggml: str = ""  # GGUF: the base block type of the file
+
+
+PRECISIONS: tuple[Precision, ...] = (
+    Precision("bf16", "vllm", "16bit"),
+    Precision("fp16", "vllm", "16bit"),
+    Precision("fp8", "vllm", "fp8"),
+    Precision("int8", "vllm", "ckpt"),
+    Precision("bnb-8bit", "vllm", "ckpt"),
+    Precision("awq", "vllm", "int4"),
+    Precision("gptq", "vllm", "int4"),
+    Precision("int4", "vllm", "ckpt"),
+    Precision("fp4", "vllm", "ckpt"),
+    Precision("bnb-4bit", "vllm", "ckpt"),
+    Precision("q8_0", "llama.cpp", "gguf", "Q8_0"),
+    Precision("q6_K", "llama.cpp", "gguf", "Q6_K"),
+    Precision("q5_K_M", "llama.cpp", "gguf", "Q5_K"),
+    Precision("q4_K_M", "llama.cpp", "gguf", "Q4_K"),
+)
+BY_NAME = {p.name.lower(): p for p in PRECISIONS}
+RANK = {p.name: i for i, p in enumerate(PRECISIONS)}
+GGUF_NAMES = tuple(p.name for p in PRECISIONS if p.kind == "gguf")
+
+# ggml block formats: bits per weight (block bytes x 8 / block elements).
+GGML_BPW = {"F32": 32.0, "F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q4_K": 4.5,
+            "Q5_0": 5.5, "Q5_1": 6.0}
+# A K-quant needs rows that are a multiple of 256; llama.cpp falls back to these.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def precision(name: str) -> Precision:
+    """A precision by name, case-insensitively."""
+    p = BY_NAME.get(name.lower())
+    if p is None:
+        raise PlanError(f"unknown precision {name!r}; known: {', '.join(BY_NAME[k].name for k in BY_NAME)}")
+    return p
+
+
+# --- the model's tensors ----------------------------------------------------------------
+
+
+class Tensor(NamedTuple):
+    """One weight tensor (or all experts of one kind in a layer) as llama.cpp names it."""
+
+    name: str  # token_embd, output, attn_q, attn_k, attn_v, attn_output, ffn_gate, ..., norm
+    layer: int  # -1 outside the layers
+    params: int
+    row: int  # the input width (ggml ne0): decides K-quant fallbacks
+    matmul: bool  # a linear layer's weight: what fp8/AWQ/GPTQ quantize
+    split: str  # tp: sharded by tp | kv: sharded by KV heads | rep: replicated on every rank
+
+
+def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
+    h, heads, kv, hd = info.hidden_size, info.num_attention_heads, info.num_kv_heads, info.head_dim
+    norms = 4 if info.model_type.startswith("gemma") else 2
+    out = [Tensor("norm", i, norms * h, h, False, "rep")]
+    if info.kv_lora_rank:
+        qk = info.qk_nope_head_dim + info.qk_rope_head_dim
+        if info.q_lora_rank:
+            out += [Tensor("attn_q_a", i, h * info.q_lora_rank, h, True, "rep"),
+                    Tensor("norm", i, info.q_lora_rank, info.q_lora_rank, False, "rep"),
+                    Tensor("attn_q_b", i, info.q_lora_rank * heads * qk, info.q_lora_rank, True, "tp")]
+        else:
+            out.append(Tensor("attn_q", i, h * heads * qk, h, True, "tp"))
+        out += [Tensor("attn_kv_a_mqa", i, h * (info.kv_lora_rank + info.qk_rope_head_dim), h, True, "rep"),
+                Tensor("norm", i, info.kv_lora_rank, info.kv_lora_rank, False, "rep"),
+                Tensor("attn_kv_b", i, info.kv_lora_rank * heads * (info.qk_nope_head_dim + info.v_head_dim),
+                       info.kv_lora_rank, True, "tp"),
+                Tensor("attn_output", i, heads * info.v_head_dim * h, heads * info.v_head_dim, True, "tp")]
+    else:
+        out += [Tensor("attn_q", i, h * heads * hd, h, True, "tp"),
+                Tensor("attn_k", i, h * kv * hd, h, True, "kv"),
+                Tensor("attn_v", i, h * kv * hd, h, True, "kv"),
+                Tensor("attn_output", i, heads * hd * h, heads * hd, True, "tp")]
+        if info.attention_bias:
+            out.append(Tensor("bias", i, (heads + 2 * kv) * hd, 1, False, "tp"))
+        if info.model_type == "qwen3":
+            out.append(Tensor("norm", i, 2 * hd, hd, False, "rep"))
+    if info.num_experts and i >= info.first_dense_layers:
+        e, mi = info.num_experts, info.moe_intermediate_size
+        out += [Tensor("ffn_gate_inp", i, h * e, h, False, "rep"),
+                Tensor("ffn_gate_exps", i, e * h * mi, h, True, "tp"),
+                Tensor("ffn_up_exps", i, e * h * mi, h, True, "tp"),
+                Tensor("ffn_down_exps", i, e * mi * h, mi, True, "tp")]
+        if info.shared_experts:
+            si = info.shared_experts * mi
+            out += [Tensor("ffn_gate_shexp", i, h * si, h, True, "tp"),
+                    Tensor("ffn_up_shexp", i, h * si, h, True, "tp"),
+                    Tensor("ffn_down_shexp", i, si * h, si, True, "tp")]
+    else:
+        f = info.intermediate_size
+        out += [Tensor("ffn_gate", i, h * f, h, True, "tp"),
+                Tensor("ffn_up", i, h * f, h, True, "tp"),
+                Tensor("ffn_down", i, f * h, f, True, "tp")]
+    return out
+
+
+@lru_cache(maxsize=64)
+def tensors(info: m.ModelInfo) -> tuple[Tensor, ...]:
+    """Every weight of the model, from its architecture alone."""
+    h, v = info.hidden_size, info.vocab_size
+    out = [Tensor("token_embd", -1, v * h, h, False, "tp")]
+    for i in range(info.num_layers):
+        out += _layer_tensors(info, i)
+    out.append(Tensor("output_norm", -1, h, h, False, "rep"))
+    if not info.tie_word_embeddings:
+        out.append(Tensor("output", -1, v * h, h, False, "tp"))
+    return tuple(out)
+
+
+def architecture_params(info: m.ModelInfo) -> int:
+    """The parameter count the architecture implies (the fallback when no checkpoint says)."""
+    return sum(t.params for t in tensors(info))
+
+
+# --- bytes per tensor at a precision ---------------------------------------------------------
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of layers that get more bits in the _M K-quant mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def gguf_type(p: Precision, t: Tensor, info: m.ModelInfo) -> str:
+    """The ggml type llama-quantize gives a tensor (llama_tensor_get_type, for the mixes offered)."""
+    if not t.matmul and t.name not in ("token_embd", "output"):
+        return "F32"  # norms, biases and MoE routers stay in f32
+    base = p.ggml
+    qt = base
+    is_output = t.name == "output" or (t.name == "token_embd" and info.tie_word_embeddings)
+    mixed = p.name in ("q4_K_M", "q5_K_M")
+    if is_output:
+        qt = base if base == "Q8_0" else "Q6_K"
+    elif t.name == "attn_v":
+        if info.num_experts == 8:
+            qt = "Q8_0"
+        elif mixed and _use_more_bits(t.layer, info.num_layers):
+            qt = "Q6_K"
+    elif t.name == "attn_k" and info.num_experts == 8:
+        qt = "Q8_0"
+    elif t.name in ("ffn_down", "ffn_down_exps") and mixed and _use_more_bits(t.layer, info.num_layers):
+        qt = "Q6_K"
+    elif t.name == "attn_output" and info.num_experts == 8 and p.name == "q4_K_M":
+        qt = "Q5_K"
+    if qt in K_FALLBACK and t.row % 256:
+        qt = K_FALLBACK[qt]
+    if qt != "F32" and t.row % 32:
+        qt = "F16"
+    return qt
+
+
+# Hugging Face module names of the tensors above, as a checkpoint's ``ignore`` list names them.
+_HF_NAMES = {
+    "attn_q": ("self_attn.q_proj",), "attn_k": ("self_attn.k_proj",), "attn_v": ("self_attn.v_proj",),
+    "attn_output": ("self_attn.o_proj",), "attn_q_a": ("self_attn.q_a_proj",), "attn_q_b": ("self_attn.q_b_proj",),
+    "attn_kv_a_mqa": ("self_attn.kv_a_proj_with_mqa",), "attn_kv_b": ("self_attn.kv_b_proj",),
+    "ffn_gate": ("mlp.gate_proj",), "ffn_up": ("mlp.up_proj",), "ffn_down": ("mlp.down_proj",),
+    "ffn_gate_exps": ("mlp.experts.0.gate_proj", "block_sparse_moe.experts.0.w1"),
+    "ffn_up_exps": ("mlp.experts.0.up_proj", "block_sparse_moe.experts.0.w3"),
+    "ffn_down_exps": ("mlp.experts.0.down_proj", "block_sparse_moe.experts.0.w2"),
+    "ffn_gate_shexp": ("mlp.shared_experts.gate_proj",), "ffn_up_shexp": ("mlp.shared_experts.up_proj",),
+    "ffn_down_shexp": ("mlp.shared_experts.down_proj",),
+}
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """compressed-tensors' rule (``re:`` a regular expression, else the exact name), a name's suffix,
+    and the ``*`` globs of ``modules_to_not_convert`` (a glob names a module and all inside it)."""
+    if "*" in pattern and not pattern.startswith("re:"):
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error:
+            return False
+    return name == pattern or name.endswith("." + pattern)
+
+
+@lru_cache(maxsize=64)
+def ignored(info: m.ModelInfo) -> frozenset[tuple[str, int]]:
+    """(tensor, layer) pairs a pre-quantized checkpoint keeps in 16 bits (its ``ignore`` list)."""
+    if not info.quant_ignore:
+        return frozenset()
+    out = set()
+    for t in tensors(info):
+        for hf in _HF_NAMES.get(t.name, ()):
+            full = f"model.layers.{t.layer}.{hf}"
+            if any(_matches(p, full) for p in info.quant_ignore):
+                out.add((t.name, t.layer))
+    return frozenset(out)
+
+
+def tensor_bits(p: Precision, t: Tensor, info: m.ModelInfo) -> float:
+    """Bits one tensor takes at a precision."""
+    if p.kind == "gguf":
+        return t.params * GGML_BPW[gguf_type(p, t, info)]
+    if info.quantization == p.name and info.quant_bits:
+        # The checkpoint's own format: its quantized matmuls at its bits, what it ignores at 16.
+        if t.matmul and (t.name, t.layer) not in ignored(info):
+            return t.params * info.quant_bits
+        return t.params * 16.0
+    if t.matmul and p.kind == "fp8":
+        return t.params * 8.0
+    if t.matmul and p.kind == "int4":
+        return t.params * INT4_BPW
+    return t.params * 16.0
+
+
+class _Layout(NamedTuple):
+    """A model's bytes at one precision, grouped the way ranks share them."""
+
+    layer_tp: tuple[float, ...]  # per layer: bytes split by tp
+    layer_kv: tuple[float, ...]  # per layer: K/V projection bytes, split by KV heads
+    layer_rep: tuple[float, ...]  # per layer: bytes every rank holds
+    embd: float
+    output: float  # 0 when tied to the embeddings
+    output_norm: float
+    total: float  # the whole checkpoint (GGUF: the file)
+
+
+@lru_cache(maxsize=256)
+def layout(info: m.ModelInfo, p: Precision) -> _Layout:
+    """Bytes per group at a precision, scaled so that parameters add up to ``info.params``."""
+    ts = tensors(info)
+    arch = sum(t.params for t in ts)
+    scale = info.params / arch if info.params and arch else 1.0
+    n = info.num_layers
+    tp_b, kv_b, rep_b = [0.0] * n, [0.0] * n, [0.0] * n
+    embd = output = output_norm = 0.0
+    for t in ts:
+        b = tensor_bits(p, t, info) / 8 * scale
+        if t.layer >= 0:
+            (tp_b if t.split == "tp" else kv_b if t.split == "kv" else rep_b)[t.layer] += b
+        elif t.name == "token_embd":
+            embd = b
+        elif t.name == "output":
+            output = b
+        else:
+            output_norm = b
+    total = sum(tp_b) + sum(kv_b) + sum(rep_b) + embd + output + output_norm
+    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), embd, output, output_norm, total)
+
+
+def stages(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges per pipeline stage; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def kv_heads_per_rank(info: m.ModelInfo, tp: int) -> int:
+    return max(1, info.num_kv_heads // tp)
+
+
+def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1) -> float:
+    """The worst rank's share of the weights."""
+    lay = layout(info, p)
+    if p.engine == "llama.cpp":
+        # Layer split over tp GPUs; token embeddings stay in host memory unless they are the output too.
+        head = lay.output + lay.output_norm if not info.tie_word_embeddings else lay.embd + lay.output_norm
+        per = [sum(lay.layer_tp[i] + lay.layer_kv[i] + lay.layer_rep[i] for i in r) for r in stages(info.num_layers, tp)]
+        per[-1] += head
+        return max(per)
+    kv_share = kv_heads_per_rank(info, tp) / max(1, info.num_kv_heads)
+    worst = 0.0
+    parts = stages(info.num_layers, pp)
+    for s, r in enumerate(parts):
+        b = sum(lay.layer_tp[i] / tp + lay.layer_kv[i] * kv_share + lay.layer_rep[i] for i in r)
+        if s == 0:
+            b += lay.embd / tp
+        if s == len(parts) - 1:
+            # A tied lm_head shares the embedding, unless it lives on another stage.
+            b += lay.output_norm + (lay.output if lay.output or pp == 1 else lay.embd) / tp
+        worst = max(worst, b)
+    return worst
+
+
+# --- KV cache -----------------------------------------------------------------------------------
+
+
+class KvShape(NamedTuple):
+    """What one token costs in one GPU's KV cache."""
+
+    per_layer: int  # bytes per token per layer on this GPU
+    full_layers: int  # layers on this GPU that keep every token
+    window_layers: int  # layers on this GPU that keep at most window + batch tokens
+    window: int  # window + tokens in flight; 0 when no layer slides
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.per_layer * (self.full_layers + self.window_layers)
+
+    def bytes_for(self, context: int) -> int:
+        """KV bytes one sequence of ``context`` tokens holds on this GPU."""
+        return self.per_layer * (self.full_layers * context + self.window_layers * min(context, self.window))
+
+    def max_context(self, budget: float) -> int:
+        """The longest sequence whose KV fits in ``budget`` bytes (may exceed any real limit)."""
+        if budget <= 0 or self.per_layer == 0:
+            return 0
+        c1 = int(budget // self.bytes_per_token)
+        if not self.window_layers or c1 <= self.window:
+            return c1
+        if not self.full_layers:
+            return 1 << 40  # only windowed layers: no length limit from memory
+        return int((budget / self.per_layer - self.window_layers * self.window) // self.full_layers)
+
+
+def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes: int = KV_DTYPE_BYTES) -> KvShape:
+    """KV per token per GPU for a split; the worst stage is charged. ``kv_bytes``: 1 for an fp8 cache."""
+    if engine == "llama.cpp":
+        layers = stages(info.num_layers, tp)[0]
+        heads = info.num_kv_heads
+        batch = LLAMACPP_UBATCH
+    else:
+        layers = stages(info.num_layers, pp)[0]
+        heads = kv_heads_per_rank(info, tp)
+        batch = VLLM_BATCHED_TOKENS
+    if info.kv_lora_rank:
+        per_layer = (info.kv_lora_rank + info.qk_rope_head_dim) * kv_bytes  # replicated, not split
+    else:
+        per_layer = 2 * heads * info.head_dim * kv_bytes
+    sliding = set(info.sliding_layers) if info.sliding_window else set()
+    window_layers = sum(1 for i in layers if i in sliding)
+    window = (info.sliding_window or 0) + batch if window_layers else 0
+    return KvShape(per_layer, len(layers) - window_layers, window_layers, window)
+
+
+# --- overhead -------------------------------------------------------------------------------------
+
+
+def _ffn_width(info: m.ModelInfo) -> int:
+    if info.num_experts:
+        moe = (info.experts_per_token + info.shared_experts) * info.moe_intermediate_size
+        return max(moe, info.intermediate_size if info.first_dense_layers else 0)
+    return info.intermediate_size
+
+
+def large_card(gpu_class: str, memory_mib: int) -> bool:
+    """Whether vLLM gives this card its larger batch defaults (70 GiB or more, and not an A100)."""
+    return memory_mib * MIB >= VLLM_LARGE_CARD_BYTES and "a100" not in gpu_class.lower()
+
+
+def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, large: bool = True) -> float:
+    """Activation peak and the memory outside torch that vLLM counts, from this rank's share."""
+    if engine == "llama.cpp":
+        compute = LLAMACPP_UBATCH * 4 * (info.vocab_size + 4 * info.hidden_size + 3 * _ffn_width(info))
+        return CUDA_CONTEXT_BYTES + compute
+    if info.kv_lora_rank:
+        qkv = info.num_attention_heads * (2 * info.qk_nope_head_dim + info.qk_rope_head_dim + info.v_head_dim) // tp
+    else:
+        qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
+    width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
+    tokens, seqs = (VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS) if large else (VLLM_SMALL_BATCHED_TOKENS, VLLM_SMALL_MAX_SEQS)
+    activation = max(tokens * 2 * width, int(VLLM_SAMPLER_COPIES * seqs * info.vocab_size * 4))
+    allreduce = VLLM_ALLREDUCE_BYTES if tp * pp > 1 else 0
+    return activation + VLLM_NON_TORCH_BYTES + allreduce
+
+
+def gib(b: float) -> float:
+    return round(b / GIB, 2)
+
+@lru_cache(maxsize=4096)
+def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto",
+          large: bool = True) -> tuple[float, float, KvShape]:
+    """Weights, overhead and KV shape per GPU: they depend on the split and the card's batch defaults."""
+    kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
+    return (weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp, large),
+            kv_shape(info, p.engine, tp, pp, kv_bytes))
