@@ -235,7 +235,7 @@ async def main(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         projector = Projector(bus, store, writer_process=not args.writer_thread,
                               commit_interval_s=args.commit_interval)
-        state = await projector.run_once()
+        state = (await projector.run_once()).state
         proj_s = time.perf_counter() - start
         store.close()
         proj_rate = projector.folded / proj_s

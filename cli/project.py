@@ -29,8 +29,8 @@ async def project_db(settings: Settings, db: Path, *, once: bool, snapshot: Path
             with progress(f"projecting into {db.name}") as on_progress:
                 projector = Projector(bus, store, commit_every=commit_every, commit_interval_s=commit_interval_s,
                                       progress=on_progress, writer_process=True)
-                state = await projector.run_once()
-            return projector.folded, sum(state.positions.values())
+                done = await projector.run_once()
+            return projector.folded, sum(done.cursor.positions.values())
         projector = Projector(bus, store, commit_every=commit_every, commit_interval_s=commit_interval_s,
                               snapshot_path=snapshot, snapshot_interval_s=snapshot_interval_s, writer_process=True)
         task = asyncio.ensure_future(projector.run_forever())
@@ -39,7 +39,7 @@ async def project_db(settings: Settings, db: Path, *, once: bool, snapshot: Path
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return projector.folded, sum(projector.state.positions.values())
+        return projector.folded, sum(projector.cursor.positions.values())
     finally:
         store.close()
         await bus.close()

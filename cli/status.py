@@ -60,8 +60,8 @@ async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: dat
         )
 
         with progress("replaying") as on_progress:
-            state = await runner.replay(bus, at=at, at_seq=at_seq, progress=on_progress)
-        return report(state, at, threshold_s)
+            done = await runner.replay(bus, at=at, at_seq=at_seq, progress=on_progress)
+        return report(done.state, at, threshold_s, done.cursor)
     finally:
         await bus.close()
 

@@ -31,9 +31,10 @@ from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
 from llmgw.fleet import status as status_report
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.fold import apply
 from llmgw.projections.store import (
     Batch,
+    Checkpoint,
     Store,
     add_event_rows,
     add_unprojected,
@@ -156,7 +157,8 @@ class Projector:
         self.snapshot_interval_s = snapshot_interval_s
         self.read_batch = batch
         self.progress = progress
-        self.state = store.load() if store is not None else FleetState()
+        checkpoint = store.load() if store is not None else Checkpoint()
+        self.state, self.cursor = checkpoint.state, checkpoint.cursor
         self.batch = Batch()
         self.folded = 0
         self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
@@ -212,7 +214,7 @@ class Projector:
             for event in decoded:
                 apply(state, event)
         self.folded += len(msgs)
-        state.positions[stream] = msgs[-1].seq
+        self.cursor.positions[stream] = msgs[-1].seq
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
@@ -231,7 +233,7 @@ class Projector:
             if isinstance(event, Exception):
                 log.warning("%s:%d (%s) cannot be decoded, kept in unprojected_events: %s", stream, raw.seq, raw.subject, event)
                 add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, str(event))
-                state.unprojected += 1
+                self.cursor.unprojected += 1
             else:
                 if self.store is not None:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
@@ -240,7 +242,7 @@ class Projector:
             if self._crash_on_loop and self._crash_at is not None and self.folded + 1 >= self._crash_at:
                 _kill_self()
             self.folded += 1
-        state.positions[stream] = msgs[-1].seq
+        self.cursor.positions[stream] = msgs[-1].seq
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
@@ -282,9 +284,9 @@ class Projector:
                 return
             batch, self.batch = self.batch, Batch()
             # Streams arrive in any order; sorted positions make the same state the same bytes.
-            self.state.positions = dict(sorted(self.state.positions.items()))
-            self.state.stream_created = dict(sorted(self.state.stream_created.items()))
-            snapshot = encode_state(self.state)
+            self.cursor.positions = dict(sorted(self.cursor.positions.items()))
+            self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
+            snapshot = encode_state(self.state, self.cursor)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
             self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, snapshot))
@@ -338,7 +340,7 @@ class Projector:
                 if attempt == READ_ATTEMPTS:
                     raise ProjectionError(
                         f"reading {stream} failed {attempt} times, last: {e or type(e).__name__}; "
-                        f"folded up to {stream}:{self.state.positions.get(stream, 0)} (committed work is kept)"
+                        f"folded up to {stream}:{self.cursor.positions.get(stream, 0)} (committed work is kept)"
                     ) from e
                 log.warning("reading %s: %s; retrying in %.1fs", stream, e or type(e).__name__, delay)
                 await asyncio.sleep(delay)
@@ -353,15 +355,15 @@ class Projector:
         until it grew past it, and status would show a stale fleet with no error.
         """
         last, created = await self.bus.stream_head(stream)
-        folded = self.state.positions.get(stream, 0)
-        known = self.state.stream_created.get(stream)
+        folded = self.cursor.positions.get(stream, 0)
+        known = self.cursor.stream_created.get(stream)
         if known is not None and created and known != created:
             why = f"it was created at {created}, and what is folded here came from one created at {known}"
         elif folded > last:
             why = f"{folded:,} of its messages are folded here, but it ends at sequence {last:,}"
         else:
             if created:
-                self.state.stream_created[stream] = created
+                self.cursor.stream_created[stream] = created
             return
         where = f"{self.store.path} is" if self.store is not None else "this fold is"
         raise ProjectionError(
@@ -372,7 +374,7 @@ class Projector:
 
     async def _read_from_position(self, stream: str, stop: Stop | None) -> None:
         await self._check_same_stream(stream)
-        start = self.state.positions.get(stream, 0) + 1
+        start = self.cursor.positions.get(stream, 0) + 1
         stop_at = stop.seq if stop is not None else None
         if stop_at is not None and start > stop_at:
             return
@@ -394,10 +396,10 @@ class Projector:
             out[stream] = Stop(await self.bus.stream_last_seq(stream), at_ns)
         return out
 
-    async def run_once(self, stops: dict[str, Stop] | None = None) -> FleetState:
-        """Fold every stream up to ``stops`` (default: what is stored now), commit, return the state."""
+    async def run_once(self, stops: dict[str, Stop] | None = None) -> Checkpoint:
+        """Fold every stream up to ``stops`` (default: what is stored now), commit, return the state and cursor."""
         stops = stops if stops is not None else await self.stops()
-        self._total = sum(max(0, s.seq - self.state.positions.get(k, 0)) for k, s in stops.items())
+        self._total = sum(max(0, s.seq - self.cursor.positions.get(k, 0)) for k, s in stops.items())
         try:
             with fewer_gc_passes():
                 await _all_or_none(self._read(stream, stops.get(stream)) for stream in self.streams)
@@ -408,7 +410,7 @@ class Projector:
             with contextlib.suppress(Exception):
                 await self._settle(0)
             self.close()
-        return self.state
+        return Checkpoint(self.state, self.cursor)
 
     async def run_forever(self, *, serve_status: bool = True) -> None:
         """Follow every stream, commit on an interval, serve status; until cancelled."""
@@ -437,7 +439,7 @@ class Projector:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
         await self.caught_up(req.wait_for, req.wait_s)
-        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s))
+        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor))
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""
@@ -448,10 +450,10 @@ class Projector:
         seqs = {s: seq for s, seq in seqs.items() if s in self.streams}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while behind := {s: seq for s, seq in seqs.items() if self.state.positions.get(s, 0) < seq}:
+        while behind := {s: seq for s, seq in seqs.items() if self.cursor.positions.get(s, 0) < seq}:
             left = deadline - loop.time()
             if left <= 0:
-                lag = ", ".join(f"{s} {self.state.positions.get(s, 0)} of {seq}" for s, seq in sorted(behind.items()))
+                lag = ", ".join(f"{s} {self.cursor.positions.get(s, 0)} of {seq}" for s, seq in sorted(behind.items()))
                 raise ProjectionError(f"the projector has not yet folded what was stored when you asked ({lag}) "
                                       f"after {within_s:g}s; it is catching up: ask again, or use --replay")
             self._progress.clear()
@@ -473,10 +475,10 @@ async def replay(
     at: datetime | None = None,
     at_seq: tuple[str, int] | None = None,
     progress: Progress | None = None,
-) -> FleetState:
-    """Fold the history streams in-process into an in-memory DuckDB, up to a moment if given."""
+) -> Checkpoint:
+    """Fold the history streams in memory (no DuckDB), up to a moment if given."""
     at_ns = int(at.timestamp() * 1e9) if at is not None else None
-    projector = Projector(bus, Store(":memory:"), progress=progress)
+    projector = Projector(bus, None, progress=progress)
     try:
         if at_seq is not None:
             stream, seq = at_seq
@@ -487,8 +489,6 @@ async def replay(
         return await projector.run_once(stops)
     finally:
         projector.close()
-        if projector.store is not None:
-            projector.store.close()
 
 
 async def message_ts_ns(bus: Bus, stream: str, seq: int) -> int:

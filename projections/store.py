@@ -25,11 +25,11 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
-from llmgw.fleet.fold import FleetState, RouterView
+from llmgw.fleet.fold import Cursor, FleetState, RouterView
 
 # 2: the usage fold forgets replicas that left every router's map, so a state checkpointed
 # by schema 1 would not resume into what a clean replay gives.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoint (stream VARCHAR PRIMARY KEY, seq BIGINT NOT NULL);
@@ -135,16 +135,24 @@ FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving
 DELETE FROM stage_parsed;
 """
 
+@dataclass
+class Checkpoint:
+    """What a commit leaves behind: the folded state, and where its reader stood in each stream."""
+
+    state: FleetState = field(default_factory=FleetState)
+    cursor: Cursor = field(default_factory=Cursor)
+
+
 _STATE_ENCODER = msgspec.msgpack.Encoder()
-_STATE_DECODER = msgspec.msgpack.Decoder(FleetState)
+_STATE_DECODER = msgspec.msgpack.Decoder(Checkpoint)
 
 
-def encode_state(state: FleetState) -> bytes:
-    """A FleetState as bytes for the checkpoint row."""
-    return _STATE_ENCODER.encode(state)
+def encode_state(state: FleetState, cursor: Cursor) -> bytes:
+    """A state and its cursor as bytes for the checkpoint row (and the writer's pipe)."""
+    return _STATE_ENCODER.encode(Checkpoint(state, cursor))
 
 
-def decode_state(data: bytes) -> FleetState:
+def decode_state(data: bytes) -> Checkpoint:
     return _STATE_DECODER.decode(data)
 
 
@@ -324,26 +332,28 @@ class Store:
     def close(self) -> None:
         self.con.close()  # closing twice is harmless
 
-    def load(self) -> FleetState:
-        """The state of the last commit (positions included), or an empty one."""
+    def load(self) -> Checkpoint:
+        """The state and cursor of the last commit, or empty ones."""
         row = self.con.execute("SELECT schema_version, snapshot FROM projector_state WHERE id = 1").fetchone()
         if row is None:
-            return FleetState()
+            return Checkpoint()
         version, blob = row
         if version != SCHEMA_VERSION:
             raise ProjectionError(
                 f"{self.path} was written by projector schema {version}, this is {SCHEMA_VERSION}; "
                 "project into a new file (history replays from the streams)"
             )
-        state = decode_state(blob)
+        checkpoint = decode_state(blob)
         positions = dict(self.con.execute("SELECT stream, seq FROM checkpoint").fetchall())
-        if positions != state.positions:
-            raise ProjectionError(f"{self.path}: checkpoint {positions} disagrees with its state {state.positions}")
-        return state
+        if positions != checkpoint.cursor.positions:
+            raise ProjectionError(f"{self.path}: checkpoint {positions} disagrees with its state "
+                                  f"{checkpoint.cursor.positions}")
+        return checkpoint
 
     def commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None = None) -> None:
         """Write a batch, the views of ``snapshot`` and its positions in one transaction."""
-        state = decode_state(snapshot)
+        # The reader folds on while this commits, so the state arrives as bytes: a copy nobody mutates.
+        state, cursor = (c := decode_state(snapshot)).state, c.cursor
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:
@@ -362,12 +372,12 @@ class Store:
                     app.append_rows(rows)
                     app.flush()
             con.execute("DELETE FROM checkpoint")
-            if state.positions:
-                con.executemany("INSERT INTO checkpoint VALUES (?, ?)", sorted(state.positions.items()))
+            if cursor.positions:
+                con.executemany("INSERT INTO checkpoint VALUES (?, ?)", sorted(cursor.positions.items()))
             con.execute(
                 "INSERT OR REPLACE INTO projector_state VALUES (1, ?, ?, "
                 "(SELECT count(*) FROM events) + (SELECT count(*) FROM unprojected_events), ?, ?)",
-                [SCHEMA_VERSION, state.as_of, state.unprojected, snapshot],
+                [SCHEMA_VERSION, state.as_of, cursor.unprojected, snapshot],
             )
             if before_commit is not None:
                 before_commit()

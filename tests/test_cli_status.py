@@ -85,7 +85,7 @@ def live_projector(fleet: Settings, tmp_path: Path) -> Iterator[Settings]:
         task = asyncio.create_task(projector.run_forever())
         stop.extend([asyncio.get_running_loop(), task])
         for _ in range(400):  # bounded: 20 s
-            if sum(projector.state.positions.values()) >= len(small_fleet()):
+            if sum(projector.cursor.positions.values()) >= len(small_fleet()):
                 break
             await asyncio.sleep(0.05)
         ready.set()

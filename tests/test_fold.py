@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.fleet.fold import FleetState, fold
-from llmgw.projections.store import decode_state, encode_state
+from llmgw.fleet.fold import Cursor, FleetState, fold
+from llmgw.projections.store import Checkpoint, decode_state, encode_state
 
 QWEN = spec("qwen-8b")
 LLAMA = spec("llama-70b", tp=4, pp=2)
@@ -164,10 +164,8 @@ def test_fold_is_independent_of_how_streams_interleave() -> None:
 
 
 def test_state_round_trips_through_the_checkpoint_encoding() -> None:
-    state = fold(small_fleet())
-    state.positions = {"LLMGW_FLEET": 7}
-    state.unprojected = 2
-    assert decode_state(encode_state(state)) == state
+    state, cursor = fold(small_fleet()), Cursor(positions={"LLMGW_FLEET": 7}, unprojected=2)
+    assert decode_state(encode_state(state, cursor)) == Checkpoint(state, cursor)
 
 
 # A random run of idle maps from two routers (restarts included): the fold looks only at

@@ -105,7 +105,8 @@ async def test_once_writes_history_views_checkpoint_and_keeps_bad_events(bus: Bu
     ]
     state = Store(duckdb_path)
     try:
-        assert status_report.report(state.load()).unprojected_events == 1
+        cp = state.load()
+        assert status_report.report(cp.state, cursor=cp.cursor).unprojected_events == 1
     finally:
         state.close()
 
@@ -123,10 +124,10 @@ async def test_second_once_run_adds_only_new_events(bus: Bus, duckdb_path: Path)
 
 async def _caught_up(projector: Projector, last: dict[str, int]) -> None:
     for _ in range(400):  # bounded: 20 s
-        if all(projector.state.positions.get(k, 0) >= v for k, v in last.items()):
+        if all(projector.cursor.positions.get(k, 0) >= v for k, v in last.items()):
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"projector at {projector.state.positions}, streams at {last}")
+    raise AssertionError(f"projector at {projector.cursor.positions}, streams at {last}")
 
 
 async def _live_status(bus: Bus, path: Path, last: dict[str, int], snapshot: Path | None = None) -> bytes:
@@ -148,7 +149,8 @@ async def test_live_replay_and_resumed_status_are_identical(
 ) -> None:
     last = await publish(bus, [*small_fleet(), BAD])
     live = await _live_status(bus, tmp_path / "live.duckdb", last)
-    replayed = m.encode(status_report.report(await replay(bus), None, 600))
+    done = await replay(bus)
+    replayed = m.encode(status_report.report(done.state, None, 600, done.cursor))
     rc = await crash_then_resume(settings, bus, tmp_path / "crashed.duckdb", "9", 4)
     assert rc == -signal.SIGKILL
     resumed = await _live_status(bus, tmp_path / "crashed.duckdb", last)
@@ -258,10 +260,12 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
     assert tables(crashed) == tables(clean)
     clean_store = Store(clean)
     try:
-        expected = msgspec.json.encode(status_report.report(clean_store.load()))
+        cp = clean_store.load()
+        expected = msgspec.json.encode(status_report.report(cp.state, cursor=cp.cursor))
     finally:
         clean_store.close()
-    assert expected == m.encode(status_report.report(await replay(bus)))
+    done = await replay(bus)
+    assert expected == m.encode(status_report.report(done.state, cursor=done.cursor))
 
 
 async def test_cancelled_while_commits_are_queued_loses_no_rows(bus: Bus, tmp_path: Path) -> None:
@@ -306,9 +310,9 @@ async def test_a_stream_declared_again_is_refused_not_read_past(bus: Bus, tmp_pa
     # A file from before streams were told apart (no creation times) is caught by its positions.
     store = Store(path)
     try:
-        state = store.load()
-        state.stream_created.clear()
-        store.commit(Batch(), encode_state(state))
+        cp = store.load()
+        cp.cursor.stream_created.clear()
+        store.commit(Batch(), encode_state(cp.state, cp.cursor))
     finally:
         store.close()
     await fresh_streams(bus)

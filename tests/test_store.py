@@ -12,33 +12,40 @@ from projection_events import small_fleet, t
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
-from llmgw.fleet.fold import FleetState, apply
-from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, encode_state
+from llmgw.fleet.fold import Cursor, FleetState, apply
+from llmgw.projections.store import (
+    Batch,
+    Checkpoint,
+    Store,
+    add_event_rows,
+    add_unprojected,
+    encode_state,
+)
 
 TS_NS = 1_772_445_600_000_000_000  # when "NATS stored" the messages below
 
 
-def batch_of(events: list[m.Event], state: FleetState, start: int = 1) -> Batch:
+def batch_of(events: list[m.Event], cp: Checkpoint, start: int = 1) -> Batch:
     """Rows for events as the projector makes them (one stream per event kind, like NATS)."""
-    batch = Batch()
+    state, batch = cp.state, Batch()
     for i, e in enumerate(events, start):
         subject = subjects.subject_for(e)
         stream = subjects.stream_for_subject(subject)
         prev = state.routers.get(e.router) if isinstance(e, m.IdleMapPublished) else None
         add_event_rows(batch, stream, i, subject, m.encode(e), TS_NS, e, prev)
         apply(state, e)
-        state.positions[stream] = i
+        cp.cursor.positions[stream] = i
     return batch
 
 
 def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
     store = Store(duckdb_path)
-    state = FleetState()
-    batch = batch_of(small_fleet(), state)
+    cp = Checkpoint()
+    batch = batch_of(small_fleet(), cp)
     add_unprojected(batch, subjects.STREAM_FLEET, 99, "llmgw.fleet.x.health", b"\xff not json", "bad")
-    state.unprojected = 1
-    store.commit(batch, encode_state(state))
-    assert store.load() == state
+    cp.cursor.unprojected = 1
+    store.commit(batch, encode_state(cp.state, cp.cursor))
+    assert store.load() == cp
     assert store.query("SELECT count(*) FROM events") == [(len(small_fleet()),)]
     assert store.query("SELECT raw, error FROM unprojected_events") == [(b"\xff not json", "bad")]
     assert store.query("SELECT events, unprojected FROM projector_state") == [(len(small_fleet()) + 1, 1)]
@@ -70,7 +77,7 @@ def test_idle_history_keeps_microseconds_and_offsets_exactly(duckdb_path: Path) 
                            last_request={"r1": last}),  # r2 vanished
     ]
     store = Store(duckdb_path)
-    store.commit(batch_of(maps, FleetState()), encode_state(FleetState()))
+    store.commit(batch_of(maps, Checkpoint()), encode_state(FleetState(), Cursor()))
     assert store.query("SELECT tick, replica_id, last_request, serving_since, idle_s FROM idle_history "
                        "ORDER BY tick, replica_id") == [
         (1, "r1", last, None, (at - last).total_seconds()),
@@ -82,34 +89,34 @@ def test_idle_history_keeps_microseconds_and_offsets_exactly(duckdb_path: Path) 
 
 def test_a_failed_commit_writes_nothing(duckdb_path: Path) -> None:
     store = Store(duckdb_path)
-    state = FleetState()
+    cp = Checkpoint()
     events = small_fleet()
-    store.commit(batch_of(events[:5], state), encode_state(state))
+    store.commit(batch_of(events[:5], cp), encode_state(cp.state, cp.cursor))
     before = {name: store.table_rows(name) for name in ("events", "checkpoint", "projector_state", "nodes")}
 
     def boom() -> None:
         raise duckdb.IOException("disk full")
 
     with pytest.raises(ProjectionError, match="nothing of this batch was written"):
-        store.commit(batch_of(events[5:], state, start=6), encode_state(state), before_commit=boom)
+        store.commit(batch_of(events[5:], cp, start=6), encode_state(cp.state, cp.cursor), before_commit=boom)
     assert {name: store.table_rows(name) for name in before} == before
     store.close()
 
 
 def test_reopened_file_resumes_from_its_state(duckdb_path: Path) -> None:
     store = Store(duckdb_path)
-    state = FleetState()
-    store.commit(batch_of(small_fleet()[:9], state), encode_state(state))
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet()[:9], cp), encode_state(cp.state, cp.cursor))
     store.close()
     again = Store(duckdb_path)
-    assert again.load() == state
+    assert again.load() == cp
     again.close()
 
 
 def test_a_newer_schema_is_refused_with_the_next_step(duckdb_path: Path) -> None:
     store = Store(duckdb_path)
-    state = FleetState()
-    store.commit(batch_of(small_fleet()[:2], state), encode_state(state))
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet()[:2], cp), encode_state(cp.state, cp.cursor))
     store.query("UPDATE projector_state SET schema_version = 99")
     with pytest.raises(ProjectionError, match="project into a new file"):
         store.load()
@@ -118,8 +125,8 @@ def test_a_newer_schema_is_refused_with_the_next_step(duckdb_path: Path) -> None
 
 def test_snapshot_is_a_complete_read_only_copy(tmp_path: Path) -> None:
     store = Store(tmp_path / "live.duckdb")
-    state = FleetState()
-    store.commit(batch_of(small_fleet(), state), encode_state(state))
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
     snap = store.export_snapshot(tmp_path / "live.snapshot.duckdb")
     store.export_snapshot(snap)  # replacing an existing snapshot works too
     assert not (tmp_path / "live.snapshot.duckdb.tmp").exists()
@@ -144,16 +151,16 @@ def test_payloads_with_line_breaks_and_odd_text_land_one_row_each(duckdb_path: P
     may break lines between tokens, and strings may hold commas, quotes and
     escaped newlines; every event must still be exactly one row, kept as published."""
     store = Store(duckdb_path)
-    state = FleetState()
+    cp = Checkpoint()
     batch = Batch()
     lost = m.NodeLost(at=t(1), node='n1,"x"\nq')  # comma, quotes, and a newline inside the string
     pretty = b'{\n  "type": "NodeLost",\r\n  "at": "2026-03-02T10:00:02Z",\n  "node": "n2"\n}'
     events = [(lost, m.encode(lost)), (m.decode_event(pretty), pretty)]
     for seq, (event, data) in enumerate(events, 1):
         add_event_rows(batch, subjects.STREAM_FLEET, seq, subjects.fleet("n", "lost"), data, TS_NS, event)
-        apply(state, event)
-    state.positions[subjects.STREAM_FLEET] = 2
-    store.commit(batch, encode_state(state))
+        apply(cp.state, event)
+    cp.cursor.positions[subjects.STREAM_FLEET] = 2
+    store.commit(batch, encode_state(cp.state, cp.cursor))
     rows = store.query("SELECT seq, node, ts, json FROM events ORDER BY seq")
     assert [(r[0], r[1], r[2]) for r in rows] == [(1, 'n1,"x"\nq', t(1)), (2, "n2", datetime(2026, 3, 2, 10, 0, 2, tzinfo=UTC))]
     assert m.decode_event(rows[0][3].encode()) == lost

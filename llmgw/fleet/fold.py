@@ -91,6 +91,18 @@ class RouterView:
 
 
 @dataclass
+class Cursor:
+    """Where a reader of the history streams stands; kept beside a FleetState, never touched by ``apply``."""
+
+    # The last sequence folded per stream, and events that could not be decoded (skipped).
+    positions: dict[str, int] = field(default_factory=dict)
+    unprojected: int = 0
+    # When JetStream created each stream read (its identity: a stream deleted and
+    # declared again restarts at sequence 1 under the same name).
+    stream_created: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class FleetState:
     """Everything the history streams say, as of the last event applied."""
 
@@ -100,13 +112,6 @@ class FleetState:
     routers: dict[str, RouterView] = field(default_factory=dict)
     last_request: dict[str, datetime] = field(default_factory=dict)
     as_of: datetime | None = None
-    # Set by whoever reads the streams (projector, replay), not by apply():
-    # the last sequence folded per stream, and events that could not be decoded.
-    positions: dict[str, int] = field(default_factory=dict)
-    unprojected: int = 0
-    # When JetStream created each stream read (its identity: a stream deleted and
-    # declared again restarts at sequence 1 under the same name).
-    stream_created: dict[str, str] = field(default_factory=dict)
 
     # --- derived views, computed when asked ----------------------------------
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from llmgw import messages as m
-from llmgw.fleet.fold import FleetState
+from llmgw.fleet.fold import Cursor, FleetState
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 
@@ -101,8 +101,10 @@ def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -
     return out, sum(r.idle_s < 0 for r in out)
 
 
-def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0) -> m.StatusReport:
-    """The status of the fleet at ``now`` (default: the time of the last event folded)."""
+def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0,
+           cursor: Cursor | None = None) -> m.StatusReport:
+    """The status of the fleet at ``now`` (default: the time of the last event folded), read up to ``cursor``."""
+    cursor = Cursor() if cursor is None else cursor
     now = state.as_of if now is None else now
     held = state.held_gpus()
     idle, unknown = idle_replicas(state, now, idle_threshold_s)
@@ -114,7 +116,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
     return m.StatusReport(
         now=_utc(now),
         idle_threshold_s=float(idle_threshold_s),
-        positions=dict(sorted(state.positions.items())),
+        positions=dict(sorted(cursor.positions.items())),
         nodes=len(state.nodes),
         lost_nodes=tuple(sorted(n.name for n in state.nodes.values() if n.lost)),
         capacity=capacity(state, held),
@@ -125,6 +127,6 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         unplaceable=unplaceable,
         idle=tuple(idle),
         unknown_idle=unknown,
-        unprojected_events=state.unprojected,
+        unprojected_events=cursor.unprojected,
         model_states=dict(sorted(state.model_states().items())),
     )

@@ -123,7 +123,7 @@ async def project(bus: Bus, db: Path, *args: str, limit_s: float = 120, **kw: An
 def positions(db: Path) -> dict[str, int]:
     store = Store(db)
     try:
-        return dict(store.load().positions)
+        return dict(store.load().cursor.positions)
     finally:
         store.close()
 
