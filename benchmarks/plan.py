@@ -78,7 +78,7 @@ def bench_local(fleet: fleetfile.Fleet, requests: int) -> None:
 def start_planner(url: str) -> subprocess.Popen[bytes]:
     """`llmgw planner` as its own process, as in production."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-c", "from llmgw.cli.main import main; main()", "planner",
+    return subprocess.Popen([sys.executable, "-m", "llmgw", "planner",
                              "--nats-url", url, "--models-dir", str(MODELS)], env=env)
 
 

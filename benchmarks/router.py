@@ -209,7 +209,7 @@ async def run(args: argparse.Namespace) -> None:
             for rid, model, url in (("instant", "instant", instant.url), ("realistic", "realistic", realistic.url)):
                 await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model=model,
                                                         node="bench", state="healthy", endpoint=url))
-        cli = [sys.executable, "-c", "from llmgw.cli.main import main; main()", "router", "--listen", "127.0.0.1:0",
+        cli = [sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0",
                "--nats-url", server.url]
         router_on = start_proc("router", [*cli, "--name", "bench-on", "--tick", "10"])
         router_off = start_proc("router-notrack", [*cli, "--name", "bench-off", "--no-idle-tracking"])

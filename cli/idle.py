@@ -3,93 +3,20 @@
 from __future__ import annotations
 
 import sys
-from datetime import datetime
 from typing import Any
 
 import click
 
-from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
-from llmgw.fleet.status import IdleRow, idle_rows
+from llmgw.fleet.status import IdleRow
 
 
 def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float:
     from llmgw.cli.progress import parse_duration
 
     return parse_duration(value, "--older-than")
-
-
-CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before we replay
-
-
-async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False,
-                    now: datetime | None = None) -> tuple[list[IdleRow], datetime, str]:
-    """Every replica idle ``older_than_s`` or more and every unknown one, and where that came from.
-
-    From the projector's status service when one answers with every event
-    stored when we asked folded in (a projector that is behind would see old
-    idle maps and overstate idleness); otherwise, or with ``replay``, by
-    folding the streams here, which takes longer the longer the history.
-    """
-    from llmgw.bus import Bus
-
-    now = now or m.utcnow()
-    bus = await Bus.connect(settings, "llmgw-ctl-idle", reconnect=False)
-    try:
-        if not replay:
-            rows = await _from_projector(bus, older_than_s, now)
-            if rows is not None:
-                return rows, now, "projector"
-        from llmgw.scheduler_service import replay_state
-
-        state = await replay_state(bus)
-    finally:
-        await bus.close()
-    rows = [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
-    return rows, now, "replay"
-
-
-async def _from_projector(bus: Any, older_than_s: float, now: datetime) -> list[IdleRow] | None:
-    """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
-    import msgspec
-
-    from llmgw import subjects
-    from llmgw.errors import NoServiceError, ServiceError
-
-    # The projector answers once it has folded what is stored now (it waits up to CATCH_UP_S).
-    heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
-    req = m.encode(m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=heads, wait_s=CATCH_UP_S))
-    try:
-        data = await bus.request(subjects.STATUS, req, service="projector (status service)",
-                                 timeout=CATCH_UP_S + bus.settings.request_timeout_s)
-        report = m.STATUS_REPORT_DECODER.decode(data)
-    except NoServiceError:
-        click.echo("no projector is running: replaying the streams here (slower on a long history)", err=True)
-        return None
-    except (ServiceError, msgspec.DecodeError) as e:  # behind, no answer in time, an error, another version
-        click.echo(f"the projector could not answer ({e}): replaying the streams here", err=True)
-        return None
-    # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
-    return [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
-            for r in report.idle]
-
-
-async def stop_replicas(settings: Settings, rows: list[IdleRow], older_than_s: float) -> list[int]:
-    """Publish ``ReplicaStopped`` reason ``idle`` for each row; the stream sequences."""
-    from llmgw.bus import Bus
-
-    bus = await Bus.connect(settings, "llmgw-ctl-idle", reconnect=False)
-    seqs = []
-    try:
-        for r in rows:
-            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, reason="idle")
-            # The scheduler stops a replica under the same id: one stop, whoever was first.
-            seqs.append((await bus.publish(event, msg_id=f"ReplicaStopped:{r.replica_id}")).seq)
-    finally:
-        await bus.close()
-    return seqs
 
 
 def _json_row(r: IdleRow) -> dict[str, Any]:
@@ -126,12 +53,14 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, as_json: 
         llmgw ctl idle --older-than 2h --stop --dry-run
         llmgw ctl idle --older-than 2h --stop --json
     """
-    rows, now, source = run(fetch_idle(settings, older_than_s, replay=replay))
+    from llmgw import ctl
+
+    rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True)))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []
     if stop and not dry_run and chosen:
-        run(stop_replicas(settings, chosen, older_than_s))
+        run(ctl.stop_idle(settings, chosen))
         stopped = [r.replica_id for r in chosen]
     if as_json:
         echo_json({

@@ -11,74 +11,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.config import Settings
-from llmgw.errors import LlmgwError, PlanError
-
-
-def choose(reply: m.PlanReply, *, candidate: int | None, gpu_class: str | None, engine: str | None,
-           pp: int | None = None) -> m.Candidate:
-    """The candidate to deploy: the N-th the planner listed, or the best one matching the flags.
-
-    Refuses (PlanError) with the planner's reason when what was asked for does not fit.
-    """
-    fitting = [c for c in reply.candidates if c.fits]
-    if candidate is not None:
-        if not 1 <= candidate <= len(fitting):
-            listed = f"candidates 1 to {len(fitting)}" if fitting else "no candidate that fits"
-            why = f" ({'; '.join(reply.notes)})" if reply.notes else ""
-            raise PlanError(f"--candidate {candidate}: the planner lists {listed} for {reply.model}{why}; "
-                            f"see `llmgw ctl model plan {reply.model}`")
-        chosen = fitting[candidate - 1]
-    else:
-        pool = list(reply.candidates)
-        if gpu_class is not None:
-            classes = sorted({c.gpu_class for c in reply.candidates})
-            pool = [c for c in pool if c.gpu_class == gpu_class]
-            if not pool:
-                have = ", ".join(classes) if classes else "none with a live healthy GPU"
-                raise PlanError(f"no node has {gpu_class} GPUs (classes in the fleet: {have}); choose --gpu-class from those")
-        if pp is not None:
-            pool = [c for c in pool if c.pp == pp]
-        if not pool:
-            raise PlanError(f"the planner found no split of {reply.model}: {'; '.join(reply.notes) or 'nothing fits'}")
-        fits = [c for c in pool if c.fits]
-        if not fits:
-            best = pool[0]
-            raise PlanError(f"{reply.model} at {best.precision}, tp={best.tp}, pp={best.pp} on {best.gpu_class} does not fit: "
-                            f"{best.reason}; see `llmgw ctl model plan {reply.model} --all` for what does")
-        chosen = fits[0]
-    if engine is not None and engine != chosen.engine:
-        raise PlanError(f"precision {chosen.precision} is served by {chosen.engine}, not {engine}; "
-                        f"{'GGUF precisions (q8_0, q6_K, q5_K_M, q4_K_M)' if engine == 'llama.cpp' else 'bf16, fp16, fp8, awq or gptq'} "
-                        f"are served by {engine}: change --precision or drop --engine")
-    return chosen
-
-
-def _plan(model: str, request: m.PlanRequest, fleet: Path | None, models_dir: str | None, settings: Settings) -> m.PlanReply:
-    from llmgw.cli.plan import _local_model, plan_locally, plan_remotely
-
-    if fleet is not None:
-        return plan_locally(model, fleet, request, models_dir)
-    info = _local_model(model, models_dir, None)
-    return run(plan_remotely(settings, msgspec.structs.replace(request, info=info)))
-
-
-async def _publish(settings: Settings, event: m.Event, *, must_exist: str | None = None) -> int:
-    """Publish one control event; with ``must_exist``, only if that model is declared now."""
-    from llmgw import subjects
-    from llmgw.bus import Bus
-    from llmgw.scheduler_service import replay_state
-
-    bus = await Bus.connect(settings, "llmgw-ctl-model", reconnect=False)
-    try:
-        if must_exist is not None:
-            state = await replay_state(bus, (subjects.STREAM_CONTROL,))
-            if must_exist not in state.models:
-                names = ", ".join(sorted(state.models)) or "none"
-                raise click.ClickException(f"no model named {must_exist!r} is declared (declared: {names}); "
-                                           f"deploy it first with `llmgw ctl model deploy {must_exist} MODEL --from-plan`")
-        return (await bus.publish(event)).seq
-    finally:
-        await bus.close()
+from llmgw.errors import LlmgwError
 
 
 def _describe(spec: m.ModelSpec) -> str:
@@ -144,17 +77,19 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
     request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
                             context=context, all=candidate is None, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+    from llmgw import ctl
+
     try:
-        reply = _plan(model, request, fleet, models_dir, settings)
+        reply = run(ctl.plan(settings, model, request, fleet=fleet, models_dir=models_dir))
         if pp is None and tp is not None and candidate is None:
             pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
-        chosen = choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
+        chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
     except LlmgwError as e:
         raise click.ClickException(str(e)) from e
     spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args,
                                    min_replicas=min_replicas, max_replicas=max_replicas,
                                    target_in_flight=target_in_flight)
-    seq = run(_publish(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
+    seq = run(ctl.publish_control(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
     if as_json:
         echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})
     else:
@@ -174,7 +109,9 @@ def scale(name: str, replicas: int, as_json: bool, settings: Settings) -> None:
 
         llmgw ctl model scale qwen14 --replicas 3
     """
-    seq = run(_publish(settings, m.ModelScaled(at=m.utcnow(), name=name, replicas=replicas), must_exist=name))
+    from llmgw import ctl
+
+    seq = run(ctl.publish_control(settings, m.ModelScaled(at=m.utcnow(), name=name, replicas=replicas), must_exist=name))
     out: dict[str, Any] = {"scaled": name, "replicas": replicas, "seq": seq}
     if as_json:
         echo_json(out)
@@ -193,42 +130,13 @@ def remove(name: str, as_json: bool, settings: Settings) -> None:
 
         llmgw ctl model remove qwen14
     """
-    seq = run(_publish(settings, m.ModelRemoved(at=m.utcnow(), name=name), must_exist=name))
+    from llmgw import ctl
+
+    seq = run(ctl.publish_control(settings, m.ModelRemoved(at=m.utcnow(), name=name), must_exist=name))
     if as_json:
         echo_json({"removed": name, "seq": seq})
     else:
         click.echo(f"removed {name}; its replicas stop and their GPUs are freed")
-
-
-async def _models(settings: Settings) -> list[dict[str, Any]]:
-    from llmgw import subjects
-    from llmgw.bus import Bus
-    from llmgw.scheduler_service import replay_state
-
-    bus = await Bus.connect(settings, "llmgw-ctl-model", reconnect=False)
-    try:
-        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
-    finally:
-        await bus.close()
-    states = state.model_states()
-    rows = []
-    for name in sorted(state.models):
-        v = state.models[name]
-        reps = [r for r in state.replicas.values() if r.model == name]
-        spec = v.spec
-        rows.append({
-            "name": name, "state": states[name], "healthy": sum(r.state == "healthy" for r in reps),
-            "placed": len(reps), "wanted": v.replicas_wanted, "set_by": v.replicas_by,
-            "min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
-            "target_in_flight": spec.target_in_flight if spec.autoscaled else None,
-            "idle_ttl_s": spec.idle_ttl_s, "source": spec.source, "precision": spec.precision,
-            "gpus_per_replica": spec.tp * spec.pp, "gpu_class": spec.gpu_class,
-            "unplaceable": v.unplaceable_reason,
-            # The plan's KV cache per replica, and what its engines reserved (0: not reported).
-            "kv_tokens_planned": spec.kv_tokens,
-            "kv_tokens_observed": max((r.observed_kv_tokens for r in reps), default=0),
-        })
-    return rows
 
 
 @click.command("list")
@@ -242,7 +150,9 @@ def list_models(as_json: bool, settings: Settings) -> None:
         llmgw ctl model list
         llmgw ctl model list --json | jq '.[] | select(.state == "parked") | .name'
     """
-    rows = run(_models(settings))
+    from llmgw import ctl
+
+    rows = run(ctl.list_models(settings))
     if as_json:
         echo_json(rows)
         return

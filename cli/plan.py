@@ -26,43 +26,6 @@ def _params(ctx: click.Context, param: click.Parameter, value: str | None) -> in
         raise click.BadParameter(str(e)) from e
 
 
-def _local_model(model: str, models_dir: str | None, params: int | None) -> m.ModelInfo | None:
-    """The model read here when it is a directory or in the models directory; else the planner reads it."""
-    from llmgw import modelinfo
-
-    md = modelinfo.models_dir(models_dir)
-    if Path(model).expanduser().is_dir() or (md is not None and (md / model.replace("/", "__") / "config.json").is_file()):
-        return modelinfo.load(model, models_dir_=md, params=params)
-    return None
-
-
-def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
-    """What-if: plan against a fleet file, without NATS."""
-    from llmgw import fleetfile, modelinfo, planner
-    from llmgw.fleet.fold import fold
-
-    fleet = fleetfile.load(fleet_path)
-    state = fold(fleetfile.inventories(fleet, m.utcnow()))
-    info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
-    return planner.plan(info, state, request)
-
-
-async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:
-    """Ask a running planner over NATS."""
-    from llmgw.bus import Bus
-    from llmgw.errors import ConnectError
-    from llmgw.planner_service import ask
-
-    try:
-        bus = await Bus.connect(settings, "llmgw-ctl-plan", reconnect=False)
-    except ConnectError as e:
-        raise ConnectError(f"{e}; or plan without NATS against a fleet file: --fleet FILE") from e
-    try:
-        return await ask(bus, request)
-    finally:
-        await bus.close()
-
-
 def _fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
@@ -152,12 +115,10 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
     request = m.PlanRequest(model=model, precisions=precisions, tp=tps, context=context,
                             gpu_memory_utilization=util, params=params, all=show_all,
                             kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+    from llmgw import ctl
+
     try:
-        if fleet_path is not None:
-            reply = plan_locally(model, fleet_path, request, models_dir)
-        else:
-            info = _local_model(model, models_dir, params)
-            reply = run(plan_remotely(settings, msgspec.structs.replace(request, info=info)))
+        reply = run(ctl.plan(settings, model, request, fleet=fleet_path, models_dir=models_dir))
     except LlmgwError as e:
         raise click.ClickException(str(e)) from e
     if as_json:

@@ -14,11 +14,9 @@ from rich.table import Table
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import human_duration, parse_duration, parse_time, progress
 from llmgw.config import Settings
-from llmgw.fleet.status import report
 
 BAR_WIDTH = 20
 
@@ -40,30 +38,6 @@ def parse_at_seq(text: str) -> tuple[str, int]:
     if not sep or not seq.isdigit() or int(seq) < 1:
         raise click.BadParameter(f"{text!r} is not STREAM:SEQ, e.g. fleet:1200 or control:42", param_hint="--at-seq")
     return parse_stream(stream, "--at-seq"), int(seq)
-
-
-async def fetch(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None,
-                at_seq: tuple[str, int] | None) -> m.StatusReport:
-    """The report from the projector's status service, or by folding the streams here."""
-    bus = await Bus.connect(settings, "llmgw-ctl-status", reconnect=False)
-    try:
-        if not replay:
-            # What is stored now is what the answer must include: the projector waits for it.
-            heads = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
-            data = await bus.request(
-                subjects.STATUS, m.encode(m.StatusRequest(idle_threshold_s=threshold_s, wait_for=heads, wait_s=3.0)),
-                service="projector (status service; run `llmgw project` or use --replay)",
-            )
-            return m.STATUS_REPORT_DECODER.decode(data)
-        from llmgw.projections import (
-            runner,  # DuckDB loads only for a replay: plain status stays quick
-        )
-
-        with progress("replaying") as on_progress:
-            done = await runner.replay(bus, at=at, at_seq=at_seq, progress=on_progress)
-        return report(done.state, at, threshold_s, done.cursor)
-    finally:
-        await bus.close()
 
 
 def usage_bar(c: m.ClassCapacity, width: int = BAR_WIDTH) -> str:
@@ -156,7 +130,13 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
     at = parse_time(at_text, "--at") if at_text else None
     at_seq = parse_at_seq(at_seq_text) if at_seq_text else None
     replay = use_replay or at is not None or at_seq is not None
-    r = run(fetch(settings, threshold_s, replay=replay, at=at, at_seq=at_seq))
+    from llmgw import ctl
+
+    if replay:
+        with progress("replaying") as on_progress:
+            r = run(ctl.fetch_status(settings, threshold_s, replay=True, at=at, at_seq=at_seq, progress=on_progress))
+    else:
+        r = run(ctl.fetch_status(settings, threshold_s, replay=False))
     if as_json:
         click.echo(msgspec.json.format(m.encode(r), indent=2).decode())
         return

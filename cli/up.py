@@ -90,7 +90,7 @@ async def _prepare(url: str, fleet_path: Path | None, models_dir: str | None, ex
             async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
                 if any(r.subject == subjects.model(EXAMPLE_NAME, "declared") for r in batch):
                     return f"{EXAMPLE_NAME} was declared before; not declaring it again"
-        from llmgw.cli.plan import plan_locally
+        from llmgw.ctl import plan_locally
 
         try:
             reply = plan_locally(EXAMPLE_MODEL, fleet_path, m.PlanRequest(model=EXAMPLE_MODEL, context=8192), models_dir)

@@ -48,7 +48,7 @@ def _llmgw_program() -> list[str]:
     if exe.is_file():
         return [str(exe)]
     found = shutil.which("llmgw")
-    return [found] if found else [sys.executable, "-c", "from llmgw.cli.main import main; main()"]
+    return [found] if found else [sys.executable, "-m", "llmgw"]
 
 
 def default_commands() -> dict[str, list[str]]:

@@ -288,7 +288,7 @@ class EngineProcess:
 
 def spawn(model: str, *args: str, name: str = "", host: str = "127.0.0.1", timeout: float = 20.0) -> EngineProcess:
     """Start ``llmgw fake-engine`` on a free port and wait (bounded) for its URL line."""
-    cmd = [sys.executable, "-c", "from llmgw.cli.main import main; main()", "fake-engine",
+    cmd = [sys.executable, "-m", "llmgw", "fake-engine",
            "--host", host, "--port", "0", "--model", model, *(("--name", name) if name else ()), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     assert proc.stdout is not None

@@ -222,16 +222,3 @@ def _describe(event: m.Event) -> str:
         case m.ModelAutoscaled():
             return f"autoscaled {event.name} to {event.replicas}: {event.reason}"
     return type(event).__name__
-
-
-async def replay_state(bus: Bus, streams: tuple[str, ...] = FOLLOWED) -> FleetState:
-    """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
-    state = FleetState()
-    for stream in streams:
-        last = await bus.stream_last_seq(stream)
-        if last == 0:
-            continue
-        async for batch in bus.follow(stream, m.ANY_DECODER, stop_at=last, idle_expires_s=2.0, who="replay").batches():
-            for d in batch:
-                apply(state, d.event)
-    return state

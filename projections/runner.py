@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
-import signal
 import threading
 import time
 from collections import deque
@@ -60,7 +58,6 @@ BATCH_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
 # Two: the reader folds the next batch while the writer commits one and holds another.
 COMMITS_IN_FLIGHT = 2
 READ_ATTEMPTS = 8  # about a minute of backoff before a projector gives up on a stream
-CRASH_ENV = "LLMGW_PROJECT_CRASH_AT"  # test hook: "N" (inside a commit) or "N:fold" (on the loop)
 
 Progress = Callable[[int, int], None]
 
@@ -127,10 +124,6 @@ async def _all_or_none(reads: Iterable[Coroutine[Any, Any, None]]) -> None:
         raise
 
 
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Projector:
     """Folds the history streams into a FleetState and, when given a store, into DuckDB."""
 
@@ -170,20 +163,11 @@ class Projector:
         self._last_commit = time.monotonic()
         self._last_snapshot = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
-        self._crash_at, self._crash_on_loop = self._crash_hook()
         self._process: ProcessWriter | None = None
         if store is not None and writer_process and store.path != ":memory:":
             # The child owns the file from here on; this process only reads NATS and folds.
             store.close()
             self._process = ProcessWriter(store.path, self.snapshot_path, snapshot_interval_s)
-
-    @staticmethod
-    def _crash_hook() -> tuple[int | None, bool]:
-        raw = os.environ.get(CRASH_ENV, "")
-        if not raw:
-            return None, False
-        n, _, where = raw.partition(":")
-        return int(n), where == "fold"
 
     # --- folding -------------------------------------------------------------------
 
@@ -196,9 +180,6 @@ class Projector:
                 raise msgspec.DecodeError("batch framing")
         except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
             self._ingest_one_by_one(stream, msgs)
-            return
-        if self._crash_on_loop:
-            self._ingest_one_by_one(stream, msgs, decoded)
             return
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
@@ -219,15 +200,14 @@ class Projector:
         if self.progress is not None:
             self.progress(self.folded, self._total)
 
-    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg], decoded: list[Any] | None = None) -> None:
-        """A batch with an event that cannot be decoded (or the crash hook armed): event by event."""
-        if decoded is None:
-            decoded = []
-            for x in msgs:
-                try:
-                    decoded.append(DECODERS[stream].decode(x.data))
-                except m.DECODE_ERRORS as e:
-                    decoded.append(e)
+    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg]) -> None:
+        """A batch with an event that cannot be decoded: event by event."""
+        decoded: list[Any] = []
+        for x in msgs:
+            try:
+                decoded.append(DECODERS[stream].decode(x.data))
+            except m.DECODE_ERRORS as e:
+                decoded.append(e)
         state, batch = self.state, self.batch
         for raw, event in zip(msgs, decoded, strict=True):
             if isinstance(event, Exception):
@@ -239,8 +219,6 @@ class Projector:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
                 apply(state, event)
-            if self._crash_on_loop and self._crash_at is not None and self.folded + 1 >= self._crash_at:
-                _kill_self()
             self.folded += 1
         self.cursor.positions[stream] = msgs[-1].seq
         self._progress.set()
@@ -261,12 +239,11 @@ class Projector:
 
     def _write_one(self, batch: Batch, snapshot: bytes) -> None:
         assert self.store is not None
-        crash = self._crash_at is not None and not self._crash_on_loop and self.committed + batch.events >= self._crash_at
         if self._process is not None:
-            self._process.commit(batch, snapshot, crash)
+            self._process.commit(batch, snapshot)
             self.committed += batch.events
             return
-        self.store.commit(batch, snapshot, before_commit=_kill_self if crash else None)
+        self.store.commit(batch, snapshot)
         self.committed += batch.events
         if self.snapshot_path is not None and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             self.store.export_snapshot(self.snapshot_path)

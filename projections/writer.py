@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing
-import os
 import signal
 import time
 from multiprocessing.connection import Connection
@@ -25,22 +24,16 @@ from llmgw.errors import ProjectionError
 from llmgw.projections.store import Batch, Chunk, Store
 
 _PR_SET_PDEATHSIG = 1
-# What goes down the pipe per commit: (rows per staging table, chunks, events, state, crash).
+# What goes down the pipe per commit: (rows per staging table, chunks, events, state).
 # msgpack, not pickle: a busy week's idle history is millions of short rows, and
 # msgspec encodes them five times faster.
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(tuple[dict[str, list[tuple]], list[Chunk], int, bytes, bool])
+_DECODER = msgspec.msgpack.Decoder(tuple[dict[str, list[tuple]], list[Chunk], int, bytes])
 
 
 def _die_with_parent() -> None:
     with contextlib.suppress(Exception):  # Linux only; elsewhere the pipe's EOF ends the child
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _kill_both() -> None:
-    """The test hook's crash: the whole projector, parent and writer, with SIGKILL."""
-    os.kill(os.getppid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_interval_s: float) -> None:
@@ -61,9 +54,9 @@ def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_inter
                 return
             if not data:
                 return
-            rows, chunks, events, snapshot, crash = _DECODER.decode(data)
+            rows, chunks, events, snapshot = _DECODER.decode(data)
             try:
-                store.commit(Batch(rows=rows, chunks=chunks, events=events), snapshot, before_commit=_kill_both if crash else None)
+                store.commit(Batch(rows=rows, chunks=chunks, events=events), snapshot)
                 if snapshot_path and time.monotonic() - last_snapshot >= snapshot_interval_s:
                     store.export_snapshot(snapshot_path)
                     last_snapshot = time.monotonic()
@@ -100,10 +93,10 @@ class ProcessWriter:
         if err is not None:
             raise ProjectionError(err)
 
-    def commit(self, batch: Batch, snapshot: bytes, crash: bool) -> None:
+    def commit(self, batch: Batch, snapshot: bytes) -> None:
         """Send one batch and wait for its commit (called from the projector's writer thread)."""
         batch.pack()
-        self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot, crash)))
+        self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot)))
         self._check()
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ from llmgw import fleetfile, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
-from llmgw.cli.plan import plan_locally
 from llmgw.config import Settings
+from llmgw.ctl import plan_locally
 from llmgw.planner_service import PlannerService
 
 ROOT = Path(__file__).resolve().parent.parent

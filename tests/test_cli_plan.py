@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw.cli.main import cli
-from llmgw.cli.plan import plan_remotely
 from llmgw.config import Settings
+from llmgw.ctl import plan_remotely
 from llmgw.errors import ConnectError
 from llmgw.messages import PlanRequest
 

@@ -208,7 +208,7 @@ with open(os.environ["LLMGW_TEST_RECORD"], "a") as f:
     f.write("vllm " + " ".join(sys.argv[1:]) + " NCCL_SOCKET_IFNAME=" + os.environ.get("NCCL_SOCKET_IFNAME", "")
             + " RAY_ADDRESS=" + os.environ.get("RAY_ADDRESS", "") + "\\n")
 a = sys.argv
-os.execv(sys.executable, [sys.executable, "-c", "from llmgw.cli.main import main; main()", "fake-engine",
+os.execv(sys.executable, [sys.executable, "-m", "llmgw", "fake-engine",
          "--host", a[a.index("--host") + 1], "--port", a[a.index("--port") + 1],
          "--model", a[a.index("--served-model-name") + 1]])
 """

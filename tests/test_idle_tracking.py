@@ -185,7 +185,7 @@ async def test_cli_router_publishes_a_last_map_on_sigterm(bus: Bus, settings: Se
                                                          engines: dict[str, EngineProcess]) -> None:
     await up(bus, "A", "model-a", engines["A"].url)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from llmgw.cli.main import main; main()", "router", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0",
         "--name", "cli-router", "--tick", "3600", "--nats-url", settings.nats_url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:

@@ -135,7 +135,7 @@ async def test_planner_process_answers_and_stops_on_sigterm(bus: Bus, settings: 
     inv = fleetfile.inventories(fleetfile.load(EXAMPLES / "fleet.toml"), AT)
     await bus.publish_many(inv)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from llmgw.cli.main import main; main()", "planner", "--nats-url", settings.nats_url,
+        sys.executable, "-m", "llmgw", "planner", "--nats-url", settings.nats_url,
         "--models-dir", str(MODELS), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:

@@ -28,7 +28,6 @@ from llmgw.errors import ProjectionError
 from llmgw.fleet import status as status_report
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,
-    CRASH_ENV,
     GC_THRESHOLDS,
     Projector,
     fewer_gc_passes,
@@ -70,9 +69,9 @@ async def project_once(bus: Bus, path: Path, commit_every: int = 100_000) -> Non
 
 async def crash_then_resume(settings: Settings, bus: Bus, path: Path, crash_at: str, commit_every: int) -> int:
     """Run `llmgw project --once` in a child that SIGKILLs itself at ``crash_at``, then finish here."""
-    env = {**os.environ, CRASH_ENV: crash_at, "LLMGW_NATS_URL": settings.nats_url}
+    env = {**os.environ, "LLMGW_NATS_URL": settings.nats_url}
     proc = await asyncio.create_subprocess_exec(
-        LLMGW, "project", "--once", "--db", str(path), "--commit-every", str(commit_every),
+        sys.executable, str(Path(__file__).with_name("crashing_projector.py")), crash_at, "--once", "--db", str(path), "--commit-every", str(commit_every),
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), timeout=60)
@@ -256,7 +255,8 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
         path.unlink(missing_ok=True)
         path.with_name(path.name + ".wal").unlink(missing_ok=True)
     await project_once(bus, clean)
-    await crash_then_resume(settings, bus, crashed, f"{at}:fold" if on_loop else str(at), commit_every)
+    rc = await crash_then_resume(settings, bus, crashed, f"{at}:fold" if on_loop else str(at), commit_every)
+    assert rc == -signal.SIGKILL  # every crash point lies inside the history
     assert tables(crashed) == tables(clean)
     clean_store = Store(clean)
     try:

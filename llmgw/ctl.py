@@ -1,0 +1,276 @@
+"""What ``llmgw ctl`` does, as a library: ask, fold, decide, publish. The CLI only parses and formats.
+
+Every function here opens its own short-lived bus connection (``reconnect=False``:
+a command that cannot reach NATS says so at once) and closes it. Heavy imports
+(the bus, DuckDB, the planner) happen inside the functions, so a command pays
+only for what it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError, PlanError
+from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.status import IdleRow, idle_rows
+
+if TYPE_CHECKING:
+    from llmgw.bus import Bus
+
+CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before ``idle`` replays
+STATUS_WAIT_S = 3.0  # … and before ``status`` says it lags
+
+Notice = Callable[[str], None]  # a line for the operator (the CLI prints it to stderr)
+Progress = Callable[[int, int], None] | None
+
+
+async def _connect(settings: Settings, name: str) -> Bus:
+    from llmgw.bus import Bus
+
+    return await Bus.connect(settings, name, reconnect=False)
+
+
+async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> FleetState:
+    """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
+    state = FleetState()
+    for stream in streams:
+        last = await bus.stream_last_seq(stream)
+        if last == 0:
+            continue
+        async for batch in bus.follow(stream, m.ANY_DECODER, stop_at=last, idle_expires_s=2.0, who="replay").batches():
+            for d in batch:
+                apply(state, d.event)
+    return state
+
+
+async def stream_heads(bus: Bus) -> dict[str, int]:
+    """The last sequence of every history stream now: what an answer asked for now must include."""
+    return {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+
+
+# --- status ------------------------------------------------------------------------------------------
+
+
+async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None = None,
+                       at_seq: tuple[str, int] | None = None, progress: Progress = None) -> m.StatusReport:
+    """The report from the projector's status service, once it has folded what is stored now; or, with
+    ``replay``, ``at`` or ``at_seq``, by folding the streams here (in memory, no DuckDB)."""
+    from llmgw.fleet.status import report
+
+    bus = await _connect(settings, "llmgw-ctl-status")
+    try:
+        if not replay:
+            req = m.StatusRequest(idle_threshold_s=threshold_s, wait_for=await stream_heads(bus), wait_s=STATUS_WAIT_S)
+            data = await bus.request(subjects.STATUS, m.encode(req),
+                                     service="projector (status service; run `llmgw project` or use --replay)")
+            return m.STATUS_REPORT_DECODER.decode(data)
+        from llmgw.projections import runner  # the projector's reader: loaded only for a replay
+
+        done = await runner.replay(bus, at=at, at_seq=at_seq, progress=progress)
+        return report(done.state, at, threshold_s, done.cursor)
+    finally:
+        await bus.close()
+
+
+# --- idle --------------------------------------------------------------------------------------------
+
+
+async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
+                     notice: Notice = lambda _: None) -> tuple[list[IdleRow], datetime, str]:
+    """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
+
+    From the projector's status service when one answers with every event
+    stored when we asked folded in (a projector that is behind would see old
+    idle maps and overstate idleness); otherwise, or with ``replay``, by
+    folding the streams here, which takes longer the longer the history.
+    """
+    now = now or m.utcnow()
+    bus = await _connect(settings, "llmgw-ctl-idle")
+    try:
+        if not replay:
+            rows = await _idle_from_projector(bus, older_than_s, now, notice)
+            if rows is not None:
+                return rows, now, "projector"
+        state = await replay_state(bus)
+    finally:
+        await bus.close()
+    return [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s], now, "replay"
+
+
+async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime, notice: Notice) -> list[IdleRow] | None:
+    """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
+    from llmgw.errors import NoServiceError, ServiceError
+
+    req = m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=await stream_heads(bus), wait_s=CATCH_UP_S)
+    try:
+        data = await bus.request(subjects.STATUS, m.encode(req), service="projector (status service)",
+                                 timeout=CATCH_UP_S + bus.settings.request_timeout_s)
+        report = m.STATUS_REPORT_DECODER.decode(data)
+    except NoServiceError:
+        notice("no projector is running: replaying the streams here (slower on a long history)")
+        return None
+    except (ServiceError, msgspec.DecodeError) as e:  # behind, no answer in time, an error, another version
+        notice(f"the projector could not answer ({e}): replaying the streams here")
+        return None
+    # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
+    return [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
+            for r in report.idle]
+
+
+async def stop_idle(settings: Settings, rows: list[IdleRow]) -> list[int]:
+    """Publish ``ReplicaStopped`` reason ``idle`` for each row; the stream sequences."""
+    bus = await _connect(settings, "llmgw-ctl-idle")
+    seqs = []
+    try:
+        for r in rows:
+            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, reason="idle")
+            # The scheduler stops a replica under the same id: one stop, whoever was first.
+            seqs.append((await bus.publish(event, msg_id=f"ReplicaStopped:{r.replica_id}")).seq)
+    finally:
+        await bus.close()
+    return seqs
+
+
+# --- plans -------------------------------------------------------------------------------------------
+
+
+def local_model(model: str, models_dir: str | None, params: int | None) -> m.ModelInfo | None:
+    """The model read here when it is a directory or in the models directory; else the planner reads it."""
+    from llmgw import modelinfo
+
+    md = modelinfo.models_dir(models_dir)
+    if Path(model).expanduser().is_dir() or (md is not None and (md / model.replace("/", "__") / "config.json").is_file()):
+        return modelinfo.load(model, models_dir_=md, params=params)
+    return None
+
+
+def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
+    """What-if: plan against a fleet file, without NATS."""
+    from llmgw import fleetfile, modelinfo, planner
+    from llmgw.fleet.fold import fold
+
+    fleet = fleetfile.load(fleet_path)
+    state = fold(fleetfile.inventories(fleet, m.utcnow()))
+    info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
+    return planner.plan(info, state, request)
+
+
+async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:
+    """Ask a running planner over NATS."""
+    from llmgw.errors import ConnectError
+    from llmgw.planner_service import ask
+
+    try:
+        bus = await _connect(settings, "llmgw-ctl-plan")
+    except ConnectError as e:
+        raise ConnectError(f"{e}; or plan without NATS against a fleet file: --fleet FILE") from e
+    try:
+        return await ask(bus, request)
+    finally:
+        await bus.close()
+
+
+async def plan(settings: Settings, model: str, request: m.PlanRequest, *, fleet: Path | None = None,
+               models_dir: str | None = None) -> m.PlanReply:
+    """A plan against ``fleet`` (a file, no NATS) or from the running planner; a model found here is read here."""
+    if fleet is not None:
+        return plan_locally(model, fleet, request, models_dir)
+    info = local_model(model, models_dir, request.params)
+    return await plan_remotely(settings, msgspec.structs.replace(request, info=info))
+
+
+def choose(reply: m.PlanReply, *, candidate: int | None, gpu_class: str | None, engine: str | None,
+           pp: int | None = None) -> m.Candidate:
+    """The candidate to deploy: the N-th the planner listed, or the best one matching the flags.
+
+    Refuses (PlanError) with the planner's reason when what was asked for does not fit.
+    """
+    fitting = [c for c in reply.candidates if c.fits]
+    if candidate is not None:
+        if not 1 <= candidate <= len(fitting):
+            listed = f"candidates 1 to {len(fitting)}" if fitting else "no candidate that fits"
+            why = f" ({'; '.join(reply.notes)})" if reply.notes else ""
+            raise PlanError(f"--candidate {candidate}: the planner lists {listed} for {reply.model}{why}; "
+                            f"see `llmgw ctl model plan {reply.model}`")
+        chosen = fitting[candidate - 1]
+    else:
+        pool = list(reply.candidates)
+        if gpu_class is not None:
+            classes = sorted({c.gpu_class for c in reply.candidates})
+            pool = [c for c in pool if c.gpu_class == gpu_class]
+            if not pool:
+                have = ", ".join(classes) if classes else "none with a live healthy GPU"
+                raise PlanError(f"no node has {gpu_class} GPUs (classes in the fleet: {have}); choose --gpu-class from those")
+        if pp is not None:
+            pool = [c for c in pool if c.pp == pp]
+        if not pool:
+            raise PlanError(f"the planner found no split of {reply.model}: {'; '.join(reply.notes) or 'nothing fits'}")
+        fits = [c for c in pool if c.fits]
+        if not fits:
+            best = pool[0]
+            raise PlanError(f"{reply.model} at {best.precision}, tp={best.tp}, pp={best.pp} on {best.gpu_class} does not fit: "
+                            f"{best.reason}; see `llmgw ctl model plan {reply.model} --all` for what does")
+        chosen = fits[0]
+    if engine is not None and engine != chosen.engine:
+        raise PlanError(f"precision {chosen.precision} is served by {chosen.engine}, not {engine}; "
+                        f"{'GGUF precisions (q8_0, q6_K, q5_K_M, q4_K_M)' if engine == 'llama.cpp' else 'bf16, fp16, fp8, awq or gptq'} "
+                        f"are served by {engine}: change --precision or drop --engine")
+    return chosen
+
+
+# --- the control stream ------------------------------------------------------------------------------
+
+
+async def publish_control(settings: Settings, event: m.Event, *, must_exist: str | None = None) -> int:
+    """Publish one control event; with ``must_exist``, only if that model is declared now. Its sequence."""
+    bus = await _connect(settings, "llmgw-ctl-model")
+    try:
+        if must_exist is not None:
+            state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+            if must_exist not in state.models:
+                names = ", ".join(sorted(state.models)) or "none"
+                raise LlmgwError(f"no model named {must_exist!r} is declared (declared: {names}); "
+                                 f"deploy it first with `llmgw ctl model deploy {must_exist} MODEL --from-plan`")
+        return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+async def list_models(settings: Settings) -> list[dict[str, Any]]:
+    """One row per declared model: its state, replicas healthy/placed/wanted, scaling, spec and KV figures."""
+    bus = await _connect(settings, "llmgw-ctl-model")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+    finally:
+        await bus.close()
+    return model_rows(state)
+
+
+def model_rows(state: FleetState) -> list[dict[str, Any]]:
+    states = state.model_states()
+    rows = []
+    for name in sorted(state.models):
+        v = state.models[name]
+        reps = [r for r in state.replicas.values() if r.model == name]
+        spec = v.spec
+        rows.append({
+            "name": name, "state": states[name], "healthy": sum(r.state == "healthy" for r in reps),
+            "placed": len(reps), "wanted": v.replicas_wanted, "set_by": v.replicas_by,
+            "min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
+            "target_in_flight": spec.target_in_flight if spec.autoscaled else None,
+            "idle_ttl_s": spec.idle_ttl_s, "source": spec.source, "precision": spec.precision,
+            "gpus_per_replica": spec.tp * spec.pp, "gpu_class": spec.gpu_class,
+            "unplaceable": v.unplaceable_reason,
+            # The plan's KV cache per replica, and what its engines reserved (0: not reported).
+            "kv_tokens_planned": spec.kv_tokens,
+            "kv_tokens_observed": max((r.observed_kv_tokens for r in reps), default=0),
+        })
+    return rows
