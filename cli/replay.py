@@ -2,102 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
-from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import click
 import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import parse_time, progress
 from llmgw.cli.status import parse_stream
 from llmgw.config import Settings
-from llmgw.projections.runner import DECODERS
-
-
-class Entry(NamedTuple):
-    """One stored message, decoded when it could be."""
-
-    at: datetime
-    stream: str
-    seq: int
-    subject: str
-    stored_at: datetime
-    event: m.Event | None
-    raw: bytes
-    error: str
-
-
-def involves_node(event: m.Event, node: str) -> bool:
-    if getattr(event, "node", None) == node:
-        return True
-    if node in getattr(event, "nodes", ()):
-        return True
-    return any(g.node == node for g in getattr(event, "gpus", ()) if isinstance(g, m.GpuRef))
-
-
-def involves_model(event: m.Event, model: str) -> bool:
-    if isinstance(event, m.ModelDeclared):
-        return event.spec.name == model
-    if isinstance(event, m.IdleMapPublished):
-        return False
-    return model in (getattr(event, "model", None), getattr(event, "name", None))
-
-
-async def read_entries(settings: Settings, streams: tuple[str, ...], subject: str | None,
-                       since: datetime | None, until: datetime | None, node: str | None,
-                       model: str | None) -> list[Entry]:
-    """Every stored message that passes the filters, in event-time order."""
-    bus = await Bus.connect(settings, "llmgw-replay", reconnect=False)
-    out: list[Entry] = []
-    try:
-        stops = {s: await bus.stream_last_seq(s) for s in streams}
-        total = sum(stops.values())
-        done = 0
-        with progress("reading") as on_progress:
-            for stream, last in stops.items():
-                if last == 0:
-                    continue
-                reader = bus.reader(stream, 1, stop_at=last, filter_subjects=[subject] if subject else [])
-                async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
-                    async for msgs in batches:
-                        for x in msgs:
-                            out.extend(_entry(stream, x.seq, x.subject, x.data, x.ts_ns, since, until, node, model))
-                        done += len(msgs)
-                        if on_progress is not None:
-                            on_progress(done, total)
-    finally:
-        await bus.close()
-    out.sort(key=lambda e: (e.at, e.stream, e.seq))
-    return out
-
-
-def _entry(stream: str, seq: int, subject: str, data: bytes, ts_ns: int, since: datetime | None,
-           until: datetime | None, node: str | None, model: str | None) -> Iterator[Entry]:
-    stored = datetime.fromtimestamp(ts_ns / 1e9, UTC)
-    try:
-        event: m.Event | None = DECODERS[stream].decode(data)
-        error = ""
-    except m.DECODE_ERRORS as e:
-        event, error = None, str(e) or type(e).__name__
-    at = event.at if event is not None else stored
-    if (since and at < since) or (until and at > until):
-        return
-    if event is None:
-        if not node and not model:
-            yield Entry(at, stream, seq, subject, stored, None, data, error)
-        return
-    if node and not involves_node(event, node):
-        return
-    if model and not involves_model(event, model):
-        return
-    yield Entry(at, stream, seq, subject, stored, event, data, "")
+from llmgw.ctl import Entry
 
 
 def describe(event: m.Event) -> str:
@@ -188,7 +105,10 @@ def replay(settings: Settings, as_json: bool, stream_text: str | None, subject: 
         streams = subjects.HISTORY_STREAMS
     since = parse_time(since_text, "--since") if since_text else None
     until = parse_time(until_text, "--until") if until_text else None
-    entries = run(read_entries(settings, streams, subject, since, until, node, model))
+    from llmgw import ctl
+
+    with progress("reading") as on_progress:
+        entries = run(ctl.read_entries(settings, streams, subject, since, until, node, model, on_progress))
     for e in entries:
         if as_json:
             click.echo(json.dumps(entry_json(e), default=str))

@@ -8,10 +8,11 @@ only for what it uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import datetime
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -137,6 +138,87 @@ async def stop_idle(settings: Settings, rows: list[IdleRow]) -> list[int]:
     finally:
         await bus.close()
     return seqs
+
+
+# --- history, for ``llmgw replay`` ---------------------------------------------------------------------
+
+
+class Entry(NamedTuple):
+    """One stored message, decoded when it could be."""
+
+    at: datetime
+    stream: str
+    seq: int
+    subject: str
+    stored_at: datetime
+    event: m.Event | None
+    raw: bytes
+    error: str
+
+
+def involves_node(event: m.Event, node: str) -> bool:
+    if getattr(event, "node", None) == node:
+        return True
+    if node in getattr(event, "nodes", ()):
+        return True
+    return any(g.node == node for g in getattr(event, "gpus", ()) if isinstance(g, m.GpuRef))
+
+
+def involves_model(event: m.Event, model: str) -> bool:
+    if isinstance(event, m.ModelDeclared):
+        return event.spec.name == model
+    if isinstance(event, m.IdleMapPublished):
+        return False
+    return model in (getattr(event, "model", None), getattr(event, "name", None))
+
+
+async def read_entries(settings: Settings, streams: tuple[str, ...], subject: str | None,
+                       since: datetime | None, until: datetime | None, node: str | None,
+                       model: str | None, progress: Progress = None) -> list[Entry]:
+    """Every stored message that passes the filters, raw and decoded where it could be, in event-time order."""
+    bus = await _connect(settings, "llmgw-replay")
+    out: list[Entry] = []
+    try:
+        stops = {s: await bus.stream_last_seq(s) for s in streams}
+        total = sum(stops.values())
+        done = 0
+        for stream, last in stops.items():
+            if last == 0:
+                continue
+            reader = bus.reader(stream, 1, stop_at=last, filter_subjects=[subject] if subject else [])
+            async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+                async for msgs in batches:
+                    for x in msgs:
+                        out.extend(_entry(stream, x.seq, x.subject, x.data, x.ts_ns, since, until, node, model))
+                    done += len(msgs)
+                    if progress is not None:
+                        progress(done, total)
+    finally:
+        await bus.close()
+    out.sort(key=lambda e: (e.at, e.stream, e.seq))
+    return out
+
+
+def _entry(stream: str, seq: int, subject: str, data: bytes, ts_ns: int, since: datetime | None,
+           until: datetime | None, node: str | None, model: str | None) -> Iterator[Entry]:
+    stored = datetime.fromtimestamp(ts_ns / 1e9, UTC)
+    try:
+        event: m.Event | None = subjects.DECODERS[stream].decode(data)
+        error = ""
+    except m.DECODE_ERRORS as e:
+        event, error = None, str(e) or type(e).__name__
+    at = event.at if event is not None else stored
+    if (since and at < since) or (until and at > until):
+        return
+    if event is None:
+        if not node and not model:
+            yield Entry(at, stream, seq, subject, stored, None, data, error)
+        return
+    if node and not involves_node(event, node):
+        return
+    if model and not involves_model(event, model):
+        return
+    yield Entry(at, stream, seq, subject, stored, event, data, "")
 
 
 # --- plans -------------------------------------------------------------------------------------------

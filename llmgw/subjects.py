@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from llmgw import messages as m
 
@@ -231,6 +234,10 @@ STREAMS: tuple[StreamSpec, ...] = (
 
 # The streams that status and the projections replay, in fold order.
 HISTORY_STREAMS: tuple[str, ...] = (STREAM_FLEET, STREAM_CONTROL, STREAM_USAGE)
+# What each history stream may hold: an event of another stream's kind there is undecodable.
+DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    STREAM_FLEET: m.FLEET_DECODER, STREAM_CONTROL: m.CONTROL_DECODER, STREAM_USAGE: m.USAGE_DECODER,
+}
 
 STREAM_BY_NAME = {s.name: s for s in STREAMS}
 

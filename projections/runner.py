@@ -43,11 +43,7 @@ from llmgw.projections.writer import ProcessWriter
 
 log = logging.getLogger(__name__)
 
-DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
-    subjects.STREAM_FLEET: m.FLEET_DECODER,
-    subjects.STREAM_CONTROL: m.CONTROL_DECODER,
-    subjects.STREAM_USAGE: m.USAGE_DECODER,
-}
+DECODERS = subjects.DECODERS
 # One decode call per batch: the stream's messages joined as a JSON array.
 BATCH_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
     subjects.STREAM_FLEET: msgspec.json.Decoder(list[m.FleetEvent]),
