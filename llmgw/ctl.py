@@ -20,7 +20,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError, PlanError
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState
 from llmgw.fleet.status import IdleRow, idle_rows
 
 if TYPE_CHECKING:
@@ -41,15 +41,9 @@ async def _connect(settings: Settings, name: str) -> Bus:
 
 async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> FleetState:
     """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
-    state = FleetState()
-    for stream in streams:
-        last = await bus.stream_last_seq(stream)
-        if last == 0:
-            continue
-        async for batch in bus.follow(stream, m.ANY_DECODER, stop_at=last, idle_expires_s=2.0, who="replay").batches():
-            for d in batch:
-                apply(state, d.event)
-    return state
+    from llmgw.fleet.replay import replay
+
+    return (await replay(bus, streams=streams))[0]
 
 
 async def stream_heads(bus: Bus) -> dict[str, int]:
@@ -73,10 +67,10 @@ async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, 
             data = await bus.request(subjects.STATUS, m.encode(req),
                                      service="projector (status service; run `llmgw project` or use --replay)")
             return m.STATUS_REPORT_DECODER.decode(data)
-        from llmgw.projections import runner  # the projector's reader: loaded only for a replay
+        from llmgw.fleet.replay import replay as fold_streams
 
-        done = await runner.replay(bus, at=at, at_seq=at_seq, progress=progress)
-        return report(done.state, at, threshold_s, done.cursor)
+        state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress)
+        return report(state, at, threshold_s, cursor)
     finally:
         await bus.close()
 

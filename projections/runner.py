@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -440,40 +439,3 @@ class Projector:
         if self._process is not None:
             self._process.close()
             self._process = None
-
-
-async def replay(
-    bus: Bus,
-    *,
-    at: datetime | None = None,
-    at_seq: tuple[str, int] | None = None,
-    progress: Progress | None = None,
-) -> Checkpoint:
-    """Fold the history streams in memory (no DuckDB), up to a moment if given."""
-    at_ns = int(at.timestamp() * 1e9) if at is not None else None
-    projector = Projector(bus, None, progress=progress)
-    try:
-        if at_seq is not None:
-            stream, seq = at_seq
-            at_ns = await message_ts_ns(bus, stream, seq)
-        stops = await projector.stops(at_ns)
-        if at_seq is not None:
-            stops[at_seq[0]] = Stop(at_seq[1])
-        return await projector.run_once(stops)
-    finally:
-        projector.close()
-
-
-async def message_ts_ns(bus: Bus, stream: str, seq: int) -> int:
-    """When the stream stored message ``seq``."""
-    last = await bus.stream_last_seq(stream)
-    if not 1 <= seq <= last:
-        raise ProjectionError(f"{stream} holds sequences 1..{last}; there is no {stream}:{seq}")
-    reader = bus.reader(stream, seq, batch=1, stop_at=seq)
-    async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
-        async for msgs in batches:
-            for x in msgs:
-                if x.seq == seq:
-                    return x.ts_ns
-            break
-    raise ProjectionError(f"{stream}:{seq} was deleted from the stream; pick another sequence or use --at TIME")

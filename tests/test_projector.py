@@ -26,12 +26,12 @@ from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ProjectionError
 from llmgw.fleet import status as status_report
+from llmgw.fleet.replay import replay
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,
     GC_THRESHOLDS,
     Projector,
     fewer_gc_passes,
-    replay,
 )
 from llmgw.projections.store import TABLES, Batch, Store, encode_state
 
@@ -148,8 +148,8 @@ async def test_live_replay_and_resumed_status_are_identical(
 ) -> None:
     last = await publish(bus, [*small_fleet(), BAD])
     live = await _live_status(bus, tmp_path / "live.duckdb", last)
-    done = await replay(bus)
-    replayed = m.encode(status_report.report(done.state, None, 600, done.cursor))
+    state, cursor = await replay(bus)
+    replayed = m.encode(status_report.report(state, None, 600, cursor))
     rc = await crash_then_resume(settings, bus, tmp_path / "crashed.duckdb", "9", 4)
     assert rc == -signal.SIGKILL
     resumed = await _live_status(bus, tmp_path / "crashed.duckdb", last)
@@ -264,8 +264,8 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
         expected = msgspec.json.encode(status_report.report(cp.state, cursor=cp.cursor))
     finally:
         clean_store.close()
-    done = await replay(bus)
-    assert expected == m.encode(status_report.report(done.state, cursor=done.cursor))
+    state, cursor = await replay(bus)
+    assert expected == m.encode(status_report.report(state, cursor=cursor))
 
 
 async def test_cancelled_while_commits_are_queued_loses_no_rows(bus: Bus, tmp_path: Path) -> None:
