@@ -104,8 +104,9 @@ FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[
 #    no query parses a whole payload a second time)
 _FROM_STAGE = """
 INSERT INTO events
-SELECT stream, seq, subject, x[1], ts, make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
-       coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleMapPublished' THEN NULL ELSE json END
+SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished' ELSE x[1] END, ts,
+       make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
+       coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleChanges' THEN NULL ELSE json END
 FROM stage_parsed;
 INSERT INTO gpu_health
 SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN,
@@ -131,7 +132,7 @@ FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving
                   FROM (SELECT stream, seq, ts,
                                json_transform(json, '{"router": "VARCHAR", "tick": "BIGINT", "changes": [["VARCHAR"]]}')
                                AS m
-                        FROM stage_parsed WHERE x[1] = 'IdleMapPublished'))));
+                        FROM stage_parsed WHERE x[1] = 'IdleChanges'))));
 DELETE FROM stage_parsed;
 """
 
@@ -204,8 +205,12 @@ def _join(items: tuple[str, ...]) -> str:
     return ",".join(items)
 
 
-class _IdleChanges(msgspec.Struct, tag="IdleMapPublished", tag_field="type"):
-    """What an idle map leaves for DuckDB: its time, router and tick, and the entries that changed."""
+class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
+    """What an idle map leaves for DuckDB: its time, router and tick, and the entries that changed.
+
+    Staged only, never stored: its own tag keeps it from passing for an ``IdleMapPublished``
+    (the events table records the map under that type, with no payload).
+    """
 
     at: datetime
     router: str

@@ -54,6 +54,8 @@ def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
     assert row == [("ReplicaPlaced", t(4), "n2", "llama-70b", "r-llama")]
     assert store.query("SELECT DISTINCT stored_at FROM events") == [(datetime(2026, 3, 2, 10, 0, tzinfo=UTC),)]
     assert store.query("SELECT json IS NULL, count(*) FROM events GROUP BY ALL ORDER BY 1") == [(False, 19), (True, 4)]
+    # An idle map is recorded under its own type, without a payload (idle_history holds what changed).
+    assert store.query("SELECT DISTINCT type FROM events WHERE json IS NULL") == [("IdleMapPublished",)]
     assert store.query("SELECT node, gpu_index, replica_id FROM gpus WHERE replica_id IS NOT NULL "
                        "AND node = 'n1'") == [("n1", 0, "r-qwen")]
     assert store.query("SELECT name, replicas_wanted, replicas_placed FROM models ORDER BY name") == [
