@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -88,13 +89,31 @@ CREATE TEMP TABLE IF NOT EXISTS stage_parsed (
 # (a subject has no whitespace), comma-separated stored times (ns), and payloads
 # separated by the ASCII record separator, chr(30): JSON allows no raw control
 # character, so no payload msgspec decoded holds one, and each is stored as published.
+def _json_path(*names: str) -> str:
+    """``$.a.b`` for a field path of the events in messages.py; a name no event has is an import error.
+
+    The store reads payloads by these paths, so they are derived from the one schema
+    rather than written out: renaming a field there breaks here at once, not in a query.
+    """
+    types: list[Any] = list(typing.get_args(m.AnyEvent))
+    for name in names:
+        fields = {f.name: f.type for t in types for f in msgspec.structs.fields(t)}
+        if name not in fields:
+            raise AssertionError(f"no event in llmgw.messages has a field {name!r} (path {'.'.join(names)})")
+        t = fields[name]
+        types = [t] if isinstance(t, type) and issubclass(t, msgspec.Struct) else []
+    return "$." + ".".join(names)
+
+
+# x[1..17], in this order (see _FROM_STAGE): the tag, then fields by their messages.py names.
+_PATHS = ["$.type", *(_json_path(*p.split(".")) for p in (
+    "at", "node")), "$.nodes[0]", *(_json_path(*p.split(".")) for p in (
+    "model", "name", "spec.name", "replica_id", "gpu_index", "gpu_uuid", "healthy", "state", "detail", "reason",
+    "nodes", "gpus", "reasons"))]
 _STAGE_CHUNK = """
 INSERT INTO stage_parsed
 SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json, try_cast(x[2] AS TIMESTAMPTZ), x
-FROM (SELECT *, json_extract_string(json, ['$.type', '$.at', '$.node', '$.nodes[0]', '$.model', '$.name',
-                                           '$.spec.name', '$.replica_id', '$.gpu_index', '$.gpu_uuid',
-                                           '$.healthy', '$.state', '$.detail', '$.reason', '$.nodes', '$.gpus',
-                                           '$.reasons']) AS x
+FROM (SELECT *, json_extract_string(json, [""" + ", ".join(f"'{p}'" for p in _PATHS) + """]) AS x
       FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
                    unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json))
 """  # (casting outside the unnest is a third faster than inside)

@@ -168,3 +168,14 @@ def test_payloads_with_line_breaks_and_odd_text_land_one_row_each(duckdb_path: P
     assert m.decode_event(rows[0][3].encode()) == lost
     assert rows[1][3].encode() == pretty
     store.close()
+
+
+def test_the_paths_the_store_reads_are_fields_of_the_schema() -> None:
+    """The JSON paths come from messages.py's field names: a renamed field fails at import, not in a query."""
+    from llmgw.projections.store import _json_path
+
+    assert _json_path("spec", "name") == "$.spec.name"
+    with pytest.raises(AssertionError, match="no event in llmgw.messages has a field 'replica'"):
+        _json_path("replica")
+    with pytest.raises(AssertionError, match="'nope'"):
+        _json_path("spec", "nope")
