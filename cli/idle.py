@@ -33,9 +33,11 @@ def _json_row(r: IdleRow) -> dict[str, Any]:
 @click.option("--dry-run", is_flag=True, help="With --stop: say what would be stopped, publish nothing.")
 @click.option("--replay", is_flag=True,
               help="Fold the streams here instead of asking the projector (what it does when none runs).")
+@click.option("--no-snapshot", is_flag=True, help="When replaying: fold from sequence 1, not from the newest fold snapshot.")
 @json_option
 @nats_options
-def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, as_json: bool, settings: Settings) -> None:
+def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, no_snapshot: bool, as_json: bool,
+         settings: Settings) -> None:
     """Replicas idle longer than --older-than, the GPUs they hold, and GPU-hours idle.
 
     A replica no router has reported is unknown, never idle: it is counted
@@ -55,7 +57,8 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, as_json: 
     """
     from llmgw import ctl
 
-    rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True)))
+    rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True),
+                                              use_snapshots=not no_snapshot))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []

@@ -115,8 +115,9 @@ def render(r: m.StatusReport, console: Console, limit: int) -> None:
 @click.option("--at-seq", "at_seq_text", metavar="STREAM:SEQ", help="Right after that message: STREAM up to SEQ, the other streams up to when it was stored. Implies --replay.")
 @click.option("--idle-threshold", default="30m", show_default=True, help="List replicas without a request for this long.")
 @click.option("--limit", default=20, show_default=True, help="Rows of idle replicas in the table.")
+@click.option("--no-snapshot", is_flag=True, help="With --replay/--at: fold from sequence 1, not from the newest fold snapshot.")
 def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | None, at_seq_text: str | None,
-           idle_threshold: str, limit: int) -> None:
+           idle_threshold: str, limit: int, no_snapshot: bool) -> None:
     """Show capacity, free nodes, unplaceable models and idle replicas.
 
     Example:
@@ -134,7 +135,8 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
 
     if replay:
         with progress("replaying") as on_progress:
-            r = run(ctl.fetch_status(settings, threshold_s, replay=True, at=at, at_seq=at_seq, progress=on_progress))
+            r = run(ctl.fetch_status(settings, threshold_s, replay=True, at=at, at_seq=at_seq, progress=on_progress,
+                                     use_snapshots=not no_snapshot, notice=lambda line: click.echo(line, err=True)))
     else:
         r = run(ctl.fetch_status(settings, threshold_s, replay=False))
     if as_json:

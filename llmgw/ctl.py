@@ -39,11 +39,12 @@ async def _connect(settings: Settings, name: str) -> Bus:
     return await Bus.connect(settings, name, reconnect=False)
 
 
-async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> FleetState:
+async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS, *,
+                       use_snapshots: bool = True, notice: Notice | None = None) -> FleetState:
     """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
     from llmgw.fleet.replay import replay
 
-    return (await replay(bus, streams=streams))[0]
+    return (await replay(bus, streams=streams, use_snapshots=use_snapshots, warn=notice))[0]
 
 
 async def stream_heads(bus: Bus) -> dict[str, int]:
@@ -55,9 +56,11 @@ async def stream_heads(bus: Bus) -> dict[str, int]:
 
 
 async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None = None,
-                       at_seq: tuple[str, int] | None = None, progress: Progress = None) -> m.StatusReport:
+                       at_seq: tuple[str, int] | None = None, progress: Progress = None,
+                       use_snapshots: bool = True, notice: Notice | None = None) -> m.StatusReport:
     """The report from the projector's status service, once it has folded what is stored now; or, with
-    ``replay``, ``at`` or ``at_seq``, by folding the streams here (in memory, no DuckDB)."""
+    ``replay``, ``at`` or ``at_seq``, by folding the streams here (in memory, no DuckDB), from the
+    newest fold snapshot before that point unless ``use_snapshots`` is off."""
     from llmgw.fleet.status import report
 
     bus = await _connect(settings, "llmgw-ctl-status")
@@ -69,7 +72,8 @@ async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, 
             return m.STATUS_REPORT_DECODER.decode(data)
         from llmgw.fleet.replay import replay as fold_streams
 
-        state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress)
+        state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress,
+                                           use_snapshots=use_snapshots, warn=notice)
         return report(state, at, threshold_s, cursor)
     finally:
         await bus.close()
@@ -79,7 +83,7 @@ async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, 
 
 
 async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
-                     notice: Notice = lambda _: None) -> tuple[list[IdleRow], datetime, str]:
+                     notice: Notice = lambda _: None, use_snapshots: bool = True) -> tuple[list[IdleRow], datetime, str]:
     """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
 
     From the projector's status service when one answers with every event
@@ -94,7 +98,7 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
             rows = await _idle_from_projector(bus, older_than_s, now, notice)
             if rows is not None:
                 return rows, now, "projector"
-        state = await replay_state(bus)
+        state = await replay_state(bus, use_snapshots=use_snapshots, notice=notice)
     finally:
         await bus.close()
     return [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s], now, "replay"

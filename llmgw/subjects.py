@@ -21,6 +21,8 @@ STREAM_FLEET = "LLMGW_FLEET"
 STREAM_HEARTBEAT = "LLMGW_HEARTBEAT"
 STREAM_USAGE = "LLMGW_USAGE"
 STREAM_CONTROL = "LLMGW_CONTROL"
+# The projector's fold snapshots: a JetStream object store (its stream is OBJ_LLMGW_SNAPSHOTS).
+SNAPSHOT_BUCKET = "LLMGW_SNAPSHOTS"
 
 # Request/reply services (not stored).
 PLAN = f"{PREFIX}.plan"

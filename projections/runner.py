@@ -26,18 +26,12 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.errors import BusError, ProjectionError
+from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
+from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
-from llmgw.fleet.fold import apply
-from llmgw.projections.store import (
-    Batch,
-    Checkpoint,
-    Store,
-    add_event_rows,
-    add_unprojected,
-    encode_state,
-    idle_payload,
-)
+from llmgw.fleet.checkpoint import Checkpoint, encode_state
+from llmgw.fleet.fold import Cursor, apply
+from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
 log = logging.getLogger(__name__)
@@ -135,10 +129,18 @@ class Projector:
         batch: int = 8192,
         progress: Progress | None = None,
         writer_process: bool = False,
+        fold_snapshot_events: int | None = None,
+        fold_snapshot_interval_s: float = snapshots.DEFAULT_INTERVAL_S,
     ) -> None:
         self.bus = bus
         self.store = store
         self.streams = tuple(streams)
+        # Fold snapshots on the bus (llmgw/fleet/snapshots.py), every so many events or so long; None: off.
+        self.fold_snapshot_events = fold_snapshot_events
+        self.fold_snapshot_interval_s = fold_snapshot_interval_s
+        self._fold_snapshot_at = (0, time.monotonic())  # (events folded, when) at the last one
+        self._fold_snapshot_task: asyncio.Task[None] | None = None
+        self.fold_snapshots_written = 0
         self.commit_every = commit_every
         self.commit_interval_s = commit_interval_s
         self.snapshot_path = Path(snapshot_path) if snapshot_path else None
@@ -190,7 +192,7 @@ class Projector:
             for event in decoded:
                 apply(state, event)
         self.folded += len(msgs)
-        self.cursor.positions[stream] = msgs[-1].seq
+        self.cursor.positions[stream], self.cursor.stored_ns[stream] = msgs[-1].seq, msgs[-1].ts_ns
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
@@ -215,7 +217,7 @@ class Projector:
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
                 apply(state, event)
             self.folded += 1
-        self.cursor.positions[stream] = msgs[-1].seq
+        self.cursor.positions[stream], self.cursor.stored_ns[stream] = msgs[-1].seq, msgs[-1].ts_ns
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
@@ -258,16 +260,50 @@ class Projector:
             # Streams arrive in any order; sorted positions make the same state the same bytes.
             self.cursor.positions = dict(sorted(self.cursor.positions.items()))
             self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
+            self.cursor.stored_ns = dict(sorted(self.cursor.stored_ns.items()))
             snapshot = encode_state(self.state, self.cursor)
+            self._maybe_fold_snapshot(snapshot)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
             self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, snapshot))
+
+    def _maybe_fold_snapshot(self, blob: bytes) -> None:
+        """Put the state just encoded on the bus when one is due and none is still being written."""
+        every = self.fold_snapshot_events
+        if every is None or (self._fold_snapshot_task is not None and not self._fold_snapshot_task.done()):
+            return
+        folded, when = self._fold_snapshot_at
+        fresh = self.folded - folded
+        if fresh <= 0 or (fresh < every and time.monotonic() - when < self.fold_snapshot_interval_s):
+            return
+        self._fold_snapshot_at = (self.folded, time.monotonic())
+        c = self.cursor
+        cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected,
+                        stream_created=dict(c.stream_created), stored_ns=dict(c.stored_ns))
+        self._fold_snapshot_task = asyncio.ensure_future(self._write_fold_snapshot(blob, cursor))
+
+    async def _write_fold_snapshot(self, blob: bytes, cursor: Cursor) -> None:
+        try:
+            name = await snapshots.write(self.bus, blob, cursor, time.time_ns())
+        except BusError as e:  # a projector without the right to write them still projects
+            log.warning("fold snapshot not written: %s", e)
+            if isinstance(e, PermissionDeniedError):
+                self.fold_snapshot_events = None
+            return
+        self.fold_snapshots_written += 1
+        log.info("fold snapshot %s written (%s bytes)", name, f"{len(blob):,}")
+
+    async def _fold_snapshot_done(self) -> None:
+        if self._fold_snapshot_task is not None:
+            with contextlib.suppress(Exception):
+                await self._fold_snapshot_task
 
     async def flush(self) -> None:
         """Commit what is folded and wait until it is on disk."""
         await self.commit()
         async with self._lock:
             await self._settle(0)
+        await self._fold_snapshot_done()
 
     async def _settle(self, keep: int) -> None:
         """Await commits in flight, oldest first, until ``keep`` remain; raise the first that failed.

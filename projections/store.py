@@ -26,7 +26,8 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
-from llmgw.fleet.fold import Cursor, FleetState, RouterView
+from llmgw.fleet.checkpoint import Checkpoint, decode_state
+from llmgw.fleet.fold import FleetState, RouterView
 
 # 2: the usage fold forgets replicas that left every router's map, so a state checkpointed
 # by schema 1 would not resume into what a clean replay gives.
@@ -154,27 +155,6 @@ FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving
                         FROM stage_parsed WHERE x[1] = 'IdleChanges'))));
 DELETE FROM stage_parsed;
 """
-
-@dataclass
-class Checkpoint:
-    """What a commit leaves behind: the folded state, and where its reader stood in each stream."""
-
-    state: FleetState = field(default_factory=FleetState)
-    cursor: Cursor = field(default_factory=Cursor)
-
-
-_STATE_ENCODER = msgspec.msgpack.Encoder()
-_STATE_DECODER = msgspec.msgpack.Decoder(Checkpoint)
-
-
-def encode_state(state: FleetState, cursor: Cursor) -> bytes:
-    """A state and its cursor as bytes for the checkpoint row (and the writer's pipe)."""
-    return _STATE_ENCODER.encode(Checkpoint(state, cursor))
-
-
-def decode_state(data: bytes) -> Checkpoint:
-    return _STATE_DECODER.decode(data)
-
 
 Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
 

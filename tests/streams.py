@@ -13,7 +13,7 @@ from llmgw.errors import BusError
 
 
 async def fresh_streams(bus: Bus) -> None:
-    """Delete llmgw's streams and the scheduler lease, then declare the streams again."""
+    """Delete llmgw's streams, the scheduler lease and the fold snapshots, then declare the streams again."""
     for spec in subjects.STREAMS:
         try:
             await bus.js.delete_stream(spec.name)
@@ -21,6 +21,10 @@ async def fresh_streams(bus: Bus) -> None:
             pass
     try:
         await bus.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
+    except nats.js.errors.NotFoundError:
+        pass
+    try:
+        await bus.js.delete_object_store(subjects.SNAPSHOT_BUCKET)
     except nats.js.errors.NotFoundError:
         pass
     for attempt in range(25):

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
+from llmgw.fleet.checkpoint import Checkpoint, decode_state, encode_state
 from llmgw.fleet.fold import Cursor, FleetState, fold
-from llmgw.projections.store import Checkpoint, decode_state, encode_state
 
 QWEN = spec("qwen-8b")
 LLAMA = spec("llama-70b", tp=4, pp=2)

@@ -26,6 +26,7 @@ from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ProjectionError
 from llmgw.fleet import status as status_report
+from llmgw.fleet.checkpoint import encode_state
 from llmgw.fleet.replay import replay
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,
@@ -33,7 +34,7 @@ from llmgw.projections.runner import (
     Projector,
     fewer_gc_passes,
 )
-from llmgw.projections.store import TABLES, Batch, Store, encode_state
+from llmgw.projections.store import TABLES, Batch, Store
 
 BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
 LLMGW = str(Path(sys.executable).with_name("llmgw"))

@@ -32,6 +32,7 @@ from llmgw.bus.frames import (
     RawHandler,
     _FrameParser,
 )
+from llmgw.bus.objects import ObjectBucket
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
 from llmgw.config import Settings
@@ -301,6 +302,11 @@ class Bus:
                     f"JetStream did not answer while declaring {spec.name}; is JetStream enabled on "
                     f"{self.settings.nats_url} (nats-server -js), and does the cluster have quorum?"
                 ) from e
+        try:
+            await self.objects(subjects.SNAPSHOT_BUCKET).ensure(
+                replicas=replicas, description="the projector's fold snapshots (llmgw.fleet.snapshots)")
+        except (nats.js.errors.APIError, *_RETRYABLE) as e:
+            raise BusError(f"cannot declare the object bucket {subjects.SNAPSHOT_BUCKET}: {e}") from e
 
     async def stream_last_seq(self, stream: str) -> int:
         """The last sequence stored in a stream (0 when empty)."""
@@ -493,3 +499,7 @@ class Bus:
     def follow(self, stream: str, decoder: msgspec.json.Decoder[T], start: int = 1, **kw: Any) -> Follower[T]:
         """Read ``stream`` decoded, bad messages logged, counted and skipped (see ``Follower``)."""
         return Follower(self, stream, decoder, start, **kw)
+
+    def objects(self, bucket: str) -> ObjectBucket:
+        """An object store bucket (see ``ObjectBucket``)."""
+        return ObjectBucket(self, bucket)

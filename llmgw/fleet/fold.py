@@ -21,6 +21,10 @@ from operator import ne
 
 from llmgw import messages as m
 
+# Bumped whenever apply() folds any event differently: a snapshot of the fold made by
+# another version is not resumed from (llmgw/fleet/snapshots.py), it is folded again.
+FOLD_VERSION = 1
+
 
 @dataclass
 class GpuView:
@@ -100,6 +104,8 @@ class Cursor:
     # When JetStream created each stream read (its identity: a stream deleted and
     # declared again restarts at sequence 1 under the same name).
     stream_created: dict[str, str] = field(default_factory=dict)
+    # When the server stored the message at each position (ns): where a snapshot sits in time.
+    stored_ns: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

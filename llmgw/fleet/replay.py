@@ -9,47 +9,68 @@ stored by then: the server's clock orders what was known when, not the events'.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 from llmgw import subjects
 from llmgw.errors import ProjectionError
+from llmgw.fleet import snapshots
 from llmgw.fleet.fold import Cursor, FleetState, apply
+from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
     from llmgw.bus.frames import RawMsg
 
+log = logging.getLogger(__name__)
+
 Progress = Callable[[int, int], None] | None
 
 
 async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int] | None = None,
-                 streams: tuple[str, ...] = subjects.HISTORY_STREAMS,
-                 progress: Progress = None) -> tuple[FleetState, Cursor]:
-    """The fold of ``streams`` as stored now, or as of ``at`` / right after ``at_seq`` (STREAM, SEQ)."""
+                 streams: tuple[str, ...] = subjects.HISTORY_STREAMS, progress: Progress = None,
+                 use_snapshots: bool = True, warn: Warn | None = None) -> tuple[FleetState, Cursor]:
+    """The fold of ``streams`` as stored now, or as of ``at`` / right after ``at_seq`` (STREAM, SEQ).
+
+    It starts from the newest fold snapshot that lies wholly before that target
+    (``use_snapshots=False``: from sequence 1); ``warn`` hears why a snapshot was skipped.
+    """
     at_ns = int(at.timestamp() * 1e9) if at is not None else None
     if at_seq is not None:
         at_ns = await message_ts_ns(bus, *at_seq)
-    stops = {s: await bus.stream_last_seq(s) for s in streams}
+    heads = {s: await bus.stream_head(s) for s in streams}
+    stops = {s: last for s, (last, _) in heads.items()}
     if at_seq is not None:
         stops[at_seq[0]] = at_seq[1]
+    # With a moment, every stream stops there; the stream --at-seq names stops at its sequence.
+    cuts = {s: at_ns for s in streams if at_ns is not None and not (at_seq is not None and s == at_seq[0])}
     state, cursor = FleetState(), Cursor()
-    total, done = sum(stops.values()), 0
+    if use_snapshots:
+        found = await snapshots.load(bus, snapshots.Target(stops=stops, cut_ns=cuts), heads,
+                                     warn or (lambda line: log.warning("%s", line)))
+        if found is not None:
+            state, cursor = found[0].state, found[0].cursor
+    for stream, (_, created) in heads.items():
+        if created:
+            cursor.stream_created[stream] = created
+    total = sum(max(0, stop - cursor.positions.get(stream, 0)) for stream, stop in stops.items())
+    done = 0
     for stream, stop in stops.items():
-        if stop == 0:
+        start = cursor.positions.get(stream, 0) + 1
+        if stop < start:
             continue
-        # With a moment, a stream stops there; the stream --at-seq names stops at its sequence.
-        cut = None if at_seq is not None and stream == at_seq[0] else at_ns
+        cut = cuts.get(stream)
         past = False
 
         def skipped(raw: RawMsg, _: Exception, stream: str = stream, cut: int | None = cut) -> None:
             if cut is None or raw.ts_ns <= cut:  # an undecodable message is folded past, as the projector does
                 cursor.unprojected += 1
-                cursor.positions[stream] = max(cursor.positions.get(stream, 0), raw.seq)
+                _advance(cursor, stream, raw)
 
-        follower = bus.follow(stream, subjects.DECODERS[stream], stop_at=stop, idle_expires_s=2.0, who="replay",
-                              on_skip=skipped)
+        follower = bus.follow(stream, subjects.DECODERS[stream], start, stop_at=stop, idle_expires_s=2.0,
+                              who="replay", on_skip=skipped)
         async with contextlib.aclosing(follower.batches()) as batches:  # type: ignore[type-var]
             async for batch in batches:
                 for d in batch:
@@ -57,13 +78,18 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                         past = True
                         break
                     apply(state, d.event)
-                    cursor.positions[stream] = max(cursor.positions.get(stream, 0), d.raw.seq)
+                    _advance(cursor, stream, d.raw)
                 done += len(batch)
                 if progress is not None:
                     progress(done, total)
                 if past:
                     break
     return state, cursor
+
+
+def _advance(cursor: Cursor, stream: str, raw: RawMsg) -> None:
+    if raw.seq > cursor.positions.get(stream, 0):
+        cursor.positions[stream], cursor.stored_ns[stream] = raw.seq, raw.ts_ns
 
 
 async def message_ts_ns(bus: Bus, stream: str, seq: int) -> int:

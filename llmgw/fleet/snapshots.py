@@ -1,0 +1,198 @@
+"""Snapshots of the fold on the bus, so that no fold has to start from sequence 1.
+
+The projector writes one every ``--fold-snapshot-events`` events or
+``--fold-snapshot-interval`` (whichever comes first, only when something was
+folded) to the JetStream object store ``LLMGW_SNAPSHOTS``: the msgpack of the
+state and its cursor (``llmgw.fleet.checkpoint``), and in the object's
+description a small JSON header: the format and fold versions, the positions it
+reflects, the server's stored time of each position, each stream's creation time,
+and the SHA-256 of the blob. Readers list headers only, pick the newest snapshot
+that lies wholly before their target, read it, check it, and fold forward.
+
+A snapshot is never trusted blindly: a wrong checksum, another format or fold
+version, a position past its stream's end, or a stream created at another time
+(deleted and declared again) is skipped with one line on stderr, and the next
+older one is tried, down to sequence 1.
+
+Retention (applied by the projector after each write): the newest ``KEEP_NEWEST``,
+then the newest of each hour for a week, then the newest of each day for 90 days.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from llmgw import subjects
+from llmgw.errors import BusError
+from llmgw.fleet.checkpoint import Checkpoint, decode_state
+from llmgw.fleet.fold import FOLD_VERSION, Cursor
+
+if TYPE_CHECKING:
+    from llmgw.bus import Bus
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+DEFAULT_EVERY_EVENTS = 100_000
+DEFAULT_INTERVAL_S = 600.0
+KEEP_NEWEST = 48
+HOUR_NS, DAY_NS = 3600 * 10**9, 86400 * 10**9
+HOURLY_FOR_NS, DAILY_FOR_NS = 7 * DAY_NS, 90 * DAY_NS
+MAX_SNAPSHOT_BYTES = 1 << 30  # a state over a GiB is not ours
+
+Warn = Callable[[str], None]
+
+
+class Header(msgspec.Struct, forbid_unknown_fields=False):
+    """What a reader needs to choose a snapshot without reading it (the object's description)."""
+
+    format: int
+    fold_version: int
+    positions: dict[str, int]
+    stored_ns: dict[str, int]
+    stream_created: dict[str, str]
+    sha256: str
+    size: int
+    taken_ns: int  # the projector's clock when written (for retention)
+
+    @property
+    def newest_ns(self) -> int:
+        return max(self.stored_ns.values(), default=0)
+
+
+_HEADER = msgspec.json.Decoder(Header)
+
+
+def object_name(header: Header) -> str:
+    """Sortable by when the newest message it reflects was stored, then by how much it folded."""
+    return f"fold-{header.newest_ns:020d}-{sum(header.positions.values()):012d}"
+
+
+def header_for(blob: bytes, cursor: Cursor, taken_ns: int) -> Header:
+    return Header(format=FORMAT, fold_version=FOLD_VERSION, positions=dict(cursor.positions),
+                  stored_ns=dict(cursor.stored_ns), stream_created=dict(cursor.stream_created),
+                  sha256=hashlib.sha256(blob).hexdigest(), size=len(blob), taken_ns=taken_ns)
+
+
+async def write(bus: Bus, blob: bytes, cursor: Cursor, taken_ns: int) -> str:
+    """Store ``blob`` (an encoded Checkpoint whose cursor is ``cursor``) and apply retention; its name."""
+    header = header_for(blob, cursor, taken_ns)
+    bucket = bus.objects(subjects.SNAPSHOT_BUCKET)
+    name = object_name(header)
+    await bucket.put(name, blob, msgspec.json.encode(header).decode())
+    headers = await list_headers(bus)
+    for old in expired(headers, taken_ns):
+        await bucket.delete(old)
+    return name
+
+
+async def list_headers(bus: Bus, warn: Warn | None = None) -> dict[str, Header]:
+    """Every snapshot's header by name; a header that cannot be read is skipped (and said)."""
+    out = {}
+    for entry in await bus.objects(subjects.SNAPSHOT_BUCKET).list():
+        try:
+            out[entry.name] = _HEADER.decode(entry.description)
+        except msgspec.DecodeError as e:
+            if warn is not None:
+                warn(f"snapshot {entry.name}: unreadable header ({e}); skipped")
+    return out
+
+
+def expired(headers: dict[str, Header], now_ns: int) -> list[str]:
+    """The names retention drops: all but the newest few, hourly for a week and daily for 90 days."""
+    by_age = sorted(headers, key=lambda n: (headers[n].taken_ns, n), reverse=True)
+    keep = set(by_age[:KEEP_NEWEST])
+    seen_hours: set[int] = set()
+    seen_days: set[int] = set()
+    for name in by_age:
+        t = headers[name].taken_ns
+        age = now_ns - t
+        if age <= HOURLY_FOR_NS and t // HOUR_NS not in seen_hours:
+            seen_hours.add(t // HOUR_NS)
+            keep.add(name)
+        elif age <= DAILY_FOR_NS and t // DAY_NS not in seen_days:
+            seen_days.add(t // DAY_NS)
+            keep.add(name)
+    return sorted(n for n in headers if n not in keep)
+
+
+class Target(msgspec.Struct):
+    """Where a fold must end: every stream at ``stops`` and, per stream in ``cut_ns``, no later than that
+    stored time (a moment; the stream an ``--at-seq`` names has a stop, not a cut)."""
+
+    stops: dict[str, int]
+    cut_ns: dict[str, int]
+
+
+def fits(header: Header, target: Target) -> bool:
+    """Whether the snapshot lies wholly within what the fold must include."""
+    for stream, seq in header.positions.items():
+        if stream not in target.stops:
+            return False  # it folded a stream this fold leaves out
+        if seq > target.stops[stream]:
+            return False
+        cut = target.cut_ns.get(stream)
+        if cut is not None and seq and header.stored_ns.get(stream, cut + 1) > cut:
+            return False
+    return True
+
+
+def _why_not(header: Header, blob: bytes | None, heads: dict[str, tuple[int, str]]) -> str:
+    if header.format != FORMAT:
+        return f"format {header.format}, this reads {FORMAT}"
+    if header.fold_version != FOLD_VERSION:
+        return f"fold version {header.fold_version}, this folds with {FOLD_VERSION}"
+    for stream, seq in header.positions.items():
+        last, created = heads.get(stream, (0, ""))
+        known = header.stream_created.get(stream)
+        if known and created and known != created:
+            return f"{stream} was created at {created}, the snapshot's at {known} (declared again)"
+        if seq > last:
+            return f"it reaches {stream}:{seq}, past the stream's end at {last}"
+    if blob is not None:
+        if len(blob) != header.size or hashlib.sha256(blob).hexdigest() != header.sha256:
+            return "its checksum does not match"
+    return ""
+
+
+async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
+               warn: Warn) -> tuple[Checkpoint, str] | None:
+    """The newest snapshot that fits ``target`` and checks out, decoded, and its name; None: fold from 1."""
+    try:
+        headers = await list_headers(bus, warn)
+    except BusError as e:
+        warn(f"cannot list fold snapshots ({e}); folding from sequence 1")
+        return None
+    chosen = sorted((n for n, h in headers.items() if fits(h, target)), reverse=True)
+    for name in chosen:
+        header = headers[name]
+        why = _why_not(header, None, heads)
+        if why:
+            warn(f"snapshot {name} skipped: {why}")
+            continue
+        if header.size > MAX_SNAPSHOT_BYTES:
+            warn(f"snapshot {name} skipped: {header.size:,} bytes is more than a fold holds")
+            continue
+        try:
+            blob = await bus.objects(subjects.SNAPSHOT_BUCKET).get(name)
+        except BusError as e:
+            warn(f"snapshot {name} skipped: {e}")
+            continue
+        why = _why_not(header, blob, heads)
+        if not why:
+            try:
+                checkpoint = decode_state(blob)
+            except (msgspec.DecodeError, ValueError, TypeError) as e:
+                why = f"it does not decode ({e})"
+            else:
+                if checkpoint.cursor.positions != header.positions:
+                    why = "its state and its header disagree"
+                else:
+                    return checkpoint, name
+        warn(f"snapshot {name} skipped: {why}")
+    return None
