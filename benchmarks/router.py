@@ -207,6 +207,10 @@ async def run(args: argparse.Namespace) -> None:
         async with await Bus.connect(settings, "bench") as bus:
             await bus.ensure_streams()
             for rid, model, url in (("instant", "instant", instant.url), ("realistic", "realistic", realistic.url)):
+                # The router believes a replica's state only from a node it was placed on.
+                spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
+                await bus.publish(m.ReplicaPlaced(at=datetime.now(UTC), replica_id=rid, model=model, nodes=("bench",),
+                                                  gpus=(m.GpuRef(node="bench", index=0, uuid=f"GPU-{rid}"),), spec=spec))
                 await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model=model,
                                                         node="bench", state="healthy", endpoint=url))
         cli = [sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0",

@@ -20,6 +20,7 @@ COMMANDS = {
     "replay": "llmgw.cli.replay:replay",
     "fake-engine": "llmgw.cli.fake_engine:fake_engine",
     "nats-conf": "llmgw.cli.natsconf:nats_conf",
+    "declare-streams": "llmgw.cli.natsconf:declare_streams",
     "ctl": "llmgw.cli.ctl:ctl",
 }
 

@@ -2,8 +2,8 @@
 
 The control plane decides what should run; the router only follows replica
 events from sequence 1 and keeps, per model, the pool of replicas that may
-receive traffic. Only a replica whose latest state is ``healthy`` with an
-endpoint is in the pool; unhealthy, failed, stopping or stopped leaves it at
+receive traffic. Only a placed replica whose latest state, reported by a node
+it was placed on, is ``healthy`` with an endpoint is in the pool; unhealthy, failed, stopping or stopped leaves it at
 once. The pool also carries the outstanding-request counts that Acquire uses,
 so membership and load live in one place and change without awaiting.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.fleet.fold import model_state, part_state
+from llmgw.fleet.fold import model_state, part_state, speaks_for
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class Pool:
     # "no healthy replica right now" (503).
     known_models: set[str] = field(default_factory=set)
     declared: dict[str, Declared] = field(default_factory=dict)
+    # State reports for a replica from a node it was not placed on: counted, never routed to.
+    refused: int = 0
 
     def models(self) -> list[str]:
         """Models with at least one healthy replica."""
@@ -134,13 +136,13 @@ class Pool:
                 if rid not in self.replicas:
                     self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes)
                 return True
-            case m.ReplicaStateChanged(replica_id=rid, model=model, state=state, endpoint=endpoint):
-                self.known_models.add(model)
+            case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
                 rep = self.replicas.get(rid)
                 if rep is None:
-                    # A state report may arrive without the placement (a control plane
-                    # that places elsewhere); the agent's report is what routing needs.
-                    rep = self.replicas[rid] = Replica(replica_id=rid, model=model)
+                    return False  # never placed, or stopped already: no agent's word makes it routable
+                if speaks_for(rep.nodes, event) is not None:
+                    self.refused += 1  # only the replica's own nodes speak for it, "stopped" included
+                    return False
                 if state == "stopped":
                     self._leave(rep)
                     del self.replicas[rid]
@@ -148,8 +150,6 @@ class Pool:
                 was = (rep.in_pool, rep.endpoint)
                 whole: str = state
                 if len(rep.nodes) > 1:
-                    if event.node not in rep.nodes:
-                        return False  # only the replica's own nodes speak for it
                     rep.parts[event.node] = state
                     whole = part_state(rep.nodes, rep.parts)
                     if event.node != rep.nodes[0]:
@@ -181,12 +181,17 @@ class EndpointSink:
         self.pool = pool or Pool()
         self.on_change = on_change
         self.applied_seq = 0
-        self.bad_events = 0
+        self.skipped = 0
         self.caught_up = asyncio.Event()
         self._changed = asyncio.Condition()
 
+    @property
+    def bad_events(self) -> int:
+        """Control events skipped: undecodable, a subject its payload disagrees with, or state from a stranger."""
+        return self.skipped + self.pool.refused
+
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
-        self.bad_events += 1  # recorded and skipped: one bad event must not stop routing
+        self.skipped += 1  # recorded and skipped: one bad event must not stop routing
 
     async def run(self) -> None:
         """Follow forever; cancel to stop. ``caught_up`` is set once history is in.

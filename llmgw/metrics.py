@@ -73,7 +73,7 @@ class Metrics:
         out.append("# TYPE llmgw_router_replicas gauge")
         for state, n in sorted(pool.states().items()):
             out.append(f'llmgw_router_replicas{{state="{state}"}} {n}')
-        out.append("# HELP llmgw_router_bad_events_total Control events that could not be decoded and were skipped.")
+        out.append("# HELP llmgw_router_bad_events_total Control events skipped: undecodable, or refused (a node speaking for another).")
         out.append("# TYPE llmgw_router_bad_events_total counter")
         out.append(f"llmgw_router_bad_events_total {bad_events}")
         out.append("# HELP llmgw_router_idle_maps_total Idle maps published.")

@@ -10,11 +10,13 @@ Passwords are environment references (``$LLMGW_PW_…``), never literals.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from collections.abc import Iterable, Sequence
 
 from llmgw import subjects as s
+from llmgw.errors import ConfigError
 
 ACCOUNT = "LLMGW"
 SYSTEM_ACCOUNT = "SYS"
@@ -22,48 +24,51 @@ ROLES = ("admin", "projector", "planner", "scheduler", "router", "cli")
 MIN_SERVER_VERSION = (2, 12, 3)
 
 P = s.PREFIX
-INBOX = "_INBOX.>"
-JS_INFO = s.JS_API_INFO
-
-# JetStream API subjects as llmgw's bus uses them (Bus.ensure_streams, StreamReader, key_value).
-
-
-def _stream_info(stream: str) -> str:
-    return s.js_stream("INFO", stream)
-
-
-def _read(stream: str) -> list[str]:
-    """What a StreamReader needs: an ephemeral consumer, pull requests, and deleting it."""
-    return [
-        _stream_info(stream),
-        s.js_consumer("CREATE", stream),
-        s.js_consumer("CREATE", stream, ">"),
-        s.js_consumer("MSG.NEXT", stream, "*"),
-        s.js_consumer("DELETE", stream, "*"),
-        s.js_consumer("INFO", stream, "*"),
-    ]
-
-
-def _declare(stream: str) -> list[str]:
-    """Create or update (never delete or purge) a stream: Bus.ensure_streams."""
-    return [s.js_stream("CREATE", stream), s.js_stream("UPDATE", stream)]
-
-
-def _kv(bucket: str) -> list[str]:
-    stream = f"KV_{bucket}"
-    return [
-        _stream_info(stream),
-        s.js_stream("CREATE", stream),
-        s.js_api("DIRECT.GET", stream, ">"),
-        s.js_stream("MSG.GET", stream),
-        s.kv_subjects(bucket),
-        *_read(stream)[1:],
-    ]
-
-
+FLEET, CONTROL, USAGE, HEARTBEAT = s.STREAM_FLEET, s.STREAM_CONTROL, s.STREAM_USAGE, s.STREAM_HEARTBEAT
 ALL_STREAMS = tuple(spec.name for spec in s.STREAMS)
+LEASE_STREAM = f"KV_{s.SCHEDULER_LEASE_BUCKET}"
+
+# The JetStream API subjects llmgw's bus calls, and nothing else: what a role is not
+# granted here (stream create/update/delete/purge, listing consumers, snapshots, …)
+# the server refuses. Only admin declares or changes streams (`llmgw declare-streams`).
+
+
+def _info(*streams: str) -> list[str]:
+    """``Bus.stream_head``/``ensure_streams``: a stream's last sequence and config."""
+    return [s.js_stream("INFO", x) for x in streams]
+
+
+def _read(*streams: str) -> list[str]:
+    """What a StreamReader needs: an ephemeral consumer, pull requests, and deleting it."""
+    out: list[str] = []
+    for stream in streams:
+        out += [
+            *_info(stream),
+            s.js_consumer("CREATE", stream),
+            s.js_consumer("MSG.NEXT", stream, "*"),
+            s.js_consumer("DELETE", stream, "*"),
+        ]
+    return out
+
+
+def _lease() -> list[str]:
+    """The scheduler's KV lease (nats-py's key_value/create/update/delete/get).
+
+    Creating the bucket is the one stream a role other than admin may create: its
+    TTL is the scheduler's --lease-ttl. A create never changes an existing stream.
+    """
+    return [
+        *_info(LEASE_STREAM),
+        s.js_stream("CREATE", LEASE_STREAM),
+        s.js_api("DIRECT.GET", LEASE_STREAM, ">"),
+        s.js_stream("MSG.GET", LEASE_STREAM),
+        s.kv_subjects(s.SCHEDULER_LEASE_BUCKET),
+    ]
+
+
 # Whatever a role's allow list says, these stay refused for every role but admin.
 NEVER = [
+    s.js_stream("UPDATE", ">"),
     s.js_stream("DELETE", ">"),
     s.js_stream("PURGE", ">"),
     s.js_stream("MSG.DELETE", ">"),
@@ -75,74 +80,74 @@ def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def permissions(role: str, node: str | None = None) -> dict[str, object]:
-    """The publish/subscribe rules of one role (``agent`` needs its node; a named ``router`` its name)."""
-    pub: list[str] = [JS_INFO]
-    sub: list[str] = [INBOX]
-    responses = False
-    deny_pub = list(NEVER)
+def permissions(role: str, node: str | None = None, user: str | None = None) -> dict[str, object]:
+    """The publish/subscribe rules of one role (``agent`` needs its node; a named ``router`` its name).
+
+    ``user`` is the login the rules are for (default ``user_name(role, node)``):
+    its inbox prefix is the only ``_INBOX`` it may subscribe to (``Bus.connect``
+    asks nats-py for the same prefix), so no role reads another's replies.
+    """
     if role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    pub: list[str] = []
+    sub: list[str] = [s.inbox_prefix(user or user_name(role, node)) + ".>"]
+    responses = False
+    deny_pub = list(NEVER) + ([] if role == "scheduler" else [s.js_stream("CREATE", ">")])
     if role == "agent":
         if not node:
-            raise ValueError("an agent user needs its node name")
-        tok = s.token(node)
-        pub += [
-            f"{P}.fleet.{tok}.>",
-            f"{P}.heartbeat.{tok}",
-            f"{P}.control.replica.*.state.{tok}",
-            *_read(s.STREAM_CONTROL),
-        ]
-        pub += [_stream_info(x) for x in ALL_STREAMS]
+            raise ConfigError("an agent user needs its node name")
+        # Its own node's facts only: lost/returned are the liveness monitor's (the scheduler's).
+        pub += [s.fleet(node, "inventory"), s.fleet(node, "health"), s.heartbeat(node),
+                f"{P}.control.replica.*.state.{s.token(node)}"]
+        # Engines follow placements; the fleet stream holds the node's own last health.
+        pub += _read(CONTROL, FLEET)
         sub += [s.agent_fault(node)]  # a simulated agent answers fault injection for its node
         responses = True
-        deny_pub += [f"{P}.usage.>", f"{P}.control.model.>"]
+        deny_pub += [f"{P}.fleet.*.lost", f"{P}.fleet.*.returned", f"{P}.usage.>", f"{P}.control.model.>"]
+        deny_pub += [f"{P}.control.replica.*.placed", f"{P}.control.replica.*.stopped"]
     elif role == "router":
         # A named router speaks only for itself; the shared "router" user for any router name.
         tok = s.token(node) if node else "*"
-        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(s.STREAM_CONTROL), *_read(s.STREAM_USAGE)]
-        pub += [_stream_info(x) for x in ALL_STREAMS]
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL)]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
-        for stream in ALL_STREAMS:
-            pub += [*_read(stream), *_declare(stream)]
+        pub += [*_read(*s.HISTORY_STREAMS), *_info(*ALL_STREAMS)]
         sub += [s.STATUS]
         responses = True
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]
     elif role == "planner":
-        for stream in (s.STREAM_FLEET, s.STREAM_CONTROL):
-            pub += _read(stream)
-        pub += [_stream_info(x) for x in ALL_STREAMS]
+        pub += _read(FLEET, CONTROL)
         sub += [s.PLAN]
         responses = True
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]
     elif role == "scheduler":
         pub += [
-            f"{P}.fleet.*.lost",
+            f"{P}.fleet.*.lost",  # the liveness monitor runs in the scheduler (or `llmgw agent liveness`)
             f"{P}.fleet.*.returned",
             f"{P}.control.model.*.unplaceable",
             f"{P}.control.model.*.autoscaled",
             f"{P}.control.replica.*.placed",
             f"{P}.control.replica.*.stopped",
-            *_kv(s.SCHEDULER_LEASE_BUCKET),
+            *_read(FLEET, CONTROL, USAGE, HEARTBEAT),
+            *_info(*ALL_STREAMS),
+            *_lease(),
         ]
-        for stream in ALL_STREAMS:
-            pub += [*_read(stream), *_declare(stream)]
-        deny_pub += [f"{P}.fleet.*.inventory", f"{P}.fleet.*.health", f"{P}.usage.>"]
+        deny_pub += [f"{P}.fleet.*.inventory", f"{P}.fleet.*.health", f"{P}.usage.>", f"{P}.heartbeat.>"]
     elif role == "cli":
         pub += [
             f"{P}.control.model.*.declared",
             f"{P}.control.model.*.scaled",
             f"{P}.control.model.*.removed",
+            f"{P}.control.replica.*.stopped",  # `ctl idle --stop`
             s.PLAN,
             s.STATUS,
             f"{P}.agent.*.fault",  # `llmgw agent fault`: only simulated agents answer it
+            *_read(*s.HISTORY_STREAMS),
         ]
-        for stream in ALL_STREAMS:
-            pub += _read(stream)
-        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.>"]
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.*.state.>",
+                     f"{P}.control.replica.*.placed"]
     else:
-        raise ValueError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
+        raise ConfigError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
     out: dict[str, object] = {
         "publish": {"allow": _unique(pub), "deny": _unique(deny_pub)},
         "subscribe": {"allow": _unique(sub)},
@@ -157,16 +162,57 @@ def user_name(role: str, node: str | None = None) -> str:
     return f"{role}-{s.token(node)}" if role in ("agent", "router") and node else role
 
 
+# Node and router names that read the same upper-cased, with "-" as "_", need nothing more.
+_PLAIN = re.compile(r"[a-z0-9-]+")
+
+
 def password_env(user: str) -> str:
-    """The environment variable nats.conf reads a user's password from."""
-    return "LLMGW_PW_" + re.sub(r"[^A-Za-z0-9]", "_", user).upper()
+    """The environment variable nats.conf reads a user's password from.
+
+    ``agent-h100-a-01`` reads ``LLMGW_PW_AGENT_H100_A_01``. Upper-casing and
+    ``-`` → ``_`` are one-to-one only on ``[a-z0-9-]``; a user with any other
+    character (``a_b``, ``A-B``, ``gpu.example.com``'s ``~2e``) also gets a hash
+    of its exact name, so that ``a-b``, ``a_b`` and ``A-B`` read three variables.
+    ``check_users`` refuses a conf where two users would still share one.
+    """
+    readable = "LLMGW_PW_" + re.sub(r"[^A-Za-z0-9]", "_", user).upper()
+    if _PLAIN.fullmatch(user):
+        return readable
+    return f"{readable}_{hashlib.blake2b(user.encode(), digest_size=4).hexdigest().upper()}"
+
+
+def check_names(nodes: Sequence[str], routers: Sequence[str] = ()) -> None:
+    """Refuse node and router names a conf cannot carry, with the name and what to do."""
+    for kind, names in (("node", nodes), ("router", routers)):
+        for name in names:
+            if not name or not name.strip():
+                raise ConfigError(f"a {kind} name cannot be empty; give each {kind} its name "
+                                  f"(e.g. --{kind} gpu-01)")
+            if len(name) > MAX_NAME:
+                raise ConfigError(f"{kind} name {name[:40]!r}… is {len(name)} characters; at most {MAX_NAME}")
+            if any(not c.isprintable() for c in name):
+                raise ConfigError(f"{kind} name {name!r} holds a control character; use letters, digits, '-', '.'")
+
+
+MAX_NAME = 253  # a DNS name's limit: node names are host names
 
 
 def users(nodes: Sequence[str], routers: Sequence[str] = ()) -> list[tuple[str, str, str | None]]:
-    """(user, role, node or router name) for every login nats.conf defines."""
+    """(user, role, node or router name) for every login nats.conf defines.
+
+    Raises ConfigError for a name no user can be made from, or two users that
+    would read one password variable.
+    """
+    check_names(nodes, routers)
     out: list[tuple[str, str, str | None]] = [(user_name(r), r, None) for r in ROLES]
-    out += [(user_name("agent", n), "agent", n) for n in nodes]
-    out += [(user_name("router", r), "router", r) for r in routers]
+    out += [(user_name("agent", n), "agent", n) for n in dict.fromkeys(nodes)]
+    out += [(user_name("router", r), "router", r) for r in dict.fromkeys(routers)]
+    seen: dict[str, str] = {password_env("sys"): "sys"}
+    for user, _, _ in out:
+        env = password_env(user)
+        if env in seen:
+            raise ConfigError(f"users {seen[env]!r} and {user!r} would both read ${env}; rename one of them")
+        seen[env] = user
     return out
 
 
@@ -226,6 +272,9 @@ HEADER = """\
 # their values: start each with a letter, e.g. pw<hex>); make test credentials
 # with `llmgw nats-conf --env-file creds.env` and `set -a; . creds.env`.
 # Each agent node has its own user: it may publish only its own node's subjects.
+# Only admin may create or update streams: declare them with `llmgw declare-streams`
+# as admin before the other roles start. Each user may read replies only under its
+# own inbox prefix, _INBOX.<user> (llmgw asks nats-py for it from LLMGW_NATS_USER).
 """
 
 def tls_block(ca_file: str, cert_file: str, key_file: str, *, verify: bool = True) -> str:
@@ -290,7 +339,7 @@ def render(nodes: Sequence[str], *, routers: Sequence[str] = (), store_dir: str 
         out.append("      {")
         out.append(f"        user: {_q(user)}")
         out.append(f"        password: ${password_env(user)}")
-        out.append(_perm_block(permissions(role, node), "        "))
+        out.append(_perm_block(permissions(role, node, user), "        "))
         out.append("      }")
     out += ["    ]", "  }", "}", ""]
     return "\n".join(out)

@@ -6,6 +6,7 @@ nats.conf can let an agent speak only for its own node.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -33,11 +34,13 @@ PLANNER_QUEUE = "llmgw-planners"
 SCHEDULER_LEASE_BUCKET = "LLMGW_SCHEDULER"
 
 _SAFE = re.compile(r"[A-Za-z0-9_-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+").fullmatch
 
 GIB = 1024**3
 DAY = 86_400.0
 
 
+@functools.lru_cache(maxsize=65536)  # node and replica names repeat: folds check every event's subject
 def token(name: str) -> str:
     """A name as one subject token: [A-Za-z0-9_-] kept, anything else ``~hh``.
 
@@ -46,6 +49,8 @@ def token(name: str) -> str:
     """
     if not name:
         raise ValueError("an empty name cannot be a subject token")
+    if _ALL_SAFE(name):
+        return name
     return "".join(c if _SAFE.match(c) else "".join(f"~{b:02x}" for b in c.encode()) for c in name)
 
 
@@ -93,6 +98,43 @@ def usage_speaks_for(subject: str, router: str) -> bool:
     """Whether a usage subject's router token is ``router``: a subject is a claim the payload must match."""
     parts = subject.split(".")
     return len(parts) == 4 and parts[1] == "usage" and bool(router) and parts[2] == token(router)
+
+
+def inbox_prefix(user: str) -> str:
+    """``_INBOX.<user>``: where a process logged in as ``user`` gets its replies, and nats.conf lets only it listen."""
+    return f"_INBOX.{token(user)}"
+
+
+# Events that name the node they speak for, and their kind of fleet subject.
+_FLEET_KINDS: dict[type, str] = {m.NodeInventoryReported: "inventory", m.GpuHealthChanged: "health",
+                                 m.NodeLost: "lost", m.NodeReturned: "returned"}
+
+
+def disagrees(subject: str, event: m.Event) -> str | None:
+    """Why a stored event does not say what its subject claims, or None when it agrees.
+
+    nats.conf lets an agent publish only on its own node's subjects; the payload
+    could still name another node. An event that names a node must have been
+    published on exactly the subject ``subject_for`` gives it, or nobody may
+    believe it (the fold's readers record and count it, like an undecodable one).
+    """
+    kind = type(event)
+    try:
+        if kind is m.ReplicaStateChanged:
+            expected = replica(event.replica_id, "state", event.node)  # type: ignore[attr-defined]
+        elif kind in _FLEET_KINDS:
+            expected = fleet(event.node, _FLEET_KINDS[kind])  # type: ignore[attr-defined]
+        elif kind is m.HeartbeatSent:
+            expected = heartbeat(event.node)  # type: ignore[attr-defined]
+        else:
+            return None
+    except ValueError:
+        expected = ""  # an empty node or replica name: no subject could carry it
+    if subject == expected:
+        return None
+    rid = f" for replica {event.replica_id!r}" if isinstance(event, m.ReplicaStateChanged) else ""
+    return (f"{type(event).__name__} names node {event.node!r}{rid} but was published on {subject!r}: "  # type: ignore[attr-defined]
+            "the subject's node and the payload's must agree")
 
 
 def model(name: str, kind: str) -> str:

@@ -30,7 +30,7 @@ from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode_state
-from llmgw.fleet.fold import Cursor, apply
+from llmgw.fleet.fold import Cursor, apply, refusal
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -169,7 +169,7 @@ class Projector:
     # --- folding -------------------------------------------------------------------
 
     def ingest(self, stream: str, msgs: list[RawMsg]) -> None:
-        """Decode and fold one batch of a stream; what cannot be decoded is kept raw."""
+        """Decode and fold one batch of a stream; what cannot be decoded, or is refused, is kept raw."""
         datas = [x.data for x in msgs]
         try:
             decoded: list[Any] = BATCH_DECODERS[stream].decode(b"[" + b",".join(datas) + b"]")
@@ -177,6 +177,9 @@ class Projector:
                 raise msgspec.DecodeError("batch framing")
         except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
             self._ingest_one_by_one(stream, msgs)
+            return
+        if stream != subjects.STREAM_USAGE and self._any_refused(msgs, decoded):
+            self._ingest_one_by_one(stream, msgs, decoded)
             return
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
@@ -197,19 +200,41 @@ class Projector:
         if self.progress is not None:
             self.progress(self.folded, self._total)
 
-    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg]) -> None:
-        """A batch with an event that cannot be decoded: event by event."""
-        decoded: list[Any] = []
-        for x in msgs:
-            try:
-                decoded.append(DECODERS[stream].decode(x.data))
-            except m.DECODE_ERRORS as e:
-                decoded.append(e)
+    def _any_refused(self, msgs: list[RawMsg], decoded: list[Any]) -> bool:
+        """Whether this batch may hold an event to refuse; those batches are folded event by event.
+
+        A quick scan ahead of the fold: a subject that disagrees with its payload, or a
+        state report from a node its replica (placed before or in this batch) is not on.
+        """
+        replicas, placed = self.state.replicas, {}
+        for x, event in zip(msgs, decoded, strict=True):
+            kind = type(event)
+            if kind is m.ReplicaPlaced:
+                placed[event.replica_id] = event.nodes
+            elif kind is m.ReplicaStateChanged:
+                nodes = placed.get(event.replica_id) or getattr(replicas.get(event.replica_id), "nodes", None)
+                if nodes is not None and event.node not in nodes:
+                    return True
+            if subjects.disagrees(x.subject, event) is not None:
+                return True
+        return False
+
+    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg], decoded: list[Any] | None = None) -> None:
+        """A batch with an event that cannot be decoded or may be refused: event by event."""
+        if decoded is None:
+            decoded = []
+            for x in msgs:
+                try:
+                    decoded.append(DECODERS[stream].decode(x.data))
+                except m.DECODE_ERRORS as e:
+                    decoded.append(e)
         state, batch = self.state, self.batch
         for raw, event in zip(msgs, decoded, strict=True):
-            if isinstance(event, Exception):
-                log.warning("%s:%d (%s) cannot be decoded, kept in unprojected_events: %s", stream, raw.seq, raw.subject, event)
-                add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, str(event))
+            why = None if isinstance(event, Exception) else refusal(state, raw.subject, event)
+            if isinstance(event, Exception) or why is not None:
+                what = "cannot be decoded" if why is None else "refused"
+                log.warning("%s:%d (%s) %s, kept in unprojected_events: %s", stream, raw.seq, raw.subject, what, why or event)
+                add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, why or str(event))
                 self.cursor.unprojected += 1
             else:
                 if self.store is not None:

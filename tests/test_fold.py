@@ -243,3 +243,68 @@ def test_a_replica_over_two_nodes_is_healthy_only_when_both_parts_are() -> None:
         assert bool(pool.healthy.get("big")) == routable, event
         assert state.replicas["big-r1"].endpoint == "http://n1:8000"
     assert [r.endpoint for r in pool.replicas.values()] == ["http://n1:8000"]  # a worker never moves the endpoint
+
+
+# --- a subject is a claim: the payload must agree, and only a replica's own nodes speak for it ---
+
+QWEN_ON_N1 = placed("r-q", QWEN, [("n1", 0)], t(1))
+
+
+def state_of(rid: str, node: str, state: str = "healthy", endpoint: str = "") -> m.ReplicaStateChanged:
+    return m.ReplicaStateChanged(at=t(2), replica_id=rid, model="qwen-8b", node=node, state=state,  # type: ignore[arg-type]
+                                 endpoint=endpoint)
+
+
+REFUSALS: list[tuple[str, str, m.Event, bool]] = [
+    ("an inventory naming another node on the agent's own subject", "llmgw.fleet.n1.inventory",
+     inventory("n2", "ib-a", 1, t(2)), True),
+    ("its own inventory", "llmgw.fleet.n2.inventory", inventory("n2", "ib-a", 1, t(2)), False),
+    ("NodeLost for another node on its own .lost", "llmgw.fleet.n1.lost", m.NodeLost(at=t(2), node="n2"), True),
+    ("health of another node on its own subject", "llmgw.fleet.n1.health",
+     m.GpuHealthChanged(at=t(2), node="n2", gpu_index=0, gpu_uuid="GPU-n2-0", healthy=False), True),
+    ("an inventory on its own health subject", "llmgw.fleet.n2.health", inventory("n2", "ib-a", 1, t(2)), True),
+    ("state of a replica on n1 from n2, on n2's own subject", "llmgw.control.replica.r-q.state.n2",
+     state_of("r-q", "n2", endpoint="http://evil:1"), True),
+    ("state from n2 claiming to be n1", "llmgw.control.replica.r-q.state.n2", state_of("r-q", "n1"), True),
+    ("'stopped' from a node it is not on (would empty the router's pool)", "llmgw.control.replica.r-q.state.n2",
+     state_of("r-q", "n2", "stopped"), True),
+    ("its own node's report", "llmgw.control.replica.r-q.state.n1", state_of("r-q", "n1"), False),
+    ("a replica never placed (or stopped): nothing to believe, nothing refused", "llmgw.control.replica.gone.state.n2",
+     state_of("gone", "n2"), False),
+    ("a payload with no node at all", "llmgw.fleet.n1.lost", m.NodeLost(at=t(2), node=""), True),
+    ("events that name no node are not this rule's", "llmgw.control.model.qwen-8b.declared",
+     m.ModelDeclared(at=t(2), spec=QWEN), False),
+]
+
+
+@pytest.mark.parametrize(("subject", "event", "refused"), [c[1:] for c in REFUSALS], ids=[c[0] for c in REFUSALS])
+def test_an_event_is_refused_when_its_subject_or_placement_disagrees(subject: str, event: m.Event, refused: bool) -> None:
+    from llmgw.fleet import refusal
+
+    state = fold([inventory("n1", "ib-a", 1, t(0)), inventory("n2", "ib-a", 1, t(0)), m.ModelDeclared(at=t(0), spec=QWEN),
+                  QWEN_ON_N1])
+    why = refusal(state, subject, event)
+    assert (why is not None) is refused, why
+
+
+def test_a_replica_takes_state_only_from_its_own_node() -> None:
+    events: list[m.Event] = [inventory("n1", "ib-a", 1, t(0)), inventory("n2", "ib-a", 1, t(0)),
+                             m.ModelDeclared(at=t(0), spec=QWEN), QWEN_ON_N1]
+    state = fold([*events, state_of("r-q", "n2", endpoint="http://evil:1")])
+    assert (state.replicas["r-q"].state, state.replicas["r-q"].endpoint) == ("placed", "")
+    state = fold([*events, state_of("r-q", "n1", endpoint="http://n1:8000")])
+    assert (state.replicas["r-q"].state, state.replicas["r-q"].endpoint) == ("healthy", "http://n1:8000")
+
+
+def test_the_routers_pool_takes_state_only_from_a_placed_replicas_nodes() -> None:
+    from llmgw.endpoints import Pool
+
+    pool = Pool()
+    pool.apply(state_of("never-placed", "n2", endpoint="http://evil:1"), 0.0)
+    pool.apply(QWEN_ON_N1, 0.0)
+    pool.apply(state_of("r-q", "n2", endpoint="http://evil:1"), 0.0)
+    assert pool.models() == [] and "never-placed" not in pool.replicas
+    pool.apply(state_of("r-q", "n1", endpoint="http://n1:8000"), 0.0)
+    pool.apply(state_of("r-q", "n2", "stopped"), 0.0)  # a stranger cannot take it out of the pool either
+    assert [r.endpoint for r in pool.healthy["qwen-8b"]] == ["http://n1:8000"]
+    assert pool.refused == 2

@@ -26,7 +26,15 @@ from llmgw.idletracker import IdleFor, IdleTracker
 from llmgw.router import Router
 
 
+def placement(rid: str, model: str, node: str) -> m.ReplicaPlaced:
+    """The placement a pool needs before it believes a replica's state."""
+    spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
+    return m.ReplicaPlaced(at=datetime.now(UTC), replica_id=rid, model=model, nodes=(node,), spec=spec,
+                           gpus=(m.GpuRef(node=node, index=0, uuid=f"GPU-{rid}"),))
+
+
 async def up(bus: Bus, rid: str, model: str, endpoint: str) -> None:
+    await bus.publish(placement(rid, model, "n1"))
     await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model=model, node="n1",
                                             state="healthy", endpoint=endpoint))
 
@@ -71,6 +79,8 @@ def test_idle_for_is_a_value_and_a_flag() -> None:
 
 def test_idle_map_without_requests_lists_pooled_replicas_as_serving_since() -> None:
     pool = Pool()
+    for rid in ("r1", "r2"):
+        pool.apply(placement(rid, "m", "n"), 1_000_000.0)
     pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r1", model="m", node="n", state="healthy",
                                      endpoint="http://x"), 1_000_000.0)
     pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r2", model="m", node="n", state="starting"),
@@ -85,6 +95,7 @@ def test_idle_map_without_requests_lists_pooled_replicas_as_serving_since() -> N
 def test_stopped_replicas_leave_the_map() -> None:
     pool = Pool()
     for rid in ("r1", "r2"):
+        pool.apply(placement(rid, "m", "n"), 1000.0)
         pool.apply(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model="m", node="n", state="healthy",
                                          endpoint=f"http://{rid}"), 1000.0)
     tracker = IdleTracker()

@@ -8,6 +8,7 @@ store directory and random passwords in its environment.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,13 +16,14 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner
+from nats.aio.msg import Msg
 
 from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.natsconf import nats_conf
 from llmgw.config import Settings
-from llmgw.errors import ConnectError, PermissionDeniedError
+from llmgw.errors import ConfigError, ConnectError, PermissionDeniedError
 from llmgw.natsserver import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +170,7 @@ async def test_cli_cannot_publish_fleet_events_or_delete_streams(secured: Secure
 async def test_scheduler_places_but_cannot_report_inventory(secured: Secured, admin: Bus) -> None:
     sched = await secured.connect("scheduler")
     try:
-        await sched.ensure_streams()  # create/update allowed, idempotent
+        await sched.ensure_streams()  # declared by admin: it only checks them
         await sched.publish(m.NodeLost(at=AT, node="h100-b-01"))
         await sched.publish(m.ModelUnplaceable(at=AT, name="x", reason="no room"))
         await denied(sched, inventory("h100-b-01"))
@@ -220,8 +222,200 @@ def test_gen_conf_command_writes_conf_and_credentials(tmp_path: Path) -> None:
     result = CliRunner().invoke(nats_conf, ["--node", "gpu-1.example.com", "-o", str(out), "--env-file", str(env)])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    assert '"llmgw.fleet.gpu-1~2eexample~2ecom.>"' in text
+    assert '"llmgw.fleet.gpu-1~2eexample~2ecom.inventory"' in text
     names = {line.split("=")[0] for line in env.read_text().splitlines()}
     assert natsconf.password_env("agent-gpu-1~2eexample~2ecom") in names and "LLMGW_PW_SYS" in names
     bad = CliRunner().invoke(nats_conf, [])
     assert bad.exit_code == 2 and "--fleet FILE or --node NAME" in bad.output
+
+
+# --- only admin changes streams; each role gets exactly the JetStream API it calls -------------
+
+NON_ADMIN = ("projector", "planner", "scheduler", "router", "cli", "agent-h100-a-01", "router-gw-1")
+
+
+async def stream_config(admin: Bus, stream: str) -> dict[str, object]:
+    return (await admin.js.stream_info(stream)).config.as_dict()
+
+
+async def refused(bus: Bus, subject: str, payload: bytes = b"") -> None:
+    with pytest.raises(PermissionDeniedError):
+        await bus.request(subject, payload, timeout=5)
+
+
+async def test_only_admin_creates_or_updates_streams(secured: Secured, admin: Bus) -> None:
+    wipe = {**await stream_config(admin, subjects.STREAM_FLEET), "max_msgs": 1}
+    seal = {**await stream_config(admin, subjects.STREAM_CONTROL), "sealed": True}
+    projector, scheduler = await secured.connect("projector"), await secured.connect("scheduler")
+    try:
+        # What the adversarial run did: wipe the fleet's history, seal control for good.
+        await refused(projector, subjects.js_stream("UPDATE", subjects.STREAM_FLEET), msgspec.json.encode(wipe))
+        await refused(scheduler, subjects.js_stream("UPDATE", subjects.STREAM_CONTROL), msgspec.json.encode(seal))
+        # Its own lease bucket neither: a create never changes a stream, an update is admin's.
+        kv = await scheduler.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)
+        assert kv is not None
+        lease = await stream_config(admin, natsconf.LEASE_STREAM)
+        await refused(scheduler, subjects.js_stream("UPDATE", natsconf.LEASE_STREAM),
+                      msgspec.json.encode({**lease, "sealed": True}))
+    finally:
+        await projector.close()
+        await scheduler.close()
+    assert (await stream_config(admin, subjects.STREAM_FLEET)).get("max_msgs") in (None, -1)
+    assert not (await stream_config(admin, subjects.STREAM_CONTROL)).get("sealed")
+
+
+@pytest.mark.parametrize("user", NON_ADMIN)
+async def test_no_role_but_admin_manages_jetstream(secured: Secured, admin: Bus, user: str) -> None:
+    bus = await secured.connect(user)
+    config = msgspec.json.encode(await stream_config(admin, subjects.STREAM_FLEET))
+    try:
+        for stream in (subjects.STREAM_FLEET, subjects.STREAM_CONTROL, "LLMGW_NEW"):
+            for verb in ("CREATE", "UPDATE", "DELETE", "PURGE", "SNAPSHOT"):
+                await refused(bus, subjects.js_stream(verb, stream), config)
+        for subject in ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
+                        subjects.js_api("CONSUMER.NAMES", subjects.STREAM_CONTROL),
+                        subjects.js_api("CONSUMER.LIST", subjects.STREAM_CONTROL),
+                        subjects.js_consumer("CREATE", subjects.STREAM_CONTROL, "durable-x"),
+                        subjects.js_api("STREAM.MSG.GET", subjects.STREAM_FLEET),
+                        subjects.js_api("DIRECT.GET", subjects.STREAM_FLEET)):
+            await refused(bus, subject, b"{}")
+    finally:
+        await bus.close()
+
+
+async def read_to_end(bus: Bus, stream: str) -> int:
+    """Read a stream the way every component does (ephemeral consumer, pulls, delete); how many messages."""
+    last = await bus.stream_last_seq(stream)
+    n = 0
+    if last:
+        async with asyncio.timeout(15):
+            async for batch in bus.reader(stream, 1, stop_at=last, idle_expires_s=1.0).batches():
+                n += len(batch)
+    return n
+
+
+async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured, admin: Bus,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from llmgw.projections import runner
+    from llmgw.scheduler_service import Lease, replay_state
+
+    spec = m.ModelSpec(name="qwen", source="q", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=4096)
+    buses = {u: await secured.connect(u) for u in ("agent-h100-a-01", "router-gw-1", "projector", "planner",
+                                                    "scheduler", "cli")}
+    agent, router, projector, planner, scheduler, cli = buses.values()
+    try:
+        await agent.publish(inventory("h100-a-01"))
+        await agent.publish_core(subjects.heartbeat("h100-a-01"),
+                                 m.encode(m.HeartbeatSent(at=AT, node="h100-a-01", boot_id="b", seq=1)))
+        await cli.publish(m.ModelDeclared(at=AT, spec=spec))
+        await scheduler.publish(m.ReplicaPlaced(at=AT, replica_id="qwen-r9", model="qwen", nodes=("h100-a-01",),
+                                                gpus=(m.GpuRef(node="h100-a-01", index=0, uuid="u"),), spec=spec))
+        await agent.publish(m.ReplicaStateChanged(at=AT, replica_id="qwen-r9", model="qwen", node="h100-a-01",
+                                                  state="healthy", endpoint="http://h100-a-01:8000"))
+        await router.publish(m.IdleMapPublished(at=AT, router="gw-1", boot_id="b", tick=1))
+        await cli.publish(m.ReplicaStopped(at=AT, replica_id="qwen-r9", model="qwen", reason="idle"))  # ctl idle --stop
+        # Each reads what it folds: engines placements (and the node's own health); the router
+        # placements; planner fleet and control; scheduler all four; projector and cli the history.
+        for bus, streams in ((agent, (subjects.STREAM_CONTROL, subjects.STREAM_FLEET)),
+                             (router, (subjects.STREAM_CONTROL,)),
+                             (planner, (subjects.STREAM_FLEET, subjects.STREAM_CONTROL)),
+                             (scheduler, natsconf.ALL_STREAMS),
+                             (cli, subjects.HISTORY_STREAMS)):
+            for stream in streams:
+                assert await read_to_end(bus, stream) >= 1, (bus, stream)
+        for bus in (projector, scheduler):  # they check the streams at start; admin declared them
+            await bus.ensure_streams()
+        state = await runner.replay(projector, at=None)
+        assert state.nodes["h100-a-01"].gpus and state.unprojected == 0
+        assert (await replay_state(cli)).models["qwen"].spec == spec
+        await (await scheduler.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)).delete("leader")  # another test's
+        lease = Lease(scheduler, "sched-a", ttl_s=5)
+        assert await lease.acquire() and await lease.renew()
+        await lease.release()
+        assert await Lease(scheduler, "sched-b", ttl_s=5).acquire()  # the released key is created again
+    finally:
+        for bus in buses.values():
+            await bus.close()
+    assert "NATS refused" not in caplog.text
+
+
+async def test_a_role_reads_only_its_own_inbox(secured: Secured, admin: Bus, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent once subscribed to _INBOX.>, read the router's consumer-create reply and deleted its consumer."""
+    agent, router = await secured.connect("agent-h100-a-01"), await secured.connect("router")
+    heard: list[str] = []
+
+    async def eavesdrop(msg: Msg) -> None:
+        heard.append(msg.subject)
+
+    try:
+        await agent.nc.subscribe("_INBOX.>", cb=eavesdrop)
+        await agent.nc.flush()
+        await admin.publish(m.ModelScaled(at=AT, name="inbox-test", replicas=1))
+        assert await read_to_end(router, subjects.STREAM_CONTROL) >= 1
+        await agent.nc.flush()  # anything the server sent the agent before this round trip is in
+        assert heard == [], "the agent read the router's replies"
+        # Not even under the router's own prefix; and its own replies still reach it.
+        await agent.nc.subscribe(subjects.inbox_prefix("router") + ".>", cb=eavesdrop)
+        assert router.nc.new_inbox().startswith(subjects.inbox_prefix("router") + ".")
+        assert await read_to_end(router, subjects.STREAM_CONTROL) >= 1
+        assert await read_to_end(agent, subjects.STREAM_CONTROL) >= 1
+        await agent.nc.flush()
+    finally:
+        await agent.close()
+        await router.close()
+    assert heard == []
+    assert caplog.text.lower().count("permissions violation for subscription") >= 2
+
+
+async def test_agents_report_only_themselves_and_only_the_scheduler_loses_nodes(secured: Secured, admin: Bus) -> None:
+    agent, sched = await secured.connect("agent-h100-a-01"), await secured.connect("scheduler")
+    try:
+        # Its own `.lost`/`.returned` are no longer its to say: silence is the liveness monitor's to judge.
+        await denied(agent, m.NodeLost(at=AT, node="h100-a-01"))
+        await denied(agent, m.NodeReturned(at=AT, node="h100-a-01"))
+        await sched.publish(m.NodeLost(at=AT, node="h100-a-01"))
+        await sched.publish(m.NodeReturned(at=AT, node="h100-a-01"))
+    finally:
+        await agent.close()
+        await sched.close()
+
+
+# --- password variables and the nats-conf command -----------------------------------------------
+
+
+def test_node_names_that_read_alike_get_their_own_password_variables() -> None:
+    nodes = ["a-b", "a_b", "A-B", "a.b"]
+    names = {natsconf.password_env(natsconf.user_name("agent", n)) for n in nodes}
+    assert len(names) == len(nodes)
+    assert natsconf.password_env("agent-h100-a-01") == "LLMGW_PW_AGENT_H100_A_01"  # the readable ones stay
+    assert all(re.fullmatch(r"LLMGW_PW_[A-Z0-9_]+", n) for n in names)
+    text = natsconf.render(nodes)
+    assert all(f"password: ${n}" in text for n in names)
+    # A name built to read like another's hashed variable is refused, never shared.
+    clash = natsconf.password_env(natsconf.user_name("agent", "a_b")).removeprefix("LLMGW_PW_AGENT_")
+    with pytest.raises(ConfigError, match="would both read"):
+        natsconf.render(["a_b", clash.lower().replace("_", "-")])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--node", ""], "node name cannot be empty"),
+    (["--node", "gpu-1", "--router", " "], "router name cannot be empty"),
+    (["--node", "gpu-1", "-o", "/nonexistent/x.conf"], "cannot write /nonexistent/x.conf"),
+    (["--node", "gpu-1", "--env-file", "/nonexistent/creds.env"], "cannot write /nonexistent/creds.env"),
+])
+def test_nats_conf_mistakes_are_one_error_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(nats_conf, args)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: ") and message in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_nats_conf_never_leaves_a_half_written_conf(tmp_path: Path) -> None:
+    out = tmp_path / "nats.conf"
+    out.write_text("# the operator's conf\n")
+    result = CliRunner().invoke(nats_conf, ["--node", "gpu-1", "-o", str(out), "--env-file", str(tmp_path / "no" / "c.env")])
+    assert result.exit_code == 1 and "cannot write" in result.output
+    assert out.read_text() == "# the operator's conf\n"  # neither replaced nor truncated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nats.conf"]  # no temporary file left
+    ok = CliRunner().invoke(nats_conf, ["--node", "gpu-1", "-o", str(out)])
+    assert ok.exit_code == 0 and out.read_text() == natsconf.render(["gpu-1"])

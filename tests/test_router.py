@@ -34,11 +34,16 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
+def placement(rid: str, model: str, node: str = "n1") -> m.ReplicaPlaced:
+    """A replica on one GPU of ``node``: the pool takes its state only from there."""
+    spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
+    return m.ReplicaPlaced(at=now(), replica_id=rid, model=model, nodes=(node,),
+                           gpus=(m.GpuRef(node=node, index=0, uuid=f"GPU-{rid}"),), spec=spec)
+
+
 async def place(bus: Bus, rid: str, model: str, endpoint: str, state: str = "healthy") -> None:
     """What the control plane and an agent publish for a replica that came up."""
-    spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
-    await bus.publish(m.ReplicaPlaced(at=now(), replica_id=rid, model=model, nodes=("n1",),
-                                      gpus=(m.GpuRef(node="n1", index=0, uuid=f"GPU-{rid}"),), spec=spec))
+    await bus.publish(placement(rid, model))
     await set_state(bus, rid, model, state, endpoint)
 
 
@@ -115,6 +120,7 @@ def test_acquire_takes_least_outstanding_and_rotates_ties(bus: Bus) -> None:
     r = Router(bus, "pure")
     pool: Pool = r.pool
     for rid in ("x", "y", "z"):
+        pool.apply(placement(rid, "m", "n"), 0.0)
         pool.apply(m.ReplicaStateChanged(at=now(), replica_id=rid, model="m", node="n", state="healthy",
                                          endpoint=f"http://{rid}"), 0.0)
     pool.replicas["x"].outstanding = 2
@@ -132,6 +138,7 @@ def test_acquire_takes_least_outstanding_and_rotates_ties(bus: Bus) -> None:
 
 def test_only_healthy_with_an_endpoint_is_routable() -> None:
     pool = Pool()
+    pool.apply(placement("r", "m", "n"), 0.0)
     ev = m.ReplicaStateChanged
     pool.apply(ev(at=now(), replica_id="r", model="m", node="n", state="healthy"), 1.0)
     assert pool.models() == []  # healthy but nowhere to send requests

@@ -191,6 +191,9 @@ class Bus:
             opts["nkeys_seed"] = settings.nkey_seed_file
         if settings.user:
             opts["user"], opts["password"] = settings.user, settings.password or ""
+            # Replies come to this user's own inbox prefix, the only one nats.conf lets it read:
+            # under the shared _INBOX.> any role could read (and act on) another's replies.
+            opts["inbox_prefix"] = subjects.inbox_prefix(settings.user)
         nc = NatsClient()
         try:
             await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
@@ -295,6 +298,12 @@ class Bus:
                     # Replicas are left as the operator set them on a running cluster.
                     config.num_replicas = current.num_replicas
                     await self._guarded(subjects.js_stream("UPDATE", spec.name), self.js.update_stream(config))
+            except PermissionDeniedError as e:
+                raise PermissionDeniedError(
+                    f"stream {spec.name} is missing or differs from what this llmgw declares, and user "
+                    f"{self.settings.user or '(none)'} may not create or update streams (only admin may); "
+                    "run `llmgw declare-streams` as admin (LLMGW_NATS_USER=admin) first"
+                ) from e
             except nats.js.errors.APIError as e:
                 raise BusError(f"cannot declare stream {spec.name}: {e.description} (code {e.err_code})") from e
             except _RETRYABLE as e:

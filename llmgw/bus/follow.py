@@ -1,7 +1,8 @@
 """One read-decode-skip loop for every component that folds a stream.
 
 A follower reads a stream in order and hands out each batch decoded. A
-message that cannot be decoded is logged with its stream, sequence and
+message that cannot be decoded, or whose payload names another node than its
+subject (``subjects.disagrees``), is logged with its stream, sequence and
 subject, counted, and skipped: one bad event never stops a component, and
 every component says so the same way.
 """
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 import msgspec
 
 from llmgw import messages as m
+from llmgw import subjects
 from llmgw.bus.frames import RawMsg
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ class Follower(Generic[T]):
 
     ``keep`` chooses which messages to decode at all (the rest are passed over
     silently, e.g. by subject); ``skipped`` counts those that could not be
-    decoded; ``last_seq`` is the last sequence read, decoded or not.
+    decoded or were refused; ``last_seq`` is the last sequence read, decoded or not.
     """
 
     def __init__(self, bus: Bus, stream: str, decoder: msgspec.json.Decoder[T], start: int = 1, *,
@@ -51,6 +53,12 @@ class Follower(Generic[T]):
         self.skipped = 0
         self.last_seq = start - 1
 
+    def _skip(self, raw: RawMsg, error: Exception, what: str) -> None:
+        self.skipped += 1
+        log.warning("%s: %s seq %d (%s) %s, skipped: %s", self.who, self.stream, raw.seq, raw.subject, what, error)
+        if self.on_skip is not None:
+            self.on_skip(raw, error)
+
     async def batches(self) -> AsyncIterator[list[Decoded[T]]]:
         reader = self.bus.reader(self.stream, self.start, stop_at=self.stop_at, idle_expires_s=self.idle_expires_s)
         decode = self.decoder.decode
@@ -60,13 +68,15 @@ class Follower(Generic[T]):
                 if self.keep is not None and not self.keep(raw):
                     continue
                 try:
-                    out.append(Decoded(raw, decode(raw.data)))
+                    event = decode(raw.data)
                 except m.DECODE_ERRORS as e:
-                    self.skipped += 1
-                    log.warning("%s: %s seq %d (%s) cannot be decoded, skipped: %s",
-                                self.who, self.stream, raw.seq, raw.subject, e)
-                    if self.on_skip is not None:
-                        self.on_skip(raw, e)
+                    self._skip(raw, e, "cannot be decoded")
+                    continue
+                why = subjects.disagrees(raw.subject, event)  # type: ignore[arg-type]
+                if why is not None:
+                    self._skip(raw, ValueError(why), "refused")
+                    continue
+                out.append(Decoded(raw, event))
             self.last_seq = batch[-1].seq
             yield out
 

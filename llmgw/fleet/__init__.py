@@ -14,6 +14,8 @@ from llmgw.fleet.fold import (
     apply,
     fold,
     part_state,
+    refusal,
+    speaks_for,
 )
 
-__all__ = ["FleetState", "GpuView", "ModelView", "NodeView", "ReplicaView", "RouterView", "apply", "fold", "part_state"]
+__all__ = ["FleetState", "GpuView", "ModelView", "NodeView", "ReplicaView", "RouterView", "apply", "fold", "part_state", "refusal", "speaks_for"]

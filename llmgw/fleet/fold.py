@@ -20,6 +20,7 @@ from itertools import compress
 from operator import ne
 
 from llmgw import messages as m
+from llmgw import subjects
 
 # Bumped whenever apply() folds any event differently: a snapshot of the fold made by
 # another version is not resumed from (llmgw/fleet/snapshots.py), it is folded again.
@@ -179,7 +180,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 node.updated_at = event.at
         case m.ReplicaStateChanged():
             replica = state.replicas.get(event.replica_id)
-            if replica is not None and event.state != "stopped":
+            # Only a node the replica was placed on speaks for it (``speaks_for``).
+            if replica is not None and event.state != "stopped" and event.node in replica.nodes:
                 if len(replica.nodes) > 1:
                     _part_changed(replica, event)
                 else:
@@ -309,14 +311,42 @@ def part_state(nodes: tuple[str, ...], parts: dict[str, str]) -> str:
 
 
 def _part_changed(replica: ReplicaView, event: m.ReplicaStateChanged) -> None:
-    if event.node not in replica.nodes:
-        return  # a node the replica was not placed on does not speak for it
     replica.parts[event.node] = event.state
     if event.node == replica.nodes[0]:
         replica.endpoint, replica.head_address = event.endpoint, event.head_address
     replica.detail = f"{event.node}: {event.detail}" if event.detail else replica.detail
     replica.restarts = max(replica.restarts, event.restarts)
     replica.state, replica.state_at = part_state(replica.nodes, replica.parts), event.at
+
+
+def speaks_for(nodes: tuple[str, ...], event: m.ReplicaStateChanged) -> str | None:
+    """Why a replica placed on ``nodes`` does not take this state report, or None when it does.
+
+    An agent may publish state for any replica id on its own node's subject; only
+    a node the replica was placed on (any of them, for a multi-node replica) is
+    believed, or one agent could point a model's traffic at an endpoint of its
+    choosing. The fold and the router's pool both ask this.
+    """
+    if event.node in nodes:
+        return None
+    return (f"state {event.state!r} for replica {event.replica_id!r} from node {event.node!r}, "
+            f"which it was not placed on (placed on {', '.join(nodes) or 'no node'})")
+
+
+def refusal(state: FleetState, subject: str, event: m.Event) -> str | None:
+    """Why a reader records an event as refused instead of folding it, or None.
+
+    Its subject names another node than its payload (``subjects.disagrees``), or
+    it is a state report for a replica from a node it was not placed on. Asked
+    before ``apply`` on the state so far, so a live projector and a replay refuse
+    the same events (each stream's order alone decides).
+    """
+    why = subjects.disagrees(subject, event)
+    if why is None and type(event) is m.ReplicaStateChanged:
+        replica = state.replicas.get(event.replica_id)
+        if replica is not None:
+            why = speaks_for(replica.nodes, event)
+    return why
 
 
 def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterView) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.fold import Cursor, FleetState, apply
+from llmgw.fleet.fold import Cursor, FleetState, apply, refusal
 from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
@@ -77,7 +77,10 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                     if cut is not None and d.raw.ts_ns > cut:
                         past = True
                         break
-                    apply(state, d.event)
+                    if refusal(state, d.raw.subject, d.event) is None:  # as the projector: refused is unprojected
+                        apply(state, d.event)
+                    else:
+                        cursor.unprojected += 1
                     _advance(cursor, stream, d.raw)
                 done += len(batch)
                 if progress is not None:

@@ -18,7 +18,6 @@ from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus, RawMsg
 from llmgw.config import Settings
-from llmgw.errors import BusError
 from llmgw.natsserver import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -94,17 +93,11 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
     cli = await Bus.connect(plane.settings("cli"), "fault-cli")
     live, clean = tmp_path / "live.duckdb", tmp_path / "clean.duckdb"
     try:
-        # The projector declares the streams with its own role, as in compose.yaml.
+        # Admin declares the streams (compose.yaml's `streams` service); the roles only find them.
+        rc, out = await plane.run("admin", "declare-streams")
+        assert rc == 0, out
         await plane.spawn("projector", "projector", "project", "--db", str(live), "--snapshot-interval", "0",
                           "--commit-interval", "0.2")
-
-        async def streams_declared() -> bool:
-            try:
-                return await admin.stream_last_seq(subjects.STREAM_CONTROL) >= 0
-            except BusError:
-                return False
-
-        await until(streams_declared, "the projector declaring the streams", 60, every_s=0.2)
         await plane.spawn("agent", f"agent-{NODE}", "agent", "--simulate", str(FLEET_FILE), "--node", NODE,
                           "--heartbeat-s", "0.5", "--poll-s", "0.5")
         await plane.spawn("router", "router", "router", "--listen", f"127.0.0.1:{free_port()}", "--name", "gw-1",
