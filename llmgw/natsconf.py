@@ -27,6 +27,7 @@ P = s.PREFIX
 FLEET, CONTROL, USAGE, HEARTBEAT = s.STREAM_FLEET, s.STREAM_CONTROL, s.STREAM_USAGE, s.STREAM_HEARTBEAT
 ALL_STREAMS = tuple(spec.name for spec in s.STREAMS)
 LEASE_STREAM = f"KV_{s.SCHEDULER_LEASE_BUCKET}"
+SNAPSHOT_STREAM = f"OBJ_{s.SNAPSHOT_BUCKET}"
 
 # The JetStream API subjects llmgw's bus calls, and nothing else: what a role is not
 # granted here (stream create/update/delete/purge, listing consumers, snapshots, …)
@@ -64,6 +65,18 @@ def _lease() -> list[str]:
         s.js_stream("MSG.GET", LEASE_STREAM),
         s.kv_subjects(s.SCHEDULER_LEASE_BUCKET),
     ]
+
+
+def _snapshots_read() -> list[str]:
+    """Reading fold snapshots: a stream read of the object store's stream (``ObjectBucket``)."""
+    return _read(SNAPSHOT_STREAM)
+
+
+def _snapshots_write() -> list[str]:
+    """The projector's: put (chunks, then the meta), and retention's delete (a deleted meta, then a purge
+    of that object's chunks)."""
+    return [*_snapshots_read(), f"$O.{s.SNAPSHOT_BUCKET}.C.>", f"$O.{s.SNAPSHOT_BUCKET}.M.>",
+            s.js_stream("MSG.GET", SNAPSHOT_STREAM), s.js_stream("PURGE", SNAPSHOT_STREAM)]
 
 
 # Whatever a role's allow list says, these stay refused for every role but admin.
@@ -111,10 +124,13 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL)]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
-        pub += [*_read(*s.HISTORY_STREAMS), *_info(*ALL_STREAMS)]
+        pub += [*_read(*s.HISTORY_STREAMS), *_info(*ALL_STREAMS), *_snapshots_write()]
         sub += [s.STATUS]
         responses = True
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]
+        # Retention purges old snapshots' chunks: purge is refused on every other stream by name.
+        deny_pub = [x for x in deny_pub if x != s.js_stream("PURGE", ">")]
+        deny_pub += [s.js_stream("PURGE", x) for x in (*ALL_STREAMS, LEASE_STREAM)]
     elif role == "planner":
         pub += _read(FLEET, CONTROL)
         sub += [s.PLAN]
@@ -148,6 +164,9 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
                      f"{P}.control.replica.*.placed"]
     else:
         raise ConfigError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
+    if role != "projector":
+        pub += _snapshots_read()  # every fold may start from a snapshot; only the projector writes them
+        deny_pub += [f"$O.{s.SNAPSHOT_BUCKET}.>"]
     out: dict[str, object] = {
         "publish": {"allow": _unique(pub), "deny": _unique(deny_pub)},
         "subscribe": {"allow": _unique(sub)},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from hypothesis import strategies as st
+
 from llmgw import messages as m
 
 T0 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)
@@ -75,3 +77,42 @@ def small_fleet() -> list[m.Event]:
     ]
 
 
+# --- random histories, for the property tests ------------------------------------------------------
+
+BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'  # an event no decoder takes
+
+NODES = ("n0", "n1", "n2")
+MODEL = spec("qwen-8b")
+
+
+def random_event(kind: int, i: int, a: int, b: int) -> m.Event | bytes:
+    node = NODES[a % 3]
+    at = t(i)
+    rid = f"r{b % 3}"
+    match kind:
+        case 0:
+            return inventory(node, "ib-a" if a % 2 else "ib-b", 1 + b % 3, at)
+        case 1:
+            return m.GpuHealthChanged(at=at, node=node, gpu_index=b % 3, gpu_uuid=f"GPU-{node}-{b % 3}", healthy=bool(a % 2))
+        case 2:
+            return m.NodeLost(at=at, node=node) if b % 2 else m.NodeReturned(at=at, node=node)
+        case 3:
+            return m.ModelDeclared(at=at, spec=MODEL) if b % 2 else m.ModelUnplaceable(at=at, name=MODEL.name, reason=f"r{a}")
+        case 4:
+            return placed(rid, MODEL, [(node, b % 3)], at)
+        case 5:
+            return m.ReplicaStateChanged(at=at, replica_id=rid, model=MODEL.name, node=node,
+                                         state=("starting", "healthy", "failed", "stopped")[a % 4])
+        case 6:
+            return m.ReplicaStopped(at=at, replica_id=rid, model=MODEL.name, reason="idle")
+        case 7:
+            return m.IdleMapPublished(at=at, router=f"rt{a % 2}", boot_id=f"b{b % 2}", tick=i,
+                                      last_request={rid: t(i - a % 5)} if b % 3 else {},
+                                      serving_since={f"r{a % 3}": t(i - 1)} if b % 2 else {})
+        case _:
+            return BAD + str(i).encode()
+
+
+event_lists = st.lists(
+    st.tuples(st.integers(0, 8), st.integers(0, 7), st.integers(0, 7)), min_size=2, max_size=24
+).map(lambda xs: [random_event(k, i, a, b) for i, (k, a, b) in enumerate(xs)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import nats.js.errors  # the tests talk to the real server; in llmgw only bus.py imports nats
 
@@ -49,3 +50,15 @@ async def stored(bus: Bus, stream: str, limit_s: float = 30.0) -> list[m.AnyEven
             async for batch in bus.reader(stream, 1, stop_at=last).batches():
                 out.extend(m.decode_event(r.data) for r in batch)
     return out
+
+
+async def publish(bus: Bus, events: Sequence[m.Event | bytes]) -> dict[str, int]:
+    """Publish events (bytes go to the fleet stream raw); the last sequence per stream."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, bytes):
+            ack = await bus.publish_bytes(subjects.fleet("n1", "inventory"), e, f"bad-{i}")
+        else:
+            ack = await bus.publish(e)
+        last[ack.stream] = max(last.get(ack.stream, 0), ack.seq)
+    return last

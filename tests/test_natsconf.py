@@ -296,8 +296,11 @@ async def read_to_end(bus: Bus, stream: str) -> int:
 
 async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured, admin: Bus,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
-    from llmgw.projections import runner
-    from llmgw.scheduler_service import Lease, replay_state
+    from llmgw.ctl import replay_state
+    from llmgw.fleet import snapshots
+    from llmgw.fleet.checkpoint import encode_state
+    from llmgw.fleet.replay import replay
+    from llmgw.scheduler_service import Lease
 
     spec = m.ModelSpec(name="qwen", source="q", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=4096)
     buses = {u: await secured.connect(u) for u in ("agent-h100-a-01", "router-gw-1", "projector", "planner",
@@ -325,9 +328,21 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
                 assert await read_to_end(bus, stream) >= 1, (bus, stream)
         for bus in (projector, scheduler):  # they check the streams at start; admin declared them
             await bus.ensure_streams()
-        state = await runner.replay(projector, at=None)
-        assert state.nodes["h100-a-01"].gpus and state.unprojected == 0
+        state, cursor = await replay(projector, use_snapshots=False)
+        assert state.nodes["h100-a-01"].gpus and cursor.unprojected == 0
         assert (await replay_state(cli)).models["qwen"].spec == spec
+        # The projector writes fold snapshots; every other role reads them and none writes one.
+        await snapshots.write(projector, encode_state(state, cursor), cursor, 1)
+        heads = {x: await cli.stream_head(x) for x in subjects.HISTORY_STREAMS}
+        target = snapshots.Target(stops={x: h[0] for x, h in heads.items()}, cut_ns={})
+        for bus in (cli, scheduler, planner, router, agent):
+            warned: list[str] = []
+            found = await snapshots.load(bus, target, heads, warned.append)
+            assert found is not None and found[0].state == state, (bus, warned)
+        assert "NATS refused" not in caplog.text
+        with pytest.raises(PermissionDeniedError):
+            await snapshots.write(agent, encode_state(state, cursor), cursor, 2)
+        caplog.clear()  # that refusal was the point
         await (await scheduler.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)).delete("leader")  # another test's
         lease = Lease(scheduler, "sched-a", ttl_s=5)
         assert await lease.acquire() and await lease.renew()

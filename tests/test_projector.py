@@ -7,7 +7,6 @@ import gc
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from projection_events import inventory, placed, small_fleet, spec, t
-from streams import fresh_streams
+from projection_events import BAD, event_lists, random_event, small_fleet, t
+from streams import fresh_streams, publish
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -36,20 +35,7 @@ from llmgw.projections.runner import (
 )
 from llmgw.projections.store import TABLES, Batch, Store
 
-BAD = b'{"type":"NodeInventoryReported","at":"not a time"}'
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
-
-
-async def publish(bus: Bus, events: Sequence[m.Event | bytes]) -> dict[str, int]:
-    """Publish events (bytes go to the fleet stream raw); the last sequence per stream."""
-    last: dict[str, int] = {}
-    for i, e in enumerate(events):
-        if isinstance(e, bytes):
-            ack = await bus.publish_bytes(subjects.fleet("n1", "inventory"), e, f"bad-{i}")
-        else:
-            ack = await bus.publish(e)
-        last[ack.stream] = max(last.get(ack.stream, 0), ack.seq)
-    return last
 
 
 def tables(path: Path) -> dict[str, list[Any]]:
@@ -204,43 +190,6 @@ async def test_projector_refuses_a_file_another_process_holds(bus: Bus, tmp_path
 
 # --- property: crash anywhere, resume, and the rows are those of a clean replay ---------------
 
-NODES = ("n0", "n1", "n2")
-MODEL = spec("qwen-8b")
-
-
-def _event(kind: int, i: int, a: int, b: int) -> m.Event | bytes:
-    node = NODES[a % 3]
-    at = t(i)
-    rid = f"r{b % 3}"
-    match kind:
-        case 0:
-            return inventory(node, "ib-a" if a % 2 else "ib-b", 1 + b % 3, at)
-        case 1:
-            return m.GpuHealthChanged(at=at, node=node, gpu_index=b % 3, gpu_uuid=f"GPU-{node}-{b % 3}", healthy=bool(a % 2))
-        case 2:
-            return m.NodeLost(at=at, node=node) if b % 2 else m.NodeReturned(at=at, node=node)
-        case 3:
-            return m.ModelDeclared(at=at, spec=MODEL) if b % 2 else m.ModelUnplaceable(at=at, name=MODEL.name, reason=f"r{a}")
-        case 4:
-            return placed(rid, MODEL, [(node, b % 3)], at)
-        case 5:
-            return m.ReplicaStateChanged(at=at, replica_id=rid, model=MODEL.name, node=node,
-                                         state=("starting", "healthy", "failed", "stopped")[a % 4])
-        case 6:
-            return m.ReplicaStopped(at=at, replica_id=rid, model=MODEL.name, reason="idle")
-        case 7:
-            return m.IdleMapPublished(at=at, router=f"rt{a % 2}", boot_id=f"b{b % 2}", tick=i,
-                                      last_request={rid: t(i - a % 5)} if b % 3 else {},
-                                      serving_since={f"r{a % 3}": t(i - 1)} if b % 2 else {})
-        case _:
-            return BAD + str(i).encode()
-
-
-event_lists = st.lists(
-    st.tuples(st.integers(0, 8), st.integers(0, 7), st.integers(0, 7)), min_size=2, max_size=24
-).map(lambda xs: [_event(k, i, a, b) for i, (k, a, b) in enumerate(xs)])
-
-
 @hsettings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events=event_lists, crash=st.data(), commit_every=st.integers(1, 6), on_loop=st.booleans())
 async def test_crash_anywhere_then_resume_equals_clean_replay(
@@ -273,7 +222,7 @@ async def test_cancelled_while_commits_are_queued_loses_no_rows(bus: Bus, tmp_pa
     """Stopping a projector while the writer still holds queued commits: they all land, in order,
     so a resumed projector ends with the rows of a clean replay (none skipped past)."""
     await fresh_streams(bus)
-    await publish(bus, [_event(i % 8, i, i * 7 % 8, i * 3 % 8) for i in range(240)])
+    await publish(bus, [random_event(i % 8, i, i * 7 % 8, i * 3 % 8) for i in range(240)])
     clean, cancelled = tmp_path / "clean.duckdb", tmp_path / "cancelled.duckdb"
     await project_once(bus, clean)
     store = Store(cancelled)

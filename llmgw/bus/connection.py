@@ -225,7 +225,10 @@ class Bus:
         if "permissions violation" in text.lower():
             subject = text.split('"')[1] if text.count('"') >= 2 else ""
             # nats-py lowercases the server's message, so "$JS.API…" comes back as "$js.api…".
-            for key in [k for k in self._denied if k.lower() == subject.lower()]:
+            # A watched key ending in ">" stands for every subject under it (an object's chunks).
+            low = subject.lower()
+            for key in [k for k in self._denied
+                        if k.lower() == low or (k.endswith(">") and low.startswith(k[:-1].lower()))]:
                 for fut in self._denied.pop(key, []):
                     if not fut.done():
                         fut.set_result(text)

@@ -112,9 +112,10 @@ def expired(headers: dict[str, Header], now_ns: int) -> list[str]:
     for name in by_age:
         t = headers[name].taken_ns
         age = now_ns - t
-        if age <= HOURLY_FOR_NS and t // HOUR_NS not in seen_hours:
-            seen_hours.add(t // HOUR_NS)
-            keep.add(name)
+        if age <= HOURLY_FOR_NS:
+            if t // HOUR_NS not in seen_hours:
+                seen_hours.add(t // HOUR_NS)
+                keep.add(name)
         elif age <= DAILY_FOR_NS and t // DAY_NS not in seen_days:
             seen_days.add(t // DAY_NS)
             keep.add(name)
@@ -168,13 +169,16 @@ async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
     except BusError as e:
         warn(f"cannot list fold snapshots ({e}); folding from sequence 1")
         return None
-    chosen = sorted((n for n, h in headers.items() if fits(h, target)), reverse=True)
+    # Snapshots that cannot be right for these streams at all (another version, another
+    # incarnation of a stream, past its end) are said once, together, whatever the target.
+    bad = {n: why for n, h in headers.items() if (why := _why_not(h, None, heads))}
+    if bad:
+        first = min(bad)
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        warn(f"snapshot {first} skipped: {bad[first]}{more}")
+    chosen = sorted((n for n, h in headers.items() if n not in bad and fits(h, target)), reverse=True)
     for name in chosen:
         header = headers[name]
-        why = _why_not(header, None, heads)
-        if why:
-            warn(f"snapshot {name} skipped: {why}")
-            continue
         if header.size > MAX_SNAPSHOT_BYTES:
             warn(f"snapshot {name} skipped: {header.size:,} bytes is more than a fold holds")
             continue

@@ -28,13 +28,14 @@ from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.natsconf import declare_streams
 from llmgw.config import Settings
+from llmgw.ctl import replay_state
 from llmgw.endpoints import EndpointSink
 from llmgw.errors import PermissionDeniedError
+from llmgw.fleet.replay import replay
 from llmgw.fleet.status import report
 from llmgw.natsserver import EmbeddedServer
 from llmgw.projections import runner
 from llmgw.projections.store import Store
-from llmgw.scheduler_service import replay_state
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +108,8 @@ async def test_an_agent_cannot_speak_for_another_node(tmp_path: Path, record: Ca
         heads = {s: await cli.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
         live = m.STATUS_REPORT_DECODER.decode(await cli.request(
             subjects.STATUS, m.encode(m.StatusRequest(now=AT, wait_for=heads, wait_s=10)), timeout=15))
-        replayed = report(await runner.replay(cli), AT, live.idle_threshold_s)
+        replay_fold, replay_cursor = await replay(cli)
+        replayed = report(replay_fold, AT, live.idle_threshold_s, replay_cursor)
         scheduler_view = await replay_state(sched)
         sink = EndpointSink(buses["router"])
         follow = asyncio.create_task(sink.run())

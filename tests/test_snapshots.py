@@ -1,0 +1,174 @@
+"""Fold snapshots on the bus: a fold from a snapshot equals the fold from sequence 1, and a bad one is skipped."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from projection_events import event_lists, small_fleet
+from streams import fresh_streams, publish
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.fleet import snapshots
+from llmgw.fleet.checkpoint import encode_state
+from llmgw.fleet.fold import FOLD_VERSION
+from llmgw.fleet.replay import replay
+from llmgw.fleet.status import idle_rows, report
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
+
+LLMGW = str(Path(sys.executable).with_name("llmgw"))
+
+
+async def project(bus: Bus, path: Path, every: int) -> int:
+    """Project what is stored, committing and snapshotting every ``every`` events; snapshots written."""
+    store = Store(path)
+    try:
+        projector = Projector(bus, store, commit_every=every, batch=every, fold_snapshot_events=every)
+        await projector.run_once()
+        return projector.fold_snapshots_written
+    finally:
+        store.close()
+
+
+async def both_ways(bus: Bus, **target: object) -> tuple[bytes, bytes]:
+    """The status report and idle rows of a fold from the newest fitting snapshot and from sequence 1."""
+    out = []
+    for use in (True, False):
+        warned: list[str] = []
+        state, cursor = await replay(bus, use_snapshots=use, warn=warned.append, **target)  # type: ignore[arg-type]
+        assert warned == [], warned
+        now = state.as_of
+        out.append(m.encode(report(state, now, 60.0, cursor)) + msgspec.json.encode(idle_rows(state, now)))
+    return out[0], out[1]
+
+
+@hsettings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=event_lists, every=st.integers(1, 5), targets=st.data())
+async def test_a_fold_from_any_snapshot_equals_the_fold_from_sequence_1(
+    bus: Bus, tmp_path: Path, events: list[m.Event | bytes], every: int, targets: st.DataObject,
+) -> None:
+    await fresh_streams(bus)
+    last = await publish(bus, events)
+    db = tmp_path / f"p-{abs(hash((repr(events), every)))}.duckdb"
+    db.unlink(missing_ok=True)
+    assert await project(bus, db, min(every, len(events))) >= 1
+    heads = {s: await bus.stream_head(s) for s in subjects.HISTORY_STREAMS}
+    now = snapshots.Target(stops={s: h[0] for s, h in heads.items()}, cut_ns={})
+    assert await snapshots.load(bus, now, heads, pytest.fail) is not None  # the fold below starts from one
+    with_snap, from_one = await both_ways(bus)
+    assert with_snap == from_one
+    # And right after any stored message of any stream: snapshots past it must not be used.
+    for _ in range(3):
+        stream = targets.draw(st.sampled_from(sorted(last)), label="stream")
+        seq = targets.draw(st.integers(1, last[stream]), label="seq")
+        with_snap, from_one = await both_ways(bus, at_seq=(stream, seq))
+        assert with_snap == from_one, (stream, seq)
+
+
+async def test_the_projector_writes_snapshots_that_a_replay_starts_from(bus: Bus, tmp_path: Path) -> None:
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 2
+    headers = await snapshots.list_headers(bus)
+    heads = {s: await bus.stream_head(s) for s in subjects.HISTORY_STREAMS}
+    target = snapshots.Target(stops={s: h[0] for s, h in heads.items()}, cut_ns={})
+    found = await snapshots.load(bus, target, heads, pytest.fail)
+    assert found is not None
+    checkpoint, name = found
+    assert name == max(headers)  # the newest
+    assert checkpoint.cursor.positions == headers[name].positions
+    assert all(h.fold_version == FOLD_VERSION for h in headers.values())
+
+
+async def _write_bad(bus: Bus, name_suffix: str, **change: object) -> None:
+    """A snapshot of the whole history, with one thing wrong."""
+    state, cursor = await replay(bus, use_snapshots=False)
+    blob = encode_state(state, cursor)
+    header = snapshots.header_for(blob, cursor, 10**18)
+    header = msgspec.structs.replace(header, **change)
+    name = snapshots.object_name(header) + name_suffix
+    await bus.objects(subjects.SNAPSHOT_BUCKET).put(name, blob, msgspec.json.encode(header).decode())
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"sha256": "0" * 64}, "checksum does not match"),
+    ({"fold_version": FOLD_VERSION + 1}, f"fold version {FOLD_VERSION + 1}"),
+    ({"format": 99}, "format 99"),
+    ({"positions": {subjects.STREAM_FLEET: 10**6}}, "past the stream's end"),
+    ({"stream_created": {subjects.STREAM_FLEET: "2001-01-01T00:00:00+00:00"}}, "declared again"),
+])
+async def test_a_bad_snapshot_is_skipped_with_one_line_and_the_fold_is_still_right(
+    bus: Bus, change: dict[str, object], why: str,
+) -> None:
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())
+    await _write_bad(bus, "", **change)
+    warned: list[str] = []
+    state, cursor = await replay(bus, warn=warned.append)
+    assert len(warned) == 1 and why in warned[0], warned
+    assert (state, cursor) == await replay(bus, use_snapshots=False)
+
+
+async def test_a_snapshot_whose_bytes_were_changed_is_caught_by_its_checksum(bus: Bus) -> None:
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())
+    state, cursor = await replay(bus, use_snapshots=False)
+    blob = encode_state(state, cursor)
+    header = snapshots.header_for(blob, cursor, 10**18)
+    tampered = blob.replace(b"H100-80GB", b"H200-80GB", 1)
+    assert hashlib.sha256(tampered).hexdigest() != header.sha256
+    await bus.objects(subjects.SNAPSHOT_BUCKET).put(snapshots.object_name(header), tampered,
+                                                    msgspec.json.encode(header).decode())
+    warned: list[str] = []
+    assert await replay(bus, warn=warned.append) == (state, cursor)
+    assert len(warned) == 1 and "checksum" in warned[0]
+
+
+def test_retention_keeps_the_newest_then_hourly_for_a_week_then_daily() -> None:
+    now = 400 * snapshots.DAY_NS
+    hour, day = snapshots.HOUR_NS, snapshots.DAY_NS
+    # One snapshot every 20 minutes for 100 days.
+    headers = {f"s{i:06d}": snapshots.Header(format=1, fold_version=1, positions={}, stored_ns={}, stream_created={},
+                                             sha256="", size=0, taken_ns=now - i * hour // 3)
+               for i in range(100 * 24 * 3)}
+    kept = sorted(set(headers) - set(snapshots.expired(headers, now)), key=lambda n: -headers[n].taken_ns)
+    ages = [now - headers[n].taken_ns for n in kept]
+    assert kept[:snapshots.KEEP_NEWEST] == sorted(headers)[:snapshots.KEEP_NEWEST]  # the newest, all of them
+    older = ages[snapshots.KEEP_NEWEST:]
+    week = [a for a in older if a <= 7 * day]
+    assert len(week) == len({(now - a) // hour for a in week})  # at most one per hour
+    assert all(a <= 90 * day for a in older)  # nothing past 90 days
+    assert len([a for a in older if a > 7 * day]) == len({(now - a) // day for a in older if a > 7 * day})
+    assert len(kept) < 48 + 7 * 24 + 90
+
+
+async def test_ctl_status_replay_says_it_skipped_a_snapshot_and_no_snapshot_folds_from_1(
+    bus: Bus, settings: Settings,
+) -> None:
+    import asyncio
+
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())
+    await _write_bad(bus, "", fold_version=FOLD_VERSION + 1)
+    env_url = ["--nats-url", settings.nats_url]
+    outs = []
+    for extra in ((), ("--no-snapshot",)):
+        proc = await asyncio.create_subprocess_exec(
+            LLMGW, "ctl", "status", "--replay", "--json", *extra, *env_url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        outs.append((out, err.decode()))
+    assert outs[0][0] == outs[1][0]
+    assert "skipped: fold version" in outs[0][1] and outs[0][1].count("\n") == 1
+    assert "skipped" not in outs[1][1]
