@@ -292,15 +292,20 @@ class Projector:
             loop = asyncio.get_running_loop()
             self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, snapshot))
 
-    def _maybe_fold_snapshot(self, blob: bytes) -> None:
-        """Put the state just encoded on the bus when one is due and none is still being written."""
+    def _fold_snapshot_due(self) -> bool:
+        """Whether a fold snapshot is due (so many events, or so long with any) and none is being written."""
         every = self.fold_snapshot_events
         if every is None or (self._fold_snapshot_task is not None and not self._fold_snapshot_task.done()):
-            return
+            return False
         folded, when = self._fold_snapshot_at
         fresh = self.folded - folded
-        if fresh <= 0 or (fresh < every and time.monotonic() - when < self.fold_snapshot_interval_s):
+        return fresh > 0 and (fresh >= every or time.monotonic() - when >= self.fold_snapshot_interval_s)
+
+    def _maybe_fold_snapshot(self, blob: bytes | None = None) -> None:
+        """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was)."""
+        if not self._fold_snapshot_due():
             return
+        blob = blob if blob is not None else encode_state(self.state, self.cursor)
         self._fold_snapshot_at = (self.folded, time.monotonic())
         c = self.cursor
         cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected,
@@ -354,6 +359,7 @@ class Projector:
             self._inflight.popleft()
 
     async def _maybe_commit(self) -> None:
+        self._maybe_fold_snapshot()  # every so many events, whatever the commit cadence
         if self.batch.events >= self.commit_every or (
             self.batch.events and time.monotonic() - self._last_commit >= self.commit_interval_s
         ):

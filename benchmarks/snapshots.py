@@ -1,0 +1,151 @@
+"""Time travel on a long history: ``ctl status --at`` with fold snapshots and without.
+
+Publishes the replay benchmark's week (a 256-node fleet, 1M events by default),
+projects it once with fold snapshots on (every ``--every`` events), then runs
+``llmgw ctl status --json`` as a user would (a new process each time) at 10%,
+50% and 90% of the history's stored-time range and with ``--replay``, each with
+snapshots and with ``--no-snapshot`` beside it, printing wall time and the
+child's peak RSS. Then the projector's own cost of writing snapshots: from zero,
+alternating with and without, ``--rounds`` times each.
+
+    .venv/bin/python benchmarks/snapshots.py                  # 1M events
+    .venv/bin/python benchmarks/snapshots.py --events 200000  # quicker
+
+Prints figures; asserts nothing (timing belongs here, not in tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replay import history, publish  # noqa: E402 - the replay benchmark's week, published the same way
+
+from llmgw import subjects  # noqa: E402
+from llmgw.bus import Bus  # noqa: E402
+from llmgw.config import Settings  # noqa: E402
+from llmgw.natsserver import EmbeddedServer  # noqa: E402
+from llmgw.projections.runner import Projector  # noqa: E402
+from llmgw.projections.store import Store  # noqa: E402
+
+LLMGW = str(Path(sys.executable).with_name("llmgw"))
+
+
+def run_cli(*args: str) -> tuple[float, float, str]:
+    """One ``llmgw`` process: wall seconds, peak RSS (MiB), stderr."""
+    r, w = os.pipe()
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.dup2(w, 2)
+        os.execv(LLMGW, [LLMGW, *args])
+    os.close(w)
+    _, status, usage = os.wait4(pid, 0)
+    wall = time.perf_counter() - start
+    err = os.read(r, 1 << 16).decode(errors="replace")
+    os.close(r)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"llmgw {' '.join(args)} failed: {err}")
+    return wall, usage.ru_maxrss / 1024, err
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+async def project(bus: Bus, path: Path, every: int | None) -> tuple[float, int, int]:
+    """Project from zero: seconds, events, snapshots written."""
+    _remove(path)
+    store = Store(path)
+    start = time.perf_counter()
+    projector = Projector(bus, store, writer_process=True, fold_snapshot_events=every)
+    await projector.run_once()
+    secs = time.perf_counter() - start
+    store.close()
+    return secs, projector.folded, projector.fold_snapshots_written
+
+
+async def stored_range(bus: Bus) -> tuple[int, int]:
+    """The first and last stored times (ns) over the history streams."""
+    lo, hi = None, 0
+    for stream in subjects.HISTORY_STREAMS:
+        last = await bus.stream_last_seq(stream)
+        for seq in (1, last):
+            async for batch in bus.reader(stream, seq, batch=1, stop_at=seq).batches():
+                ts = batch[0].ts_ns
+                lo = ts if lo is None else min(lo, ts)
+                hi = max(hi, ts)
+                break
+    assert lo is not None
+    return lo, hi
+
+
+async def main(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-snap-", dir=args.workdir))
+    server = EmbeddedServer(work / "nats", port=0)
+    server.start()
+    url = server.url
+    try:
+        bus = await Bus.connect(Settings(nats_url=url, request_timeout_s=30.0), "llmgw-bench")
+        await bus.ensure_streams()
+        gen = history(args.events, 256, 8, 7, 2, 10.0, 48, 6)
+        n, secs = await publish(bus, gen, 10_000)
+        await asyncio.sleep(2)
+        print(f"published {n:,} events in {secs:.1f}s")
+
+        secs, folded, written = await project(bus, work / "p.duckdb", args.every)
+        print(f"projector with snapshots every {args.every:,} events: {folded:,} events in {secs:.1f}s, "
+              f"{written} snapshots written")
+        lo, hi = await stored_range(bus)
+        print("\nctl status (a new process each run; median of --runs)")
+        print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")
+        targets: list[tuple[str, list[str]]] = []
+        for pct in (10, 50, 90):
+            at = datetime.fromtimestamp((lo + (hi - lo) * pct / 100) / 1e9, UTC).isoformat()
+            targets.append((f"--at {pct}%", ["--at", at]))
+        targets.append(("--replay", ["--replay"]))
+        for name, extra in targets:
+            row = {}
+            for mode in ((), ("--no-snapshot",)):
+                walls, rss = [], []
+                for _ in range(args.runs):
+                    wall, peak, _ = run_cli("ctl", "status", "--json", "--nats-url", url, *extra, *mode)
+                    walls.append(wall)
+                    rss.append(peak)
+                row[mode] = (statistics.median(walls), statistics.median(rss))
+            (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
+            print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
+
+        print("\nprojector from zero, alternating (median of --rounds each)")
+        with_s, without_s = [], []
+        for _ in range(args.rounds):
+            with_s.append((await project(bus, work / "a.duckdb", args.every))[0])
+            without_s.append((await project(bus, work / "b.duckdb", None))[0])
+        a, b = statistics.median(with_s), statistics.median(without_s)
+        print(f"with snapshots {folded / a:,.0f} events/s, without {folded / b:,.0f} events/s: "
+              f"snapshots cost {(a - b) / b:+.1%}")
+        await bus.close()
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--every", type=int, default=100_000, help="fold snapshot every so many events")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--workdir")
+    asyncio.run(main(p.parse_args()))
