@@ -92,9 +92,10 @@ def permissions(role: str, node: str | None = None) -> dict[str, object]:
             f"{P}.heartbeat.{tok}",
             f"{P}.control.replica.*.state.{tok}",
             *_read(s.STREAM_CONTROL),
+            *_read(s.STREAM_FLEET),  # its node's last GPU health, so a restart forgets no XID
         ]
         pub += [_stream_info(x) for x in ALL_STREAMS]
-        sub += [s.agent_fault(node)]  # a simulated agent answers fault injection for its node
+        sub += [s.agent_fault(node)]  # fault injection (simulated), or an operator's `clear`
         responses = True
         deny_pub += [f"{P}.usage.>", f"{P}.control.model.>"]
     elif role == "router":
