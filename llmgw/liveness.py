@@ -179,8 +179,7 @@ class HeartbeatMonitor:
                         log.warning("liveness: heartbeats: %s; reading again", e)
                         self._deaf, self.started = True, self._now()
                     follower.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await follower
+                    await asyncio.wait([follower])  # unlike awaiting it, never swallows our own cancel
                     follower = asyncio.create_task(self._follow(self._next_seq), name="heartbeats")
                 else:
                     try:
