@@ -178,7 +178,10 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
 @json_option
 @nats_options
 def fault(node: str, gpu: int, kind: str, as_json: bool, settings: Settings) -> None:
-    """Inject a fault into a GPU of a running simulated agent (or clear it).
+    """Inject a fault into a GPU of a running simulated agent, or clear a GPU's faults on any agent.
+
+    A real (NVML) agent takes only `clear`: say it once the GPU was reset, and the
+    XIDs held against it, remembered across agent restarts, are dropped.
 
     Example:
 
@@ -204,7 +207,7 @@ async def _ask_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
     bus = await Bus.connect(settings, "llmgw-agent-fault", reconnect=False)
     try:
         data = await bus.request(subjects.agent_fault(cmd.node), m.encode(cmd), timeout=15,
-                                 service=f"simulated agent of {cmd.node} (llmgw agent --simulate …)")
+                                 service=f"agent of {cmd.node} (llmgw agent …)")
     finally:
         await bus.close()
     return _REPLY_DECODER.decode(data)

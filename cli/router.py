@@ -36,13 +36,16 @@ def _listen(value: str) -> tuple[str, int]:
               help="Seconds to wait for a replica's answer, and between streamed chunks.")
 @click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds a client may take to send its request body; slower gets 408.")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds a connection may take to send a whole request head (also how long an idle "
+                   "keep-alive connection is kept); slower is closed.")
 @click.option("--wake-timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="Seconds to hold a request for a parked model while it wakes; then 503 with Retry-After.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body_mb: float,
-           connect_timeout: float, read_timeout: float, body_timeout: float, wake_timeout: float,
-           no_idle_tracking: bool, settings: Settings) -> None:
+           connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
+           wake_timeout: float, no_idle_tracking: bool, settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
     Endpoints come from the control stream; an idle map goes to the usage
@@ -64,7 +67,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                max_body_bytes=int(max_body_mb * 1024 * 1024),
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
-                               wake_timeout_s=wake_timeout)
+                               wake_timeout_s=wake_timeout, header_timeout_s=header_timeout)
         finally:
             await bus.close()
 

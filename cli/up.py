@@ -5,6 +5,9 @@ The embedded nats-server (unless ``--nats-url``), then ``llmgw project``,
 ``llmgw agent --simulate`` for every node of the file; each a child with its
 own event loop and log file. Everything lives in the data directory, so a
 second ``up`` with the same directory continues where the first stopped.
+Every one of them, nats-server included, is restarted when it dies (nats-server
+with the same store and port, so every other child reconnects to it), and the
+restart is printed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from llmgw import messages as m
 from llmgw.cli.options import run
 from llmgw.config import DEFAULT_NATS_URL, Settings
 from llmgw.engines import _llmgw_program
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, ServerError
+from llmgw.natsserver import EmbeddedServer
 
 EXAMPLE_NAME = "qwen14"
 EXAMPLE_MODEL = "Qwen/Qwen2.5-14B-Instruct"
@@ -125,6 +129,40 @@ def _router_url(router: Child, within_s: float = 10.0) -> str:
     return ""
 
 
+@dataclass
+class NatsChild:
+    """The embedded nats-server, supervised like the other children."""
+
+    server: EmbeddedServer
+    restarts: int = 0
+    due: float = 0.0  # monotonic time of the next restart, while it is down
+
+    def check(self) -> None:
+        """Restart a dead server on its port and store (with back-off); raise after MAX_RESTARTS."""
+        proc = self.server.proc
+        code = proc.poll() if proc is not None else None
+        if proc is None or code is None:
+            return
+        now = time.monotonic()
+        if not self.due:
+            if self.restarts >= MAX_RESTARTS:
+                raise click.ClickException(f"nats-server keeps exiting (code {code}): {self.server.tail()}; "
+                                           f"see {self.server.data_dir / 'nats-server.log'}")
+            self.restarts += 1
+            self.due = now + min(2 ** self.restarts * 0.25, 5)
+            click.echo(f"nats-server exited (code {code}): {self.server.tail(2) or 'no log'}; restarting on port "
+                       f"{self.server.bound_port} with the same store ({self.restarts}/{MAX_RESTARTS})", err=True)
+        if now < self.due:
+            return
+        self.due = 0.0
+        try:
+            self.server.restart()
+        except ServerError as e:
+            click.echo(f"nats-server did not start again: {e}", err=True)
+            return  # still dead: the next check counts another restart
+        click.echo(f"nats-server is back on {self.server.url}", err=True)
+
+
 def _default_models_dir() -> str | None:
     env = os.environ.get("LLMGW_MODELS_DIR")
     if env:
@@ -161,11 +199,11 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080
     """
     from llmgw.config import data_dir as default_data_dir
-    from llmgw.natsserver import EmbeddedServer
 
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
     server = None
+    nats: NatsChild | None = None
     children: list[Child] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -174,6 +212,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         if nats_url is None:
             server = EmbeddedServer(root / "nats", port=port).start()
             nats_url = server.url
+            nats = NatsChild(server)
         click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
         note = run(_prepare(nats_url, fleet_path, models_dir, not no_example))
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
@@ -205,6 +244,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):
+            if nats is not None:
+                nats.check()
             for child in children:
                 code = child.proc.poll() if child.proc else None
                 if code is None:

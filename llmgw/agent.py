@@ -4,6 +4,9 @@
   GPUs themselves change; a restarted agent has a new boot id and publishes a
   fresh one, which replaces the node downstream.
 * ``GpuHealthChanged`` only when a GPU's (healthy, reasons) changes.
+* A critical XID arrives once, as a driver event; before its first inventory
+  the agent reads what its node last published (the fleet stream), so a GPU
+  that fell off the bus stays fenced across agent restarts until it is cleared.
 * Heartbeats by core publish to the heartbeat stream, never to history.
 * Events go through a bounded outbox, so a NATS outage delays them but loses
   and doubles nothing: each carries a msg id of node, boot id and sequence.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,7 +30,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
-from llmgw.errors import NvmlError, OutboxFullError, PublishError
+from llmgw.errors import BusError, NvmlError, OutboxFullError, PublishError
 from llmgw.fleetfile import FAULT_KINDS, FaultSpec, Fleet, faults
 from llmgw.nvml import Finding, GpuEvent, GpuStatic, NvmlPort, assess, gpu_class, xid_finding
 from llmgw.simnvml import SimNvml
@@ -37,6 +41,7 @@ Service = Callable[[Bus, Outbox], Awaitable[None]]
 Health = tuple[bool, tuple[str, ...]]
 
 _INJECT_DECODER = msgspec.json.Decoder(m.InjectFault)
+_XID_REASON = re.compile(r"xid (\d{1,6}): ")
 
 
 @runtime_checkable
@@ -129,6 +134,8 @@ class Agent:
         self._events_applied = 0
         self._applied = asyncio.Condition()
         self._driver = ""
+        # What this node last published per GPU uuid (any boot), until the first inventory uses it.
+        self._remembered: dict[str, tuple[str, ...]] = {}
 
     # --- state ------------------------------------------------------------------------
 
@@ -148,6 +155,8 @@ class Agent:
         """Read the GPUs; queue an inventory if they changed, else the health transitions."""
         async with self._lock:
             static, findings = await asyncio.to_thread(self._read)
+            if self._remembered:
+                self._carry_over(static)
             health = {
                 g.index: assess([*findings.get(g.index, []), *self._sticky.get(g.index, {}).values()])
                 for g in static
@@ -193,6 +202,50 @@ class Agent:
                 for g in static
             ),
         )
+
+    # --- what the node's previous agent published ------------------------------------------
+
+    def _recall(self, event: m.Event) -> None:
+        match event:
+            case m.NodeInventoryReported(node=node) if node == self.node:
+                self._remembered = {g.uuid: g.reasons for g in event.gpus}  # a full snapshot
+            case m.GpuHealthChanged(node=node) if node == self.node:
+                self._remembered[event.gpu_uuid] = event.reasons
+            case _:
+                pass
+
+    async def remember(self, within_s: float = 10.0) -> None:
+        """Read this node's inventories and health changes from the fleet stream, for ``_carry_over``.
+
+        Only a fault that came as a driver event (an XID) is carried: nothing can read it
+        again, whereas ECC counts, a lost GPU or its temperature are read afresh. A stream
+        that cannot be read is a warning, never a reason not to start.
+        """
+        filters = [subjects.fleet(self.node, "inventory"), subjects.fleet(self.node, "health")]
+        try:
+            async with asyncio.timeout(within_s):
+                last = await self.bus.stream_last_seq(subjects.STREAM_FLEET)
+                if last == 0:
+                    return
+                async for batch in self.bus.reader(subjects.STREAM_FLEET, 1, stop_at=last,
+                                                   filter_subjects=filters).batches():
+                    for raw in batch:
+                        try:
+                            self._recall(m.FLEET_DECODER.decode(raw.data))
+                        except m.DECODE_ERRORS:
+                            continue  # the projector records it; here it only says nothing
+        except (BusError, TimeoutError) as e:
+            log.warning("%s: cannot read this node's last GPU health (%s); faults from before this start are "
+                        "not carried over", self.node, e or f"no answer within {within_s:g}s")
+
+    def _carry_over(self, static: list[GpuStatic]) -> None:
+        """Make the XIDs this node last published sticky again, on whichever index each GPU has now."""
+        for g in static:
+            for reason in self._remembered.get(g.uuid, ()):
+                if found := _XID_REASON.match(reason):
+                    f = xid_finding(int(found.group(1)))
+                    self._sticky.setdefault(g.index, {}).setdefault(f.code if f.fatal else "app-xid", f)
+        self._remembered = {}
 
     def _apply(self, ev: GpuEvent) -> None:
         if ev.index < 0:
@@ -271,11 +324,20 @@ class Agent:
     # --- faults (simulated ports only) -----------------------------------------------------
 
     async def inject(self, gpu: int, kind: str, xid: int = 0) -> m.FaultInjected:
-        """Inject a fault into the simulated port and wait until the agent has acted on it."""
-        if not isinstance(self.port, FaultInjectable):
-            raise NvmlError(f"{self.node} runs on real NVML; faults can only be injected into --simulate agents")
+        """Inject a fault into the simulated port and wait until the agent has acted on it.
+
+        On real NVML only ``clear`` is taken: the operator says the GPU was reset, so the
+        XIDs this agent holds against it (remembered across restarts) are dropped.
+        """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r}; use xid=N, ecc, lost, thermal or clear")
+        if not isinstance(self.port, FaultInjectable):
+            if kind != "clear":
+                raise NvmlError(f"{self.node} runs on real NVML; faults can only be injected into --simulate "
+                                "agents (`clear` works on both)")
+            if gpu not in {g.index for g in self._static}:
+                raise ValueError(f"{self.node} has no GPU {gpu}")
+            return await self._clear(gpu)
         before = self.health(gpu)
         async with self._applied:
             target = self._events_applied + 1
@@ -289,6 +351,14 @@ class Agent:
         return m.FaultInjected(node=self.node, gpu=gpu, kind=kind, healthy=healthy, reasons=reasons,
                                changed=(healthy, reasons) != before)
 
+    async def _clear(self, gpu: int) -> m.FaultInjected:
+        before = self.health(gpu)
+        self._apply(GpuEvent(index=gpu, kind="cleared"))
+        await self.check()
+        healthy, reasons = self.health(gpu)
+        return m.FaultInjected(node=self.node, gpu=gpu, kind="clear", healthy=healthy, reasons=reasons,
+                               changed=(healthy, reasons) != before)
+
     async def _on_fault(self, data: bytes) -> bytes:
         cmd = _INJECT_DECODER.decode(data)
         if cmd.node != self.node:
@@ -300,6 +370,7 @@ class Agent:
     async def run(self) -> None:
         """Publish the inventory, then watch, poll and heartbeat until ``stop``."""
         self._driver = await asyncio.to_thread(self.port.driver_version)
+        await self.remember()
         await self.check()
         loop = asyncio.get_running_loop()
         stop_thread = threading.Event()
@@ -314,9 +385,8 @@ class Agent:
         ]
         if self.faults:
             tasks.append(asyncio.create_task(self._schedule(), name="fault-schedule"))
-        sub: Any = None
-        if isinstance(self.port, FaultInjectable):
-            sub = await self.bus.serve(subjects.agent_fault(self.node), self._on_fault)
+        # Simulated agents take every fault; real ones only an operator's `clear` after a GPU reset.
+        sub: Any = await self.bus.serve(subjects.agent_fault(self.node), self._on_fault)
         self.started.set()
         try:
             stopped = asyncio.create_task(self._stop.wait())

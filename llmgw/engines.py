@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -158,6 +159,35 @@ def kv_tokens_from_props(text: str) -> int:
         return 0
 
 
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+if sys.platform == "linux":
+    with contextlib.suppress(OSError):
+        _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
+
+
+def die_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child die with ``parent`` (Linux: PR_SET_PDEATHSIG); None elsewhere.
+
+    An engine in its own session is not reached by the signals that end its agent, and a
+    SIGKILLed agent stops nothing: without this the engine lives on under init, and the
+    next agent starts a second one on the same GPUs. The kernel sends SIGKILL when the
+    thread that forked the child exits, so engines are started from the event loop's
+    thread, which lives as long as the agent does. A parent that died before the call
+    (the child was already orphaned) is checked for after it.
+    """
+    if _libc is None:
+        return None
+    prctl = _libc.prctl
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -284,7 +314,7 @@ class EngineRun:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=die_with(os.getpid()),
                 )
             except OSError as e:
                 if sink is not None:

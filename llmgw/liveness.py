@@ -3,6 +3,10 @@
 Heartbeats are not history; the monitor follows their stream and publishes
 the facts to the fleet stream with deterministic msg ids, so that two
 monitors watching the same silence store one ``NodeLost``, not two.
+
+Silence counts only while the monitor could hear: with the bus down it judges
+nobody, and once the bus is back it reads the heartbeats afresh and measures
+silence from the first one it hears again (or from the return, if none comes).
 """
 
 from __future__ import annotations
@@ -57,8 +61,14 @@ class HeartbeatMonitor:
         self.malformed = 0
         self.ready = asyncio.Event()
         # Silence is only what this monitor watched: heartbeats stored before it
-        # started (a control plane that was down for an hour) prove nothing.
+        # started (a control plane that was down for an hour) prove nothing, and
+        # neither does an outage of the bus; ``started`` moves to its end.
         self.started: datetime | None = None
+        self.outages = 0
+        self._next_seq = 1  # of the heartbeat stream: where a fresh reader starts
+        self._reconnects = 0
+        self._down = False
+        self._deaf = False  # the bus went away; until the first heartbeat after it, silence proves little
 
     # --- what the fleet stream already says -------------------------------------------
 
@@ -85,20 +95,47 @@ class HeartbeatMonitor:
 
     def _on_heartbeat(self, raw: RawMsg, hb: m.HeartbeatSent) -> None:
         received = datetime.fromtimestamp(raw.ts_ns / 1e9, UTC)
+        if self._deaf:
+            # The first heartbeat after an outage: from here on the monitor hears again.
+            self._deaf = False
+            self.started = max(self.started or received, self._now())
         prev = self.heard.get(hb.node)
         if prev is None or received >= prev.received:
             self.heard[hb.node] = _Heard(hb.boot_id, hb.seq, hb.at, received)
 
-    async def _follow(self) -> None:
-        follower = self.bus.follow(subjects.STREAM_HEARTBEAT, m.HEARTBEAT_DECODER, who="liveness", on_skip=self._skipped)
-        async for batch in follower.batches():
-            for d in batch:
-                self._on_heartbeat(d.raw, d.event)
+    async def _follow(self, start: int) -> None:
+        follower = self.bus.follow(subjects.STREAM_HEARTBEAT, m.HEARTBEAT_DECODER, start, who="liveness",
+                                   on_skip=self._skipped)
+        try:
+            async for batch in follower.batches():
+                for d in batch:
+                    self._on_heartbeat(d.raw, d.event)
+        finally:
+            self._next_seq = max(self._next_seq, follower.last_seq + 1)
+
+    def _bus_back(self) -> bool:
+        """True once after each return of the bus (noticed down, or by its reconnect count)."""
+        nc = self.bus.nc
+        if not nc.is_connected:
+            if not self._down:
+                log.warning("liveness: the bus is down; judging no node until it is back")
+            self._down = self._deaf = True
+            return False
+        reconnects = int(nc.stats.get("reconnects", 0))
+        if reconnects == self._reconnects and not self._down:
+            return False
+        self._reconnects, self._down = reconnects, False
+        self.outages += 1
+        self._deaf = True
+        self.started = self._now()
+        return True
 
     # --- judging ------------------------------------------------------------------------------
 
     async def check(self) -> list[m.NodeLost | m.NodeReturned]:
         """Publish what changed since the last check; returns the events published."""
+        if not self.bus.nc.is_connected:
+            return []  # a NodeLost judged now would reach the stream, late, after the bus returns
         now = self._now()
         out: list[m.NodeLost | m.NodeReturned] = []
         limit = timedelta(seconds=self.timeout_s)
@@ -124,19 +161,31 @@ class HeartbeatMonitor:
     async def run(self) -> None:
         """Follow and judge until cancelled."""
         self.started = self._now()
+        self._reconnects = int(self.bus.nc.stats.get("reconnects", 0))
+        self._next_seq = 1
         await self._load_lost()
-        follower = asyncio.create_task(self._follow(), name="heartbeats")
+        follower = asyncio.create_task(self._follow(1), name="heartbeats")
         # Let the stored heartbeats arrive before judging, or every node would look silent.
         await asyncio.sleep(min(self.check_every_s, 1.0))
         self.ready.set()
         try:
             while True:
-                if follower.done():
-                    follower.result()  # a reader that failed ends the monitor loudly
-                try:
-                    await self.check()
-                except BusError as e:
-                    log.warning("liveness: %s; retrying", e)
+                if self._bus_back() or follower.done():
+                    # A reader that lost its consumer with the server would take seconds to notice:
+                    # read afresh from where it was, so the monitor hears again at once.
+                    if follower.done() and not follower.cancelled() and (e := follower.exception()) is not None:
+                        if not isinstance(e, BusError):
+                            raise e  # a bug, not an outage: end the monitor loudly
+                        log.warning("liveness: heartbeats: %s; reading again", e)
+                        self._deaf, self.started = True, self._now()
+                    follower.cancel()
+                    await asyncio.wait([follower])  # unlike awaiting it, never swallows our own cancel
+                    follower = asyncio.create_task(self._follow(self._next_seq), name="heartbeats")
+                else:
+                    try:
+                        await self.check()
+                    except BusError as e:
+                        log.warning("liveness: %s; retrying", e)
                 await asyncio.sleep(self.check_every_s)
         finally:
             follower.cancel()

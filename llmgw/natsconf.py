@@ -114,7 +114,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
                 f"{P}.control.replica.*.state.{s.token(node)}"]
         # Engines follow placements; the fleet stream holds the node's own last health.
         pub += _read(CONTROL, FLEET)
-        sub += [s.agent_fault(node)]  # a simulated agent answers fault injection for its node
+        sub += [s.agent_fault(node)]  # fault injection (simulated), or an operator's `clear`
         responses = True
         deny_pub += [f"{P}.fleet.*.lost", f"{P}.fleet.*.returned", f"{P}.usage.>", f"{P}.control.model.>"]
         deny_pub += [f"{P}.control.replica.*.placed", f"{P}.control.replica.*.stopped"]
@@ -157,7 +157,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             f"{P}.control.replica.*.stopped",  # `ctl idle --stop`
             s.PLAN,
             s.STATUS,
-            f"{P}.agent.*.fault",  # `llmgw agent fault`: only simulated agents answer it
+            f"{P}.agent.*.fault",  # `llmgw agent fault`: simulated agents inject, every agent clears
             *_read(*s.HISTORY_STREAMS),
         ]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.*.state.>",

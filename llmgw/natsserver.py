@@ -142,6 +142,22 @@ class EmbeddedServer:
         self.stop()
         raise ServerError(f"nats-server did not start within {timeout:.0f}s; see {log_path}")
 
+    def restart(self, timeout: float = 15.0) -> EmbeddedServer:
+        """Start again where it was: the same store and the port it had bound, so clients reconnect to it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        if self.bound_port:
+            self.port = self.bound_port
+        return self.start(timeout)
+
+    def tail(self, n: int = 3) -> str:
+        """The last lines of its log, for saying why it stopped."""
+        try:
+            lines = (self.log_file or (self.data_dir / "nats-server.log")).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])
+
     def _accepts(self) -> bool:
         try:
             with socket.create_connection((self.host, self.bound_port), timeout=0.5):

@@ -10,6 +10,8 @@
   request since this router started is absent from ``last_request``: unknown
   is not idle.
 * Bodies pass through untouched; streams are written on chunk by chunk.
+* A client that leaves before its answer is written is ``client_closed``
+  (status 499, as nginx logs it): its doing, not the router's, and no traceback.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class _Head(msgspec.Struct):
     stream: bool = False
 
 
+class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the router, never raised out of it
+    """The client went away while its answer was being written; ``resp`` is what was begun."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        super().__init__("client closed the connection")
+        self.resp = resp
+
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
 _HEAD = msgspec.json.Decoder(_Head)
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
@@ -115,11 +126,14 @@ class Router:
         idle_tracking: bool = True,
         body_timeout_s: float = 30.0,
         wake_timeout_s: float = 120.0,
+        header_timeout_s: float = 30.0,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
         if wake_timeout_s < 0:
             raise ConfigError(f"--wake-timeout must be 0 or more (got {wake_timeout_s})")
+        if header_timeout_s <= 0:
+            raise ConfigError(f"--header-timeout must be positive (got {header_timeout_s})")
         self.bus = bus
         self.name = name
         self.boot_id = uuid.uuid4().hex
@@ -127,6 +141,7 @@ class Router:
         self.keys = tuple(api_keys)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.header_timeout_s = header_timeout_s
         self.idle_tracking = idle_tracking
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool, on_change=self._pool_changed)
@@ -195,7 +210,11 @@ class Router:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.sink.caught_up.wait(), wait_caught_up)
         # handler_cancellation: a client that goes away cancels the upstream request.
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+        # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
+        # head this long after it opened (or after its last answer), so headers sent a line
+        # every few seconds (slow-loris) cannot hold sockets for aiohttp's default hour.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     keepalive_timeout=self.header_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=1024)
         try:
@@ -330,10 +349,10 @@ class Router:
     # --- handlers -----------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
-        auth = request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer "):
+        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():  # auth schemes are case-insensitive (RFC 9110)
             return False
-        digest = hashlib.sha256(auth[7:].strip().encode()).hexdigest()
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
         ok = False
         for key in self.keys:  # every key compared, so timing says nothing about which matched
             ok |= hmac.compare_digest(digest, key)
@@ -396,7 +415,16 @@ class Router:
             resp = await self._forward(request, route, model, stream, body)
             status = resp.status
             return resp
+        except _ClientGone as gone:
+            status = CLIENT_CLOSED
+            return gone.resp  # aiohttp finishes it quietly: the connection is gone
+        except asyncio.CancelledError:
+            # handler_cancellation: the client closed its connection while we waited.
+            status = CLIENT_CLOSED
+            raise
         finally:
+            if status == CLIENT_CLOSED:
+                self.metrics.error(model if model in self.pool.known_models else "", "client_closed")
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models else ""
             self.metrics.observe(label, route, status, stream, loop.time() - t0)
@@ -469,19 +497,23 @@ class Router:
             "Cache-Control": "no-cache",
             "x-llmgw-replica": rep.replica_id,
         })
-        await resp.prepare(request)
         read = up.content.readany
-        while True:
-            # Only the engine's side is guarded: a client that went away is not a broken replica.
-            try:
-                chunk = await read()
-            except READ_ERRORS as e:
-                await self._broken(resp, up, rep, model, e)
-                return resp
-            if not chunk:
-                await resp.write_eof()
-                return resp
-            await resp.write(chunk)
+        try:
+            await resp.prepare(request)
+            while True:
+                # The engine's side and the client's are told apart: a client that went away
+                # is not a broken replica, and a broken replica is not the client's doing.
+                try:
+                    chunk = await read()
+                except READ_ERRORS as e:
+                    await self._broken(resp, up, rep, model, e)
+                    return resp
+                if not chunk:
+                    await resp.write_eof()
+                    return resp
+                await resp.write(chunk)
+        except ConnectionResetError as e:  # aiohttp's "Cannot write to closing transport" is one
+            raise _ClientGone(resp) from e
 
     async def _broken(self, resp: web.StreamResponse, up: aiohttp.ClientResponse, rep: Replica,
                       model: str, e: BaseException) -> None:
@@ -528,8 +560,12 @@ class Router:
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: 503 until caught up. Without NATS it still serves what it knew (200), but
+        says ``degraded``: it can neither see replicas come and go nor publish idle maps."""
         ready = self.sink.caught_up.is_set()
-        body = {"status": "ok" if ready else "starting", "router": self.name, "boot_id": self.boot_id,
+        bus_up = self.bus.nc.is_connected
+        body = {"status": ("ok" if bus_up else "degraded") if ready else "starting", "router": self.name,
+                "boot_id": self.boot_id, "bus": "up" if bus_up else "down",
                 "healthy_replicas": sum(len(r) for r in self.pool.healthy.values()),
                 "control_seq": self.sink.applied_seq}
         return web.Response(status=200 if ready else 503, body=_ENC.encode(body), content_type="application/json")

@@ -5,7 +5,9 @@ conversions and the commit are the other half of the work. In a thread they
 share one GIL and the reader waits; in a child process they run on the second
 core. The child owns the DuckDB file (one writer per file) and dies with its
 parent (PR_SET_PDEATHSIG), so a killed projector never leaves a half-commit
-running or the file locked.
+running or the file locked. It shares the projector's process group, so it
+ignores SIGINT and SIGTERM sent to the group (``llmgw up`` stopping it): the
+projector commits what it folded and then closes the pipe, which ends it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _die_with_parent() -> None:
 
 def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_interval_s: float) -> None:
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop
     try:
         store = Store(path)
     except ProjectionError as e:
@@ -87,16 +90,23 @@ class ProcessWriter:
             raise ProjectionError(f"the DuckDB writer process did not start within {timeout:.0f}s")
         try:
             err = self._conn.recv()
-        except EOFError as e:
-            raise ProjectionError(f"the DuckDB writer process died (exit {self._proc.exitcode}); "
-                                  "the last commit is intact, restart the projector") from e
+        except (EOFError, OSError) as e:  # OSError: ConnectionResetError when it died with our batch unread
+            raise self._died() from e
         if err is not None:
             raise ProjectionError(err)
+
+    def _died(self) -> ProjectionError:
+        self._proc.join(timeout=1)
+        return ProjectionError(f"the DuckDB writer process died (exit {self._proc.exitcode}); "
+                               "the last commit is intact, restart the projector")
 
     def commit(self, batch: Batch, snapshot: bytes) -> None:
         """Send one batch and wait for its commit (called from the projector's writer thread)."""
         batch.pack()
-        self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot)))
+        try:
+            self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot)))
+        except OSError as e:  # BrokenPipeError, ConnectionResetError: nobody reads the pipe any more
+            raise self._died() from e
         self._check()
 
     def close(self) -> None:

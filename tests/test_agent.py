@@ -121,17 +121,71 @@ async def test_restarted_agent_replaces_the_node_without_double_counting(bus: Bu
     first = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True)
     async with running(first):
         await first.inject(1, "xid", 79)
+        await first.inject(2, "ecc")  # read from the GPU, not remembered: a new reading decides
         await first.outbox.flush()
     second = Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True)
     async with running(second):
         await second.outbox.flush()
     assert first.boot_id != second.boot_id
     events = await stream_events(bus)
-    assert [type(e) for e in events] == [m.NodeInventoryReported, m.GpuHealthChanged, m.NodeInventoryReported]
+    assert [type(e) for e in events] == [m.NodeInventoryReported, m.GpuHealthChanged, m.GpuHealthChanged,
+                                         m.NodeInventoryReported]
     state = fold(events)
     view = state.nodes[node.name]
     assert len(state.nodes) == 1 and len(view.gpus) == 8 and view.boot_id == second.boot_id
-    assert [i for i, g in view.gpus.items() if not g.healthy] == [3]
+    # XID 79 arrived as a driver event the new agent never saw: the fleet stream remembers it.
+    assert [i for i, g in view.gpus.items() if not g.healthy] == [1, 3]
+    assert view.gpus[1].reasons == XID79
+
+
+async def test_a_remembered_fault_stays_until_cleared_and_the_clear_is_remembered_too(bus: Bus, fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    async with running(Agent(bus, SimNvml(node), node.name, simulated=True)) as first:
+        await first.inject(5, "xid", 79)
+        await first.inject(6, "xid", 13)  # the application's own fault: reported, never fencing
+        await first.outbox.flush()
+    async with running(Agent(bus, SimNvml(node), node.name, simulated=True, poll_s=0.1)) as second:
+        assert second.inventory is not None
+        assert [(g.index, g.healthy, g.reasons) for g in second.inventory.gpus if g.reasons and g.index != 3] == [
+            (5, False, XID79),
+            (6, True, ("xid 13: graphics engine exception (application fault; GPU stays usable)",)),
+        ]
+        await asyncio.sleep(0.3)  # a poll or two: nothing reads the fault away
+        assert second.health(5) == (False, XID79)
+        cleared = await second.inject(5, "clear")
+        assert cleared.healthy and cleared.changed
+        await second.outbox.flush()
+    async with running(Agent(bus, SimNvml(node), node.name, simulated=True, poll_s=0.1)) as third:
+        assert third.health(5) == (True, ())
+        await third.outbox.flush()
+
+
+class RealLike:
+    """The simulated GPUs behind a port that takes no injected faults, as real NVML does not."""
+
+    def __init__(self, node: FleetNode) -> None:
+        self._sim = SimNvml(node)
+        self.open, self.close, self.driver_version = self._sim.open, self._sim.close, self._sim.driver_version
+        self.gpus, self.health, self.wait_event = self._sim.gpus, self._sim.health, self._sim.wait_event
+
+
+async def test_an_operator_clears_a_remembered_xid_on_a_real_nvml_agent(bus: Bus, settings: Settings,
+                                                                         fleet_file: Path) -> None:
+    node = node_a03(fleet_file)
+    async with running(Agent(bus, SimNvml(node), node.name, simulated=True)) as first:
+        await first.inject(2, "xid", 79)
+        await first.outbox.flush()
+    async with running(Agent(bus, RealLike(node), node.name)) as real:  # type: ignore[arg-type]
+        assert real.health(2) == (False, XID79)
+        refused = await asyncio.to_thread(
+            CliRunner().invoke, cli, ["agent", "fault", node.name, "2", "ecc", "--nats-url", settings.nats_url])
+        assert refused.exit_code == 1 and "faults can only be injected into --simulate agents" in refused.output
+        result = await asyncio.to_thread(
+            CliRunner().invoke, cli, ["agent", "fault", node.name, "2", "clear", "--nats-url", settings.nats_url])
+        assert result.exit_code == 0, result.output
+        assert result.output == "h100-a-03 GPU 2: healthy\n"
+        await real.outbox.flush()
+    assert health_of(await stream_events(bus))[-1] == (2, True, ())
 
 
 async def test_bad_fault_requests_get_error_replies_and_the_agent_lives_on(bus: Bus, fleet_file: Path) -> None:

@@ -7,6 +7,7 @@ nats-server, the way the control plane will publish them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
@@ -300,6 +301,36 @@ async def test_client_disconnect_releases_the_replica(bus: Bus, router: Router) 
         slow.stop()
 
 
+async def test_a_client_that_leaves_is_client_closed_not_a_500(bus: Bus, router: Router,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    slow = spawn("leave", "--chunks", "400", "--chunk-interval-ms", "20", name="L")
+    lazy = spawn("wait", "--latency-ms", "3000", name="Z")
+    try:
+        await place(bus, "L", "leave", slow.url)
+        await place(bus, "Z", "wait", lazy.url)
+        await router.sink.wait_for(lambda p: "leave" in p.healthy and "wait" in p.healthy)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):  # streamed: gone after the first chunk
+                resp = await s.post(router.url + "/v1/chat/completions", json={"model": "leave", "stream": True})
+                assert (await resp.content.readline()).startswith(b"data: ")
+                resp.close()
+            with pytest.raises(TimeoutError):  # not streamed: gone while the engine thinks
+                await s.post(router.url + "/v1/completions", json={"model": "wait", "prompt": "x"},
+                             timeout=aiohttp.ClientTimeout(total=0.3))
+        for _ in range(200):
+            if sum(router.metrics.errors.get((name, "client_closed"), 0) for name in ("leave", "wait")) == 4:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        slow.stop()
+        lazy.stop()
+    assert router.metrics.errors.get(("leave", "client_closed")) == 3
+    assert router.metrics.errors.get(("wait", "client_closed")) == 1
+    assert router.metrics.requests.get(("leave", "/v1/chat/completions", 499)) == 3
+    assert not [k for k in router.metrics.requests if k[2] == 500]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
 async def test_bad_requests_get_clear_4xx(bus: Bus, engines: dict[str, EngineProcess]) -> None:
     r = Router(bus, "router-small", tick_s=3600, max_body_bytes=1024)
     await r.start("127.0.0.1", 0)
@@ -339,6 +370,10 @@ async def test_api_keys(bus: Bus, engines: dict[str, EngineProcess]) -> None:
         async with openai.AsyncOpenAI(base_url=r.url + "/v1", api_key=secret, max_retries=0, timeout=10) as c:
             reply = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
             assert reply.system_fingerprint == "A"
+        for scheme in ("bearer", "BEARER"):  # an auth scheme is case-insensitive (RFC 9110)
+            async with aiohttp.ClientSession() as s, s.get(r.url + "/v1/models",
+                                                           headers={"Authorization": f"{scheme} {secret}"}) as resp:
+                assert resp.status == 200, scheme
         async with aiohttp.ClientSession() as s, s.get(r.url + "/metrics") as resp:
             text = await resp.text()
         assert secret not in text and hash_key(secret) not in text

@@ -6,12 +6,16 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+from running import until
 
 from llmgw.bus import Bus
+from llmgw.config import Settings
+from llmgw.natsserver import EmbeddedServer, free_port
 from llmgw.router import Router
 
 pytestmark = pytest.mark.slow
@@ -130,3 +134,69 @@ async def test_an_announced_oversized_body_gets_413_before_it_is_sent(router: Ro
             out += chunk
     await closed(writer)
     assert out.startswith(b"HTTP/1.1 413"), out[:200]
+
+
+async def test_slow_request_heads_are_closed_after_the_header_timeout(bus: Bus, record: Callable[..., None]) -> None:
+    r = Router(bus, "router-heads", tick_s=3600, header_timeout_s=1.0)
+    await r.start("127.0.0.1", 0)
+    u = urlsplit(r.url)
+    conns = []
+    try:
+        for _ in range(10):
+            reader, writer = await asyncio.open_connection(u.hostname, u.port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            conns.append((reader, writer))
+
+        async def drip_until_closed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            """One header line every 0.3 s, as slow-loris does; True once the router closed the socket."""
+            for i in range(30):
+                try:
+                    writer.write(f"X-Drip-{i}: {i}\r\n".encode())
+                    await writer.drain()
+                except ConnectionError:
+                    return True
+                try:
+                    if await asyncio.wait_for(reader.read(1024), 0.3) == b"":
+                        return True
+                except TimeoutError:
+                    continue
+                except ConnectionError:
+                    return True
+            return False  # still open after 9 s of dripping
+
+        closed_by_router = await asyncio.gather(*(drip_until_closed(rd, w) for rd, w in conns))
+        assert await models_ok(r) == 200  # and the router serves on
+    finally:
+        for _, w in conns:
+            await closed(w)
+        await r.stop()
+    assert closed_by_router == [True] * len(conns)
+    record(slow_heads=len(conns), closed=closed_by_router.count(True))
+
+
+async def test_health_says_degraded_while_the_bus_is_down(tmp_path: Path) -> None:
+    server = EmbeddedServer(tmp_path / "data", port=free_port()).start()
+    bus = await Bus.connect(Settings(nats_url=server.url, connect_timeout_s=2, request_timeout_s=2), "router-bus")
+    r = Router(bus, "router-bus", tick_s=3600)
+    try:
+        await bus.ensure_streams()
+        await r.start("127.0.0.1", 0)
+
+        async def health() -> tuple[int, dict[str, object]]:
+            async with aiohttp.ClientSession() as s, s.get(r.url + "/health") as resp:
+                return resp.status, await resp.json()
+
+        status, body = await health()
+        assert (status, body["status"], body["bus"]) == (200, "ok", "up")
+        server.kill()
+        await until(lambda: not bus.nc.is_connected, "the router's connection noticing", 10)
+        status, body = await health()
+        assert (status, body["status"], body["bus"]) == (200, "degraded", "down")  # it still serves what it knew
+        server.start()
+        await until(lambda: bus.nc.is_connected, "the router reconnecting", 20)
+        status, body = await health()
+        assert (status, body["status"], body["bus"]) == (200, "ok", "up")
+    finally:
+        await r.stop()
+        await bus.close()
+        server.stop()
