@@ -127,6 +127,21 @@ async def main(args: argparse.Namespace) -> None:
             (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
             print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
 
+        # The scheduler's start-up fold (from sequence 1: its demand memory is not in the snapshots).
+        from llmgw.scheduler_service import FOLLOWED, SchedulerService
+
+        svc = SchedulerService(bus)
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
+        lasts = {s: await bus.stream_last_seq(s) for s in FOLLOWED}
+        while any(svc.stats.applied[s] < lasts[s] for s in FOLLOWED):
+            await asyncio.sleep(0.05)  # noqa: ASYNC110 - polling a figure, a benchmark only
+        print(f"\nscheduler start-up fold (from sequence 1): {time.perf_counter() - start:.1f}s for "
+              f"{sum(lasts.values()):,} messages")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
         print("\nprojector from zero, alternating (median of --rounds each)")
         with_s, without_s = [], []
         for _ in range(args.rounds):
