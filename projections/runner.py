@@ -29,6 +29,7 @@ from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
 from llmgw.fleet import status as status_report
 from llmgw.fleet.fold import apply
+from llmgw.fleet.history import HistoryReader
 from llmgw.projections.store import (
     Batch,
     Checkpoint,
@@ -150,6 +151,7 @@ class Projector:
         self.batch = Batch()
         self.folded = 0
         self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
+        self._history = HistoryReader()  # read by the status service when asked, not while folding
         self.committed = 0
         self._total = 0
         self._lock = asyncio.Lock()
@@ -411,7 +413,15 @@ class Projector:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
         await self.caught_up(req.wait_for, req.wait_s)
-        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor))
+        history = None
+        if subjects.STREAM_CONTROL in self.streams:
+            # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), read from
+            # the control stream up to what is folded: the report then states one position for both.
+            while (folded := self.cursor.positions.get(subjects.STREAM_CONTROL, 0)) > self._history.history.position:
+                await self._history.upto(self.bus, folded)
+            history = self._history.history
+        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
+                                             replicas=req.replicas, model=req.model))
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""
