@@ -418,7 +418,13 @@ class Projector:
             # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), read from
             # the control stream up to what is folded: the report then states one position for both.
             while (folded := self.cursor.positions.get(subjects.STREAM_CONTROL, 0)) > self._history.history.position:
-                await self._history.upto(self.bus, folded)
+                try:
+                    await self._history.upto(self.bus, folded, max(req.wait_s, 1.0))
+                except TimeoutError:
+                    raise ProjectionError(
+                        f"the status service is still reading the control stream's history "
+                        f"({self._history.history.position:,} of {folded:,}) once after its start; "
+                        "ask again in a few seconds, or use --replay") from None
             history = self._history.history
         return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
                                              replicas=req.replicas, model=req.model))

@@ -14,6 +14,7 @@ from live_projector import publish_fresh, serving
 from projection_events import T0, placed, small_fleet, t
 
 from llmgw import messages as m
+from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 
@@ -160,3 +161,26 @@ def test_model_list_without_a_projector_replays_here(fleet: Settings) -> None:
     assert result.exit_code == 0, result.output
     assert "no projector is running: replaying the streams here" in result.stderr
     assert [r["name"] for r in json.loads(result.stdout)] == ["deepseek-v3", "gemma-9b", "llama-70b", "mistral", "qwen-8b"]
+
+
+def test_model_show_after_more_events_reads_them_too(live_projector: Settings) -> None:
+    """The status service reads the control stream on from where its last answer stopped."""
+    assert ctl(live_projector, "show", "mistral", "--json")[0] == 0
+    more = [m.ModelScaled(at=t(101), name="mistral", replicas=2),
+            placed("mistral-r3", MISTRAL, [("n1", 1)], t(102), fabric="ib-a")]
+
+    async def publish() -> None:
+        bus = await Bus.connect(live_projector, "llmgw-test-more")
+        try:
+            for e in more:
+                await bus.publish(e)
+        finally:
+            await bus.close()
+
+    asyncio.run(publish())
+    code, live = ctl(live_projector, "show", "mistral", "--json")
+    assert code == 0, live
+    assert ctl(live_projector, "show", "mistral", "--json", "--replay") == (0, live)
+    d = json.loads(live)
+    assert [e["seq"] for e in d["events"]][-2:] == [39, 40]
+    assert (d["summary"]["wanted"], d["summary"]["placed"], d["summary"]["state"]) == (2, 2, "serving")

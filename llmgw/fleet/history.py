@@ -124,13 +124,27 @@ async def catch_up(bus: Bus, history: ModelHistory, upto: int) -> None:
 
 
 class HistoryReader:
-    """A ``ModelHistory`` a long-running service keeps up with its fold, one reader at a time."""
+    """A ``ModelHistory`` a long-running service reads on when asked: one read at a time, shared by every request.
+
+    A read that takes longer than the asker will wait (a projector just started on
+    a long control stream) goes on in the background, so the next request finds it done.
+    """
 
     def __init__(self) -> None:
         self.history = ModelHistory()
-        self._lock = asyncio.Lock()
+        self._reading: asyncio.Future[None] | None = None
 
-    async def upto(self, bus: Bus, seq: int) -> ModelHistory:
-        async with self._lock:
-            await catch_up(bus, self.history, seq)
+    async def upto(self, bus: Bus, seq: int, within_s: float | None = None) -> ModelHistory:
+        """The history up to ``seq`` at least; TimeoutError after ``within_s`` (the read goes on)."""
+        while self.history.position < seq:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(catch_up(bus, self.history, seq))
+                self._reading.add_done_callback(_read_outcome)
+            await asyncio.wait_for(asyncio.shield(self._reading), within_s)
         return self.history
+
+
+def _read_outcome(read: asyncio.Future[None]) -> None:
+    """A failed read is the error of the requests that waited for it; read here too, so none goes unread."""
+    if not read.cancelled():
+        read.exception()
