@@ -54,7 +54,8 @@ def describe(event: m.Event) -> str:
                     f"({len(event.gpus)} GPU{'s' if len(event.gpus) != 1 else ''}, fabric {event.fabric or '-'}){why}")
         case m.ReplicaStateChanged():
             detail = f": {event.detail}" if event.detail else ""
-            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{detail}"
+            kv = f" (reserved {event.observed_kv_tokens:,} KV tokens)" if event.observed_kv_tokens > 0 else ""
+            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
         case m.ReplicaStopped():
             return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
         case m.IdleMapPublished():

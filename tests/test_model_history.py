@@ -114,6 +114,9 @@ def test_describe_reads_in_the_singular() -> None:
     s = spec("c")
     assert describe(placed("c-r1", s, [("n1", 0)], t(0))) == "replica c-r1 of c placed on n1 (1 GPU, fabric ib-a)"
     assert describe(m.ModelScaled(at=t(0), name="c", replicas=1)) == "model c scaled to 1 replica"
+    assert describe(m.ReplicaStateChanged(at=t(1), replica_id="c-r1", model="c", node="n1", state="healthy",
+                                          observed_kv_tokens=96_000)) == (
+        "replica c-r1 of c on n1 is healthy (reserved 96,000 KV tokens)")
 
 
 async def test_a_slow_read_goes_on_for_the_next_asker(bus: Bus) -> None:
