@@ -390,8 +390,8 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
 
     ``idle_s`` is since anyone asked for any of its replicas: -1 when a replica
     no router knows could have been asked (unknown is not idle) or none is placed.
-    KV tokens: the plan's per replica, and the most any of its engines reported
-    reserving (0: none reported).
+    KV tokens: the plan's per replica, and what its engines last reported reserving
+    since it was declared, kept when its replicas stop (0: none reported).
     """
 
     name: str

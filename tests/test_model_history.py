@@ -130,3 +130,17 @@ async def test_a_slow_read_goes_on_for_the_next_asker(bus: Bus) -> None:
     assert h.position == len(control)
     assert [e.seq for e in h.events("llama-70b")] == [1, 5, 9, 10]
     assert h == history_of(small_fleet())
+
+
+def test_what_an_engine_reserved_outlives_its_replica_until_the_model_is_declared_again() -> None:
+    s = msgspec.structs.replace(spec("d"), kv_tokens=50_000)
+    events: list[m.Event] = [
+        m.ModelDeclared(at=t(0), spec=s), placed("d-r1", s, [("n1", 0)], t(1)),
+        m.ReplicaStateChanged(at=t(2), replica_id="d-r1", model="d", node="n1", state="healthy", observed_kv_tokens=48_000),
+        m.ReplicaStateChanged(at=t(3), replica_id="d-r1", model="d", node="n9", state="healthy", observed_kv_tokens=9),
+        m.ReplicaStopped(at=t(4), replica_id="d-r1", model="d", reason="idle"),
+    ]
+    (row,) = model_summaries(fold(events), t(5), history_of(events))
+    assert (row.state, row.placed, row.kv_tokens_planned, row.kv_tokens_observed) == ("parked", 0, 50_000, 48_000)
+    events.append(m.ModelDeclared(at=t(6), spec=s))
+    assert model_summaries(fold(events), t(7), history_of(events))[0].kv_tokens_observed == 0

@@ -40,6 +40,8 @@ class ModelHistory:
     position: int = 0  # the last control-stream sequence noted
     recent: dict[str, deque[m.ModelEvent]] = field(default_factory=dict)
     held_s: dict[tuple[str, date], float] = field(default_factory=dict)  # (model, day) → GPU-seconds, stopped replicas
+    # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan).
+    observed_kv: dict[str, int] = field(default_factory=dict)
     _open: dict[str, _Held] = field(default_factory=dict)
 
     def note(self, seq: int, event: m.ControlEvent) -> None:
@@ -55,6 +57,10 @@ class ModelHistory:
                 self._open[event.replica_id] = _Held(event.model, len(event.gpus), event.nodes, event.at)
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
+            case m.ReplicaStateChanged() if event.observed_kv_tokens > 0:
+                self.observed_kv[model] = event.observed_kv_tokens
+            case m.ModelDeclared():
+                self.observed_kv.pop(model, None)
 
     def events(self, model: str) -> tuple[m.ModelEvent, ...]:
         return tuple(self.recent.get(model, ()))

@@ -162,7 +162,10 @@ def model_summaries(state: FleetState, now: datetime | None,
             idle_ttl_s=spec.idle_ttl_s, source=spec.source, precision=spec.precision, engine=spec.engine,
             quantization=spec.quantization, gpu_class=spec.gpu_class, tp=spec.tp, pp=spec.pp,
             gpus_per_replica=spec.tp * spec.pp, context=spec.context, unplaceable=v.unplaceable_reason,
-            kv_tokens_planned=spec.kv_tokens, kv_tokens_observed=max((r.observed_kv_tokens for r in reps), default=0),
+            kv_tokens_planned=spec.kv_tokens,
+            # The latest report, which stays when its replica stops (a parked model keeps what it learnt).
+            kv_tokens_observed=history.observed_kv.get(name, 0) if history is not None
+            else max((r.observed_kv_tokens for r in reps), default=0),
             unplaceable_since=_utc(v.unplaceable_at), declared_at=_utc(v.declared_at),
             gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
             idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),
