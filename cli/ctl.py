@@ -26,7 +26,8 @@ def ctl() -> None:
         "scale": "llmgw.cli.models:scale",
         "remove": "llmgw.cli.models:remove",
         "list": "llmgw.cli.models:list_models",
+        "show": "llmgw.cli.models:show",
     },
 )
 def model() -> None:
-    """Plan, deploy, scale, list and remove models."""
+    """Plan, deploy, scale, list, show and remove models."""

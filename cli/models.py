@@ -1,15 +1,22 @@
-"""``llmgw ctl model deploy|scale|remove``: declare what should serve; the scheduler places it."""
+"""``llmgw ctl model deploy|scale|remove|list|show``: declare what should serve, and see what does."""
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
 import msgspec
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
 
@@ -139,11 +146,53 @@ def remove(name: str, as_json: bool, settings: Settings) -> None:
         click.echo(f"removed {name}; its replicas stop and their GPUs are freed")
 
 
+def split_text(tp: int, pp: int) -> str:
+    """tp × pp and the nodes it spans: ``4×2, 2 nodes``."""
+    return f"{tp}×{pp}, {pp} node{'s' if pp != 1 else ''}"
+
+
+def runs_text(s: m.ModelSummary | m.ModelSpec) -> str:
+    """Precision and engine: ``fp8 vllm``, ``q4_K_M llama.cpp``, ``awq vllm (--quantization awq)``."""
+    quant = f" (--quantization {s.quantization})" if s.quantization and s.quantization != s.precision else ""
+    return f"{s.precision} {s.engine}{quant}"
+
+
+def scaling_text(s: m.ModelSummary) -> str:
+    text = (f"auto {s.min_replicas}–{s.max_replicas}, {s.target_in_flight:g}/replica"
+            if s.min_replicas is not None and s.target_in_flight is not None else "fixed")
+    return text + (f", idle ttl {human_duration(s.idle_ttl_s)}" if s.idle_ttl_s else "")
+
+
+def why_text(s: m.ModelSummary) -> str:
+    return s.unplaceable or ("a request wakes it" if s.state == "parked" else
+                             "`ctl model scale` brings it back" if s.state == "stopped" else "")
+
+
+def kv_text(planned: int, observed: int) -> str:
+    """Observed KV tokens against the plan, with the plan's error; ``-`` until an engine reports."""
+    if not observed:
+        return f"- / {planned:,}" if planned else "-"
+    if not planned:
+        return f"{observed:,} / -"
+    return f"{observed:,} / {planned:,} ({(planned - observed) / observed:+.1%})"
+
+
+replay_option = click.option("--replay", "use_replay", is_flag=True,
+                             help="Fold the streams here instead of asking the projector.")
+
+
+def _notice(text: str) -> None:
+    click.echo(text, err=True)
+
+
 @click.command("list")
+@replay_option
 @json_option
 @nats_options
-def list_models(as_json: bool, settings: Settings) -> None:
-    """Every declared model: serving, starting, parked (a request wakes it), unplaceable or stopped.
+def list_models(use_replay: bool, as_json: bool, settings: Settings) -> None:
+    """Every declared model: state, replicas, split, idle, GPU-hours held today.
+
+    States: serving, starting, parked (a request wakes it), unplaceable or stopped.
 
     Example:
 
@@ -152,31 +201,146 @@ def list_models(as_json: bool, settings: Settings) -> None:
     """
     from llmgw import ctl
 
-    rows = run(ctl.list_models(settings))
+    rows = run(ctl.list_models(settings, replay=use_replay, notice=_notice))
     if as_json:
-        echo_json(rows)
+        echo_json(msgspec.to_builtins(rows))
         return
     if not rows:
         click.echo("no model is declared; deploy one with `llmgw ctl model deploy NAME MODEL --from-plan`")
         return
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE)
-    for col in ("model", "state", "replicas", "scaling", "runs", "why"):
-        table.add_column(col, overflow="fold")
+    table = Table(box=box.SIMPLE, title="replicas healthy/wanted · split tp×pp (pp nodes per replica) · GPU-hours held "
+                                       "today (UTC) · KV cache tokens reserved / planned", title_justify="left")
+    for col in ("model", "state", "replicas", "source", "runs", "split", "GPU class", "idle", "GPU-h", "KV obs / plan"):
+        table.add_column(col, overflow="fold", no_wrap=col != "source", min_width=12 if col == "source" else None,
+                         justify="right" if col in ("replicas", "idle", "GPU-h") else "left")
     for r in rows:
-        scaling = (f"auto {r['min_replicas']}–{r['max_replicas']}, {r['target_in_flight']:g}/replica"
-                   if r["min_replicas"] is not None else "fixed")
-        if r["idle_ttl_s"]:
-            scaling += f", idle ttl {r['idle_ttl_s']:g}s"
-        why = r["unplaceable"] or ("a request wakes it" if r["state"] == "parked" else
-                                   "`ctl model scale` brings it back" if r["state"] == "stopped" else "")
-        kv = ""
-        if r["kv_tokens_planned"] and r["kv_tokens_observed"]:
-            err = (r["kv_tokens_planned"] - r["kv_tokens_observed"]) / r["kv_tokens_observed"]
-            kv = f"; KV {r['kv_tokens_observed']:,} tokens (planned {r['kv_tokens_planned']:,}, {err:+.1%})"
-        table.add_row(r["name"], r["state"], f"{r['healthy']}/{r['placed']} healthy, {r['wanted']} wanted",
-                      scaling, f"{r['source']} {r['precision']} on {r['gpus_per_replica']} × {r['gpu_class']}{kv}", why)
-    Console(width=160, highlight=False, markup=False).print(table)
+        table.add_row(r.name, r.state, f"{r.healthy}/{r.wanted}", r.source, runs_text(r), f"{r.tp}×{r.pp}",
+                      r.gpu_class, human_duration(r.idle_s), f"{r.gpu_hours_today:.2f}",
+                      kv_text(r.kv_tokens_planned, r.kv_tokens_observed))
+
+    def draw(console: Console) -> None:
+        console.print(table)
+        for r in rows:  # what is not the default, and why a model is not serving
+            notes = [x for x in (scaling_text(r), why_text(r)) if x and x != "fixed"]
+            if notes:
+                console.print(f"{r.name}: {'; '.join(notes)}")
+
+    echo_rendered(draw)
+
+
+def echo_rendered(draw: Callable[[Console], object]) -> None:
+    """What ``draw`` prints, without rich's trailing spaces: as wide as the terminal, or 160 columns into a file."""
+    terminal = Console().is_terminal
+    buf = io.StringIO()
+    draw(Console(file=buf, width=Console().width if terminal else 160, force_terminal=terminal, highlight=False,
+                 markup=False))
+    click.echo("\n".join(line.rstrip() for line in buf.getvalue().splitlines()).strip("\n"))
+
+
+def gpu_ranges(gpus: tuple[m.GpuRef, ...]) -> str:
+    """GPU indexes per node, runs collapsed: ``n2:0-3 n3:0-3``."""
+    by_node: dict[str, list[int]] = {}
+    for g in gpus:
+        by_node.setdefault(g.node, []).append(g.index)
+    parts = []
+    for node, idx in by_node.items():
+        idx.sort()
+        runs: list[str] = []
+        start = prev = idx[0]
+        for i in [*idx[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            if i is not None:
+                start = prev = i
+        parts.append(f"{node}:{','.join(runs)}")
+    return " ".join(parts)
+
+
+def _time(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def render_detail(d: m.ModelDetail, console: Console) -> None:
+    """``ctl model show``'s tables."""
+    from llmgw.cli.replay import describe
+
+    s, spec = d.summary, d.spec
+    replicas = f"{s.wanted} replica{'s' if s.wanted != 1 else ''}"
+    console.print(f"{s.name}: {s.state} · {s.healthy}/{s.wanted} healthy ({s.placed} placed; {replicas} wanted, "
+                  f"set by {s.set_by}) · idle {human_duration(s.idle_s)} · {s.gpu_hours_today:.2f} GPU-hours today")
+    why = why_text(s)
+    gpus = f"{spec.tp * spec.pp} GPU{'s' if spec.tp * spec.pp != 1 else ''}"
+    kv = Table(box=None, show_header=False, padding=(0, 2))
+    kv.add_column(style=None)
+    kv.add_column(overflow="fold")
+    rows: list[tuple[str, str]] = [
+        ("source", spec.source + (f" (file {spec.file})" if spec.file else "")),
+        ("runs", f"{runs_text(spec)}, tp {spec.tp} × pp {spec.pp} = {gpus} per replica "
+                 f"({spec.pp} node{'s' if spec.pp != 1 else ''}) of {spec.gpu_class}"),
+        ("context", f"{spec.context:,} tokens"),
+        ("scaling", scaling_text(s)),
+        ("declared", f"{_time(s.declared_at)} UTC"),
+    ]
+    if spec.engine_args:
+        rows.append(("engine args", " ".join(spec.engine_args)))
+    if why:
+        rows.append(("why", why + (f" (since {_time(s.unplaceable_since)})" if s.unplaceable else "")))
+    for k, v in rows:
+        kv.add_row(k, v)
+    console.print(kv)
+    console.print("\nPlan (the candidate it was deployed from, as the spec records it)")
+    plan = Table(box=None, show_header=False, padding=(0, 2))
+    plan.add_column()
+    plan.add_column(overflow="fold")
+    plan.add_row("memory per GPU", f"{spec.gib_per_gpu:.2f} GiB (weights, overhead and KV cache) at "
+                                   f"gpu_memory_utilization {spec.gpu_memory_utilization:g}" if spec.gib_per_gpu else "-")
+    plan.add_row("KV cache", f"{spec.kv_tokens:,} tokens per replica (KV dtype {spec.kv_cache_dtype})"
+                 if spec.kv_tokens else f"- (KV dtype {spec.kv_cache_dtype})")
+    plan.add_row("observed", kv_text(spec.kv_tokens, s.kv_tokens_observed) + "  (KV tokens its engines reserved / planned)"
+                 if s.kv_tokens_observed else "- (no engine has reported what it reserved)")
+    console.print(plan)
+    console.print(f"\nReplicas ({len(d.replicas)}; idle - = no router knows)")
+    if d.replicas:
+        reps = Table(box=box.SIMPLE)
+        for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan"):
+            reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle") else "left")
+        for r in d.replicas:
+            state = f"{r.state}: {r.detail}" if r.detail else r.state
+            reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
+                         r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
+                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed))
+        console.print(reps)
+    else:
+        console.print("  none placed\n")
+    console.print(f"Events (the latest {len(d.events)}, oldest first; `llmgw replay --model {s.name}` for all)")
+    if d.events:
+        ev = Table(box=box.SIMPLE)
+        for col in ("seq", "at (UTC)", "event"):
+            ev.add_column(col, overflow="fold", justify="right" if col == "seq" else "left")
+        for e in d.events:
+            ev.add_row(str(e.seq), _time(e.event.at), describe(e.event))
+        console.print(ev)
+
+
+@click.command("show")
+@click.argument("name")
+@replay_option
+@json_option
+@nats_options
+def show(name: str, use_replay: bool, as_json: bool, settings: Settings) -> None:
+    """One model in full: spec and plan figures, each replica, the latest 20 events.
+
+    Example:
+
+        llmgw ctl model show qwen14
+        llmgw ctl model show qwen14 --json | jq '.replicas[] | {replica_id, kv_error}'
+    """
+    from llmgw import ctl
+
+    detail = run(ctl.show_model(settings, name, replay=use_replay, notice=_notice))
+    if as_json:
+        click.echo(msgspec.json.format(m.encode(detail), indent=2).decode())
+        return
+    echo_rendered(lambda console: render_detail(detail, console))

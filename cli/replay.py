@@ -37,9 +37,10 @@ def describe(event: m.Event) -> str:
             return (f"model {s.name} declared: {s.replicas} × {s.gpu_class} tp{s.tp} pp{s.pp} "
                     f"{s.precision} ({s.engine})")
         case m.ModelScaled():
-            return f"model {event.name} scaled to {event.replicas} replicas"
+            return f"model {event.name} scaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}"
         case m.ModelAutoscaled():
-            return f"model {event.name} autoscaled to {event.replicas} replicas: {event.reason}"
+            return (f"model {event.name} autoscaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}: "
+                    f"{event.reason}")
         case m.ModelWanted():
             return (f"router {event.router} wants model {event.model}: {event.waiting} request"
                     f"{'s' if event.waiting != 1 else ''} waiting (it had seen control up to #{event.control_seq})")
@@ -50,10 +51,11 @@ def describe(event: m.Event) -> str:
         case m.ReplicaPlaced():
             why = f" ({event.reason})" if event.reason else ""
             return (f"replica {event.replica_id} of {event.model} placed on {','.join(event.nodes)} "
-                    f"({len(event.gpus)} GPUs, fabric {event.fabric or '-'}){why}")
+                    f"({len(event.gpus)} GPU{'s' if len(event.gpus) != 1 else ''}, fabric {event.fabric or '-'}){why}")
         case m.ReplicaStateChanged():
             detail = f": {event.detail}" if event.detail else ""
-            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{detail}"
+            kv = f" (reserved {event.observed_kv_tokens:,} KV tokens)" if event.observed_kv_tokens > 0 else ""
+            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
         case m.ReplicaStopped():
             return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
         case m.IdleMapPublished():

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.cli.models import gpu_ranges
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import human_duration, parse_duration, parse_time, progress
 from llmgw.config import Settings
@@ -41,36 +42,78 @@ def parse_at_seq(text: str) -> tuple[str, int]:
 
 
 def usage_bar(c: m.ClassCapacity, width: int = BAR_WIDTH) -> str:
-    """Used ``█``, free ``░``, unhealthy ``x``, lost ``?``, scaled to ``width``."""
+    """Used ``█``, free ``░``, unhealthy ``x``, lost ``?``, scaled to ``width``.
+
+    A kind that is there gets at least one cell (1 used GPU of 40 is not an
+    empty bar); the cells that takes come from the kind with the most.
+    """
     if c.total == 0:
         return ""
     counts = [c.used, c.free, c.unhealthy, c.lost]
-    cells = [round(n * width / c.total) for n in counts]
-    cells[1] += width - sum(cells)  # rounding lands on free
-    return "".join(ch * max(n, 0) for ch, n in zip("█░x?", cells, strict=True))
+    cells = [max(round(n * width / c.total), 1 if n else 0) for n in counts]
+    while sum(cells) > width:
+        # Free first among equals: rounding lands on free.
+        most = max((1, 0, 2, 3), key=lambda k: (cells[k] > 1, cells[k]))
+        cells[most] -= 1
+    if sum(cells) < width:
+        cells[1 if counts[1] else max(range(4), key=lambda k: counts[k])] += width - sum(cells)
+    return "".join(ch * n for ch, n in zip("█░x?", cells, strict=True))
+
+
+def plural(n: int, word: str) -> str:
+    """``1 replica``, ``2 replicas``: counts read right."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _time(t: datetime | None) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
-def render(r: m.StatusReport, console: Console, limit: int) -> None:
+def render_replicas(r: m.StatusReport, console: Console) -> None:
+    """Every replica: where it runs and how it is doing."""
+    console.print(f"Replicas ({len(r.replica_list)}; idle - = no router knows)")
+    if not r.replica_list:
+        console.print("  none placed\n")
+        return
+    table = Table(box=box.SIMPLE)
+    for col in ("replica", "model", "state", "GPUs", "fabric", "endpoint", "restarts", "idle"):
+        table.add_column(col, justify="right" if col in ("restarts", "idle") else "left")
+    for x in r.replica_list:
+        table.add_row(x.replica_id, x.model, x.state, gpu_ranges(x.gpus), x.fabric or "-", x.endpoint or "-",
+                      str(x.restarts), human_duration(x.idle_s))
+    console.print(table)
+
+
+def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = False) -> None:
     """The report as tables for people."""
     lost = f" ({len(r.lost_nodes)} lost: {', '.join(r.lost_nodes)})" if r.lost_nodes else ""
     states = ", ".join(f"{n} {s}" for s, n in r.replicas_by_state.items())
     positions = " ".join(f"{k.removeprefix('LLMGW_').lower()}:{v}" for k, v in r.positions.items())
     console.print(f"Fleet at {_time(r.now)} UTC  [{positions or 'no events'}]")
     console.print(
-        f"{r.nodes} nodes{lost} · {r.models} models · {r.replicas} replicas"
-        f"{f' ({states})' if states else ''} · {r.unprojected_events} unprojected events",
-
+        f"{plural(r.nodes, 'node')}{lost} · {plural(r.models, 'model')} · {plural(r.replicas, 'replica')}"
+        f"{f' ({states})' if states else ''} · {plural(r.unprojected_events, 'unprojected event')}",
     )
     if r.model_states:
         counts = Counter(r.model_states.values())
         order = ("serving", "starting", "parked", "unplaceable", "stopped")
         console.print("models: " + ", ".join(
             f"{counts[k]} {k} ({', '.join(n for n, v in r.model_states.items() if v == k)})" for k in order if counts[k]))
-    console.print("\nCapacity  (█ used  ░ free  x unhealthy  ? lost)")
+    if r.model_list:
+        console.print("\nModels  (replicas healthy/wanted; idle: since anyone asked, - = no router knows)")
+        models = Table(box=box.SIMPLE)
+        for col in ("model", "state", "replicas", "per replica", "GPUs held", "idle"):
+            models.add_column(col, justify="right" if col in ("replicas", "GPUs held", "idle") else "left")
+        for s in r.model_list[:limit]:
+            models.add_row(s.name, s.state, f"{s.healthy}/{s.wanted}",
+                           f"{s.gpus_per_replica} × {s.gpu_class} ({s.precision}, {plural(s.pp, 'node')})",
+                           str(s.gpus_held), human_duration(s.idle_s))
+        console.print(models)
+        if len(r.model_list) > limit:
+            console.print(f"… and {len(r.model_list) - limit} more (--limit, `llmgw ctl model list`, or --json)\n")
+    else:
+        console.print()
+    console.print("Capacity  (█ used  ░ free  x unhealthy  ? lost)")
     cap = Table(box=box.SIMPLE)
     for col in ("GPU class", "total", "used", "free", "unhealthy", "lost"):
         cap.add_column(col, justify="left" if col == "GPU class" else "right")
@@ -93,6 +136,8 @@ def render(r: m.StatusReport, console: Console, limit: int) -> None:
         for u in r.unplaceable:
             un.add_row(u.name, _time(u.since), u.reason)
         console.print(un)
+    if replicas:
+        render_replicas(r, console)
     console.print(f"Replicas nobody asked for (idle ≥ {human_duration(r.idle_threshold_s)}; - = no router knows)")
     if not r.idle:
         console.print("  none")
@@ -114,15 +159,17 @@ def render(r: m.StatusReport, console: Console, limit: int) -> None:
 @click.option("--at", "at_text", metavar="TIME", help="The fleet as it was then (ISO 8601, UTC unless an offset; or 2h for two hours ago). Implies --replay.")
 @click.option("--at-seq", "at_seq_text", metavar="STREAM:SEQ", help="Right after that message: STREAM up to SEQ, the other streams up to when it was stored. Implies --replay.")
 @click.option("--idle-threshold", default="30m", show_default=True, help="List replicas without a request for this long.")
-@click.option("--limit", default=20, show_default=True, help="Rows of idle replicas in the table.")
+@click.option("--limit", default=20, show_default=True, help="Rows of models and of idle replicas in the tables.")
+@click.option("--replicas", "show_replicas", is_flag=True, help="Also every replica: GPUs, fabric, endpoint, state, idle.")
 @click.option("--no-snapshot", is_flag=True, help="With --replay/--at: fold from sequence 1, not from the newest fold snapshot.")
 def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | None, at_seq_text: str | None,
-           idle_threshold: str, limit: int, no_snapshot: bool) -> None:
-    """Show capacity, free nodes, unplaceable models and idle replicas.
+           idle_threshold: str, limit: int, show_replicas: bool, no_snapshot: bool) -> None:
+    """Show capacity, free nodes, models, unplaceable models and idle replicas.
 
     Example:
 
         llmgw ctl status
+        llmgw ctl status --replicas
         llmgw ctl status --at 2026-03-02T10:42 --idle-threshold 1h --json
     """
     if at_text and at_seq_text:
@@ -136,14 +183,15 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
     if replay:
         with progress("replaying") as on_progress:
             r = run(ctl.fetch_status(settings, threshold_s, replay=True, at=at, at_seq=at_seq, progress=on_progress,
-                                     use_snapshots=not no_snapshot, notice=lambda line: click.echo(line, err=True)))
+                                     replicas=show_replicas, use_snapshots=not no_snapshot,
+                                     notice=lambda line: click.echo(line, err=True)))
     else:
-        r = run(ctl.fetch_status(settings, threshold_s, replay=False))
+        r = run(ctl.fetch_status(settings, threshold_s, replay=False, replicas=show_replicas))
     if as_json:
         click.echo(msgspec.json.format(m.encode(r), indent=2).decode())
         return
     terminal = Console().is_terminal
     buf = io.StringIO()
     render(r, Console(file=buf, highlight=False, markup=False, width=Console().width if terminal else 120,
-                      force_terminal=terminal), limit)
+                      force_terminal=terminal), limit, show_replicas)
     click.echo("\n".join(line.rstrip() for line in buf.getvalue().splitlines()).rstrip("\n"))

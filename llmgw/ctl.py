@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -56,27 +56,84 @@ async def stream_heads(bus: Bus) -> dict[str, int]:
 
 
 async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None = None,
-                       at_seq: tuple[str, int] | None = None, progress: Progress = None,
-                       use_snapshots: bool = True, notice: Notice | None = None) -> m.StatusReport:
+                       at_seq: tuple[str, int] | None = None, progress: Progress = None, replicas: bool = False,
+                       model: str = "", use_snapshots: bool = True, notice: Notice | None = None) -> m.StatusReport:
     """The report from the projector's status service, once it has folded what is stored now; or, with
     ``replay``, ``at`` or ``at_seq``, by folding the streams here (in memory, no DuckDB), from the
-    newest fold snapshot before that point unless ``use_snapshots`` is off."""
-    from llmgw.fleet.status import report
+    newest fold snapshot before that point unless ``use_snapshots`` is off.
 
+    ``replicas`` adds every replica, ``model`` that model in full (``model_detail``).
+    """
     bus = await _connect(settings, "llmgw-ctl-status")
     try:
         if not replay:
-            req = m.StatusRequest(idle_threshold_s=threshold_s, wait_for=await stream_heads(bus), wait_s=STATUS_WAIT_S)
-            data = await bus.request(subjects.STATUS, m.encode(req),
+            req = m.StatusRequest(idle_threshold_s=threshold_s, wait_for=await stream_heads(bus), wait_s=STATUS_WAIT_S,
+                                  replicas=replicas, model=model)
+            data = await bus.request(subjects.STATUS, m.encode(req), timeout=STATUS_WAIT_S + settings.request_timeout_s,
                                      service="projector (status service; run `llmgw project` or use --replay)")
             return m.STATUS_REPORT_DECODER.decode(data)
-        from llmgw.fleet.replay import replay as fold_streams
-
-        state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress,
-                                           use_snapshots=use_snapshots, warn=notice)
-        return report(state, at, threshold_s, cursor)
+        return await _replayed_report(bus, threshold_s, at=at, at_seq=at_seq, progress=progress, replicas=replicas,
+                                      model=model, use_snapshots=use_snapshots, notice=notice)
     finally:
         await bus.close()
+
+
+async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None = None,
+                           at_seq: tuple[str, int] | None = None, progress: Progress = None, replicas: bool = False,
+                           model: str = "", use_snapshots: bool = True,
+                           notice: Notice | None = None) -> m.StatusReport:
+    """The report the status service gives, from the streams folded here: the same fold, the same history."""
+    from llmgw.fleet.history import ModelHistory, catch_up
+    from llmgw.fleet.replay import replay as fold_streams
+    from llmgw.fleet.status import report
+
+    state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots,
+                                       warn=notice)
+    history = ModelHistory()  # not in the snapshots: read from the control stream's start
+    await catch_up(bus, history, cursor.positions.get(subjects.STREAM_CONTROL, 0))
+    return report(state, at, threshold_s, cursor, history=history, replicas=replicas, model=model)
+
+
+# --- models ------------------------------------------------------------------------------------------
+
+
+async def _model_report(settings: Settings, *, replay: bool, model: str = "",
+                        notice: Notice = lambda _: None) -> m.StatusReport:
+    """The status report for the model commands: from the projector, or replayed here when asked or when none runs."""
+    from llmgw.errors import NoServiceError
+
+    if not replay:
+        try:
+            return await fetch_status(settings, 1800.0, replay=False, model=model)
+        except NoServiceError:
+            notice("no projector is running: replaying the streams here (slower on a long history)")
+    return await fetch_status(settings, 1800.0, replay=True, model=model)
+
+
+def _older_projector(report: m.StatusReport) -> None:
+    if report.models and not report.model_list:
+        raise LlmgwError("the projector that answered is an older version that does not list models; "
+                         "restart it (`llmgw project`, or `llmgw up`), or use --replay")
+
+
+async def list_models(settings: Settings, *, replay: bool = False,
+                      notice: Notice = lambda _: None) -> tuple[m.ModelSummary, ...]:
+    """Every declared model: state, replicas healthy/placed/wanted, split, idle, GPU-hours today, KV figures."""
+    report = await _model_report(settings, replay=replay, notice=notice)
+    _older_projector(report)
+    return report.model_list
+
+
+async def show_model(settings: Settings, name: str, *, replay: bool = False,
+                     notice: Notice = lambda _: None) -> m.ModelDetail:
+    """One declared model in full: spec and plan figures, replicas, latest control events."""
+    report = await _model_report(settings, replay=replay, model=name, notice=notice)
+    _older_projector(report)
+    if report.model_detail is None:
+        names = ", ".join(s.name for s in report.model_list) or "none"
+        raise LlmgwError(f"no model named {name!r} is declared (declared: {names}); "
+                         "see `llmgw ctl model list`, or deploy it with `llmgw ctl model deploy NAME MODEL --from-plan`")
+    return report.model_detail
 
 
 # --- idle --------------------------------------------------------------------------------------------
@@ -322,35 +379,3 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
         return (await bus.publish(event)).seq
     finally:
         await bus.close()
-
-
-async def list_models(settings: Settings) -> list[dict[str, Any]]:
-    """One row per declared model: its state, replicas healthy/placed/wanted, scaling, spec and KV figures."""
-    bus = await _connect(settings, "llmgw-ctl-model")
-    try:
-        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
-    finally:
-        await bus.close()
-    return model_rows(state)
-
-
-def model_rows(state: FleetState) -> list[dict[str, Any]]:
-    states = state.model_states()
-    rows = []
-    for name in sorted(state.models):
-        v = state.models[name]
-        reps = [r for r in state.replicas.values() if r.model == name]
-        spec = v.spec
-        rows.append({
-            "name": name, "state": states[name], "healthy": sum(r.state == "healthy" for r in reps),
-            "placed": len(reps), "wanted": v.replicas_wanted, "set_by": v.replicas_by,
-            "min_replicas": spec.min_replicas, "max_replicas": spec.max_replicas,
-            "target_in_flight": spec.target_in_flight if spec.autoscaled else None,
-            "idle_ttl_s": spec.idle_ttl_s, "source": spec.source, "precision": spec.precision,
-            "gpus_per_replica": spec.tp * spec.pp, "gpu_class": spec.gpu_class,
-            "unplaceable": v.unplaceable_reason,
-            # The plan's KV cache per replica, and what its engines reserved (0: not reported).
-            "kv_tokens_planned": spec.kv_tokens,
-            "kv_tokens_observed": max((r.observed_kv_tokens for r in reps), default=0),
-        })
-    return rows

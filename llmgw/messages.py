@@ -340,6 +340,9 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     # stored when it asked), waiting up to ``wait_s``: status reads its own writes.
     wait_for: dict[str, Annotated[int, msgspec.Meta(ge=0)]] = {}
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=30)] = 5.0
+    # Also every replica (``StatusReport.replica_list``), and one model in full (``model_detail``).
+    replicas: bool = False
+    model: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -382,6 +385,88 @@ class IdleReplica(msgspec.Struct, frozen=True, kw_only=True):
     idle_since: datetime | None = None
 
 
+class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One declared model at a glance: a row of ``ctl model list`` and of ``ctl status``.
+
+    ``idle_s`` is since anyone asked for any of its replicas: -1 when a replica
+    no router knows could have been asked (unknown is not idle) or none is placed.
+    KV tokens: the plan's per replica, and what its engines last reported reserving
+    since it was declared, kept when its replicas stop (0: none reported).
+    """
+
+    name: str
+    state: str  # serving | starting | parked | unplaceable | stopped
+    healthy: int
+    placed: int
+    wanted: int
+    set_by: str  # who set ``wanted`` last: declared | operator | autoscaler
+    min_replicas: int | None
+    max_replicas: int | None
+    target_in_flight: float | None  # None: a fixed replica count
+    idle_ttl_s: float | None
+    source: str
+    precision: str
+    engine: str
+    quantization: str | None
+    gpu_class: str
+    tp: int
+    pp: int  # nodes per replica
+    gpus_per_replica: int
+    context: int
+    unplaceable: str | None
+    kv_tokens_planned: int
+    kv_tokens_observed: int
+    unplaceable_since: datetime | None = None
+    declared_at: datetime | None = None
+    gpus_held: int = 0
+    idle_s: float = -1.0
+    idle_since: datetime | None = None
+    gpu_hours_today: float = 0.0  # GPUs its replicas held since midnight UTC of ``now``, stopped ones too
+
+
+class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica as the fold knows it; ``idle_s`` < 0: no router knows, ``kv_tokens_observed`` 0: not reported.
+
+    ``kv_error`` is (planned - observed) / observed, as ``ctl model plan`` states the
+    estimate's error; None when either is unknown.
+    """
+
+    replica_id: str
+    model: str
+    state: str  # placed | starting | healthy | unhealthy | failed
+    nodes: tuple[str, ...]
+    gpus: tuple[GpuRef, ...]
+    fabric: str
+    endpoint: str
+    restarts: int
+    detail: str
+    placed_at: datetime | None
+    state_at: datetime | None
+    idle_s: float
+    idle_since: datetime | None
+    kv_tokens_planned: int
+    kv_tokens_observed: int
+    kv_error: float | None = None
+
+
+class ModelEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One control-stream event about a model, where the stream stored it."""
+
+    seq: int
+    event: ControlEvent
+
+
+class ModelDetail(msgspec.Struct, frozen=True, kw_only=True):
+    """``ctl model show``: a model's spec (the plan's figures in it), its replicas and its latest control events."""
+
+    now: datetime | None
+    positions: dict[str, int]
+    summary: ModelSummary
+    spec: ModelSpec
+    replicas: tuple[ReplicaRow, ...]
+    events: tuple[ModelEvent, ...]
+
+
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet at ``now``, computed only from the events folded up to ``positions``."""
 
@@ -401,6 +486,9 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     unprojected_events: int
     # Each declared model: serving, starting, parked (a request wakes it), unplaceable or stopped.
     model_states: dict[str, str] = {}
+    model_list: tuple[ModelSummary, ...] = ()
+    replica_list: tuple[ReplicaRow, ...] = ()  # only when asked (``StatusRequest.replicas``)
+    model_detail: ModelDetail | None = None  # only when asked (``StatusRequest.model``), and declared
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

@@ -31,6 +31,7 @@ from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode_state
 from llmgw.fleet.fold import Cursor, apply, refusal
+from llmgw.fleet.history import HistoryReader
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -152,6 +153,7 @@ class Projector:
         self.batch = Batch()
         self.folded = 0
         self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
+        self._history = HistoryReader()  # read by the status service when asked, not while folding
         self.committed = 0
         self._total = 0
         self._lock = asyncio.Lock()
@@ -478,7 +480,21 @@ class Projector:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
         await self.caught_up(req.wait_for, req.wait_s)
-        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor))
+        history = None
+        if subjects.STREAM_CONTROL in self.streams:
+            # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), read from
+            # the control stream up to what is folded: the report then states one position for both.
+            while (folded := self.cursor.positions.get(subjects.STREAM_CONTROL, 0)) > self._history.history.position:
+                try:
+                    await self._history.upto(self.bus, folded, max(req.wait_s, 1.0))
+                except TimeoutError:
+                    raise ProjectionError(
+                        f"the status service is still reading the control stream's history "
+                        f"({self._history.history.position:,} of {folded:,}) once after its start; "
+                        "ask again in a few seconds, or use --replay") from None
+            history = self._history.history
+        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
+                                             replicas=req.replicas, model=req.model))
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""

@@ -4,27 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from projection_events import small_fleet
+from live_projector import publish_fresh, serving
+from projection_events import inventory, placed, small_fleet, spec, t
 from streams import fresh_streams
 
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
+from llmgw.cli.status import usage_bar
 from llmgw.config import Settings
-from llmgw.projections.runner import Projector
-from llmgw.projections.store import Store
 
 TABLE = """\
 Fleet at 2026-03-02 11:40:00 UTC  [control:12 fleet:7 usage:4]
 5 nodes (1 lost: n5) · 4 models · 3 replicas (2 healthy, 1 starting) · 0 unprojected events
 models: 2 serving (llama-70b, qwen-8b), 1 starting (gemma-9b), 1 unplaceable (deepseek-v3)
+
+Models  (replicas healthy/wanted; idle: since anyone asked, - = no router knows)
+
+  model         state         replicas   per replica                      GPUs held    idle
+ ───────────────────────────────────────────────────────────────────────────────────────────
+  deepseek-v3   unplaceable        0/1   32 × H100-80GB (bf16, 4 nodes)           0       -
+  gemma-9b      starting           0/1   1 × L40S-48GB (bf16, 1 node)             1       -
+  llama-70b     serving            1/1   8 × H100-80GB (bf16, 2 nodes)            8      5m
+  qwen-8b       serving            1/1   1 × H100-80GB (bf16, 1 node)             1   1h32m
 
 Capacity  (█ used  ░ free  x unhealthy  ? lost)
 
@@ -56,58 +64,17 @@ Replicas nobody asked for (idle ≥ 30m; - = no router knows)
 """
 
 
-async def _publish_fresh(settings: Settings) -> None:
-    bus = await Bus.connect(settings, "llmgw-test-cli")
-    try:
-        await fresh_streams(bus)
-        for event in small_fleet():
-            await bus.publish(event)
-    finally:
-        await bus.close()
-
-
 @pytest.fixture
 def fleet(settings: Settings) -> Settings:
-    asyncio.run(_publish_fresh(settings))
+    asyncio.run(publish_fresh(settings, small_fleet()))
     return settings
 
 
 @pytest.fixture
 def live_projector(fleet: Settings, tmp_path: Path) -> Iterator[Settings]:
     """A projector serving status from its own thread and loop, caught up with the streams."""
-    ready = threading.Event()
-    stop: list[asyncio.AbstractEventLoop | asyncio.Task[None]] = []
-
-    async def main() -> None:
-        bus = await Bus.connect(fleet, "llmgw-test-projector")
-        store = Store(tmp_path / "live.duckdb")
-        projector = Projector(bus, store, commit_interval_s=0.05)
-        task = asyncio.create_task(projector.run_forever())
-        stop.extend([asyncio.get_running_loop(), task])
-        for _ in range(400):  # bounded: 20 s
-            if sum(projector.cursor.positions.values()) >= len(small_fleet()):
-                break
-            await asyncio.sleep(0.05)
-        ready.set()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        finally:
-            store.close()
-            await bus.close()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert ready.wait(timeout=30)
-    try:
+    with serving(fleet, tmp_path / "live.duckdb", len(small_fleet())):
         yield fleet
-    finally:
-        loop, task = stop
-        assert isinstance(loop, asyncio.AbstractEventLoop) and isinstance(task, asyncio.Task)
-        loop.call_soon_threadsafe(task.cancel)
-        thread.join(timeout=15)
-        assert not thread.is_alive()
 
 
 def _status(settings: Settings, *args: str) -> tuple[int, str]:
@@ -158,6 +125,83 @@ def test_status_json_live_equals_replay(live_projector: Settings) -> None:
 
 def test_status_table_live(live_projector: Settings) -> None:
     assert _status(live_projector) == (0, TABLE)
+
+
+REPLICAS = """\
+Replicas (3; idle - = no router knows)
+
+  replica   model       state      GPUs            fabric   endpoint         restarts    idle
+ ─────────────────────────────────────────────────────────────────────────────────────────────
+  r-gemma   gemma-9b    starting   n4:0            pcie     -                       0       -
+  r-llama   llama-70b   healthy    n2:0-3 n3:0-3   ib-a     http://n2:8000          0      5m
+  r-qwen    qwen-8b     healthy    n1:0            ib-a     http://n1:8000          0   1h32m
+
+Replicas nobody asked for"""
+
+
+def test_status_replicas_table_live_and_replayed(live_projector: Settings) -> None:
+    code, live = _status(live_projector, "--replicas")
+    assert code == 0, live
+    assert REPLICAS in live
+    assert _status(live_projector, "--replicas", "--replay") == (0, live)
+    # Without the flag, no replica table.
+    assert "Replicas (3;" not in _status(live_projector)[1]
+
+
+def test_status_json_with_replicas_live_equals_replay(live_projector: Settings) -> None:
+    code, live = _status(live_projector, "--json", "--replicas")
+    assert code == 0, live
+    assert _status(live_projector, "--json", "--replicas", "--replay") == (0, live)
+    data = json.loads(live)
+    rows = {r["replica_id"]: r for r in data["replica_list"]}
+    assert list(rows) == ["r-gemma", "r-llama", "r-qwen"]
+    assert {k: rows["r-qwen"][k] for k in ("model", "state", "nodes", "fabric", "endpoint", "idle_s", "idle_since")} == {
+        "model": "qwen-8b", "state": "healthy", "nodes": ["n1"], "fabric": "ib-a", "endpoint": "http://n1:8000",
+        "idle_s": 5520.0, "idle_since": "2026-03-02T10:08:00Z"}
+    assert rows["r-gemma"]["idle_s"] == -1.0 and rows["r-gemma"]["idle_since"] is None
+    assert [g["uuid"] for g in rows["r-llama"]["gpus"]] == [f"GPU-n{n}-{i}" for n in (2, 3) for i in range(4)]
+    models = {x["name"]: x for x in data["model_list"]}
+    assert {n: (x["state"], x["healthy"], x["wanted"], x["gpus_held"]) for n, x in models.items()} == {
+        "deepseek-v3": ("unplaceable", 0, 1, 0), "gemma-9b": ("starting", 0, 1, 1), "llama-70b": ("serving", 1, 1, 8),
+        "qwen-8b": ("serving", 1, 1, 1)}
+    # Without the flag the list is left out (it grows with the fleet); the models are always there.
+    code, plain = _status(live_projector, "--json")
+    assert json.loads(plain)["replica_list"] == [] and json.loads(plain)["model_list"] == data["model_list"]
+
+
+@pytest.mark.parametrize(
+    ("total", "used", "free", "unhealthy", "lost", "bar"),
+    [
+        (40, 1, 39, 0, 0, "█" + "░" * 19),  # rounds to 0 cells: still one
+        (40, 0, 39, 1, 0, "░" * 19 + "x"),
+        (40, 0, 38, 1, 1, "░" * 18 + "x?"),
+        (1000, 998, 1, 1, 0, "█" * 18 + "░x"),  # the room for the others comes from the most
+        (40, 39, 0, 1, 0, "█" * 19 + "x"),
+        (16, 9, 2, 1, 4, "███████████░░░x?????"),
+        (2, 1, 1, 0, 0, "█" * 10 + "░" * 10),
+        (3, 1, 1, 1, 0, "█" * 7 + "░" * 6 + "x" * 7),
+        (0, 0, 0, 0, 0, ""),
+    ],
+)
+def test_usage_bar_never_hides_a_used_or_unhealthy_gpu(total: int, used: int, free: int, unhealthy: int, lost: int,
+                                                       bar: str) -> None:
+    c = m.ClassCapacity(gpu_class="H100-80GB", total=total, used=used, free=free, unhealthy=unhealthy, lost=lost)
+    assert usage_bar(c) == bar
+    assert len(bar) in (0, 20)
+
+
+def test_status_counts_read_in_the_singular(settings: Settings) -> None:
+    one = spec("solo")
+    events = [inventory("n1", "ib-a", 1, t(0)), m.ModelDeclared(at=t(1), spec=one),
+              placed("r-solo", one, [("n1", 0)], t(2)),
+              m.ReplicaStateChanged(at=t(3), replica_id="r-solo", model="solo", node="n1", state="healthy")]
+    asyncio.run(publish_fresh(settings, events))
+    code, out = _status(settings, "--replay", "--replicas")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[1] == "1 node · 1 model · 1 replica (1 healthy) · 0 unprojected events"
+    assert any(x.split() == ["solo", "serving", "1/1", "1", "×", "H100-80GB", "(bf16,", "1", "node)", "1", "-"] for x in lines)
+    assert "Replicas (1; idle - = no router knows)" in lines
 
 
 def test_status_at_a_past_moment(settings: Settings) -> None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from llmgw import messages as m
-from llmgw.fleet.fold import Cursor, FleetState
+from llmgw.fleet.fold import Cursor, FleetState, ReplicaView
+from llmgw.fleet.history import ModelHistory, split_by_day
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 
@@ -101,9 +102,99 @@ def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -
     return out, sum(r.idle_s < 0 for r in out)
 
 
+def _idle(state: FleetState, replica_id: str, now: datetime | None) -> tuple[float | None, datetime | None]:
+    """How long nobody has asked for a replica, and since when; (None, None) when no router knows."""
+    since = state.idle_since(replica_id) if now is not None else None
+    if since is None or now is None:
+        return None, None
+    return max(0.0, (now - since).total_seconds()), since
+
+
+def replica_rows(state: FleetState, now: datetime | None, model: str | None = None) -> tuple[m.ReplicaRow, ...]:
+    """Every replica (or ``model``'s), by model and id: where it runs, how it is doing, its idle time and KV cache."""
+    rows = []
+    for r in sorted(state.replicas.values(), key=lambda r: (r.model, r.replica_id)):
+        if model is not None and r.model != model:
+            continue
+        idle, since = _idle(state, r.replica_id, now)
+        planned, observed = r.spec.kv_tokens, r.observed_kv_tokens
+        rows.append(m.ReplicaRow(
+            replica_id=r.replica_id, model=r.model, state=r.state, nodes=r.nodes, gpus=r.gpus, fabric=r.fabric,
+            endpoint=r.endpoint, restarts=r.restarts, detail=r.detail, placed_at=_utc(r.placed_at),
+            state_at=_utc(r.state_at), idle_s=UNKNOWN_IDLE if idle is None else idle, idle_since=_utc(since),
+            kv_tokens_planned=planned, kv_tokens_observed=observed,
+            kv_error=round((planned - observed) / observed, 4) if planned and observed else None,
+        ))
+    return tuple(rows)
+
+
+def gpu_hours_today(name: str, replicas: list[ReplicaView], now: datetime | None,
+                    history: ModelHistory | None) -> float:
+    """GPU-hours a model's replicas held on ``now``'s UTC day: those running now, and those stopped (``history``)."""
+    if now is None:
+        return 0.0
+    day = now.astimezone(UTC).date()
+    seconds = history.gpu_seconds_stopped(name, day) if history is not None else 0.0
+    for r in replicas:
+        seconds += len(r.gpus) * sum(s for d, s in split_by_day(r.placed_at, now) if d == day)
+    return round(seconds / 3600, 3)
+
+
+def model_summaries(state: FleetState, now: datetime | None,
+                    history: ModelHistory | None = None) -> tuple[m.ModelSummary, ...]:
+    """Every declared model at a glance, by name: ``ctl model list``."""
+    states = state.model_states()
+    by_model: dict[str, list[ReplicaView]] = {}
+    for r in state.replicas.values():
+        by_model.setdefault(r.model, []).append(r)
+    out = []
+    for name in sorted(state.models):
+        v, reps = state.models[name], by_model.get(name, [])
+        spec = v.spec
+        idles = [_idle(state, r.replica_id, now) for r in reps]
+        # The model is idle as long as its least idle replica; one no router knows could have been asked.
+        known = bool(idles) and all(i is not None for i, _ in idles)
+        idle, since = min(idles, key=lambda x: x[0] or 0.0) if known else (None, None)
+        out.append(m.ModelSummary(
+            name=name, state=states[name], healthy=sum(r.state == "healthy" for r in reps), placed=len(reps),
+            wanted=v.replicas_wanted, set_by=v.replicas_by, min_replicas=spec.min_replicas,
+            max_replicas=spec.max_replicas, target_in_flight=spec.target_in_flight if spec.autoscaled else None,
+            idle_ttl_s=spec.idle_ttl_s, source=spec.source, precision=spec.precision, engine=spec.engine,
+            quantization=spec.quantization, gpu_class=spec.gpu_class, tp=spec.tp, pp=spec.pp,
+            gpus_per_replica=spec.tp * spec.pp, context=spec.context, unplaceable=v.unplaceable_reason,
+            kv_tokens_planned=spec.kv_tokens,
+            # The latest report, which stays when its replica stops (a parked model keeps what it learnt).
+            kv_tokens_observed=history.observed_kv.get(name, 0) if history is not None
+            else max((r.observed_kv_tokens for r in reps), default=0),
+            unplaceable_since=_utc(v.unplaceable_at), declared_at=_utc(v.declared_at),
+            gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
+            idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),
+        ))
+    return tuple(out)
+
+
+def model_detail(state: FleetState, now: datetime | None, name: str, history: ModelHistory | None = None,
+                 cursor: Cursor | None = None) -> m.ModelDetail | None:
+    """``ctl model show NAME``: None when no model of that name is declared."""
+    view = state.models.get(name)
+    if view is None:
+        return None
+    (summary,) = (s for s in model_summaries(state, now, history) if s.name == name)
+    return m.ModelDetail(
+        now=_utc(now), positions=dict(sorted((cursor or Cursor()).positions.items())), summary=summary,
+        spec=view.spec, replicas=replica_rows(state, now, name),
+        events=history.events(name) if history is not None else (),
+    )
+
+
 def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0,
-           cursor: Cursor | None = None) -> m.StatusReport:
-    """The status of the fleet at ``now`` (default: the time of the last event folded), read up to ``cursor``."""
+           cursor: Cursor | None = None, *, history: ModelHistory | None = None, replicas: bool = False,
+           model: str = "") -> m.StatusReport:
+    """The status of the fleet at ``now`` (default: the time of the last event folded), read up to ``cursor``.
+
+    ``history`` (the control stream up to the same position) adds what the fold
+    forgets: stopped replicas' GPU-hours, and with ``model`` that model's latest events.
+    """
     cursor = Cursor() if cursor is None else cursor
     now = state.as_of if now is None else now
     held = state.held_gpus()
@@ -129,4 +220,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         unknown_idle=unknown,
         unprojected_events=cursor.unprojected,
         model_states=dict(sorted(state.model_states().items())),
+        model_list=model_summaries(state, now, history),
+        replica_list=replica_rows(state, now) if replicas else (),
+        model_detail=model_detail(state, now, model, history, cursor) if model else None,
     )

@@ -1,0 +1,156 @@
+"""What the fold forgets about each model: its latest control events, and the GPU-time its stopped replicas held.
+
+The fold keeps only what is true now (a stopped replica is gone), which is all
+that status and placement need. ``ctl model show`` also lists a model's latest
+events, and ``ctl model list`` the GPU-hours its replicas held today, stopped
+ones included. ``ModelHistory`` keeps just that, folded from the control
+stream alone in its own order, so the projector's status service and a replay
+here read the same stream up to the same sequence and agree exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from llmgw import messages as m
+from llmgw import subjects
+
+if TYPE_CHECKING:
+    from llmgw.bus import Bus
+
+RECENT_EVENTS = 20  # per model: what ``ctl model show`` lists
+
+
+@dataclass
+class _Held:
+    model: str
+    gpus: int
+    nodes: tuple[str, ...]
+    since: datetime
+
+
+@dataclass
+class ModelHistory:
+    """A model's latest control events and its stopped replicas' GPU-seconds per UTC day; ``note`` in stream order."""
+
+    position: int = 0  # the last control-stream sequence noted
+    recent: dict[str, deque[m.ModelEvent]] = field(default_factory=dict)
+    held_s: dict[tuple[str, date], float] = field(default_factory=dict)  # (model, day) → GPU-seconds, stopped replicas
+    # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan).
+    observed_kv: dict[str, int] = field(default_factory=dict)
+    _open: dict[str, _Held] = field(default_factory=dict)
+
+    def note(self, seq: int, event: m.ControlEvent) -> None:
+        """One control-stream event, at its sequence."""
+        self.position = max(self.position, seq)
+        model = about(event, self._open)
+        if model is None:
+            return
+        self.recent.setdefault(model, deque(maxlen=RECENT_EVENTS)).append(m.ModelEvent(seq=seq, event=event))
+        match event:
+            case m.ReplicaPlaced():
+                self._close(event.replica_id, event.at)  # placed again under the same id: the first one ended
+                self._open[event.replica_id] = _Held(event.model, len(event.gpus), event.nodes, event.at)
+            case m.ReplicaStopped():
+                self._close(event.replica_id, event.at)
+            case m.ReplicaStateChanged() if event.observed_kv_tokens > 0:
+                self.observed_kv[model] = event.observed_kv_tokens
+            case m.ModelDeclared():
+                self.observed_kv.pop(model, None)
+
+    def events(self, model: str) -> tuple[m.ModelEvent, ...]:
+        return tuple(self.recent.get(model, ()))
+
+    def gpu_seconds_stopped(self, model: str, day: date) -> float:
+        """GPU-seconds the model's replicas that stopped held on ``day`` (UTC)."""
+        return self.held_s.get((model, day), 0.0)
+
+    def _close(self, replica_id: str, at: datetime) -> None:
+        held = self._open.pop(replica_id, None)
+        if held is None:
+            return
+        for day, seconds in split_by_day(held.since, at):
+            key = (held.model, day)
+            self.held_s[key] = self.held_s.get(key, 0.0) + held.gpus * seconds
+
+
+def about(event: m.Event, placed: dict[str, _Held] | None = None) -> str | None:
+    """The model a control event is about, or None.
+
+    A replica's state report counts only from a node the replica was placed on
+    (the fold's rule), when ``placed`` says where replicas are.
+    """
+    match event:
+        case m.ModelDeclared(spec=spec):
+            return spec.name
+        case m.ModelScaled() | m.ModelAutoscaled() | m.ModelRemoved() | m.ModelUnplaceable():
+            return event.name
+        case m.ReplicaPlaced() | m.ReplicaStopped():
+            return event.model
+        case m.ReplicaStateChanged():
+            if placed is not None:
+                held = placed.get(event.replica_id)
+                if held is None or event.node not in held.nodes:
+                    return None
+                return held.model
+            return event.model
+    return None
+
+
+def split_by_day(start: datetime, end: datetime) -> list[tuple[date, float]]:
+    """Seconds of [start, end) on each UTC day it touches."""
+    start, end = start.astimezone(UTC), end.astimezone(UTC)
+    out = []
+    while start < end:
+        midnight = datetime.combine(start.date() + timedelta(days=1), datetime.min.time(), UTC)
+        stop = min(end, midnight)
+        out.append((start.date(), (stop - start).total_seconds()))
+        start = stop
+    return out
+
+
+async def catch_up(bus: Bus, history: ModelHistory, upto: int) -> None:
+    """Note the control stream's events after ``history.position`` up to sequence ``upto``."""
+    if upto <= history.position:
+        return
+    follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, history.position + 1, stop_at=upto,
+                          idle_expires_s=2.0, who="model history")
+    batches = follower.batches()
+    try:
+        async for batch in batches:
+            for d in batch:
+                history.note(d.raw.seq, d.event)
+    finally:
+        await batches.aclose()  # type: ignore[attr-defined]
+    history.position = max(history.position, upto)
+
+
+class HistoryReader:
+    """A ``ModelHistory`` a long-running service reads on when asked: one read at a time, shared by every request.
+
+    A read that takes longer than the asker will wait (a projector just started on
+    a long control stream) goes on in the background, so the next request finds it done.
+    """
+
+    def __init__(self) -> None:
+        self.history = ModelHistory()
+        self._reading: asyncio.Future[None] | None = None
+
+    async def upto(self, bus: Bus, seq: int, within_s: float | None = None) -> ModelHistory:
+        """The history up to ``seq`` at least; TimeoutError after ``within_s`` (the read goes on)."""
+        while self.history.position < seq:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(catch_up(bus, self.history, seq))
+                self._reading.add_done_callback(_read_outcome)
+            await asyncio.wait_for(asyncio.shield(self._reading), within_s)
+        return self.history
+
+
+def _read_outcome(read: asyncio.Future[None]) -> None:
+    """A failed read is the error of the requests that waited for it; read here too, so none goes unread."""
+    if not read.cancelled():
+        read.exception()
