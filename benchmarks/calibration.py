@@ -75,12 +75,12 @@ def evaluate(row: dict[str, Any]) -> Result:
     p = M.precision(info.quantization or ("fp16" if info.torch_dtype == "float16" else "bf16"))
     tp, pp = int(row.get("tp") or 1), int(row.get("pp") or 1)
     kv_dtype = row.get("kv_cache_dtype") or "auto"
+    gpu = str(row.get("gpu_class") or row.get("gpu") or "")
     if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
-        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp) / GIB
+        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu) / GIB
         return r
     mem_gib = float(row["gpu_memory_gib"])
-    large = M.large_card(str(row.get("gpu_class") or row.get("gpu") or ""), int(mem_gib * 1024))
-    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, large)
+    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, M.large_card(gpu, int(mem_gib * 1024)), gpu)
     budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
     r.weights = weights / GIB
     r.kv = (budget - weights - overhead) / GIB

@@ -14,8 +14,12 @@ spreads over, on one node):
   low-rank down-projections and MoE routers are replicated), layers by pp;
   the worst stage is charged. fp8 and AWQ/GPTQ (4 bits + a 16-bit scale and a
   4-bit zero per group of 128) apply to matmuls only; embeddings, lm_head, norms
-  and routers stay 16-bit. GGUF: llama.cpp's own tensor-type rules (below),
-  with token embeddings left in host memory unless they double as the output.
+  and routers stay 16-bit. mxfp4 (gpt-oss's own checkpoints): the routed experts
+  as vLLM re-lays them for its kernels, fp4 with an e8m0 scale per 32 weights and
+  16-bit biases, the hidden size padded to 256 and each rank's intermediate size
+  to 128 (256 on Blackwell); attention, routers, embeddings and lm_head stay
+  16-bit. GGUF: llama.cpp's own tensor-type rules (below), with token embeddings
+  left in host memory unless they double as the output.
   The tensor breakdown comes from the architecture and is scaled to the
   parameter count read from the checkpoint, so both always agree on the total.
 * **Overhead per GPU**, from that rank's share, as vLLM (V1 engine, 0.11) accounts
@@ -103,6 +107,7 @@ PRECISIONS: tuple[Precision, ...] = (
     Precision("gptq", "vllm", "int4"),
     Precision("int4", "vllm", "ckpt"),
     Precision("fp4", "vllm", "ckpt"),
+    Precision("mxfp4", "vllm", "ckpt"),
     Precision("bnb-4bit", "vllm", "ckpt"),
     Precision("q8_0", "llama.cpp", "gguf", "Q8_0"),
     Precision("q6_K", "llama.cpp", "gguf", "Q6_K"),
@@ -166,6 +171,8 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
                 Tensor("attn_output", i, heads * hd * h, heads * hd, True, "tp")]
         if info.attention_bias:
             out.append(Tensor("bias", i, (heads + 2 * kv) * hd, 1, False, "tp"))
+        if info.model_type == "gpt_oss":  # o_proj's bias (on every rank) and one attention sink per head
+            out += [Tensor("bias", i, h, 1, False, "rep"), Tensor("sinks", i, heads, 1, False, "tp")]
         if info.model_type == "qwen3":
             out.append(Tensor("norm", i, 2 * hd, hd, False, "rep"))
     if info.num_experts and i >= info.first_dense_layers:
@@ -174,6 +181,8 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
                 Tensor("ffn_gate_exps", i, e * h * mi, h, True, "tp"),
                 Tensor("ffn_up_exps", i, e * h * mi, h, True, "tp"),
                 Tensor("ffn_down_exps", i, e * mi * h, mi, True, "tp")]
+        if info.model_type == "gpt_oss":  # the router's and the experts' biases
+            out += [Tensor("bias", i, e, 1, False, "rep"), Tensor("ffn_exps_bias", i, e * (2 * mi + h), 1, False, "tp")]
         if info.shared_experts:
             si = info.shared_experts * mi
             out += [Tensor("ffn_gate_shexp", i, h * si, h, True, "tp"),
@@ -298,12 +307,37 @@ def tensor_bits(p: Precision, t: Tensor, info: m.ModelInfo) -> float:
     return t.params * 16.0
 
 
+_EXPERTS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_exps_bias"})
+# vLLM pads mxfp4 experts for its kernels (mxfp4.py, create_weights): Marlin (Ampere, Ada; the widest
+# padding outside Blackwell) rounds the hidden size up to 256 and each rank's intermediate to 128;
+# FlashInfer on Blackwell (B200, GB200, B300) and AITER on MI350/MI355 round both to 256.
+MXFP4_ALIGN = (256, 128)  # hidden, intermediate per rank
+MXFP4_WIDE_ALIGN = (256, 256)
+_MXFP4_WIDE = re.compile(r"^(g?b[1-3]00|mi35\d)", re.IGNORECASE)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def mxfp4_expert_bytes(info: m.ModelInfo, tp: int, gpu_class: str = "") -> float:
+    """One MoE layer's routed experts on one rank as vLLM holds an mxfp4 checkpoint's: padded
+    fp4 weights, an e8m0 scale per 32 of them, and 16-bit biases."""
+    h_align, i_align = MXFP4_WIDE_ALIGN if _MXFP4_WIDE.match(gpu_class) else MXFP4_ALIGN
+    h = _round_up(info.hidden_size, h_align)
+    i = _round_up(-(-info.moe_intermediate_size // tp), i_align)
+    fp4 = info.num_experts * 3 * i * h / 2  # gate and up (2i x h) and down (h x i), two weights a byte
+    biases = info.num_experts * (2 * i + h) * 2 if info.model_type == "gpt_oss" else 0
+    return fp4 * (1 + 1 / 16) + biases
+
+
 class _Layout(NamedTuple):
     """A model's bytes at one precision, grouped the way ranks share them."""
 
     layer_tp: tuple[float, ...]  # per layer: bytes split by tp
     layer_kv: tuple[float, ...]  # per layer: K/V projection bytes, split by KV heads
     layer_rep: tuple[float, ...]  # per layer: bytes every rank holds
+    layer_moe: tuple[float, ...]  # per layer: the routed experts' bytes (also in layer_tp)
     embd: float
     output: float  # 0 when tied to the embeddings
     output_norm: float
@@ -317,12 +351,14 @@ def layout(info: m.ModelInfo, p: Precision) -> _Layout:
     arch = sum(t.params for t in ts)
     scale = info.params / arch if info.params and arch else 1.0
     n = info.num_layers
-    tp_b, kv_b, rep_b = [0.0] * n, [0.0] * n, [0.0] * n
+    tp_b, kv_b, rep_b, moe_b = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     embd = output = output_norm = 0.0
     for t in ts:
         b = tensor_bits(p, t, info) / 8 * scale
         if t.layer >= 0:
             (tp_b if t.split == "tp" else kv_b if t.split == "kv" else rep_b)[t.layer] += b
+            if t.name in _EXPERTS:
+                moe_b[t.layer] += b
         elif t.name == "token_embd":
             embd = b
         elif t.name == "output":
@@ -330,7 +366,7 @@ def layout(info: m.ModelInfo, p: Precision) -> _Layout:
         else:
             output_norm = b
     total = sum(tp_b) + sum(kv_b) + sum(rep_b) + embd + output + output_norm
-    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), embd, output, output_norm, total)
+    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), tuple(moe_b), embd, output, output_norm, total)
 
 
 def stages(num_layers: int, pp: int) -> list[range]:
@@ -348,8 +384,8 @@ def kv_heads_per_rank(info: m.ModelInfo, tp: int) -> int:
     return max(1, info.num_kv_heads // tp)
 
 
-def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1) -> float:
-    """The worst rank's share of the weights."""
+def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1, gpu_class: str = "") -> float:
+    """The worst rank's share of the weights (``gpu_class`` decides vLLM's padding of mxfp4 experts)."""
     lay = layout(info, p)
     if p.engine == "llama.cpp":
         # Layer split over tp GPUs; token embeddings stay in host memory unless they are the output too.
@@ -358,10 +394,13 @@ def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1) 
         per[-1] += head
         return max(per)
     kv_share = kv_heads_per_rank(info, tp) / max(1, info.num_kv_heads)
+    # mxfp4: vLLM re-lays the checkpoint's experts out for its kernels, padded (see mxfp4_expert_bytes).
+    mx = mxfp4_expert_bytes(info, tp, gpu_class) if p.name == "mxfp4" and info.num_experts else 0.0
     worst = 0.0
     parts = stages(info.num_layers, pp)
     for s, r in enumerate(parts):
-        b = sum(lay.layer_tp[i] / tp + lay.layer_kv[i] * kv_share + lay.layer_rep[i] for i in r)
+        b = sum(lay.layer_tp[i] / tp + lay.layer_kv[i] * kv_share + lay.layer_rep[i]
+                + (mx - lay.layer_moe[i] / tp if mx and lay.layer_moe[i] else 0.0) for i in r)
         if s == 0:
             b += lay.embd / tp
         if s == len(parts) - 1:
@@ -458,8 +497,9 @@ def gib(b: float) -> float:
 
 @lru_cache(maxsize=4096)
 def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto",
-          large: bool = True) -> tuple[float, float, KvShape]:
-    """Weights, overhead and KV shape per GPU: they depend on the split and the card's batch defaults."""
+          large: bool = True, gpu_class: str = "") -> tuple[float, float, KvShape]:
+    """Weights, overhead and KV shape per GPU: they depend on the split and the card (its batch defaults,
+    and for mxfp4 experts the kernels vLLM picks on it)."""
     kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
-    return (weight_bytes_per_gpu(info, p, tp, pp), overhead_bytes_per_gpu(info, p.engine, tp, pp, large),
+    return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class), overhead_bytes_per_gpu(info, p.engine, tp, pp, large),
             kv_shape(info, p.engine, tp, pp, kv_bytes))

@@ -92,6 +92,8 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
         window, sliding = None, ()
     # Older llm-compressor checkpoints name the section compression_config.
     q = quantization(cfg.get("quantization_config") or cfg.get("compression_config"), name)
+    if q.precision == "mxfp4" and not experts:
+        raise ModelError(f"{name}: an mxfp4 checkpoint without MoE experts; vLLM runs mxfp4 only in MoE experts (gpt-oss)")
     mt = str(cfg.get("model_type", ""))
     return ModelInfo(
         name=name,
@@ -139,7 +141,7 @@ class Quantization(msgspec.Struct, frozen=True):
     kv_cache_dtype: str = ""
 
 
-SUPPORTED_QUANT = "compressed-tensors (fp8, int8, int4, fp4), fp8, awq, gptq and bitsandbytes"
+SUPPORTED_QUANT = "compressed-tensors (fp8, int8, int4, fp4), fp8, mxfp4 (gpt-oss), awq, gptq and bitsandbytes"
 
 
 def _num(d: dict[str, Any], key: str, default: float) -> float:
@@ -167,6 +169,9 @@ def quantization(qc: Any, name: str) -> Quantization:
         ignore = _names(qc.get("ignored_layers")) + _names(qc.get("modules_to_not_convert"))
         kv = "fp8" if qc.get("kv_cache_scheme") else ""  # AMD's …-FP8-KV: "static", with scales in the checkpoint
         return Quantization("fp8", 8 + (32 / per if per else 0.0), ignore, "fp8", kv)
+    if method == "mxfp4":
+        # gpt-oss: MoE experts in fp4 with an e8m0 scale per 32; attention, router, embeddings stay bf16.
+        return Quantization("mxfp4", 4 + 8 / 32, _names(qc.get("modules_to_not_convert")), "mxfp4")
     if method in ("awq", "gptq"):
         bits = _num(qc, "bits", _num(qc, "w_bit", 4))
         group = _num(qc, "group_size", _num(qc, "q_group_size", 128))

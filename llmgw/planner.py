@@ -149,7 +149,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
     kv_dtype = kv_dtype_for(info, p, kv_dtype)
-    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, large_card(split.gpu_class, split.memory_mib))
+    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, large_card(split.gpu_class, split.memory_mib), split.gpu_class)
     kv_budget = budget - weights - overhead
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0

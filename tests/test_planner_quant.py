@@ -156,3 +156,80 @@ def test_sizes_agree_with_what_the_repositories_state(base: str, scheme_from: st
     info = quantized(base, cfg.get("quantization_config") or cfg["compression_config"], tmp_path)
     total = M.layout(info, M.precision(str(info.quantization))).total
     assert total == pytest.approx(stated_bytes, rel=0.03)  # tests/data/quantized/SOURCES.md
+
+
+GPT_OSS = Path(__file__).resolve().parent / "data" / "calibration"
+
+
+def gpt_oss(size: str) -> m.ModelInfo:
+    return modelinfo.load_dir(GPT_OSS / f"openai__gpt-oss-{size}")
+
+
+def test_gpt_oss_is_read_as_an_mxfp4_checkpoint() -> None:
+    info = gpt_oss("20b")
+    assert (info.quantization, info.quant_format, info.quant_bits) == ("mxfp4", "mxfp4", 4.25)  # e8m0 per 32 fp4
+    assert "model.layers.*.self_attn" in info.quant_ignore
+    assert P.available_precisions(info)[0].name == "mxfp4"
+
+
+@pytest.mark.parametrize(("size", "total_size"), [("20b", 13_761_264_768), ("120b", 65_248_815_744)])
+def test_gpt_oss_checkpoint_agrees_with_its_index(size: str, total_size: int) -> None:
+    # model.safetensors.index.json metadata.total_size of openai/gpt-oss-* (tests/data/calibration/SOURCES.md):
+    # experts in fp4 with an e8m0 scale per 32, everything else (attention, router, sinks, biases) in bf16.
+    info = gpt_oss(size)
+    assert M.layout(info, M.precision("mxfp4")).total == pytest.approx(total_size, rel=0.005)
+
+
+def vllm_mxfp4_gib(layers: int, experts: int, tp: int, hidden_align: int = 256, inter_align: int = 128) -> float:
+    """Hand-count of what vLLM holds per GPU for gpt-oss (mxfp4.py's create_weights, Marlin padding)."""
+    h, vocab, heads, kv, hd = 2880, 201088, 64, 8, 64
+    i = -(-(2880 // tp) // inter_align) * inter_align  # intermediate per rank, padded
+    hp = -(-h // hidden_align) * hidden_align
+    experts_b = experts * (2 * i * hp // 2 + hp * i // 2 + 2 * i * hp // 32 + hp * i // 32 + (2 * i + hp) * 2)
+    q, kvw = heads // tp * hd, max(1, kv // tp) * hd
+    attn = 2 * (h * q + q + 2 * (h * kvw + kvw) + q * h + h + heads // tp)  # q/k/v/o with biases, sinks
+    other = 2 * (h * experts + experts + 2 * h)  # router and its bias, two norms
+    return (layers * (experts_b + attn + other) + 2 * 2 * vocab // tp * h + 2 * h) / GIB
+
+
+@pytest.mark.parametrize(("size", "layers", "experts", "tp", "observed"), [
+    ("20b", 24, 32, 1, 13.47), ("20b", 24, 32, 2, None), ("120b", 36, 128, 1, 64.38), ("120b", 36, 128, 2, None),
+    ("120b", 36, 128, 4, 17.2217),
+])
+def test_gpt_oss_weights_per_gpu_follow_vllms_padded_layout(size: str, layers: int, experts: int, tp: int,
+                                                            observed: float | None) -> None:
+    info = gpt_oss(size)
+    weights = M.weight_bytes_per_gpu(info, M.precision("mxfp4"), tp) / GIB
+    assert weights == pytest.approx(vllm_mxfp4_gib(layers, experts, tp), rel=1e-3)
+    # The 2,880-wide experts are padded (to 3,072 x 2,944 at tp1): more than the rank's share of the file.
+    assert weights > M.layout(info, M.precision("mxfp4")).total / tp / GIB
+    if observed is not None:  # vLLM's "Model loading took" (tests/data/vllm_observed.jsonl)
+        assert weights == pytest.approx(observed, rel=0.03)
+
+
+def test_gpt_oss_on_blackwell_is_charged_flashinfers_wider_padding() -> None:
+    info = gpt_oss("20b")
+    mx = M.precision("mxfp4")
+    b200 = M.weight_bytes_per_gpu(info, mx, 1, gpu_class="B200-180GB") / GIB
+    assert b200 == pytest.approx(vllm_mxfp4_gib(24, 32, 1, inter_align=256), rel=1e-3)
+    assert b200 > M.weight_bytes_per_gpu(info, mx, 1, gpu_class="H100-80GB") / GIB
+
+
+def test_gpt_oss_plans_name_mxfp4_and_pass_no_quantization_flag() -> None:
+    for size, tp in (("20b", 1), ("120b", 2)):
+        info = gpt_oss(size)
+        reply = P.plan(info, FLEET, m.PlanRequest(model=info.name, precisions=("mxfp4",), tp=(tp,)))
+        fits = [c for c in reply.candidates if c.fits and c.gpu_class == "H100-80GB"]
+        assert fits, reply
+        c = fits[0]
+        assert c.precision == "mxfp4" and c.quantization is None and "--quantization" not in c.command
+        expected = M.weight_bytes_per_gpu(info, M.precision("mxfp4"), tp, gpu_class="H100-80GB") / GIB
+        assert c.weights_gib_per_gpu == pytest.approx(expected, abs=0.01)
+    with pytest.raises(PlanError, match="holds mxfp4 weights"):
+        P.plan(gpt_oss("20b"), FLEET, m.PlanRequest(model="openai/gpt-oss-20b", precisions=("bf16",)))
+
+
+def test_mxfp4_outside_moe_experts_is_refused(tmp_path: Path) -> None:
+    # vLLM runs mxfp4 only in fused MoE experts; a dense model's linears would load as bf16.
+    with pytest.raises(ModelError, match="mxfp4 .* MoE experts"):
+        quantized("Qwen__Qwen3-8B", {"quant_method": "mxfp4"}, tmp_path)
