@@ -42,7 +42,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.argument("model")
 @click.option("--from-plan", is_flag=True, required=True, help="Take the spec from the planner (required: nothing is deployed unplanned).")
 @click.option("--candidate", type=click.IntRange(1), help="The N-th candidate `ctl model plan MODEL` lists (with the same flags).")
-@click.option("--precision", help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M.")
+@click.option("--precision", help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M, or a pre-quantized checkpoint's own (int8, int4, fp4, mxfp4, bnb-8bit, bnb-4bit).")
 @click.option("--engine", type=click.Choice(["vllm", "llama.cpp"]), help="Check the precision's engine is this one.")
 @click.option("--tp", type=click.IntRange(1), help="GPUs per node.")
 @click.option("--pp", type=click.IntRange(1), help="Nodes (pipeline stages) in one fabric [default with --tp: 1].")

@@ -85,7 +85,7 @@ def render(reply: m.PlanReply, model: str) -> None:
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Plan against this fleet file (what-if), without NATS.")
 @click.option("--precision", "precisions", multiple=True,
-              help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M; repeatable [default: all the repository allows].")
+              help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M, or what a pre-quantized checkpoint is (int8, int4, fp4, mxfp4, bnb-8bit, bnb-4bit); repeatable [default: all the repository allows].")
 @click.option("--tp", "tps", type=int, multiple=True, help="GPUs per node to split over; repeatable [default: 1, 2, 4, 8].")
 @click.option("--context", type=int, help="Context every candidate must hold [default: the model's full context, else the largest that fits].")
 @click.option("--gpu-memory-utilization", "util", type=float, default=0.9, show_default=True,
