@@ -62,7 +62,8 @@ def render(r: m.StatusReport, console: Console, limit: int) -> None:
     console.print(f"Fleet at {_time(r.now)} UTC  [{positions or 'no events'}]")
     console.print(
         f"{r.nodes} nodes{lost} · {r.models} models · {r.replicas} replicas"
-        f"{f' ({states})' if states else ''} · {r.unprojected_events} unprojected events",
+        f"{f' ({states})' if states else ''} · {r.unprojected_events} unprojected events"
+        f"{f' · {r.clamped_events} folded at their store time (clock off)' if r.clamped_events else ''}",
 
     )
     if r.model_states:

@@ -33,6 +33,7 @@ __all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 _MAX_HEADER = 100 * 1024**2
+MAX_PARAMS = 10**16  # 10 quadrillion: messages.PlanRequest's bound
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings")
 
 
@@ -46,8 +47,8 @@ def parse_params(text: str) -> int:
         value = float(s) * mult
     except ValueError as e:
         raise ModelError(f"--params {text!r} is not a parameter count; write e.g. 70.6B, 7e9 or 8030261248") from e
-    if not value >= 1:
-        raise ModelError(f"--params must be a positive parameter count (got {text!r})")
+    if not 1 <= value <= MAX_PARAMS:  # also refuses inf and nan
+        raise ModelError(f"--params must be a parameter count from 1 to {MAX_PARAMS:.0e} (got {text!r})")
     return int(value)
 
 

@@ -28,7 +28,7 @@ from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, ProjectionError
 from llmgw.fleet import status as status_report
-from llmgw.fleet.fold import apply
+from llmgw.fleet.fold import apply, clamp_times
 from llmgw.projections.store import (
     Batch,
     Checkpoint,
@@ -178,6 +178,9 @@ class Projector:
             return
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
+        stored = [x.ts_ns for x in msgs]
+        if clamped := clamp_times(decoded, stored):
+            self._clamped(stream, clamped)
         if self.store is not None:
             payloads = datas  # idle maps' replaced by what changed in them, below
             idle = m.IdleMapPublished
@@ -185,7 +188,7 @@ class Projector:
                 if type(event) is idle:
                     payloads[i] = idle_payload(event, state.routers.get(event.router))
                 apply(state, event)
-            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs], payloads)
+            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], stored, payloads)
         else:
             for event in decoded:
                 apply(state, event)
@@ -210,6 +213,10 @@ class Projector:
                 add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, str(event))
                 self.cursor.unprojected += 1
             else:
+                one = [event]
+                if clamp_times(one, [raw.ts_ns]):
+                    self._clamped(stream, 1)
+                    event = one[0]
                 if self.store is not None:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
@@ -219,6 +226,11 @@ class Projector:
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
+
+    def _clamped(self, stream: str, n: int) -> None:
+        self.cursor.clamped += n
+        log.warning("%s: %d event(s) dated too far from when the stream stored them, folded at the stored time "
+                    "(%d so far)", stream, n, self.cursor.clamped)
 
     # --- committing -----------------------------------------------------------------
 

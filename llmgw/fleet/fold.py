@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
-from itertools import compress
+from datetime import UTC, datetime, timedelta
+from itertools import accumulate, compress
 from operator import ne
+from typing import Any
+
+import msgspec
 
 from llmgw import messages as m
 
@@ -97,6 +100,8 @@ class Cursor:
     # The last sequence folded per stream, and events that could not be decoded (skipped).
     positions: dict[str, int] = field(default_factory=dict)
     unprojected: int = 0
+    # Events folded at the time their stream stored them, their own being too far from it (``clamp_times``).
+    clamped: int = 0
     # When JetStream created each stream read (its identity: a stream deleted and
     # declared again restarts at sequence 1 under the same name).
     stream_created: dict[str, str] = field(default_factory=dict)
@@ -261,6 +266,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             if model is not None:
                 model.replicas_wanted = event.replicas
                 model.replicas_by = "operator" if type(event) is m.ModelScaled else "autoscaler"
+                # A new count is a new question: whether it fits is the scheduler's to say again.
+                model.unplaceable_reason = model.unplaceable_at = None
         case m.ModelRemoved():
             state.models.pop(event.name, None)
         case m.ModelUnplaceable():
@@ -333,6 +340,50 @@ def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterVie
     for rid in gone:
         if not any(rid in r.last_request or rid in r.serving_since for r in others):
             state.last_request.pop(rid, None)
+
+
+# Event times come from the publisher's clock; the stream's own (the server's, when it
+# stored the message) bounds them. An event dated more than MAX_AHEAD after it was
+# stored, or more than MAX_BEHIND before, is folded at the time it was stored and
+# counted: one host with a wrong clock (or one forged date, 9999-12-31) must not set
+# the fleet's clock for good. Late delivery (an outbox after an outage, an import of
+# old history) is normal, hence the wide window behind.
+MAX_AHEAD = timedelta(minutes=5)
+MAX_BEHIND = timedelta(days=3650)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def stored_at(ts_ns: int) -> datetime:
+    """A stream's store time (ns since the epoch) as an aware datetime, to the microsecond."""
+    return _EPOCH + timedelta(microseconds=ts_ns // 1000)
+
+
+def clamp_times(events: list[Any], stored_ns: list[int]) -> int:
+    """Replace, in ``events``, each one dated outside its store time's window by a copy at that time.
+
+    ``stored_ns[i]`` is when the stream stored ``events[i]``. Returns how many were
+    replaced. Whether an event is clamped depends on it alone, never on the batch
+    it came in, so every reader (projector, replay, scheduler, planner) folds the
+    same times. Most events need two comparisons: ``hi`` is the window's end for
+    the earliest store time still ahead, so it is never later than an event's own.
+    """
+    if not events:
+        return 0
+    lo = stored_at(max(stored_ns)) - MAX_BEHIND  # never earlier than any event's own lower bound
+    floor = list(accumulate(reversed(stored_ns), min))
+    floor.reverse()
+    hi = stored_at(floor[0]) + MAX_AHEAD
+    clamped = 0
+    for i, event in enumerate(events):
+        at = event.at
+        if at > hi:
+            hi = stored_at(floor[i]) + MAX_AHEAD
+        if at > hi or at < lo:
+            t = stored_at(stored_ns[i])
+            if not t - MAX_BEHIND <= at <= t + MAX_AHEAD:
+                events[i] = msgspec.structs.replace(event, at=t)
+                clamped += 1
+    return clamped
 
 
 def fold(events: Iterable[m.Event], state: FleetState | None = None) -> FleetState:

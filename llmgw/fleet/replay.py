@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from llmgw import subjects
 from llmgw.errors import ProjectionError
-from llmgw.fleet.fold import Cursor, FleetState, apply
+from llmgw.fleet.fold import Cursor, FleetState, apply, clamp_times
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
@@ -52,12 +52,15 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                               on_skip=skipped)
         async with contextlib.aclosing(follower.batches()) as batches:  # type: ignore[type-var]
             async for batch in batches:
-                for d in batch:
-                    if cut is not None and d.raw.ts_ns > cut:
-                        past = True
-                        break
-                    apply(state, d.event)
-                    cursor.positions[stream] = max(cursor.positions.get(stream, 0), d.raw.seq)
+                if cut is not None and batch and batch[-1].raw.ts_ns > cut:
+                    k = next(i for i, d in enumerate(batch) if d.raw.ts_ns > cut)
+                    batch, past = batch[:k], True
+                events = [d.event for d in batch]
+                cursor.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])
+                for event in events:
+                    apply(state, event)
+                if batch:
+                    cursor.positions[stream] = max(cursor.positions.get(stream, 0), batch[-1].raw.seq)
                 done += len(batch)
                 if progress is not None:
                     progress(done, total)

@@ -128,5 +128,6 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         idle=tuple(idle),
         unknown_idle=unknown,
         unprojected_events=cursor.unprojected,
+        clamped_events=cursor.clamped,
         model_states=dict(sorted(state.model_states().items())),
     )
