@@ -161,8 +161,11 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080
     """
     from llmgw.config import data_dir as default_data_dir
+    from llmgw.fleetfile import load as load_fleet
     from llmgw.natsserver import EmbeddedServer
 
+    if fleet_path is not None:
+        load_fleet(fleet_path)  # a bad file fails here, once, not as an agent that restarts on it forever
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
     server = None

@@ -8,6 +8,7 @@ an event; a reader accepts newer versions and ignores fields it does not know.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -26,8 +27,20 @@ SCHEMA_VERSION = 1
 # letters, digits, ``.``, ``_`` or ``-``, starting with a letter or digit. No space,
 # newline or other character a subject token, a shell or a table would mangle.
 NAME_MAX = 128
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # \Z: "$" would let a trailing newline through
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)]
+NAME_RULE = f"1 to {NAME_MAX} letters, digits, '.', '_' or '-', starting with a letter or digit"
+_NAME = re.compile(NAME_PATTERN)
+
+
+def name_problem(name: str, what: str = "a name") -> str | None:
+    """Why ``name`` breaks the names rule (for an error message), or None when it follows it."""
+    if len(name) <= NAME_MAX and _NAME.match(name):
+        return None
+    shown = repr(name) if len(name) <= 60 else f"{name[:40]!r}… ({len(name):,} characters)"
+    return f"{what} must be {NAME_RULE} (got {shown})"
+
+
 ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, pattern=NAME_PATTERN)]
 Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, classes, fabrics, versions, addresses
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # reasons and details for people; paths

@@ -108,13 +108,15 @@ def test_every_number_and_string_of_every_event_is_bounded() -> None:
 
 def test_names_follow_one_rule() -> None:
     ok = ["a", "qwen14", "gpu01.dc1", "h100-a-01", "Model_2", "x" * m.NAME_MAX]
-    bad = ["", "new\nline", "-lead", ".hidden", "a b", "ä", "x" * (m.NAME_MAX + 1), "a/b", "a*"]
+    bad = ["", "new\nline", "trailing\n", "-lead", ".hidden", "a b", "ä", "x" * (m.NAME_MAX + 1), "a/b", "a*"]
     dec = msgspec.json.Decoder(m.Name)
     for name in ok:
         assert dec.decode(json.dumps(name).encode()) == name
+        assert m.name_problem(name) is None
     for name in bad:
         with pytest.raises(msgspec.ValidationError):
             dec.decode(json.dumps(name).encode())
+        assert m.name_problem(name) is not None
 
 
 # --- the projector and the replay go on past them -------------------------------------------
