@@ -42,6 +42,11 @@ def name_problem(name: str, what: str = "a name") -> str | None:
 
 
 ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, pattern=NAME_PATTERN)]
+# A name where an event refers to one (a replica's node, a scaled model): bounded in length only.
+# The rule is checked where a name enters the fleet (an inventory, a declaration, a placement, a
+# router's map), so a reference outside it matches nothing and is ignored; a pattern per reference
+# would cost the hot events (replica states, health changes) half their decoding time.
+Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24)]
 Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, classes, fabrics, versions, addresses
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # reasons and details for people; paths
 Reasons = Annotated[tuple[Text, ...], msgspec.Meta(max_length=64)]
@@ -103,7 +108,7 @@ class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_
 class GpuHealthChanged(Event, tag="GpuHealthChanged", frozen=True, kw_only=True):
     """A GPU went from healthy to unhealthy or back; only transitions are events."""
 
-    node: Name
+    node: Ref
     gpu_index: GpuIndex
     gpu_uuid: Label
     healthy: bool
@@ -114,7 +119,7 @@ class GpuHealthChanged(Event, tag="GpuHealthChanged", frozen=True, kw_only=True)
 class NodeLost(Event, tag="NodeLost", frozen=True, kw_only=True):
     """A node missed its heartbeats for longer than the timeout."""
 
-    node: Name
+    node: Ref
     last_heartbeat_at: Time | None = None
     timeout_s: Seconds = 60.0
 
@@ -122,7 +127,7 @@ class NodeLost(Event, tag="NodeLost", frozen=True, kw_only=True):
 class NodeReturned(Event, tag="NodeReturned", frozen=True, kw_only=True):
     """A lost node is heard from again."""
 
-    node: Name
+    node: Ref
     boot_id: Label = ""
 
 
@@ -164,16 +169,18 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     router: Name
     boot_id: Label
     tick: Seq
-    last_request: dict[ReplicaId, Time] = {}
+    # Replica ids as keys are plain strings: only looked up, never taken as a name, and bounded by
+    # the message (NATS max_payload); a length check per key costs 40% of this stream's decoding.
+    last_request: dict[str, Time] = {}
     # Replicas in this router's pool with no request since it started routing
     # to them, and since when: "nobody asked since X", never "idle forever".
-    serving_since: dict[ReplicaId, Time] = {}
+    serving_since: dict[str, Time] = {}
     # Demand, for the scheduler's autoscaler: per model this router knows, requests
     # in flight to its replicas plus requests held while it wakes, and how many
     # healthy replicas it routes to; per replica, requests in flight (non-zero only),
     # so a scale-down never picks a replica in the middle of a request.
-    load: dict[Name, ModelLoad] = {}
-    busy: dict[ReplicaId, Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
+    load: dict[Ref, ModelLoad] = {}
+    busy: dict[str, Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
     tick_s: Seconds = 0.0  # the router's tick: how soon its load is stale
     # The last control-stream sequence the router had applied: a sample taken before a
     # model's replica count last changed says nothing about the new count.
@@ -190,7 +197,7 @@ class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
 
     router: Name
     boot_id: Annotated[str, msgspec.Meta(max_length=64)]
-    model: Name
+    model: Ref
     control_seq: Seq
     waiting: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
 
@@ -244,14 +251,14 @@ class ModelDeclared(Event, tag="ModelDeclared", frozen=True, kw_only=True):
 class ModelScaled(Event, tag="ModelScaled", frozen=True, kw_only=True):
     """An operator changed how many replicas a model should have."""
 
-    name: Name
+    name: Ref
     replicas: Replicas
 
 
 class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
     """The scheduler changed how many replicas an autoscaled model has, and says why."""
 
-    name: Name
+    name: Ref
     replicas: Replicas
     reason: Text = ""
 
@@ -259,13 +266,13 @@ class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
 class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
     """An operator asked for a model to stop serving everywhere."""
 
-    name: Name
+    name: Ref
 
 
 class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True):
     """The scheduler could not place replicas of a model, and says why."""
 
-    name: Name
+    name: Ref
     reason: Text
     missing_replicas: Replicas = 1
 
@@ -273,7 +280,7 @@ class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True)
 class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU a replica holds."""
 
-    node: Name
+    node: Ref
     index: GpuIndex
     uuid: Label
 
@@ -282,8 +289,8 @@ class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
     """The scheduler put a replica on these GPUs (tp per node, pp nodes)."""
 
     replica_id: ReplicaId
-    model: Name
-    nodes: Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_GPUS)]
+    model: Ref
+    nodes: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=MAX_GPUS)]
     gpus: Annotated[tuple[GpuRef, ...], msgspec.Meta(max_length=MAX_GPUS * 16)]
     spec: ModelSpec
     fabric: Label = ""
@@ -296,9 +303,9 @@ ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
 class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only=True):
     """An agent reports how the engine of a replica is doing."""
 
-    replica_id: ReplicaId
-    model: Name
-    node: Name
+    replica_id: Ref
+    model: Ref
+    node: Ref
     state: ReplicaState
     endpoint: Label = ""
     detail: Text = ""
@@ -315,8 +322,8 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
     """A replica must stop and give its GPUs back (idle, removed, re-placed, …)."""
 
-    replica_id: ReplicaId
-    model: Name
+    replica_id: Ref
+    model: Ref
     reason: Text
 
 

@@ -46,9 +46,13 @@ POISON: dict[str, tuple[type[m.Event], bytes]] = {
         at=t(0), replica_id="m-r1", model="m", node="n1", state="failed"), restarts=2**31)),
     "tp 2**31": (m.ModelDeclared, json.dumps({"type": "ModelDeclared", "at": AT, "spec": {
         **json.loads(msgspec.json.encode(spec("m"))), "tp": 2**31}}).encode()),
-    "a model name with a newline": (m.ModelScaled, _doc(m.ModelScaled(at=t(0), name="m", replicas=1), name="new\nline")),
+    "a model declared with a newline in its name": (m.ModelDeclared, json.dumps({"type": "ModelDeclared", "at": AT, "spec": {
+        **json.loads(msgspec.json.encode(spec("m"))), "name": "new\nline"}}).encode()),
+    "a node reporting under a name with a space": (m.NodeInventoryReported, _doc(inventory("n1", "ib-a", 1, t(0)), node="a b")),
     "an empty model name": (m.ModelRemoved, _doc(m.ModelRemoved(at=t(0), name="m"), name="")),
     "a node name of 100 000 characters": (m.NodeLost, _doc(m.NodeLost(at=t(0), node="n"), node="n" * 100_000)),
+    "a router name with a newline": (m.IdleMapPublished, _doc(m.IdleMapPublished(at=t(0), router="r", boot_id="b", tick=1),
+                                                              router="r\n")),
     "a time with no zone (cannot be compared)": (m.NodeLost, _doc(m.NodeLost(at=t(0), node="n1"), at="2026-03-02T10:00:00")),
 }
 
@@ -61,6 +65,11 @@ def test_decoders_refuse_values_out_of_bounds(name: str) -> None:
     for decoder in (m.FLEET_DECODER, m.CONTROL_DECODER):
         with pytest.raises(msgspec.ValidationError):
             decoder.decode(data)
+
+
+# Replica ids as idle-map keys: looked up only, bounded by the message (see messages.IdleMapPublished).
+UNBOUNDED_KEYS = {"IdleMapPublished.last_request[key]", "IdleMapPublished.serving_since[key]",
+                  "IdleMapPublished.busy[key]"}
 
 
 def _unbounded(t: Any, path: str, seen: set[Any], out: list[str]) -> None:
@@ -76,7 +85,7 @@ def _unbounded(t: Any, path: str, seen: set[Any], out: list[str]) -> None:
         if t.le is None and t.lt is None:
             out.append(f"{path}: float {t}")
     elif isinstance(t, mi.StrType):
-        if t.max_length is None:
+        if t.max_length is None and path not in UNBOUNDED_KEYS:
             out.append(f"{path}: str")
     elif isinstance(t, mi.StructType):
         if t.cls in seen:
@@ -127,6 +136,8 @@ def _subject(kind: type[m.Event], node: str = "n1") -> str:
         return subjects.fleet(node, "inventory" if kind is m.NodeInventoryReported else "health")
     if kind is m.ReplicaStateChanged:
         return subjects.replica("m-r1", "state", node)
+    if kind is m.IdleMapPublished:
+        return subjects.usage_idle("r")
     return subjects.model("m", "scaled")
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import accumulate, compress
-from operator import ne
+from itertools import compress
+from operator import attrgetter, ne
 from typing import Any
 
 import msgspec
@@ -364,25 +364,32 @@ def clamp_times(events: list[Any], stored_ns: list[int]) -> int:
     ``stored_ns[i]`` is when the stream stored ``events[i]``. Returns how many were
     replaced. Whether an event is clamped depends on it alone, never on the batch
     it came in, so every reader (projector, replay, scheduler, planner) folds the
-    same times. Most events need two comparisons: ``hi`` is the window's end for
-    the earliest store time still ahead, so it is never later than an event's own.
+    same times.
     """
     if not events:
         return 0
-    lo = stored_at(max(stored_ns)) - MAX_BEHIND  # never earlier than any event's own lower bound
-    floor = list(accumulate(reversed(stored_ns), min))
-    floor.reverse()
-    hi = stored_at(floor[0]) + MAX_AHEAD
+    return _clamp(events, list(map(_AT, events)), stored_ns, 0, len(events))
+
+
+_AT = attrgetter("at")
+
+
+def _clamp(events: list[Any], ats: list[datetime], stored_ns: list[int], i: int, j: int) -> int:
+    # A run whose latest time is within the window of its earliest store time (and whose earliest
+    # within that of its latest) holds no event outside its own window: a few C-level passes
+    # decide it. Otherwise halve it; a short run is judged event by event.
+    part, stored = ats[i:j], stored_ns[i:j]
+    if max(part) <= stored_at(min(stored)) + MAX_AHEAD and min(part) >= stored_at(max(stored)) - MAX_BEHIND:
+        return 0
+    if j - i > 16:
+        k = (i + j) // 2
+        return _clamp(events, ats, stored_ns, i, k) + _clamp(events, ats, stored_ns, k, j)
     clamped = 0
-    for i, event in enumerate(events):
-        at = event.at
-        if at > hi:
-            hi = stored_at(floor[i]) + MAX_AHEAD
-        if at > hi or at < lo:
-            t = stored_at(stored_ns[i])
-            if not t - MAX_BEHIND <= at <= t + MAX_AHEAD:
-                events[i] = msgspec.structs.replace(event, at=t)
-                clamped += 1
+    for x in range(i, j):
+        t = stored_at(stored_ns[x])
+        if not t - MAX_BEHIND <= ats[x] <= t + MAX_AHEAD:
+            events[x] = msgspec.structs.replace(events[x], at=t)
+            clamped += 1
     return clamped
 
 
