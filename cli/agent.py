@@ -173,8 +173,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
 
 
 @agent.command("fault")
-@click.argument("node")
-@click.argument("gpu", type=click.IntRange(min=0))
+@click.argument("node", callback=checked_name)
+@click.argument("gpu", type=click.IntRange(0, m.MAX_GPUS - 1))
 @click.argument("kind", metavar="xid=N|ecc|lost|thermal|clear")
 @json_option
 @nats_options
@@ -212,7 +212,7 @@ async def _ask_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
 
 
 @agent.command("liveness")
-@click.option("--timeout-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Silence after which a node is lost.")
+@click.option("--timeout-s", type=click.FloatRange(0.1, 86400), default=60.0, show_default=True, help="Silence after which a node is lost.")
 @nats_options
 def liveness(timeout_s: float, settings: Settings) -> None:
     """Publish NodeLost for nodes silent longer than --timeout-s, NodeReturned when heard again.

@@ -215,3 +215,17 @@ def test_up_with_a_bad_fleet_file_fails_at_once(tmp_path: Path) -> None:
     assert out.strip().splitlines() == [f"Error: {f}: faults[0].node names no node of this file (got 'n9')"]
     assert not (tmp_path / "data").exists()  # nothing was started
 
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("scheduler", "--heartbeat-timeout", "1e400"), ("--heartbeat-timeout", "0.5<=x<=86400")),
+    (("agent", "liveness", "--timeout-s", "1e300"), ("--timeout-s",)),
+    (("router", "--tick", "1e308"), ("--tick", "0.05<=x<=3600")),
+    (("agent", "fault", "n1", "99999", "ecc"), ("GPU", "0<=x<=4095")),
+    (("agent", "fault", "a b", "0", "ecc"), ("NODE", "letters, digits")),
+    (("agent", "--node", "x\n", "--once"), ("--node", "letters, digits")),
+    (("router", "--name", "r 1"), ("--name", "letters, digits")),
+])
+def test_values_that_would_go_into_every_event_of_a_service_are_bounded(args: tuple[str, ...], words: tuple[str, ...]) -> None:
+    """Before: accepted, and then every NodeLost, idle map or command they made was refused by its readers."""
+    usage_error(invoke(*args, "--nats-url", "nats://127.0.0.1:1"), *words)
