@@ -16,7 +16,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent import Agent
 from llmgw.bus import Bus
-from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.engines import EngineConfig, EngineSupervisor, parse_engine_cmds
 from llmgw.errors import LlmgwError
@@ -117,7 +117,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 
 
 @click.group("agent", invoke_without_command=True)
-@click.option("--node", help="This node's name [default: the host name; with --simulate: every node of the file].")
+@click.option("--node", callback=checked_name,
+              help="This node's name [default: the host name; with --simulate: every node of the file].")
 @click.option("--fabric", help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
 @click.option("--simulate", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), help="Simulate the node(s) of this fleet file instead of reading NVML.")
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
@@ -172,8 +173,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
 
 
 @agent.command("fault")
-@click.argument("node")
-@click.argument("gpu", type=click.IntRange(min=0))
+@click.argument("node", callback=checked_name)
+@click.argument("gpu", type=click.IntRange(0, m.MAX_GPUS - 1))
 @click.argument("kind", metavar="xid=N|ecc|lost|thermal|clear")
 @json_option
 @nats_options
@@ -214,7 +215,7 @@ async def _ask_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
 
 
 @agent.command("liveness")
-@click.option("--timeout-s", type=click.FloatRange(min=0.1), default=60.0, show_default=True, help="Silence after which a node is lost.")
+@click.option("--timeout-s", type=click.FloatRange(0.1, 86400), default=60.0, show_default=True, help="Silence after which a node is lost.")
 @nats_options
 def liveness(timeout_s: float, settings: Settings) -> None:
     """Publish NodeLost for nodes silent longer than --timeout-s, NodeReturned when heard again.

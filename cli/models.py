@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw import messages as m
-from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
@@ -31,6 +31,10 @@ def _describe(spec: m.ModelSpec) -> str:
             f"({split}), context {spec.context:,}, {count}")
 
 
+REPLICAS = click.IntRange(0, m.MAX_REPLICAS)
+SPLIT = click.IntRange(1, m.MAX_GPUS)
+
+
 def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     from llmgw.cli.progress import parse_duration
 
@@ -38,22 +42,22 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.command("deploy")
-@click.argument("name")
+@click.argument("name", callback=checked_name)
 @click.argument("model")
 @click.option("--from-plan", is_flag=True, required=True, help="Take the spec from the planner (required: nothing is deployed unplanned).")
 @click.option("--candidate", type=click.IntRange(1), help="The N-th candidate `ctl model plan MODEL` lists (with the same flags).")
 @click.option("--precision", help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M, or a pre-quantized checkpoint's own (int8, int4, fp4, mxfp4, bnb-8bit, bnb-4bit).")
 @click.option("--engine", type=click.Choice(["vllm", "llama.cpp"]), help="Check the precision's engine is this one.")
-@click.option("--tp", type=click.IntRange(1), help="GPUs per node.")
-@click.option("--pp", type=click.IntRange(1), help="Nodes (pipeline stages) in one fabric [default with --tp: 1].")
+@click.option("--tp", type=SPLIT, help="GPUs per node.")
+@click.option("--pp", type=SPLIT, help="Nodes (pipeline stages) in one fabric [default with --tp: 1].")
 @click.option("--gpu-class", help="e.g. H100-80GB.")
-@click.option("--context", type=click.IntRange(1), help="Context length (max_model_len).")
+@click.option("--context", type=click.IntRange(1, 1 << 30), help="Context length (max_model_len).")
 @click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="vLLM's KV cache dtype (fp8 halves it); planned and passed to the engine.")
-@click.option("--replicas", type=click.IntRange(1), default=1, show_default=True, help="How many replicas.")
-@click.option("--min-replicas", type=click.IntRange(0), help="Autoscale: never fewer (0: scale to zero; a request wakes it).")
-@click.option("--max-replicas", type=click.IntRange(1), help="Autoscale: never more.")
-@click.option("--target-in-flight", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+@click.option("--replicas", type=click.IntRange(1, m.MAX_REPLICAS), default=1, show_default=True, help="How many replicas.")
+@click.option("--min-replicas", type=REPLICAS, help="Autoscale: never fewer (0: scale to zero; a request wakes it).")
+@click.option("--max-replicas", type=click.IntRange(1, m.MAX_REPLICAS), help="Autoscale: never more.")
+@click.option("--target-in-flight", type=click.FloatRange(min=0, min_open=True, max=100_000), default=4.0, show_default=True,
               help="Autoscale: requests in flight (and waiting) per replica to aim at.")
 @click.option("--idle-ttl", callback=_duration, help="Stop a replica nobody asked for this long (e.g. 2h); the scheduler enforces it.")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
@@ -105,8 +109,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
 
 
 @click.command("scale")
-@click.argument("name")
-@click.option("--replicas", type=click.IntRange(0), required=True, help="How many replicas NAME should have (0 stops them all, keeps the declaration).")
+@click.argument("name", callback=checked_name)
+@click.option("--replicas", type=REPLICAS, required=True, help="How many replicas NAME should have (0 stops them all, keeps the declaration).")
 @json_option
 @nats_options
 def scale(name: str, replicas: int, as_json: bool, settings: Settings) -> None:
@@ -127,7 +131,7 @@ def scale(name: str, replicas: int, as_json: bool, settings: Settings) -> None:
 
 
 @click.command("remove")
-@click.argument("name")
+@click.argument("name", callback=checked_name)
 @json_option
 @nats_options
 def remove(name: str, as_json: bool, settings: Settings) -> None:

@@ -46,7 +46,11 @@ def nats_cmd(data_dir: Path | None, port: int, host: str, config_file: Path | No
     from llmgw.config import data_dir as default_data_dir
 
     store = data_dir or default_data_dir() / "nats"
-    server = EmbeddedServer(store, port=port, host=host, config_file=config_file).start()
+    try:
+        server = EmbeddedServer(store, port=port, host=host, config_file=config_file).start()
+    except OSError as e:  # the store cannot be created there (/proc, read-only, a file in the way)
+        raise click.ClickException(f"cannot use {store} as the JetStream store ({e.strerror or e}); "
+                                   "pass --data-dir DIR in a directory you can write") from e
     try:
         if config_file is None:
             run(declare_streams(server.url))

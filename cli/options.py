@@ -100,6 +100,18 @@ def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def checked_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A node, model or router name follows the one names rule (README: Names), or it is a usage error.
+
+    Every event carrying the name would be refused by every reader otherwise.
+    """
+    from llmgw.messages import name_problem
+
+    if value is not None and (why := name_problem(value, param.human_readable_name)) is not None:
+        raise click.BadParameter(why, ctx=ctx, param=param)
+    return value
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
 
 

@@ -13,31 +13,35 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+MAX_DURATION_S = 10 * 365 * 86400  # ten years: what an event may carry (messages.Seconds), and far past any history
 
 
 def parse_duration(text: str, flag: str) -> float:
-    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or a plain number of seconds."""
+    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or a plain number of seconds (at most ten years)."""
     match = _DURATION.match(text)
     if not match:
         raise click.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 2h, 1d", param_hint=flag)
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if not seconds <= MAX_DURATION_S:
+        raise click.BadParameter(f"{text!r} is longer than ten years (3650d); write a shorter duration",
+                                 param_hint=flag)
+    return seconds
 
 
 def parse_time(text: str, flag: str, now: datetime | None = None) -> datetime:
     """A moment from ISO 8601 (naive means UTC) or a duration ago (``2h`` = two hours before now)."""
-    try:
+    if _DURATION.match(text):
         return now_or(now) - timedelta(seconds=parse_duration(text, flag))
-    except click.BadParameter:
-        pass
     try:
         t = datetime.fromisoformat(text.strip().replace(" ", "T", 1) if " " in text.strip() else text.strip())
-    except ValueError:
+        t = t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    except (ValueError, OverflowError):  # OverflowError: 0001-01-01T00:00+01:00 is before year 1 in UTC
         raise click.BadParameter(
             f"{text!r} is not a time; write ISO 8601 like 2026-03-02T10:42 (UTC unless an offset is given) "
             "or a duration ago like 2h",
             param_hint=flag,
         ) from None
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+    return t
 
 
 def now_or(now: datetime | None) -> datetime:

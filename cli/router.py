@@ -7,7 +7,7 @@ import socket
 import click
 
 from llmgw.bus import Bus
-from llmgw.cli.options import nats_options, run
+from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
 from llmgw.router import load_api_keys, serve_router
 from llmgw.upstream import Timeouts
@@ -22,9 +22,9 @@ def _listen(value: str) -> tuple[str, int]:
 
 @click.command("router")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to serve the OpenAI API on.")
-@click.option("--name", default=socket.gethostname, show_default="hostname",
+@click.option("--name", default=socket.gethostname, show_default="hostname", callback=checked_name,
               help="Router name in idle maps; give each router of a fleet its own.")
-@click.option("--tick", "tick_s", type=click.FloatRange(min=0.05), default=10.0, show_default=True,
+@click.option("--tick", "tick_s", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True,
               help="Seconds between idle maps.")
 @click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False),
               help="File of sha256 hex digests of accepted keys, one per line (# comments); off when absent.")

@@ -40,7 +40,7 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
 @click.option("--name", default="", help="This scheduler's name in the lease [default: a random one].")
 @click.option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(0.5), default=10.0, show_default=True, help="Seconds before a dead leader's lease passes to another scheduler.")
 @click.option("--tick", "tick_s", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Seconds between decision passes when nothing happens.")
-@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(0.5), default=60.0, show_default=True, help="Seconds of silence before a node is declared lost.")
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(0.5, 86400), default=60.0, show_default=True, help="Seconds of silence before a node is declared lost.")
 def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float) -> None:
     """Place declared models on free healthy GPUs; re-place after faults (one leader at a time).
 

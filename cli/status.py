@@ -92,7 +92,8 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     console.print(f"Fleet at {_time(r.now)} UTC  [{positions or 'no events'}]")
     console.print(
         f"{plural(r.nodes, 'node')}{lost} · {plural(r.models, 'model')} · {plural(r.replicas, 'replica')}"
-        f"{f' ({states})' if states else ''} · {plural(r.unprojected_events, 'unprojected event')}",
+        f"{f' ({states})' if states else ''} · {plural(r.unprojected_events, 'unprojected event')}"
+        f"{f' · {r.clamped_events} folded at their store time (clock off)' if r.clamped_events else ''}",
     )
     if r.model_states:
         counts = Counter(r.model_states.values())

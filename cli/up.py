@@ -179,9 +179,9 @@ def _default_models_dir() -> str | None:
 @click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="nats-server port on loopback (0: a free one).")
 @click.option("--nats-url", help="Use this running NATS instead of starting one.")
 @click.option("--router-listen", default="127.0.0.1:8080", show_default=True, help="Where the OpenAI-compatible router listens.")
-@click.option("--router-tick", type=click.FloatRange(0.05), default=10.0, show_default=True, help="Seconds between the router's idle maps.")
+@click.option("--router-tick", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True, help="Seconds between the router's idle maps.")
 @click.option("--heartbeat-s", type=click.FloatRange(0.1), default=5.0, show_default=True, help="Seconds between simulated agents' heartbeats.")
-@click.option("--lost-after", type=click.FloatRange(0.5), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
+@click.option("--lost-after", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
 @click.option("--models-dir", help="Org__Name model folders for the planner [default: $LLMGW_MODELS_DIR, else ./examples/models].")
 @click.option("--no-example", is_flag=True, help="Do not declare the example model.")
 @click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
@@ -199,7 +199,10 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080
     """
     from llmgw.config import data_dir as default_data_dir
+    from llmgw.fleetfile import load as load_fleet
 
+    if fleet_path is not None:
+        load_fleet(fleet_path)  # a bad file fails here, once, not as an agent that restarts on it forever
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
     server = None

@@ -207,6 +207,9 @@ class EngineConfig:
     advertise_host: str = ""
     health_timeout_s: float = 900.0  # vLLM loading a 70B model takes minutes
     health_interval_s: float = 0.5
+    # An engine that is up but answers the check 4xx (a model name it does not serve, a
+    # request it refuses) will not change its mind while it loads: give up after this long.
+    health_refused_s: float = 60.0
     max_restarts: int = 3
     backoff_base_s: float = 2.0
     backoff_max_s: float = 60.0
@@ -248,6 +251,7 @@ class EngineRun:
         self.state = "placed"
         self.endpoint = ""
         self.tail: deque[str] = deque(maxlen=config.log_lines)
+        self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
 
     @property
     def replica_id(self) -> str:
@@ -368,30 +372,43 @@ class EngineRun:
         return kv_tokens_from_props(text) if llama else kv_tokens_from_metrics(text)
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
-        """/health answers 200, then a one-token completion does too."""
+        """/health answers 200, then a one-token completion does too; ``check_problem`` says what did not."""
         base = f"http://{self.config.check_host}:{self.port}"
+        self.check_refused = False
         try:
             async with session.get(f"{base}/health") as r:
                 if r.status != 200:
+                    self.check_problem = f"GET /health answered {r.status}"
                     return False
             body = {"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}
             async with session.post(f"{base}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    text = (await r.content.read(300)).decode(errors="replace").strip()
+                    self.check_problem = f"POST /v1/completions (model {self.placed.spec.name!r}) answered {r.status}: {text}"
+                    self.check_refused = 400 <= r.status < 500 and r.status not in (408, 429)
                 return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, aiohttp.ClientError) as e:
+            self.check_problem = f"no answer ({type(e).__name__})"
             return False
 
     async def _wait_healthy(self) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.health_timeout_s
         timeout = aiohttp.ClientTimeout(total=10)
+        self.check_problem, refused_since = "not checked yet", None
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while loop.time() < deadline:
                 if self._exited():
                     return False
                 if await self._healthy(session):
                     return True
+                refused_since = (refused_since or loop.time()) if self.check_refused else None
+                if refused_since is not None and loop.time() - refused_since >= self.config.health_refused_s:
+                    self.tail.append(f"the engine is up but refuses the health check for "
+                                     f"{self.config.health_refused_s:g}s: {self.check_problem}")
+                    return False
                 await asyncio.sleep(self.config.health_interval_s)
-        self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s")
+        self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s; last: {self.check_problem}")
         return False
 
     async def stop(self) -> None:

@@ -17,8 +17,13 @@ from typing import Any
 from llmgw import messages as m
 from llmgw.errors import FleetFileError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_CLASS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*-\d+GB$")
+_NAME = re.compile(m.NAME_PATTERN)
+_CLASS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}-\d{1,6}GB\Z")
+# A fleet file is read whole by every command that takes one: bounded, so that a
+# wrong file (a log, a disk image) is refused at once instead of parsed for minutes.
+MAX_BYTES = 8 * 1024 * 1024  # about 60,000 nodes written as in examples/fleet.toml
+MAX_NODES = 10_000
+TABLES = ("nodes", "faults")  # the top-level tables a fleet file may hold
 
 
 @dataclass(frozen=True)
@@ -66,13 +71,23 @@ def _field(path: str, where: str, value: Any, kind: type, problem: str) -> Any:
 
 def parse(text: str, path: str = "<fleet>") -> Fleet:
     """A validated fleet from TOML text."""
+    if len(text) > MAX_BYTES:
+        raise FleetFileError(path, "", f"is larger than {MAX_BYTES // 2**20} MiB; a fleet file describes at most "
+                             f"{MAX_NODES:,} nodes")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise FleetFileError(path, "", f"is not valid TOML: {e}") from e
+    except RecursionError:
+        raise FleetFileError(path, "", "is nested too deeply to be a fleet file") from None
+    for key in doc:
+        if key not in TABLES:
+            raise FleetFileError(path, key, f"is not a known table (known: {', '.join(TABLES)})")
     nodes_raw = doc.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise FleetFileError(path, "nodes", "must be a non-empty array of tables ([[nodes]])")
+    if len(nodes_raw) > MAX_NODES:
+        raise FleetFileError(path, "nodes", f"lists {len(nodes_raw):,} nodes; a fleet file holds at most {MAX_NODES:,}")
     known = {"name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib", "unhealthy", "gpu_name"}
     nodes: list[FleetNode] = []
     seen: set[str] = set()
@@ -87,13 +102,13 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
             if key not in raw:
                 raise FleetFileError(path, f"{at}.{key}", "is missing")
         name = _field(path, f"{at}.name", raw["name"], str, "must be a string")
-        if not _NAME.match(name):
-            raise FleetFileError(path, f"{at}.name", f"must be a host name of letters, digits, '.', '-' or '_' (got {name!r})")
+        if (why := m.name_problem(name, "a node name")) is not None:
+            raise FleetFileError(path, f"{at}.name", why)
         if name in seen:
             raise FleetFileError(path, f"{at}.name", f"repeats node {name!r}")
         seen.add(name)
         fabric = _field(path, f"{at}.fabric", raw["fabric"], str, "must be a string")
-        if not _NAME.match(fabric):
+        if len(fabric) > m.NAME_MAX or not _NAME.match(fabric):
             raise FleetFileError(path, f"{at}.fabric", f"must be a name of letters, digits, '.', '-' or '_' (got {fabric!r})")
         gpu_class = _field(path, f"{at}.gpu_class", raw["gpu_class"], str, "must be a string")
         if not _CLASS.match(gpu_class):
@@ -111,6 +126,8 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
             if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < count:
                 raise FleetFileError(path, f"{at}.unhealthy[{j}]", f"must be a GPU index from 0 to {count - 1} (got {idx!r})")
         gpu_name = _field(path, f"{at}.gpu_name", raw.get("gpu_name", ""), str, "must be a string")
+        if len(gpu_name) > 200:
+            raise FleetFileError(path, f"{at}.gpu_name", f"must be at most 200 characters (got {len(gpu_name):,})")
         nodes.append(
             FleetNode(
                 name=name,
@@ -122,14 +139,21 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
                 gpu_name=gpu_name,
             )
         )
-    return Fleet(path=path, nodes=tuple(nodes), raw=doc)
+    fleet = Fleet(path=path, nodes=tuple(nodes), raw=doc)
+    faults(fleet)  # every command that reads the file refuses a bad schedule, not only the agent that runs it
+    return fleet
 
 
 def load(path: str | Path) -> Fleet:
     """A validated fleet from a file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            data = f.read(MAX_BYTES + 1)
+        if len(data) > MAX_BYTES:
+            raise FleetFileError(str(path), "", f"is larger than {MAX_BYTES // 2**20} MiB; a fleet file describes at "
+                                 f"most {MAX_NODES:,} nodes (see examples/fleet.toml for the format)")
+        text = data.decode()
     except FileNotFoundError as e:
         raise FleetFileError(str(path), "", "does not exist; see examples/fleet.toml for the format") from e
     except (OSError, UnicodeDecodeError) as e:
@@ -188,7 +212,7 @@ def parse_fault_kind(text: str) -> tuple[str, int]:
     """``xid=79`` → ("xid", 79); ``ecc`` → ("ecc", 0); ValueError says what is accepted."""
     kind, _, arg = text.strip().partition("=")
     if kind == "xid":
-        if not arg.isdigit() or not 0 < int(arg) < 1000:
+        if not re.fullmatch(r"[0-9]{1,3}", arg) or not 0 < int(arg) < 1000:  # not str.isdigit: "²" is a digit to it
             raise ValueError(f"xid needs a number, like xid=79 (got {text!r})")
         return kind, int(arg)
     if kind in FAULT_KINDS and not arg:
@@ -197,8 +221,8 @@ def parse_fault_kind(text: str) -> tuple[str, int]:
 
 
 def _seconds(path: str, where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise FleetFileError(path, where, f"must be a number of seconds, 0 or more (got {value!r})")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10 * 365 * 86400:
+        raise FleetFileError(path, where, f"must be a number of seconds, from 0 to ten years (got {value!r})")
     return float(value)
 
 

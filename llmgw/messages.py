@@ -8,12 +8,58 @@ an event; a reader accepts newer versions and ignores fields it does not know.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 import msgspec
 
 SCHEMA_VERSION = 1
+
+# --- bounds: every number and string a decoder accepts -----------------------------
+#
+# One event out of range must never stop a reader: the projector's DuckDB columns
+# (INTEGER, BIGINT), its msgpack checkpoint (64-bit integers) and the scheduler's
+# loops all have limits, so every integer and string is bounded here, where bytes
+# become Structs; an event outside is refused by the decoder, recorded and skipped.
+
+# Names (nodes, models, routers; a replica id is a model name + ``-rN``): 1 to 128
+# letters, digits, ``.``, ``_`` or ``-``, starting with a letter or digit. No space,
+# newline or other character a subject token, a shell or a table would mangle.
+NAME_MAX = 128
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # \Z: "$" would let a trailing newline through
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)]
+NAME_RULE = f"1 to {NAME_MAX} letters, digits, '.', '_' or '-', starting with a letter or digit"
+_NAME = re.compile(NAME_PATTERN)
+
+
+def name_problem(name: str, what: str = "a name") -> str | None:
+    """Why ``name`` breaks the names rule (for an error message), or None when it follows it."""
+    if len(name) <= NAME_MAX and _NAME.match(name):
+        return None
+    shown = repr(name) if len(name) <= 60 else f"{name[:40]!r}… ({len(name):,} characters)"
+    return f"{what} must be {NAME_RULE} (got {shown})"
+
+
+ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, pattern=NAME_PATTERN)]
+# A name where an event refers to one (a replica's node, a scaled model): bounded in length only.
+# The rule is checked where a name enters the fleet (an inventory, a declaration, a placement, a
+# router's map), so a reference outside it matches nothing and is ignored; a pattern per reference
+# would cost the hot events (replica states, health changes) half their decoding time.
+Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24)]
+Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, classes, fabrics, versions, addresses
+Text = Annotated[str, msgspec.Meta(max_length=4096)]  # reasons and details for people; paths
+Reasons = Annotated[tuple[Text, ...], msgspec.Meta(max_length=64)]
+# An aware time: a naive one cannot be compared with the others, and the fold compares them all.
+Time = Annotated[datetime, msgspec.Meta(tz=True)]
+MAX_GPUS = 4096  # per node; an index, a tp, a pp
+MAX_REPLICAS = 10_000
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GPUS)]
+Split = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]  # tp, pp
+Replicas = Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # stream sequences, ticks: DuckDB BIGINT
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=10 * 365 * 86400)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]  # a model's sizes and counts (config.json)
 
 
 def utcnow() -> datetime:
@@ -24,8 +70,8 @@ def utcnow() -> datetime:
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every event: when it happened, and which schema wrote it."""
 
-    at: datetime
-    v: int = SCHEMA_VERSION
+    at: Time
+    v: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = SCHEMA_VERSION
 
 
 # --- fleet stream: llmgw.fleet.<node>.* -------------------------------------
@@ -34,55 +80,55 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU as NVML (or the simulator) reports it."""
 
-    index: int
-    uuid: str
-    name: str
-    gpu_class: str
-    memory_mib: int
-    pci_bus_id: str = ""
+    index: GpuIndex
+    uuid: Label
+    name: Label
+    gpu_class: Label
+    memory_mib: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]  # up to 1 PiB
+    pci_bus_id: Label = ""
     mig_enabled: bool = False
-    nvlink_active_links: int = 0
-    fabric_cluster_uuid: str = ""
+    nvlink_active_links: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    fabric_cluster_uuid: Label = ""
     healthy: bool = True
-    reasons: tuple[str, ...] = ()
+    reasons: Reasons = ()
 
 
 class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_only=True):
     """A full snapshot of a node's GPUs, health included; replaces what was known."""
 
-    node: str
-    fabric: str
-    fabric_source: str  # flag | nvml-fabric | infiniband | fleet-file | default
-    boot_id: str
-    gpus: tuple[GpuInfo, ...]
-    driver_version: str = ""
+    node: Name
+    fabric: Label
+    fabric_source: Label  # flag | nvml-fabric | infiniband | fleet-file | default
+    boot_id: Label
+    gpus: Annotated[tuple[GpuInfo, ...], msgspec.Meta(max_length=MAX_GPUS)]
+    driver_version: Label = ""
     simulated: bool = False
 
 
 class GpuHealthChanged(Event, tag="GpuHealthChanged", frozen=True, kw_only=True):
     """A GPU went from healthy to unhealthy or back; only transitions are events."""
 
-    node: str
-    gpu_index: int
-    gpu_uuid: str
+    node: Ref
+    gpu_index: GpuIndex
+    gpu_uuid: Label
     healthy: bool
-    reasons: tuple[str, ...] = ()
-    boot_id: str = ""
+    reasons: Reasons = ()
+    boot_id: Label = ""
 
 
 class NodeLost(Event, tag="NodeLost", frozen=True, kw_only=True):
     """A node missed its heartbeats for longer than the timeout."""
 
-    node: str
-    last_heartbeat_at: datetime | None = None
-    timeout_s: float = 60.0
+    node: Ref
+    last_heartbeat_at: Time | None = None
+    timeout_s: Seconds = 60.0
 
 
 class NodeReturned(Event, tag="NodeReturned", frozen=True, kw_only=True):
     """A lost node is heard from again."""
 
-    node: str
-    boot_id: str = ""
+    node: Ref
+    boot_id: Label = ""
 
 
 FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
@@ -94,9 +140,9 @@ FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
 class HeartbeatSent(Event, tag="HeartbeatSent", frozen=True, kw_only=True):
     """An agent is alive; kept out of the history that status replays."""
 
-    node: str
-    boot_id: str
-    seq: int
+    node: Name
+    boot_id: Label
+    seq: Seq
 
 
 HeartbeatEvent = HeartbeatSent
@@ -120,23 +166,25 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     not idle.
     """
 
-    router: str
-    boot_id: str
-    tick: int
-    last_request: dict[str, datetime] = {}
+    router: Name
+    boot_id: Label
+    tick: Seq
+    # Replica ids as keys are plain strings: only looked up, never taken as a name, and bounded by
+    # the message (NATS max_payload); a length check per key costs 40% of this stream's decoding.
+    last_request: dict[str, Time] = {}
     # Replicas in this router's pool with no request since it started routing
     # to them, and since when: "nobody asked since X", never "idle forever".
-    serving_since: dict[str, datetime] = {}
+    serving_since: dict[str, Time] = {}
     # Demand, for the scheduler's autoscaler: per model this router knows, requests
     # in flight to its replicas plus requests held while it wakes, and how many
     # healthy replicas it routes to; per replica, requests in flight (non-zero only),
     # so a scale-down never picks a replica in the middle of a request.
-    load: dict[str, ModelLoad] = {}
-    busy: dict[str, int] = {}
-    tick_s: float = 0.0  # the router's tick: how soon its load is stale
+    load: dict[Ref, ModelLoad] = {}
+    busy: dict[str, Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]] = {}
+    tick_s: Seconds = 0.0  # the router's tick: how soon its load is stale
     # The last control-stream sequence the router had applied: a sample taken before a
     # model's replica count last changed says nothing about the new count.
-    control_seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    control_seq: Seq = 0
 
 
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
@@ -147,10 +195,10 @@ class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
     depend on how the usage and control streams interleave in a replay.
     """
 
-    router: Annotated[str, msgspec.Meta(max_length=256)]
+    router: Name
     boot_id: Annotated[str, msgspec.Meta(max_length=64)]
-    model: Annotated[str, msgspec.Meta(max_length=256)]
-    control_seq: Annotated[int, msgspec.Meta(ge=0)]
+    model: Ref
+    control_seq: Seq
     waiting: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
 
 
@@ -165,29 +213,29 @@ Engine = Literal["vllm", "llama.cpp"]
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to run one replica of a declared model."""
 
-    name: str
-    source: str
-    precision: str
+    name: Name
+    source: Text
+    precision: Label
     engine: Engine
-    gpu_class: str
-    context: int
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-    quantization: str | None = None
-    file: str | None = None
-    gpu_memory_utilization: float = 0.9
-    engine_args: tuple[str, ...] = ()
-    gib_per_gpu: float = 0.0
-    idle_ttl_s: float | None = None
+    gpu_class: Label
+    context: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
+    tp: Split = 1
+    pp: Split = 1
+    replicas: Replicas = 1
+    quantization: Label | None = None
+    file: Text | None = None
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.9
+    engine_args: Annotated[tuple[Text, ...], msgspec.Meta(max_length=256)] = ()
+    gib_per_gpu: Annotated[float, msgspec.Meta(ge=0, le=1 << 20)] = 0.0
+    idle_ttl_s: Seconds | None = None
     # Autoscaling (both bounds set): the scheduler keeps between min and max replicas,
     # aiming at ``target_in_flight`` requests per replica; min 0 scales to zero and a
     # request wakes it. Unset: ``replicas`` is fixed, as before.
-    min_replicas: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
-    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=10_000)] | None = None
+    min_replicas: Replicas | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] | None = None
     target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
-    kv_cache_dtype: str = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
-    kv_tokens: int = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
+    kv_cache_dtype: Label = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
+    kv_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
 
     @property
     def autoscaled(self) -> bool:
@@ -203,50 +251,50 @@ class ModelDeclared(Event, tag="ModelDeclared", frozen=True, kw_only=True):
 class ModelScaled(Event, tag="ModelScaled", frozen=True, kw_only=True):
     """An operator changed how many replicas a model should have."""
 
-    name: str
-    replicas: int
+    name: Ref
+    replicas: Replicas
 
 
 class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
     """The scheduler changed how many replicas an autoscaled model has, and says why."""
 
-    name: str
-    replicas: Annotated[int, msgspec.Meta(ge=0, le=10_000)]
-    reason: str = ""
+    name: Ref
+    replicas: Replicas
+    reason: Text = ""
 
 
 class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
     """An operator asked for a model to stop serving everywhere."""
 
-    name: str
+    name: Ref
 
 
 class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True):
     """The scheduler could not place replicas of a model, and says why."""
 
-    name: str
-    reason: str
-    missing_replicas: int = 1
+    name: Ref
+    reason: Text
+    missing_replicas: Replicas = 1
 
 
 class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU a replica holds."""
 
-    node: str
-    index: int
-    uuid: str
+    node: Ref
+    index: GpuIndex
+    uuid: Label
 
 
 class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
     """The scheduler put a replica on these GPUs (tp per node, pp nodes)."""
 
-    replica_id: str
-    model: str
-    nodes: tuple[str, ...]
-    gpus: tuple[GpuRef, ...]
+    replica_id: ReplicaId
+    model: Ref
+    nodes: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=MAX_GPUS)]
+    gpus: Annotated[tuple[GpuRef, ...], msgspec.Meta(max_length=MAX_GPUS * 16)]
     spec: ModelSpec
-    fabric: str = ""
-    reason: str = ""
+    fabric: Label = ""
+    reason: Text = ""
 
 
 ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
@@ -255,28 +303,28 @@ ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
 class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only=True):
     """An agent reports how the engine of a replica is doing."""
 
-    replica_id: str
-    model: str
-    node: str
+    replica_id: Ref
+    model: Ref
+    node: Ref
     state: ReplicaState
-    endpoint: str = ""
-    detail: str = ""
-    restarts: int = 0
+    endpoint: Label = ""
+    detail: Text = ""
+    restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     # What a healthy engine actually reserved for KV cache, in tokens (vLLM: num_gpu_blocks x
-    # block_size from /metrics); 0 when unknown. Not bounded here: a figure out of range must
-    # not cost the state change; the planner ignores and counts it.
-    observed_kv_tokens: int = 0
+    # block_size from /metrics); 0 when unknown. Bounded only to what a checkpoint can hold:
+    # a figure out of a sane range must not cost the state change; the planner ignores and counts it.
+    observed_kv_tokens: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
     # A replica over several nodes (pp > 1): each node reports its own part; the head's part
     # (the first node) says where the others join it (Ray's head, host:port).
-    head_address: str = ""
+    head_address: Label = ""
 
 
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
     """A replica must stop and give its GPUs back (idle, removed, re-placed, …)."""
 
-    replica_id: str
-    model: str
-    reason: str
+    replica_id: Ref
+    model: Ref
+    reason: Text
 
 
 ControlEvent = (
@@ -299,10 +347,10 @@ AnyEvent = FleetEvent | HeartbeatEvent | UsageEvent | ControlEvent
 class InjectFault(msgspec.Struct, frozen=True, kw_only=True, tag="InjectFault", tag_field="type"):
     """Make a simulated GPU go bad, or clear it: a command for demos and tests."""
 
-    node: str
-    gpu: int
-    kind: str  # xid | ecc | lost | thermal | clear
-    xid: int = 0
+    node: Name
+    gpu: GpuIndex
+    kind: Label  # xid | ecc | lost | thermal | clear
+    xid: Annotated[int, msgspec.Meta(ge=0, le=65_535)] = 0
 
 
 class FaultInjected(msgspec.Struct, frozen=True, kw_only=True, tag="FaultInjected", tag_field="type"):
@@ -489,6 +537,8 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     model_list: tuple[ModelSummary, ...] = ()
     replica_list: tuple[ReplicaRow, ...] = ()  # only when asked (``StatusRequest.replicas``)
     model_detail: ModelDetail | None = None  # only when asked (``StatusRequest.model``), and declared
+    # Events folded at the time their stream stored them: their own was too far from it.
+    clamped_events: int = 0
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
@@ -501,54 +551,54 @@ STATUS_REQUEST_DECODER = msgspec.json.Decoder(StatusRequest)
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A model's architecture as its own config.json states it, and its parameter count."""
 
-    name: str  # repo id ("Qwen/Qwen2.5-14B-Instruct") or directory name
-    source: str  # what the engine loads: the repo id, or the local directory
+    name: Text  # repo id ("Qwen/Qwen2.5-14B-Instruct") or directory name
+    source: Text  # what the engine loads: the repo id, or the local directory
     model_type: str
     architecture: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
+    hidden_size: Dim
+    intermediate_size: Dim
+    num_layers: Dim
+    num_attention_heads: Dim
+    num_kv_heads: Dim
+    head_dim: Dim
+    vocab_size: Dim
+    max_position_embeddings: Dim
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     attention_bias: bool = False
-    sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend within the window
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    shared_experts: int = 0
-    first_dense_layers: int = 0
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek-V2/V3)
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
+    sliding_window: Dim | None = None
+    sliding_layers: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=1 << 16)] = ()  # indices of the layers that attend within the window
+    num_experts: Dim = 0
+    experts_per_token: Dim = 0
+    moe_intermediate_size: Dim = 0
+    shared_experts: Dim = 0
+    first_dense_layers: Dim = 0
+    q_lora_rank: Dim = 0
+    kv_lora_rank: Dim = 0  # > 0: multi-head latent attention (DeepSeek-V2/V3)
+    qk_rope_head_dim: Dim = 0
+    qk_nope_head_dim: Dim = 0
+    v_head_dim: Dim = 0
     # The checkpoint's own precision when it is pre-quantized: fp8 | int8 | int4 | fp4 | awq | gptq |
     # bnb-4bit | bnb-8bit | None; with the bits each quantized weight takes (scales and zero points
     # included), the modules it leaves 16-bit (its ``ignore`` list), its format, and its KV cache dtype.
     quantization: str | None = None
-    quant_bits: float = 0.0
+    quant_bits: Annotated[float, msgspec.Meta(ge=0, le=64)] = 0.0
     quant_ignore: tuple[str, ...] = ()
     quant_format: str = ""  # compressed-tensors | fp8 | awq | gptq | bitsandbytes
     kv_cache_dtype: str = ""  # "fp8" when the checkpoint carries a kv_cache_scheme
-    params: int = 0
+    params: Annotated[int, msgspec.Meta(ge=0, le=10**16)] = 0
     params_source: str = ""  # safetensors-index | safetensors-header | hf-metadata | architecture | --params
 
 
 class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Ask the planner how a model could be split over the fleet it knows."""
 
-    model: str
-    precisions: tuple[str, ...] = ()  # empty: every precision the repository can be served at
-    tp: tuple[int, ...] = ()  # empty: 1, 2, 4, 8 where the heads divide
-    context: int | None = None  # None: the model's full context, else the largest that fits
-    gpu_memory_utilization: float = 0.9
-    params: int | None = None
+    model: Text
+    precisions: Annotated[tuple[Label, ...], msgspec.Meta(max_length=32)] = ()  # empty: every precision the repository can be served at
+    tp: Annotated[tuple[Split, ...], msgspec.Meta(max_length=32)] = ()  # empty: 1, 2, 4, 8 where the heads divide
+    context: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None  # None: the model's full context, else the largest that fits
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    params: Annotated[int, msgspec.Meta(ge=1, le=10**16)] | None = None
     all: bool = False
     info: ModelInfo | None = None  # the model as the asker read it; None: the planner resolves it
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the model's dtype, or the checkpoint's kv_cache_scheme

@@ -33,6 +33,7 @@ __all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 _MAX_HEADER = 100 * 1024**2
+MAX_PARAMS = 10**16  # 10 quadrillion: messages.PlanRequest's bound
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings")
 
 
@@ -46,8 +47,8 @@ def parse_params(text: str) -> int:
         value = float(s) * mult
     except ValueError as e:
         raise ModelError(f"--params {text!r} is not a parameter count; write e.g. 70.6B, 7e9 or 8030261248") from e
-    if not value >= 1:
-        raise ModelError(f"--params must be a positive parameter count (got {text!r})")
+    if not 1 <= value <= MAX_PARAMS:  # also refuses inf and nan
+        raise ModelError(f"--params must be a parameter count from 1 to {MAX_PARAMS:.0e} (got {text!r})")
     return int(value)
 
 
@@ -85,6 +86,13 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             "configs: point MODEL at a directory with the model's complete config.json"
         )
     h, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads is None:
+        kv_heads = heads  # no grouping stated: multi-head attention
+    elif isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or not 0 < kv_heads <= heads or heads % kv_heads:
+        raise ModelError(f"{where} of {name} states num_key_value_heads = {kv_heads!r} for {heads} attention heads; "
+                         "it must be a positive number of KV heads that groups them evenly (at most one per attention "
+                         "head): point MODEL at the model's own config.json")
     head_dim: int = cfg["head_dim"] if isinstance(cfg.get("head_dim"), int) else h // heads
     window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else None
     sliding = _sliding_layers(cfg, n)
@@ -95,40 +103,49 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     if q.precision == "mxfp4" and not experts:
         raise ModelError(f"{name}: an mxfp4 checkpoint without MoE experts; vLLM runs mxfp4 only in MoE experts (gpt-oss)")
     mt = str(cfg.get("model_type", ""))
-    return ModelInfo(
-        name=name,
-        source=source,
-        model_type=mt,
-        architecture=(cfg.get("architectures") or [""])[0],
-        hidden_size=h,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
-        num_layers=n,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        attention_bias=bool(cfg.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
-        sliding_window=window,
-        sliding_layers=sliding,
-        num_experts=experts,
-        experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
-        shared_experts=int(cfg.get("n_shared_experts") or 0),
-        first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
-        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
-        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
-        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
-        v_head_dim=int(cfg.get("v_head_dim") or 0),
-        quantization=q.precision,
-        quant_bits=q.bits,
-        quant_ignore=q.ignore,
-        quant_format=q.format,
-        kv_cache_dtype=q.kv_cache_dtype,
-    )
+    try:
+        info = ModelInfo(
+            name=name,
+            source=source,
+            model_type=mt,
+            architecture=(cfg.get("architectures") or [""])[0],
+            hidden_size=h,
+            intermediate_size=int(cfg.get("intermediate_size") or 0),
+            num_layers=n,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            attention_bias=bool(cfg.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
+            sliding_window=window,
+            sliding_layers=sliding,
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
+            shared_experts=int(cfg.get("n_shared_experts") or 0),
+            first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+            kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+            v_head_dim=int(cfg.get("v_head_dim") or 0),
+            quantization=q.precision,
+            quant_bits=q.bits,
+            quant_ignore=q.ignore,
+            quant_format=q.format,
+            kv_cache_dtype=q.kv_cache_dtype,
+        )
+    except (TypeError, ValueError, OverflowError) as e:  # a field of the wrong kind: "abc", [], 1e999
+        raise ModelError(f"{where} of {name} holds a value of the wrong kind ({e}); point MODEL at the model's "
+                         "own config.json") from None
+    try:  # the bounds messages.ModelInfo sets for what travels to the planner
+        return msgspec.convert(msgspec.to_builtins(info), ModelInfo)
+    except msgspec.ValidationError as e:
+        raise ModelError(f"{where} of {name}: {e} is not what a model states; point MODEL at the model's own "
+                         "config.json") from None
 
 
 class Quantization(msgspec.Struct, frozen=True):
@@ -220,8 +237,10 @@ def _compressed_tensors(qc: dict[str, Any], name: str) -> Quantization:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ModelError(f"{path} cannot be read as JSON ({e}); replace it with the model's own file") from e
+    except RecursionError:
+        raise ModelError(f"{path} is nested too deeply to be a config; replace it with the model's own file") from None
     if not isinstance(data, dict):
         raise ModelError(f"{path} is not a JSON object; replace it with the model's own file")
     return data
@@ -245,7 +264,7 @@ def params_from_headers(files: list[Path]) -> int | None:
                 if size > _MAX_HEADER:
                     return None
                 header = json.loads(fh.read(size))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError):
+        except (OSError, struct.error, ValueError, RecursionError):
             return None
         for key, t in header.items():
             if key != "__metadata__" and isinstance(t, dict):
@@ -399,7 +418,13 @@ def models_dir(explicit: str | Path | None = None) -> Path | None:
 def load(model: str, *, models_dir_: str | Path | None = None, params: int | None = None) -> ModelInfo:
     """A model by local directory, ``Org/Name`` under a models directory, or Hugging Face repo id."""
     local = Path(model).expanduser()
-    if local.is_dir():
+    try:
+        is_dir = local.is_dir()
+    except (OSError, ValueError) as e:  # a name too long (ENAMETOOLONG), a NUL byte
+        shown = model if len(model) <= 80 else f"{model[:60]}… ({len(model):,} characters)"
+        raise ModelError(f"{shown!r} cannot be a model directory ({getattr(e, 'strerror', None) or e}); "
+                         "give a shorter path or a Hugging Face repo id (Org/Name)") from None
+    if is_dir:
         return load_dir(local, params=params)
     md = models_dir(models_dir_)
     if md is not None and _REPO_ID.match(model):

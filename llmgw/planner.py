@@ -319,6 +319,10 @@ def _check_model(info: m.ModelInfo) -> None:
         if not low <= value <= limit:
             raise PlanError(f"{info.name}: {name} = {value} is outside {low}..{limit}; "
                             "check the model's config.json (or the ModelInfo sent)")
+    if not info.kv_lora_rank and info.num_attention_heads % info.num_kv_heads:
+        raise PlanError(f"{info.name}: {info.num_kv_heads} KV heads do not group its {info.num_attention_heads} "
+                        "attention heads (each KV head serves a whole number of them); check the model's config.json "
+                        "(or the ModelInfo sent)")
     if not 0 <= info.params <= 1 << 45:
         raise PlanError(f"{info.name}: {info.params} parameters is not a model size; pass --params")
 

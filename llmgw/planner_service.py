@@ -23,7 +23,7 @@ from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PlanError, ServiceError
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply, clamp_times
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class PlannerService:
         self.state = FleetState()
         self.positions: dict[str, int] = {}
         self.skipped = 0
+        self.clamped = 0  # events folded at their store time (see fold.clamp_times)
         self.answered = 0
         self.ready = asyncio.Event()
         self._models: dict[tuple[str, int | None], m.ModelInfo] = {}
@@ -80,8 +81,9 @@ class PlannerService:
     async def _follow(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
         follower = self.bus.follow(stream, decoder, idle_expires_s=2.0, who="planner", on_skip=self._skipped)
         async for batch in follower.batches():
-            for d in batch:
-                event = d.event
+            events = [d.event for d in batch]
+            self.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
+            for d, event in zip(batch, events, strict=True):
                 if isinstance(event, m.ReplicaStateChanged) and \
                         planner.record_observation(self.observed, self.state, event) is False:
                     self.refused_observations += 1

@@ -84,9 +84,12 @@ def load_api_keys(path: str | Path) -> frozenset[str]:
     """SHA-256 hex digests, one per line; ``#`` starts a comment. Raises ConfigError."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="ascii")
     except OSError as e:
         raise ConfigError(f"cannot read API key file {p} ({e.strerror}); pass a file of sha256 hex digests, one per line") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "write sha256 hex digests, one per line") from None
     keys = set()
     for n, line in enumerate(text.splitlines(), 1):
         digest = line.split("#", 1)[0].strip().lower()

@@ -483,7 +483,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             if reason != model.unplaceable_reason:
                 short = missing - placed_now
                 event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=short)
-                out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{_key(reason, model.declared_at)}"))
+                # The count's last change is in the id: a scale clears "unplaceable" in the fold, and the
+                # same reason said again after it must be stored, not dropped as a duplicate of the first.
+                key = _key(reason, model.declared_at, memory.count_changed_at.get(name, 0))
+                out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{key}"))
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, apply, clamp_times
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class SchedulerStats:
     decisions: int = 0
     duplicates: int = 0
     malformed: int = 0
+    clamped: int = 0
     passes: int = 0
     applied: dict[str, int] = field(default_factory=dict)
 
@@ -124,9 +125,11 @@ class SchedulerService:
     async def _follow(self, stream: str) -> None:
         follower = self.bus.follow(stream, m.ANY_DECODER, who="scheduler", on_skip=self._skipped)
         async for batch in follower.batches():
-            for d in batch:
-                scheduler.observe(self.memory, d.event, self.state, d.raw.seq, d.raw.subject)
-                apply(self.state, d.event)
+            events = [d.event for d in batch]
+            self.stats.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
+            for d, event in zip(batch, events, strict=True):
+                scheduler.observe(self.memory, event, self.state, d.raw.seq, d.raw.subject)
+                apply(self.state, event)
             self.stats.applied[stream] = follower.last_seq
             self._changed.set()
 

@@ -30,7 +30,7 @@ from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode_state
-from llmgw.fleet.fold import Cursor, apply, refusal
+from llmgw.fleet.fold import Cursor, apply, clamp_times, refusal
 from llmgw.fleet.history import HistoryReader
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
@@ -185,6 +185,9 @@ class Projector:
             return
         # The common case, kept lean: every event decoded, history handed over as columns.
         state = self.state
+        stored = [x.ts_ns for x in msgs]
+        if clamped := clamp_times(decoded, stored):
+            self._clamped(stream, clamped)
         if self.store is not None:
             payloads = datas  # idle maps' replaced by what changed in them, below
             idle = m.IdleMapPublished
@@ -192,7 +195,7 @@ class Projector:
                 if type(event) is idle:
                     payloads[i] = idle_payload(event, state.routers.get(event.router))
                 apply(state, event)
-            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs], payloads)
+            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], stored, payloads)
         else:
             for event in decoded:
                 apply(state, event)
@@ -239,6 +242,10 @@ class Projector:
                 add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, why or str(event))
                 self.cursor.unprojected += 1
             else:
+                one = [event]
+                if clamp_times(one, [raw.ts_ns]):
+                    self._clamped(stream, 1)
+                    event = one[0]
                 if self.store is not None:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
@@ -248,6 +255,11 @@ class Projector:
         self._progress.set()
         if self.progress is not None:
             self.progress(self.folded, self._total)
+
+    def _clamped(self, stream: str, n: int) -> None:
+        self.cursor.clamped += n
+        log.warning("%s: %d event(s) dated too far from when the stream stored them, folded at the stored time "
+                    "(%d so far)", stream, n, self.cursor.clamped)
 
     # --- committing -----------------------------------------------------------------
 
@@ -310,7 +322,7 @@ class Projector:
         blob = blob if blob is not None else encode_state(self.state, self.cursor)
         self._fold_snapshot_at = (self.folded, time.monotonic())
         c = self.cursor
-        cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected,
+        cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected, clamped=c.clamped,
                         stream_created=dict(c.stream_created), stored_ns=dict(c.stored_ns))
         self._fold_snapshot_task = asyncio.ensure_future(self._write_fold_snapshot(blob, cursor))
 

@@ -15,7 +15,7 @@ import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from itertools import compress
 from operator import ne
 from pathlib import Path
@@ -27,7 +27,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
 from llmgw.fleet.checkpoint import Checkpoint, decode_state
-from llmgw.fleet.fold import FleetState, RouterView
+from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView
 
 # 2: the usage fold forgets replicas that left every router's map, so a state checkpointed
 # by schema 1 would not resume into what a clean replay gives.
@@ -111,12 +111,18 @@ _PATHS = ["$.type", *(_json_path(*p.split(".")) for p in (
     "at", "node")), "$.nodes[0]", *(_json_path(*p.split(".")) for p in (
     "model", "name", "spec.name", "replica_id", "gpu_index", "gpu_uuid", "healthy", "state", "detail", "reason",
     "nodes", "gpus", "reasons"))]
-_STAGE_CHUNK = """
+# ``ts`` is the event's time as the fold takes it: the time the stream stored it when its own
+# is outside the window fold.clamp_times allows (the same bounds, in microseconds).
+_STAGE_CHUNK = f"""
 INSERT INTO stage_parsed
-SELECT $1, seq::BIGINT, subject, stored_ns::BIGINT, json, try_cast(x[2] AS TIMESTAMPTZ), x
-FROM (SELECT *, json_extract_string(json, [""" + ", ".join(f"'{p}'" for p in _PATHS) + """]) AS x
-      FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
-                   unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json))
+SELECT $1, seq, subject, stored_ns, json,
+       CASE WHEN t BETWEEN s - to_microseconds({MAX_BEHIND // timedelta(microseconds=1)})
+                       AND s + to_microseconds({MAX_AHEAD // timedelta(microseconds=1)}) THEN t ELSE s END, x
+FROM (SELECT seq::BIGINT AS seq, subject, stored_ns::BIGINT AS stored_ns, json, x,
+             try_cast(x[2] AS TIMESTAMPTZ) AS t, make_timestamptz(stored_ns::BIGINT // 1000) AS s
+      FROM (SELECT *, json_extract_string(json, [{", ".join(f"'{p}'" for p in _PATHS)}]) AS x
+            FROM (SELECT unnest(string_split($2, ',')) AS seq, unnest(string_split($3, chr(10))) AS subject,
+                         unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json)))
 """  # (casting outside the unnest is a third faster than inside)
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
@@ -198,6 +204,28 @@ class Batch:
                                 ",".join(map(str, stored)), blob.decode("utf-8", "replace")))
         self.raw = {}
         return self
+
+
+# A chunk's columns after the stream, and what separates their items (see _STAGE_CHUNK).
+_SEPS = (",", "\n", ",", "\x1e")
+# What DuckDB raises for a value it cannot take (a cast out of range, malformed input),
+# as opposed to the disk or the transaction failing.
+_DATA_ERRORS = (duckdb.DataError, duckdb.InvalidInputException)
+
+
+def _join_col(msgs: list[tuple[str, str, str, str]], i: int, sep: str) -> str:
+    return sep.join(x[i] for x in msgs)
+
+
+def _without(chunks: list[Chunk], drop: set[tuple[str, int]]) -> list[Chunk]:
+    """``chunks`` less the messages (stream, seq) in ``drop``."""
+    out: list[Chunk] = []
+    for stream, *cols in chunks:
+        msgs = [x for x in zip(*(c.split(sep) for c, sep in zip(cols, _SEPS, strict=True)), strict=True)
+                if (stream, int(x[0])) not in drop]
+        if msgs:
+            out.append((stream, *(_join_col(msgs, i, sep) for i, sep in enumerate(_SEPS))))  # type: ignore[arg-type]
+    return out
 
 
 def _join(items: tuple[str, ...]) -> str:
@@ -355,7 +383,58 @@ class Store:
         return checkpoint
 
     def commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None = None) -> None:
-        """Write a batch, the views of ``snapshot`` and its positions in one transaction."""
+        """Write a batch, the views of ``snapshot`` and its positions in one transaction.
+
+        A message whose history rows DuckDB refuses (a value its columns cannot
+        hold) must not stop the projection at every restart: the batch is tried
+        again without it, and it is kept in ``unprojected_events`` with the reason.
+        The fold applied it like any other; only its history rows are missing.
+        """
+        batch.pack()
+        try:
+            self._commit(batch, snapshot, before_commit)
+        except ProjectionError as e:
+            if not isinstance(e.__cause__, _DATA_ERRORS) or not batch.chunks:
+                raise
+            refused = self._unwritable(batch.chunks)
+            if not refused:
+                raise  # not a message's rows (the views, the disk): nothing to set aside
+            batch.chunks = _without(batch.chunks, {(r[0], r[1]) for r in refused})
+            batch.rows["unprojected_events"].extend(refused)
+            self._commit(batch, snapshot, before_commit)
+
+    def _unwritable(self, chunks: list[Chunk]) -> list[tuple[Any, ...]]:
+        """The messages of ``chunks`` whose rows DuckDB refuses, as unprojected rows; found by halving."""
+        out: list[tuple[Any, ...]] = []
+
+        def error_of(msgs: list[tuple[str, str, str, str]], stream: str) -> str | None:
+            con = self.con
+            con.execute("BEGIN TRANSACTION")
+            try:
+                con.execute(_STAGE_CHUNK, [stream, *(_join_col(msgs, i, sep) for i, sep in enumerate(_SEPS))])
+                con.execute(_FROM_STAGE)
+            except _DATA_ERRORS as e:
+                return str(e)
+            finally:
+                con.execute("ROLLBACK")
+            return None
+
+        def search(msgs: list[tuple[str, str, str, str]], stream: str, error: str) -> None:
+            if len(msgs) == 1:
+                seq, subject, _, payload = msgs[0]
+                out.append((stream, int(seq), subject, payload.encode(), f"the store cannot write it: {error}"))
+                return
+            for half in (msgs[: len(msgs) // 2], msgs[len(msgs) // 2:]):
+                if (e := error_of(half, stream)) is not None:
+                    search(half, stream, e)
+
+        for stream, *cols in chunks:
+            msgs = list(zip(*(col.split(sep) for col, sep in zip(cols, _SEPS, strict=True)), strict=True))
+            if (e := error_of(msgs, stream)) is not None:
+                search(msgs, stream, e)
+        return out
+
+    def _commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None) -> None:
         # The reader folds on while this commits, so the state arrives as bytes: a copy nobody mutates.
         state, cursor = (c := decode_state(snapshot)).state, c.cursor
         con = self.con

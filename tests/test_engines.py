@@ -308,3 +308,35 @@ async def test_a_head_whose_other_part_never_joins_is_never_healthy(
                 await asyncio.sleep(0.1)
     assert r.status == 503 and "waiting for parts (1 of 2)" in body
     assert all(x.state != "healthy" for x in await states(bus)) and got[-1].node == NODE
+
+
+# An engine that is up and answers /health, but refuses the check's completion as vLLM does a model
+# name it does not serve. Before: "starting" for the whole health timeout (15 minutes), no reason.
+REFUSING_ENGINE = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, code, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(code); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_GET(self): self._send(200, {})
+    def do_POST(self): self._send(404, {"error": {"message": "The model `qwen` does not exist.", "code": 404}})
+srv = HTTPServer(("127.0.0.1", port), H)
+print(f"listening on http://127.0.0.1:{srv.server_port}", flush=True)
+srv.serve_forever()
+"""
+
+
+async def test_an_engine_that_refuses_the_health_check_fails_soon_with_the_reason(
+        bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    cmds = default_commands() | {"fake": [sys.executable, "-c", REFUSING_ENGINE]}
+    _, start = agent
+    start(EngineConfig(cmds=cmds, simulate=True, health_timeout_s=900, health_refused_s=0.5, max_restarts=0))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    got = await wait_for(bus, lambda ss: any(s.state == "failed" for s in ss))
+    assert [s.state for s in got] == ["starting", "failed"]
+    assert "the engine is up but refuses the health check for 0.5s" in got[-1].detail
+    assert "answered 404" in got[-1].detail and "does not exist" in got[-1].detail

@@ -41,7 +41,7 @@ def test_schedule_is_parsed() -> None:
     [
         ('[[faults]]\nnode = "n2"\ngpu = 0\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].node names no node of this file (got 'n2')"),
         ('[[faults]]\nnode = "n1"\ngpu = 8\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].gpu must be a GPU index from 0 to 7 (got 8)"),
-        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = -1\nkind = "ecc"\n', "f.toml: faults[0].after_s must be a number of seconds, 0 or more (got -1)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = -1\nkind = "ecc"\n', "f.toml: faults[0].after_s must be a number of seconds, from 0 to ten years (got -1)"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "melt"\n', "f.toml: faults[0].kind must be one of xid=N, ecc, lost, thermal, clear (got 'melt')"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "xid=x"\n', "f.toml: faults[0].kind xid needs a number, like xid=79 (got 'xid=x')"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = 0\n', "f.toml: faults[0].clear_after_s must be more than 0 seconds (got 0)"),
@@ -59,6 +59,25 @@ def test_faults_must_be_tables() -> None:
     with pytest.raises(FleetFileError) as e:
         faults(parse("faults = 3\n" + NODES, "f.toml"))
     assert str(e.value) == "f.toml: faults must be an array of tables ([[faults]])"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ('[[faults]]\nnode = "n9"\ngpu = 0\nafter_s = 1\nkind = "ecc"\n', "faults[0].node names no node of this file (got 'n9')"),
+        ('[[faults]]\nnode = "n1"\ngpu = 99\nafter_s = 1\nkind = "ecc"\n', "faults[0].gpu must be a GPU index from 0 to 7 (got 99)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "xid=\u00b2"\n', "faults[0].kind xid needs a number"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = nan\nkind = "ecc"\n', "faults[0].after_s must be a number of seconds"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = inf\nkind = "ecc"\n', "faults[0].after_s must be a number of seconds"),
+        ('[[fault]]\nnode = "n1"\n', "fault is not a known table (known: nodes, faults)"),
+        ('[scheduler]\ntick = 1\n', "scheduler is not a known table (known: nodes, faults)"),
+    ],
+)
+def test_every_reader_of_a_fleet_file_refuses_a_bad_schedule_or_table(extra: str, message: str) -> None:
+    """Before: only the simulated agent read [[faults]], and crash-looped on it; planning took the file."""
+    with pytest.raises(FleetFileError) as e:
+        parse(NODES + extra, "f.toml")
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize(("text", "parsed"), [("xid=79", ("xid", 79)), ("ecc", ("ecc", 0)), ("lost", ("lost", 0)), ("thermal", ("thermal", 0)), ("clear", ("clear", 0))])

@@ -149,7 +149,8 @@ def test_payloads_with_line_breaks_and_odd_text_land_one_row_each(duckdb_path: P
     store = Store(duckdb_path)
     cp = Checkpoint()
     batch = Batch()
-    lost = m.NodeLost(at=t(1), node='n1,"x"\nq')  # comma, quotes, and a newline inside the string
+    # Comma, quotes, and a newline inside a string (free text: names may hold none of them).
+    lost = m.ReplicaStopped(at=t(1), replica_id="r1", model="m", reason='n1,"x"\nq')
     pretty = b'{\n  "type": "NodeLost",\r\n  "at": "2026-03-02T10:00:02Z",\n  "node": "n2"\n}'
     events = [(lost, m.encode(lost)), (m.decode_event(pretty), pretty)]
     for seq, (event, data) in enumerate(events, 1):
@@ -157,8 +158,9 @@ def test_payloads_with_line_breaks_and_odd_text_land_one_row_each(duckdb_path: P
         apply(cp.state, event)
     cp.cursor.positions[subjects.STREAM_FLEET] = 2
     store.commit(batch, encode_state(cp.state, cp.cursor))
-    rows = store.query("SELECT seq, node, ts, json FROM events ORDER BY seq")
-    assert [(r[0], r[1], r[2]) for r in rows] == [(1, 'n1,"x"\nq', t(1)), (2, "n2", datetime(2026, 3, 2, 10, 0, 2, tzinfo=UTC))]
+    rows = store.query("SELECT seq, coalesce(node, replica_id), ts, json FROM events ORDER BY seq")
+    assert [(r[0], r[1], r[2]) for r in rows] == [(1, "r1", t(1)), (2, "n2", datetime(2026, 3, 2, 10, 0, 2, tzinfo=UTC))]
+    assert store.query("SELECT detail FROM replica_lifecycle") == [('n1,"x"\nq',)]
     assert m.decode_event(rows[0][3].encode()) == lost
     assert rows[1][3].encode() == pretty
     store.close()

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from itertools import compress
-from operator import ne
+from operator import attrgetter, ne
+from typing import Any
+
+import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -102,6 +105,8 @@ class Cursor:
     # The last sequence folded per stream, and events that could not be decoded (skipped).
     positions: dict[str, int] = field(default_factory=dict)
     unprojected: int = 0
+    # Events folded at the time their stream stored them, their own being too far from it (``clamp_times``).
+    clamped: int = 0
     # When JetStream created each stream read (its identity: a stream deleted and
     # declared again restarts at sequence 1 under the same name).
     stream_created: dict[str, str] = field(default_factory=dict)
@@ -269,6 +274,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
             if model is not None:
                 model.replicas_wanted = event.replicas
                 model.replicas_by = "operator" if type(event) is m.ModelScaled else "autoscaler"
+                # A new count is a new question: whether it fits is the scheduler's to say again.
+                model.unplaceable_reason = model.unplaceable_at = None
         case m.ModelRemoved():
             state.models.pop(event.name, None)
         case m.ModelUnplaceable():
@@ -369,6 +376,57 @@ def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterVie
     for rid in gone:
         if not any(rid in r.last_request or rid in r.serving_since for r in others):
             state.last_request.pop(rid, None)
+
+
+# Event times come from the publisher's clock; the stream's own (the server's, when it
+# stored the message) bounds them. An event dated more than MAX_AHEAD after it was
+# stored, or more than MAX_BEHIND before, is folded at the time it was stored and
+# counted: one host with a wrong clock (or one forged date, 9999-12-31) must not set
+# the fleet's clock for good. Late delivery (an outbox after an outage, an import of
+# old history) is normal, hence the wide window behind.
+MAX_AHEAD = timedelta(minutes=5)
+MAX_BEHIND = timedelta(days=3650)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def stored_at(ts_ns: int) -> datetime:
+    """A stream's store time (ns since the epoch) as an aware datetime, to the microsecond."""
+    return _EPOCH + timedelta(microseconds=ts_ns // 1000)
+
+
+def clamp_times(events: list[Any], stored_ns: list[int]) -> int:
+    """Replace, in ``events``, each one dated outside its store time's window by a copy at that time.
+
+    ``stored_ns[i]`` is when the stream stored ``events[i]``. Returns how many were
+    replaced. Whether an event is clamped depends on it alone, never on the batch
+    it came in, so every reader (projector, replay, scheduler, planner) folds the
+    same times.
+    """
+    if not events:
+        return 0
+    return _clamp(events, list(map(_AT, events)), stored_ns, 0, len(events))
+
+
+_AT = attrgetter("at")
+
+
+def _clamp(events: list[Any], ats: list[datetime], stored_ns: list[int], i: int, j: int) -> int:
+    # A run whose latest time is within the window of its earliest store time (and whose earliest
+    # within that of its latest) holds no event outside its own window: a few C-level passes
+    # decide it. Otherwise halve it; a short run is judged event by event.
+    part, stored = ats[i:j], stored_ns[i:j]
+    if max(part) <= stored_at(min(stored)) + MAX_AHEAD and min(part) >= stored_at(max(stored)) - MAX_BEHIND:
+        return 0
+    if j - i > 16:
+        k = (i + j) // 2
+        return _clamp(events, ats, stored_ns, i, k) + _clamp(events, ats, stored_ns, k, j)
+    clamped = 0
+    for x in range(i, j):
+        t = stored_at(stored_ns[x])
+        if not t - MAX_BEHIND <= ats[x] <= t + MAX_AHEAD:
+            events[x] = msgspec.structs.replace(events[x], at=t)
+            clamped += 1
+    return clamped
 
 
 def fold(events: Iterable[m.Event], state: FleetState | None = None) -> FleetState:

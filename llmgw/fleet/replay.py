@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.fold import Cursor, FleetState, apply, refusal
+from llmgw.fleet.fold import Cursor, FleetState, apply, clamp_times, refusal
 from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
@@ -73,12 +73,16 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                               who="replay", on_skip=skipped)
         async with contextlib.aclosing(follower.batches()) as batches:  # type: ignore[type-var]
             async for batch in batches:
-                for d in batch:
-                    if cut is not None and d.raw.ts_ns > cut:
-                        past = True
-                        break
-                    if refusal(state, d.raw.subject, d.event) is None:  # as the projector: refused is unprojected
-                        apply(state, d.event)
+                if cut is not None and batch and batch[-1].raw.ts_ns > cut:
+                    k = next(i for i, d in enumerate(batch) if d.raw.ts_ns > cut)
+                    batch, past = batch[:k], True
+                # As the projector: an event dated far from its store time is folded at that time,
+                # and a refused one is unprojected.
+                events = [d.event for d in batch]
+                cursor.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])
+                for d, event in zip(batch, events, strict=True):
+                    if refusal(state, d.raw.subject, event) is None:
+                        apply(state, event)
                     else:
                         cursor.unprojected += 1
                     _advance(cursor, stream, d.raw)

@@ -219,6 +219,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         idle=tuple(idle),
         unknown_idle=unknown,
         unprojected_events=cursor.unprojected,
+        clamped_events=cursor.clamped,
         model_states=dict(sorted(state.model_states().items())),
         model_list=model_summaries(state, now, history),
         replica_list=replica_rows(state, now) if replicas else (),
