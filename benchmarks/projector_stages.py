@@ -29,6 +29,8 @@ from replay import history, publish  # noqa: E402
 from llmgw import subjects  # noqa: E402
 from llmgw.bus import Bus, RawMsg  # noqa: E402
 from llmgw.config import Settings  # noqa: E402
+from llmgw.fleet.checkpoint import encode_state  # noqa: E402
+from llmgw.fleet.fold import Cursor, FleetState  # noqa: E402
 from llmgw.natsserver import EmbeddedServer  # noqa: E402
 from llmgw.projections import store as S  # noqa: E402
 from llmgw.projections.runner import Projector  # noqa: E402
@@ -57,9 +59,10 @@ async def load(work: Path, events: int) -> dict[str, list[list[RawMsg]]]:
 def projector(with_history: bool) -> Projector:
     """A Projector that only folds: no bus, no writer (``ingest`` needs neither)."""
     p = Projector.__new__(Projector)
-    p.state, p.batch, p.folded, p._total = S.FleetState(), S.Batch(), 0, 0
+    p.state, p.cursor, p.batch, p.folded, p._total = FleetState(), Cursor(), S.Batch(), 0, 0
     p.store = object() if with_history else None  # type: ignore[assignment]
-    p._crash_at, p._crash_on_loop, p.progress = None, False, None
+    p.progress, p._progress = None, asyncio.Event()
+    p.fold_snapshot_events = None
     return p
 
 
@@ -134,9 +137,9 @@ def main(args: argparse.Namespace) -> None:
                     continue
                 p.ingest(stream, b)
                 if p.batch.events >= COMMIT_EVERY:
-                    store.commit(p.batch, S.encode_state(p.state))
+                    store.commit(p.batch, encode_state(p.state, p.cursor))
                     p.batch = S.Batch()
-        store.commit(p.batch, S.encode_state(p.state))
+        store.commit(p.batch, encode_state(p.state, p.cursor))
         closing = time.perf_counter()
         store.close()
         times["close (final checkpoint)"] += time.perf_counter() - closing
