@@ -13,7 +13,6 @@ import click
 import msgspec
 
 from llmgw import messages as m
-from llmgw import subjects
 from llmgw.agent import Agent
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
@@ -24,8 +23,6 @@ from llmgw.fleetfile import faults, load, parse_fault_kind
 from llmgw.liveness import HeartbeatMonitor
 from llmgw.nvml import NvmlPort, RealNvml
 from llmgw.simnvml import SimNvml
-
-_REPLY_DECODER = msgspec.json.Decoder(m.FaultInjected)
 
 
 def _engine_cmds(values: tuple[str, ...]) -> dict[str, list[str]]:
@@ -194,7 +191,9 @@ def fault(node: str, gpu: int, kind: str, as_json: bool, settings: Settings) -> 
         fkind, xid = parse_fault_kind(kind)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="KIND") from e
-    reply = run(_ask_fault(settings, m.InjectFault(node=node, gpu=gpu, kind=fkind, xid=xid)))
+    from llmgw import ctl
+
+    reply = run(ctl.inject_fault(settings, m.InjectFault(node=node, gpu=gpu, kind=fkind, xid=xid)))
     if as_json:
         echo_json(msgspec.to_builtins(reply))
         return
@@ -202,16 +201,6 @@ def fault(node: str, gpu: int, kind: str, as_json: bool, settings: Settings) -> 
     why = f" ({'; '.join(reply.reasons)})" if reply.reasons else ""
     change = "" if reply.changed else " (unchanged; nothing published)"
     click.echo(f"{reply.node} GPU {reply.gpu}: {state}{why}{change}")
-
-
-async def _ask_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
-    bus = await Bus.connect(settings, "llmgw-agent-fault", reconnect=False)
-    try:
-        data = await bus.request(subjects.agent_fault(cmd.node), m.encode(cmd), timeout=15,
-                                 service=f"agent of {cmd.node} (llmgw agent …)")
-    finally:
-        await bus.close()
-    return _REPLY_DECODER.decode(data)
 
 
 @agent.command("liveness")

@@ -23,7 +23,6 @@ from typing import IO
 
 import click
 
-from llmgw import messages as m
 from llmgw.cli.options import run
 from llmgw.config import DEFAULT_NATS_URL, Settings
 from llmgw.engines import _llmgw_program
@@ -77,38 +76,6 @@ class Child:
         if self.log is not None:
             self.log.close()
             self.log = None
-
-
-async def _prepare(url: str, fleet_path: Path | None, models_dir: str | None, example: bool) -> str:
-    """Declare the streams; declare the example model once, if the simulated fleet has room."""
-    from llmgw import subjects
-    from llmgw.bus import Bus
-
-    bus = await Bus.connect(Settings.from_env(nats_url=url), "llmgw-up", reconnect=False)
-    try:
-        await bus.ensure_streams()
-        if not example or fleet_path is None:
-            return ""
-        last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-        if last:
-            async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
-                if any(r.subject == subjects.model(EXAMPLE_NAME, "declared") for r in batch):
-                    return f"{EXAMPLE_NAME} was declared before; not declaring it again"
-        from llmgw.ctl import plan_locally
-
-        try:
-            reply = plan_locally(EXAMPLE_MODEL, fleet_path, m.PlanRequest(model=EXAMPLE_MODEL, context=8192), models_dir)
-        except LlmgwError as e:
-            return f"no example model declared ({e})"
-        fitting = [c for c in reply.candidates if c.fits]
-        if not fitting:
-            return f"no example model declared: {EXAMPLE_MODEL} does not fit this fleet"
-        spec = fitting[0].spec(EXAMPLE_NAME)
-        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec), msg_id=f"up:example:{EXAMPLE_NAME}")
-        return (f"declared {EXAMPLE_NAME}: {EXAMPLE_MODEL} {spec.precision} on {spec.tp} × {spec.gpu_class}, "
-                f"context {spec.context:,}")
-    finally:
-        await bus.close()
 
 
 def _router_url(router: Child, within_s: float = 10.0) -> str:
@@ -217,7 +184,10 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             nats_url = server.url
             nats = NatsChild(server)
         click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
-        note = run(_prepare(nats_url, fleet_path, models_dir, not no_example))
+        from llmgw import ctl
+
+        note = run(ctl.prepare_up(Settings.from_env(nats_url=nats_url), fleet_path if not no_example else None,
+                                  models_dir, name=EXAMPLE_NAME, model=EXAMPLE_MODEL))
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
         if models_dir:
             env["LLMGW_MODELS_DIR"] = models_dir

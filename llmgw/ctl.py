@@ -379,3 +379,45 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
         return (await bus.publish(event)).seq
     finally:
         await bus.close()
+
+
+# --- the agents and llmgw up ---------------------------------------------------------------------------
+
+
+async def inject_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
+    """Ask the agent of ``cmd.node`` to inject (simulated) or clear a GPU fault; its answer."""
+    bus = await _connect(settings, "llmgw-agent-fault")
+    try:
+        data = await bus.request(subjects.agent_fault(cmd.node), m.encode(cmd), timeout=15,
+                                 service=f"agent of {cmd.node} (llmgw agent …)")
+    finally:
+        await bus.close()
+    return msgspec.json.decode(data, type=m.FaultInjected)
+
+
+async def prepare_up(settings: Settings, fleet_path: Path | None, models_dir: str | None, *,
+                     name: str, model: str) -> str:
+    """Declare the streams; with a fleet file, declare the example model ``name`` once, if the fleet has room.
+    A line saying what was done (empty when nothing was asked)."""
+    bus = await _connect(settings, "llmgw-up")
+    try:
+        await bus.ensure_streams()
+        if fleet_path is None:
+            return ""
+        last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+        if last:
+            async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
+                if any(r.subject == subjects.model(name, "declared") for r in batch):
+                    return f"{name} was declared before; not declaring it again"
+        try:
+            reply = plan_locally(model, fleet_path, m.PlanRequest(model=model, context=8192), models_dir)
+        except LlmgwError as e:
+            return f"no example model declared ({e})"
+        fitting = [c for c in reply.candidates if c.fits]
+        if not fitting:
+            return f"no example model declared: {model} does not fit this fleet"
+        spec = fitting[0].spec(name)
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec), msg_id=f"up:example:{name}")
+        return f"declared {name}: {model} {spec.precision} on {spec.tp} × {spec.gpu_class}, context {spec.context:,}"
+    finally:
+        await bus.close()
