@@ -81,8 +81,9 @@ def settings_from(kwargs: dict[str, Any]) -> Settings:
 def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--nats-url and credentials; the command receives ``settings: Settings``."""
     opts = [
-        click.option("--nats-url", envvar="LLMGW_NATS_URL", help="NATS server(s), comma-separated [env LLMGW_NATS_URL; default nats://127.0.0.1:4222]."),
-        click.option("--nats-creds", envvar="LLMGW_NATS_CREDS", help="NATS credentials file [env LLMGW_NATS_CREDS]."),
+        click.option("--nats-url", envvar="LLMGW_NATS_URL",
+                     help="NATS server(s), comma-separated [env LLMGW_NATS_URL, else NATS_URL; default nats://127.0.0.1:4222]."),
+        click.option("--nats-creds", envvar="LLMGW_NATS_CREDS", help="NATS credentials file [env LLMGW_NATS_CREDS, else NATS_CREDS]."),
         click.option("--nats-user", envvar="LLMGW_NATS_USER", help="NATS user [env LLMGW_NATS_USER]."),
         click.option("--nats-password", envvar="LLMGW_NATS_PASSWORD", help="NATS password [env LLMGW_NATS_PASSWORD]."),
         click.option("--tls-ca", envvar="LLMGW_NATS_TLS_CA", help="CA bundle for TLS to NATS."),
