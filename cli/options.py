@@ -6,6 +6,7 @@ import asyncio
 import functools
 import importlib
 import json
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -16,6 +17,24 @@ from llmgw.config import Settings
 from llmgw.errors import LlmgwError
 
 T = TypeVar("T")
+
+
+_EXAMPLES = re.compile(r"^([ \t]*)(Examples?:[ \t]*\n[ \t]*\n)(?![ \t]*\x08)", re.M)
+
+
+def keep_examples(cmd: click.Command) -> click.Command:
+    """Print the block after ``Example:`` line by line, as written.
+
+    click rewraps every paragraph of a help text into one run-on line unless it
+    starts with ``\\b``; every command's docstring ends with an example block, so
+    the mark is added here, once, for all of them (subcommands too).
+    """
+    if cmd.help:
+        cmd.help = _EXAMPLES.sub("\\1\\2\\1\b\n", cmd.help)  # indented like the rest: click dedents it
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            keep_examples(sub)
+    return cmd
 
 
 class LazyGroup(click.Group):
@@ -36,8 +55,9 @@ class LazyGroup(click.Group):
             module_name, attr = self.lazy[cmd_name].split(":")
             cmd = getattr(importlib.import_module(module_name), attr)
             assert isinstance(cmd, click.Command)
-            return cmd
-        return super().get_command(ctx, cmd_name)
+            return keep_examples(cmd)
+        found = super().get_command(ctx, cmd_name)
+        return keep_examples(found) if found is not None else None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -214,6 +214,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             nats_url = server.url
             nats = NatsChild(server)
         click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
+        click.echo(f"data: {root}  (llmgw.duckdb, logs/{', nats/' if server else ''}; --data-dir or LLMGW_DATA_DIR moves it)")
         note = run(_prepare(nats_url, fleet_path, models_dir, not no_example))
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
         if models_dir:
