@@ -40,12 +40,35 @@ def keep_examples(cmd: click.Command) -> click.Command:
 class LazyGroup(click.Group):
     """A group whose commands are imported when used, so ``--help`` stays fast.
 
-    ``lazy`` maps a command name to ``"module:attribute"``.
+    ``lazy`` maps a command name to ``"module:attribute"``; ``summaries`` to the
+    one line ``--help`` lists for it, so listing imports none of them.
     """
 
-    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, summaries: dict[str, str] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = lazy or {}
+        self.summaries = summaries or {}
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if not self.summaries:
+            super().format_commands(ctx, formatter)
+            return
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names), default=0)
+        rows = []
+        for name in names:
+            summary = self.summaries.get(name)
+            if summary is None:
+                cmd = self.get_command(ctx, name)
+                if cmd is None or cmd.hidden:
+                    continue
+                rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                rows.append((name, click.Command(name, help=summary).get_short_help_str(limit)))  # click's cut
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

@@ -77,3 +77,17 @@ def test_up_says_where_its_data_goes(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert res.exit_code == 1  # no NATS there: after the lines that say where things are
     assert f"data: {tmp_path}  (llmgw.duckdb, logs/; --data-dir or LLMGW_DATA_DIR moves it)" in res.output.splitlines()
     assert "Error: cannot reach NATS at nats://127.0.0.1:1" in res.output
+
+
+def test_top_level_help_lists_the_commands_own_summaries_without_importing_them() -> None:
+    from llmgw.cli.main import COMMANDS, SUMMARIES
+
+    assert set(SUMMARIES) == set(COMMANDS)
+    ctx = click.Context(cli)
+    for name, summary in SUMMARIES.items():
+        cmd = cli.get_command(ctx, name)
+        assert cmd is not None and summary == cmd.get_short_help_str(1000), name
+    res = CliRunner().invoke(cli, ["--help"], terminal_width=80)
+    assert res.exit_code == 0, repr(res.exception)
+    listed = res.output
+    assert "  declare-streams  Declare llmgw's streams (create, or update to this..." in listed

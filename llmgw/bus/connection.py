@@ -23,6 +23,7 @@ from nats.protocol.parser import Parser
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.bus.deferred import websockets
 from llmgw.bus.follow import Follower
 from llmgw.bus.frames import (
     READER_BYTES_IN_FLIGHT,
@@ -195,6 +196,8 @@ class Bus:
             # Replies come to this user's own inbox prefix, the only one nats.conf lets it read:
             # under the shared _INBOX.> any role could read (and act on) another's replies.
             opts["inbox_prefix"] = subjects.inbox_prefix(settings.user)
+        if any(u.startswith(("ws://", "wss://")) for u in opts["servers"]):
+            websockets()
         nc = NatsClient()
         try:
             await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
