@@ -6,6 +6,7 @@ import asyncio
 import functools
 import importlib
 import json
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -18,15 +19,56 @@ from llmgw.errors import LlmgwError
 T = TypeVar("T")
 
 
+_EXAMPLES = re.compile(r"^([ \t]*)(Examples?:[ \t]*\n[ \t]*\n)(?![ \t]*\x08)", re.M)
+
+
+def keep_examples(cmd: click.Command) -> click.Command:
+    """Print the block after ``Example:`` line by line, as written.
+
+    click rewraps every paragraph of a help text into one run-on line unless it
+    starts with ``\\b``; every command's docstring ends with an example block, so
+    the mark is added here, once, for all of them (subcommands too).
+    """
+    if cmd.help:
+        cmd.help = _EXAMPLES.sub("\\1\\2\\1\b\n", cmd.help)  # indented like the rest: click dedents it
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            keep_examples(sub)
+    return cmd
+
+
 class LazyGroup(click.Group):
     """A group whose commands are imported when used, so ``--help`` stays fast.
 
-    ``lazy`` maps a command name to ``"module:attribute"``.
+    ``lazy`` maps a command name to ``"module:attribute"``; ``summaries`` to the
+    one line ``--help`` lists for it, so listing imports none of them.
     """
 
-    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, summaries: dict[str, str] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = lazy or {}
+        self.summaries = summaries or {}
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if not self.summaries:
+            super().format_commands(ctx, formatter)
+            return
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names), default=0)
+        rows = []
+        for name in names:
+            summary = self.summaries.get(name)
+            if summary is None:
+                cmd = self.get_command(ctx, name)
+                if cmd is None or cmd.hidden:
+                    continue
+                rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                rows.append((name, click.Command(name, help=summary).get_short_help_str(limit)))  # click's cut
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})
@@ -36,8 +78,9 @@ class LazyGroup(click.Group):
             module_name, attr = self.lazy[cmd_name].split(":")
             cmd = getattr(importlib.import_module(module_name), attr)
             assert isinstance(cmd, click.Command)
-            return cmd
-        return super().get_command(ctx, cmd_name)
+            return keep_examples(cmd)
+        found = super().get_command(ctx, cmd_name)
+        return keep_examples(found) if found is not None else None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -81,8 +124,9 @@ def settings_from(kwargs: dict[str, Any]) -> Settings:
 def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--nats-url and credentials; the command receives ``settings: Settings``."""
     opts = [
-        click.option("--nats-url", envvar="LLMGW_NATS_URL", help="NATS server(s), comma-separated [env LLMGW_NATS_URL; default nats://127.0.0.1:4222]."),
-        click.option("--nats-creds", envvar="LLMGW_NATS_CREDS", help="NATS credentials file [env LLMGW_NATS_CREDS]."),
+        click.option("--nats-url", envvar="LLMGW_NATS_URL",
+                     help="NATS server(s), comma-separated [env LLMGW_NATS_URL, else NATS_URL; default nats://127.0.0.1:4222]."),
+        click.option("--nats-creds", envvar="LLMGW_NATS_CREDS", help="NATS credentials file [env LLMGW_NATS_CREDS, else NATS_CREDS]."),
         click.option("--nats-user", envvar="LLMGW_NATS_USER", help="NATS user [env LLMGW_NATS_USER]."),
         click.option("--nats-password", envvar="LLMGW_NATS_PASSWORD", help="NATS password [env LLMGW_NATS_PASSWORD]."),
         click.option("--tls-ca", envvar="LLMGW_NATS_TLS_CA", help="CA bundle for TLS to NATS."),

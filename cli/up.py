@@ -184,6 +184,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             nats_url = server.url
             nats = NatsChild(server)
         click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
+        click.echo(f"data: {root}  (llmgw.duckdb, logs/{', nats/' if server else ''}; --data-dir or LLMGW_DATA_DIR moves it)")
         from llmgw import ctl
 
         note = run(ctl.prepare_up(Settings.from_env(nats_url=nats_url), fleet_path if not no_example else None,

@@ -1,6 +1,8 @@
 """Settings every process shares: where NATS is and how to log in to it.
 
-Read from flags first, then ``LLMGW_*`` environment variables, then defaults.
+Read from flags first, then ``LLMGW_*`` environment variables, then the ``nats``
+CLI's own ``NATS_URL`` and ``NATS_CREDS`` (so a shell set up for ``nats`` works
+as is), then defaults.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class Settings:
         except ValueError as e:
             raise ConfigError(f"LLMGW_STREAM_REPLICAS must be 1, 3 or 5 (got {replicas_raw!r})") from e
         base = cls(
-            nats_url=env.get("LLMGW_NATS_URL", DEFAULT_NATS_URL),
-            creds_file=env.get("LLMGW_NATS_CREDS") or None,
+            nats_url=env.get("LLMGW_NATS_URL") or env.get("NATS_URL") or DEFAULT_NATS_URL,
+            creds_file=env.get("LLMGW_NATS_CREDS") or env.get("NATS_CREDS") or None,
             user=env.get("LLMGW_NATS_USER") or None,
             password=env.get("LLMGW_NATS_PASSWORD") or None,
             nkey_seed_file=env.get("LLMGW_NATS_NKEY") or None,

@@ -25,12 +25,17 @@ from aiohttp import web
 _ENCODER = msgspec.json.Encoder()
 
 
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class _Body(msgspec.Struct):
     """The parts of a request the fake engine looks at."""
 
     model: str = ""
     stream: bool = False
     input: str | list[object] = ""
+    stream_options: _StreamOptions | None = None
 
 
 _DECODER = msgspec.json.Decoder(_Body)
@@ -120,7 +125,7 @@ class FakeEngine:
             return body
         rid = f"chatcmpl-{self.name}-{self.requests}"
         if body.stream:
-            return await self._stream(request, rid, "chat.completion.chunk", chat=True)
+            return await self._stream(request, rid, "chat.completion.chunk", chat=True, body=body)
         reply = {
             "id": rid,
             "object": "chat.completion",
@@ -144,7 +149,7 @@ class FakeEngine:
             return body
         rid = f"cmpl-{self.name}-{self.requests}"
         if body.stream:
-            return await self._stream(request, rid, "text_completion", chat=False)
+            return await self._stream(request, rid, "text_completion", chat=False, body=body)
         reply = {
             "id": rid,
             "object": "text_completion",
@@ -156,7 +161,7 @@ class FakeEngine:
         }
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
 
-    async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool, body: _Body) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers})
         await resp.prepare(request)
         created = int(time.time())
@@ -177,6 +182,12 @@ class FakeEngine:
             await resp.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
             if pause > 0 and not last:
                 await asyncio.sleep(pause)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            # As OpenAI and vLLM do: one more chunk, with no choices, carrying the whole request's usage.
+            usage = {"prompt_tokens": 1, "completion_tokens": self.opts.chunks, "total_tokens": 1 + self.opts.chunks}
+            await resp.write(b"data: " + _ENCODER.encode({"id": rid, "object": obj, "created": created,
+                                                          "model": self.opts.model, "choices": [],
+                                                          "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -40,12 +40,18 @@ def _info(*streams: str) -> list[str]:
 
 
 def _read(*streams: str) -> list[str]:
-    """What a StreamReader needs: an ephemeral consumer, pull requests, and deleting it."""
+    """What a StreamReader needs: a named ephemeral consumer (``CREATE.<stream>.<name>``, and
+    ``….<name>.<filter>`` with one filter), pull requests, and deleting it.
+
+    The subject cannot tell a named ephemeral consumer from a durable one (the body does), so a
+    role may name consumers on the streams it reads; it reads nothing more through them.
+    """
     out: list[str] = []
     for stream in streams:
         out += [
             *_info(stream),
-            s.js_consumer("CREATE", stream),
+            s.js_consumer("CREATE", stream, "*"),
+            s.js_consumer("CREATE", stream, "*.>"),
             s.js_consumer("MSG.NEXT", stream, "*"),
             s.js_consumer("DELETE", stream, "*"),
         ]

@@ -24,6 +24,7 @@ import logging
 import signal
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
@@ -36,13 +37,16 @@ from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
-from llmgw.metrics import Metrics
+from llmgw.metrics import Metrics, usage_of, usage_of_stream
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
 
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Every path the router answers and its methods: anything else gets an OpenAI-style 404 or 405.
+METHODS = {**dict.fromkeys(ROUTES, "POST"), "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 RETRY_AFTER_S = 5
+USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the engine's `usage` in
 
 
 class _Head(msgspec.Struct):
@@ -75,6 +79,15 @@ def _error(status: int, message: str, type_: str, code: str, param: str | None =
            headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=error_body(message, type_, code, param),
                         content_type="application/json", headers=headers)
+
+
+def _unauthorized() -> web.Response:
+    return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
+                  "invalid_request_error", "invalid_api_key")
+
+
+def _model(name: str, state: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "state": state}
 
 
 # --- API keys ---------------------------------------------------------------------
@@ -156,7 +169,7 @@ class Router:
         self.wishes = 0
         self.upstream = Upstream(timeouts)
         self.idle = IdleTracker()
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.pool, lambda: self.sink.bad_events, lambda: self.idle_maps)
         self.idle_maps = 0
         self._rr = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -200,8 +213,11 @@ class Router:
         for route in ROUTES:
             app.router.add_post(route, self._handler(route))
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # model names may hold a slash (Org/Name)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.render_metrics)
+        # Last, so it only takes what nothing above matched: a route-less request costs the others nothing.
+        app.router.add_route("*", "/{path:.*}", self.no_route)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_caught_up: float = 10.0) -> str:
@@ -369,15 +385,13 @@ class Router:
 
     async def proxy(self, request: web.Request, route: str) -> web.StreamResponse:
         """Pass one OpenAI request to a replica and its answer back."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = time.perf_counter()
         model, stream, status = "", False, 500
         try:
             if self.keys and not self._authorized(request):
                 status = 401
                 self.metrics.error("", "unauthorized")
-                return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
-                              "invalid_request_error", "invalid_api_key")
+                return _unauthorized()
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 # Refuse before reading: the announced size is already too large.
                 status = 413
@@ -415,7 +429,7 @@ class Router:
                 self.metrics.error("", "bad_request")
                 return _error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
-            resp = await self._forward(request, route, model, stream, body)
+            resp = await self._forward(request, route, model, stream, body, t0)
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -430,10 +444,10 @@ class Router:
                 self.metrics.error(model if model in self.pool.known_models else "", "client_closed")
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models else ""
-            self.metrics.observe(label, route, status, stream, loop.time() - t0)
+            self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
-                       body: bytes) -> web.StreamResponse:
+                       body: bytes, t0: float) -> web.StreamResponse:
         rep = self.acquire(model)
         if rep is None:
             # Only a declared model wakes: one placed by a control plane we do not follow
@@ -460,7 +474,7 @@ class Router:
                     return _error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
                                   "server_error", "upstream_unreachable")
-                self.metrics.retries += 1
+                self.metrics.retry()
                 retried, rep = True, other
                 continue
             except TimeoutError:
@@ -473,7 +487,7 @@ class Router:
                 raise
             try:
                 if stream and up.status == 200:
-                    return await self._pipe(request, up, rep, model)
+                    return await self._pipe(request, up, rep, model, t0)
                 try:
                     data = await up.read()
                 except READ_ERRORS as e:
@@ -481,6 +495,8 @@ class Router:
                     self.metrics.error(model, "upstream_broken")
                     return _error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
+                if up.status == 200 and (usage := usage_of(data)) is not None:
+                    self.metrics.tokens(model, usage)
                 return web.Response(status=up.status, body=data, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"),
                     "x-llmgw-replica": rep.replica_id,
@@ -493,14 +509,21 @@ class Router:
                 self.release(rep)
 
     async def _pipe(self, request: web.Request, up: aiohttp.ClientResponse, rep: Replica,
-                    model: str) -> web.StreamResponse:
-        """Write the engine's stream on as it arrives; a break becomes an error event, not a hang."""
+                    model: str, t0: float) -> web.StreamResponse:
+        """Write the engine's stream on as it arrives; a break becomes an error event, not a hang.
+
+        The first chunk's arrival is the time to first token; the stream's last chunks are kept
+        (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``).
+        """
         resp = web.StreamResponse(status=up.status, headers={
             "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "x-llmgw-replica": rep.replica_id,
         })
         read = up.content.readany
+        tail: deque[bytes] = deque()
+        kept = 0
+        first = True
         try:
             await resp.prepare(request)
             while True:
@@ -513,7 +536,16 @@ class Router:
                     return resp
                 if not chunk:
                     await resp.write_eof()
+                    if (usage := usage_of_stream(b"".join(tail))) is not None:
+                        self.metrics.tokens(model, usage)
                     return resp
+                if first:
+                    first = False
+                    self.metrics.first_token(model, time.perf_counter() - t0)
+                tail.append(chunk)
+                kept += len(chunk)
+                while kept - len(tail[0]) >= USAGE_TAIL_BYTES:
+                    kept -= len(tail.popleft())
                 await resp.write(chunk)
         except ConnectionResetError as e:  # aiohttp's "Cannot write to closing transport" is one
             raise _ClientGone(resp) from e
@@ -556,11 +588,34 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         if self.keys and not self._authorized(request):
-            return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
-                          "invalid_request_error", "invalid_api_key")
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "state": state}
-                for name, state in self.pool.listed().items()]
+            self.metrics.error("", "unauthorized")
+            return _unauthorized()
+        data = [_model(name, state) for name, state in self.pool.listed().items()]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model of GET /v1/models (the OpenAI client's ``models.retrieve``), or a 404."""
+        if self.keys and not self._authorized(request):
+            self.metrics.error("", "unauthorized")
+            return _unauthorized()
+        name = request.match_info["model"]
+        state = self.pool.listed().get(name)
+        if state is None:
+            return _error(404, f"the model `{name}` does not exist; GET /v1/models lists the models served",
+                          "invalid_request_error", "model_not_found", "model")
+        return web.Response(body=_ENC.encode(_model(name, state)), content_type="application/json")
+
+    async def no_route(self, request: web.Request) -> web.Response:
+        """Any path or method the router does not serve: an OpenAI-style 404 or 405, so clients show why."""
+        path = request.path
+        allowed = METHODS.get(path) or ("GET" if path.startswith("/v1/models/") else None)
+        if allowed is None:
+            return _error(404, f"{request.method} {path} is not a route of this router; it serves "
+                               f"{', '.join(ROUTES)} (POST) and /v1/models (GET)",
+                          "invalid_request_error", "unknown_url")
+        allow = f"{allowed}, HEAD" if allowed == "GET" else allowed
+        return _error(405, f"{request.method} is not allowed on {path}; use {allowed}",
+                      "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 503 until caught up. Without NATS it still serves what it knew (200), but
@@ -574,9 +629,9 @@ class Router:
         return web.Response(status=200 if ready else 503, body=_ENC.encode(body), content_type="application/json")
 
     async def render_metrics(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.pool, self.sink.bad_events, self.idle_maps)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        """Prometheus text, or OpenMetrics when the scraper's Accept header asks for it."""
+        body, content_type = self.metrics.render(request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"})
 
 
 async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: object) -> None:

@@ -110,3 +110,74 @@ async def test_fast_and_ordinary_paths_read_the_same_messages(bus: Bus, settings
 async def _read_all(bus: Bus, stream: str) -> list[tuple[int, str, bytes, int]]:
     last = await bus.stream_last_seq(stream)
     return [tuple(x) async for batch in bus.reader(stream, 1, batch=64, stop_at=last).batches() for x in batch]
+
+
+# --- the nats-py internals the bus relies on -------------------------------------------------------
+
+PINNED = "the nats-py minor version pinned in pyproject.toml"
+
+
+def test_nats_py_is_the_minor_version_pyproject_pins() -> None:
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    deps = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in deps if d.startswith("nats-py"))
+    low, high = (part.split("=")[-1].split("<")[-1] for part in pin.split(";")[0].split("]", 1)[1].split(","))
+    installed = tuple(int(x) for x in version("nats-py").split(".")[:2])
+    assert tuple(int(x) for x in low.split(".")[:2]) == installed, (
+        f"nats-py {version('nats-py')} is installed but pyproject.toml pins {pin!r}: llmgw/bus/frames.py and "
+        "llmgw/bus/deferred.py reach into nats-py's parser and transport; re-run these tests on the new version "
+        "and move the pin only when they pass")
+    assert tuple(int(x) for x in high.split(".")[:2]) == (installed[0], installed[1] + 1), pin
+
+
+def test_the_parser_internals_frames_py_uses_are_still_there(bus: Bus) -> None:
+    import inspect
+
+    from nats.protocol import parser as nats_parser
+
+    loud = f"nats-py changed an internal that llmgw/bus/frames.py relies on ({PINNED}); "
+    assert nats_parser.AWAITING_CONTROL_LINE is not None, loud + "AWAITING_CONTROL_LINE is gone"
+    assert list(inspect.signature(Parser.__init__).parameters) == ["self", "nc"], loud + "Parser(nc) changed"
+    assert inspect.iscoroutinefunction(Parser.parse), loud + "Parser.parse is no longer a coroutine"
+    p = Parser(bus.nc)
+    for attr in ("buf", "state", "needed", "header_needed", "msg_arg"):
+        assert hasattr(p, attr), loud + f"Parser.{attr} is gone (_FrameParser copies it from the old parser)"
+    assert p.state == nats_parser.AWAITING_CONTROL_LINE, loud + "a new parser no longer awaits a control line"
+    process = getattr(type(bus.nc), "_process_msg", None)
+    assert process is not None and inspect.iscoroutinefunction(process), loud + "Client._process_msg is gone"
+    assert list(inspect.signature(process).parameters)[1:] == ["sid", "subject", "reply", "data", "headers"], \
+        loud + "Client._process_msg(sid, subject, reply, data, headers) changed"
+    assert type(bus.nc._ps) is _FrameParser, loud + "the Bus no longer installs its parser (it fell back silently)"
+
+
+def test_the_transport_still_imports_aiohttp_optionally() -> None:
+    import inspect
+
+    import nats.aio.transport as transport
+
+    src = inspect.getsource(transport)
+    loud = f"nats-py changed how it imports aiohttp, which llmgw/bus/deferred.py hides at start-up ({PINNED}); "
+    assert "except ImportError:\n    aiohttp = None" in src, loud + "the ImportError fallback is gone"
+    assert hasattr(transport, "aiohttp") and hasattr(transport, "multidict"), loud + "module globals renamed"
+
+
+def test_the_bus_imports_nats_without_aiohttp_and_hands_it_over_for_websockets() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, llmgw.bus\n"
+        "import nats.aio.transport as t\n"
+        "assert 'aiohttp' not in sys.modules and t.aiohttp is None, 'aiohttp imported at start-up'\n"
+        "from aiohttp import web\n"  # the router, after the bus: the real module
+        "import aiohttp\n"
+        "assert aiohttp.ClientSession and web.Application\n"
+        "from llmgw.bus.deferred import websockets\n"
+        "websockets()\n"
+        "assert t.aiohttp is aiohttp, 'ws:// would find no aiohttp'\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

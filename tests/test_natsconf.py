@@ -275,7 +275,8 @@ async def test_no_role_but_admin_manages_jetstream(secured: Secured, admin: Bus,
         for subject in ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                         subjects.js_api("CONSUMER.NAMES", subjects.STREAM_CONTROL),
                         subjects.js_api("CONSUMER.LIST", subjects.STREAM_CONTROL),
-                        subjects.js_consumer("CREATE", subjects.STREAM_CONTROL, "durable-x"),
+                        subjects.js_api("CONSUMER.DURABLE.CREATE", subjects.STREAM_CONTROL, "durable-x"),
+                        subjects.js_consumer("CREATE", "LLMGW_NEW", "named-x"),
                         subjects.js_api("STREAM.MSG.GET", subjects.STREAM_FLEET),
                         subjects.js_api("DIRECT.GET", subjects.STREAM_FLEET)):
             await refused(bus, subject, b"{}")

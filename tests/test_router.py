@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 from running import engines as running_engines
 
 from llmgw import messages as m
@@ -161,8 +162,7 @@ async def test_malformed_control_event_is_counted_and_skipped(bus: Bus, router: 
     await place(bus, "C", MODEL, engines["A"].url)
     await router.sink.wait_for(in_pool("A", "B", "C"))
     assert router.sink.bad_events == 2
-    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
-        assert "llmgw_router_bad_events_total 2" in await resp.text()
+    assert (await scrape(router.url))["llmgw_router_bad_events_total", frozenset()] == 2
 
 
 async def test_unhealthy_replica_receives_nothing_more(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
@@ -192,7 +192,7 @@ async def test_unknown_model_is_404(client: openai.AsyncOpenAI, router: Router) 
     async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
         text = await resp.text()
     assert "no-such-model" not in text
-    assert 'llmgw_router_errors_total{model="",kind="unknown_model"} 1' in text
+    assert (await scrape(router.url))[sample("llmgw_router_errors_total", model="", kind="unknown_model")] == 1
 
 
 async def test_model_still_starting_is_503(bus: Bus, client: openai.AsyncOpenAI, router: Router) -> None:
@@ -220,7 +220,7 @@ async def test_engine_dead_before_first_byte_is_retried_elsewhere(bus: Bus, clie
         assert answered == ["G"] * 4
         assert dying.proc.wait(timeout=10) == 3
         assert router.metrics.retries >= 1
-        assert router.metrics.errors[("flaky", "upstream_connect")] >= 1
+        assert router.metrics.errors("flaky", "upstream_connect") >= 1
     finally:
         dying.stop()
         good.stop()
@@ -251,7 +251,7 @@ async def test_upstream_read_timeout_is_504(bus: Bus) -> None:
             with pytest.raises(openai.APIStatusError) as err:
                 await c.chat.completions.create(model="stuck", messages=[{"role": "user", "content": "x"}])
             assert err.value.status_code == 504
-        assert r.metrics.errors[("stuck", "upstream_timeout")] == 1
+        assert r.metrics.errors("stuck", "upstream_timeout") == 1
         assert r.pool.replicas["T"].outstanding == 0
     finally:
         await r.stop()
@@ -296,7 +296,7 @@ async def test_client_disconnect_releases_the_replica(bus: Bus, router: Router) 
                 break
             await asyncio.sleep(0.05)
         assert router.pool.replicas["W"].outstanding == 0
-        assert ("slow", "upstream_broken") not in router.metrics.errors  # the client left, not the replica
+        assert router.metrics.errors("slow", "upstream_broken") == 0  # the client left, not the replica
     finally:
         slow.stop()
 
@@ -318,16 +318,17 @@ async def test_a_client_that_leaves_is_client_closed_not_a_500(bus: Bus, router:
                 await s.post(router.url + "/v1/completions", json={"model": "wait", "prompt": "x"},
                              timeout=aiohttp.ClientTimeout(total=0.3))
         for _ in range(200):
-            if sum(router.metrics.errors.get((name, "client_closed"), 0) for name in ("leave", "wait")) == 4:
+            if sum(router.metrics.errors(name, "client_closed") for name in ("leave", "wait")) == 4:
                 break
             await asyncio.sleep(0.05)
     finally:
         slow.stop()
         lazy.stop()
-    assert router.metrics.errors.get(("leave", "client_closed")) == 3
-    assert router.metrics.errors.get(("wait", "client_closed")) == 1
-    assert router.metrics.requests.get(("leave", "/v1/chat/completions", 499)) == 3
-    assert not [k for k in router.metrics.requests if k[2] == 500]
+    assert router.metrics.errors("leave", "client_closed") == 3
+    assert router.metrics.errors("wait", "client_closed") == 1
+    assert router.metrics.requests("leave", "/v1/chat/completions", 499) == 3
+    assert not [k for k, n in (await scrape(router.url)).items() if k[0] == "llmgw_router_requests_total"
+                and ("code", "500") in k[1] and n]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
@@ -346,10 +347,9 @@ async def test_bad_requests_get_clear_4xx(bus: Bus, engines: dict[str, EnginePro
                 async with s.post(r.url + "/v1/chat/completions", data=body) as resp:
                     assert resp.status == status, body[:20]
                     assert (await resp.json())["error"]["code"] == code
-            async with s.get(r.url + "/metrics") as resp:
-                text = await resp.text()
-            assert 'llmgw_router_errors_total{model="",kind="bad_request"} 3' in text
-            assert 'llmgw_router_errors_total{model="",kind="too_large"} 1' in text
+            got = await scrape(r.url)
+            assert got[sample("llmgw_router_errors_total", model="", kind="bad_request")] == 3
+            assert got[sample("llmgw_router_errors_total", model="", kind="too_large")] == 1
     finally:
         await r.stop()
 
@@ -377,22 +377,20 @@ async def test_api_keys(bus: Bus, engines: dict[str, EngineProcess]) -> None:
         async with aiohttp.ClientSession() as s, s.get(r.url + "/metrics") as resp:
             text = await resp.text()
         assert secret not in text and hash_key(secret) not in text
-        assert 'kind="unauthorized"} 2' in text
+        assert (await scrape(r.url))[sample("llmgw_router_errors_total", model="", kind="unauthorized")] == 2
     finally:
         await r.stop()
 
 
 async def test_metrics_and_health(client: openai.AsyncOpenAI, router: Router) -> None:
     await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    async with aiohttp.ClientSession() as s:
-        async with s.get(router.url + "/metrics") as resp:
-            text = await resp.text()
-        async with s.get(router.url + "/health") as resp:
-            health = await resp.json()
-    assert f'llmgw_router_requests_total{{model="{MODEL}",route="/v1/chat/completions",code="200"}} 1' in text
-    assert f'llmgw_router_request_seconds_count{{model="{MODEL}",stream="false"}} 1' in text
-    assert f'llmgw_router_in_flight{{replica="A",model="{MODEL}"}} 0' in text
-    assert 'llmgw_router_replicas{state="healthy"} 2' in text
+    got = await scrape(router.url)
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/health") as resp:
+        health = await resp.json()
+    assert got[sample("llmgw_router_requests_total", model=MODEL, route="/v1/chat/completions", code="200")] == 1
+    assert got[sample("llmgw_router_request_seconds_count", model=MODEL, stream="false")] == 1
+    assert got[sample("llmgw_router_in_flight", replica="A", model=MODEL)] == 0
+    assert got[sample("llmgw_router_replicas", state="healthy")] == 2
     assert health["status"] == "ok" and health["healthy_replicas"] == 2
 
 
@@ -414,6 +412,18 @@ async def test_listen_on_a_taken_port_is_a_clear_error(bus: Bus, router: Router)
     with pytest.raises(ConfigError, match=f"router cannot listen on 127.0.0.1:{port}"):
         await other.start("127.0.0.1", port)
     assert await idle_count(bus) == 0  # a router that never served publishes nothing
+
+
+def sample(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return name, frozenset(labels.items())
+
+
+async def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """GET /metrics, parsed by prometheus_client's own parser: every sample by (name, labels)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    return {sample(x.name, **x.labels): x.value for family in text_string_to_metric_families(text) for x in family.samples}
 
 
 async def idle_count(bus: Bus) -> int:

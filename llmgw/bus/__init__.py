@@ -14,6 +14,7 @@
   bytes in one pass and hands each reader a chunk's worth at once.
 """
 
+from llmgw.bus import deferred  # noqa: F401 - first, before anything imports nats (see its docstring)
 from llmgw.bus.connection import Bus
 from llmgw.bus.follow import Decoded, Follower
 from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, RawMsg, _FrameParser

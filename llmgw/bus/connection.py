@@ -23,6 +23,7 @@ from nats.protocol.parser import Parser
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.bus.deferred import websockets
 from llmgw.bus.follow import Follower
 from llmgw.bus.frames import (
     READER_BYTES_IN_FLIGHT,
@@ -99,8 +100,9 @@ async def _abandon(nc: NatsClient) -> None:
 class Bus:
     """A connection to NATS with JetStream, and the operations llmgw needs of it."""
 
-    def __init__(self, nc: NatsClient, settings: Settings, *, fast_reads: bool = True) -> None:
+    def __init__(self, nc: NatsClient, settings: Settings, *, fast_reads: bool = True, name: str = "llmgw") -> None:
         self.nc = nc
+        self.name = name  # the connection's name: what the server's monitoring and our consumers' names show
         self.js: JetStreamContext = nc.jetstream(timeout=settings.request_timeout_s)
         self.settings = settings
         self._denied: dict[str, list[asyncio.Future[str]]] = {}
@@ -194,6 +196,8 @@ class Bus:
             # Replies come to this user's own inbox prefix, the only one nats.conf lets it read:
             # under the shared _INBOX.> any role could read (and act on) another's replies.
             opts["inbox_prefix"] = subjects.inbox_prefix(settings.user)
+        if any(u.startswith(("ws://", "wss://")) for u in opts["servers"]):
+            websockets()
         nc = NatsClient()
         try:
             await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
@@ -202,7 +206,7 @@ class Bus:
             # A refused login leaves nats-py's socket open; close it rather than leak it.
             await _abandon(nc)
             raise ConnectError(_describe_connect_error(settings, cause)) from e
-        bus = cls(nc, settings, fast_reads=fast_reads)
+        bus = cls(nc, settings, fast_reads=fast_reads, name=name)
         holder.append(bus)
         return bus
 
@@ -500,10 +504,12 @@ class Bus:
         filter_subjects: Sequence[str] = (),
         idle_expires_s: float = 2.0,
         max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
+        purpose: str = "",
     ) -> StreamReader:
+        """A reader of ``stream``; ``purpose`` goes into its consumer's description."""
         return StreamReader(self, stream, start_seq, batch=batch, stop_at=stop_at,
                             filter_subjects=filter_subjects, idle_expires_s=idle_expires_s,
-                            max_bytes_in_flight=max_bytes_in_flight)
+                            max_bytes_in_flight=max_bytes_in_flight, purpose=purpose)
 
     def outbox(self, maxlen: int = 10_000) -> Outbox:
         return Outbox(self, maxlen)

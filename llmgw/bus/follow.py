@@ -60,7 +60,8 @@ class Follower(Generic[T]):
             self.on_skip(raw, error)
 
     async def batches(self) -> AsyncIterator[list[Decoded[T]]]:
-        reader = self.bus.reader(self.stream, self.start, stop_at=self.stop_at, idle_expires_s=self.idle_expires_s)
+        reader = self.bus.reader(self.stream, self.start, stop_at=self.stop_at, idle_expires_s=self.idle_expires_s,
+                                 purpose=self.who)
         decode = self.decoder.decode
         async for batch in reader.batches():
             out: list[Decoded[T]] = []

@@ -90,7 +90,8 @@ class ObjectBucket:
             return []  # nobody declared the bucket: no snapshots
         out: list[bytes] = []
         if last:
-            async for batch in self.bus.reader(stream, 1, stop_at=last, filter_subjects=[subject]).batches():
+            async for batch in self.bus.reader(stream, 1, stop_at=last, filter_subjects=[subject],
+                                                  purpose=f"reads {self.bucket} objects").batches():
                 out.extend(x.data for x in batch)
         return out
 

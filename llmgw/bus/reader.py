@@ -6,6 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import re
+import secrets
+import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +27,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def consumer_name(who: str, stream: str) -> str:
+    """``<who>-<stream>-<random>``: says whose it is in ``nats consumer ls``, and never collides with
+    the consumer of a restarted process or of another reader of the same process."""
+    return f"{_NOT_IN_NAME.sub('_', who)[:48] or 'llmgw'}-{stream}-{secrets.token_hex(4)}"
+
 
 class StreamReader:
     """Read a stream in order from a sequence, in batches, following or up to ``stop_at``.
@@ -31,7 +43,9 @@ class StreamReader:
     checkpoint (not the server) is the durable cursor, so a resumed reader
     starts exactly after what was committed. Gaps in the consumer's delivery
     sequence, a deleted consumer, or silence all recreate it after the last
-    sequence handed out.
+    sequence handed out. Each consumer is named after the bus connection's name
+    (the process) and described with ``purpose``, so ``nats consumer ls`` and
+    ``nats consumer info`` say whose it is and what for.
     """
 
     def __init__(
@@ -45,8 +59,10 @@ class StreamReader:
         filter_subjects: Sequence[str],
         idle_expires_s: float,
         max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
+        purpose: str = "",
     ) -> None:
         self.bus = bus
+        self.purpose = purpose
         self.stream = stream
         self.next_seq = max(1, start_seq)
         self.batch = batch
@@ -69,8 +85,19 @@ class StreamReader:
         self._sub: Any = None
         self.resets = 0
 
+    def _description(self) -> str:
+        why = f" ({self.purpose})" if self.purpose else ""
+        what = f"replays {self.stream} from seq {self.next_seq} to {self.stop_at}" if self.stop_at is not None \
+            else f"follows {self.stream} from seq {self.next_seq}"
+        only = f", only {' '.join(self.filter_subjects)}" if self.filter_subjects else ""
+        return (f"{self.bus.name}{why} {what}{only}; "
+                f"host {socket.gethostname()} pid {os.getpid()}")[:1024]
+
     async def _create_consumer(self) -> None:
+        name = consumer_name(self.bus.name, self.stream)
         config: dict[str, Any] = {
+            "name": name,
+            "description": self._description(),
             "deliver_policy": "by_start_sequence",
             "opt_start_seq": self.next_seq,
             "ack_policy": "none",
@@ -80,12 +107,15 @@ class StreamReader:
             "num_replicas": 1,
             "max_waiting": 16,
         }
+        # The named create API; with one filter, the filter is in the subject too (as nats-py and the
+        # nats CLI send it), so nats.conf grants CREATE.<stream>.* and CREATE.<stream>.*.>.
+        subject = subjects.js_consumer("CREATE", self.stream, name)
         if len(self.filter_subjects) == 1:
             config["filter_subject"] = self.filter_subjects[0]
+            subject += "." + self.filter_subjects[0]
         elif self.filter_subjects:
             config["filter_subjects"] = self.filter_subjects
-        req = json.dumps({"stream_name": self.stream, "config": config}).encode()
-        subject = subjects.js_consumer("CREATE", self.stream)
+        req = json.dumps({"stream_name": self.stream, "config": config, "action": "create"}).encode()
         loop = asyncio.get_running_loop()
         # A cluster electing leaders, or a server coming back, answers "temporarily
         # unavailable" or not at all for a few seconds; a reader rides that out.
