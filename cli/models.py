@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw import messages as m
-from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
+from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
@@ -42,7 +42,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.command("deploy")
-@click.argument("name", callback=checked_name)
+@click.argument("name", callback=checked_model_name)
 @click.argument("model")
 @click.option("--from-plan", is_flag=True, required=True, help="Take the spec from the planner (required: nothing is deployed unplanned).")
 @click.option("--candidate", type=click.IntRange(1), help="The N-th candidate `ctl model plan MODEL` lists (with the same flags).")
@@ -109,7 +109,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
 
 
 @click.command("scale")
-@click.argument("name", callback=checked_name)
+@click.argument("name", callback=checked_model_name)
 @click.option("--replicas", type=REPLICAS, required=True, help="How many replicas NAME should have (0 stops them all, keeps the declaration).")
 @json_option
 @nats_options
@@ -131,7 +131,7 @@ def scale(name: str, replicas: int, as_json: bool, settings: Settings) -> None:
 
 
 @click.command("remove")
-@click.argument("name", callback=checked_name)
+@click.argument("name", callback=checked_model_name)
 @json_option
 @nats_options
 def remove(name: str, as_json: bool, settings: Settings) -> None:

@@ -156,6 +156,15 @@ def checked_name(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def checked_model_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A model name: the names rule, or parts of it joined by '/' (``org/model``)."""
+    from llmgw.messages import name_problem
+
+    if value is not None and (why := name_problem(value, param.human_readable_name, model=True)) is not None:
+        raise click.BadParameter(why, ctx=ctx, param=param)
+    return value
+
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
 
 

@@ -25,23 +25,30 @@ SCHEMA_VERSION = 1
 
 # Names (nodes, models, routers; a replica id is a model name + ``-rN``): 1 to 128
 # letters, digits, ``.``, ``_`` or ``-``, starting with a letter or digit. No space,
-# newline or other character a subject token, a shell or a table would mangle.
+# newline or other character a subject token, a shell or a table would mangle. A model
+# name (and so a replica id) may also have ``/`` between parts: ``org/model``, as Hugging
+# Face and OpenAI clients write the model they ask for. Subjects and file names carry
+# names through ``subjects.token``, which encodes what is not a letter, digit, _ or -.
 NAME_MAX = 128
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"  # \Z: "$" would let a trailing newline through
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*\Z"
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN)]
+ModelName = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX, pattern=MODEL_NAME_PATTERN)]
 NAME_RULE = f"1 to {NAME_MAX} letters, digits, '.', '_' or '-', starting with a letter or digit"
+MODEL_NAME_RULE = f"{NAME_RULE}, or such parts joined by '/' (org/model)"
 _NAME = re.compile(NAME_PATTERN)
+_MODEL_NAME = re.compile(MODEL_NAME_PATTERN)
 
 
-def name_problem(name: str, what: str = "a name") -> str | None:
+def name_problem(name: str, what: str = "a name", *, model: bool = False) -> str | None:
     """Why ``name`` breaks the names rule (for an error message), or None when it follows it."""
-    if len(name) <= NAME_MAX and _NAME.match(name):
+    if len(name) <= NAME_MAX and (_MODEL_NAME if model else _NAME).match(name):
         return None
     shown = repr(name) if len(name) <= 60 else f"{name[:40]!r}… ({len(name):,} characters)"
-    return f"{what} must be {NAME_RULE} (got {shown})"
+    return f"{what} must be {MODEL_NAME_RULE if model else NAME_RULE} (got {shown})"
 
 
-ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, pattern=NAME_PATTERN)]
+ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, pattern=MODEL_NAME_PATTERN)]
 # A name where an event refers to one (a replica's node, a scaled model): bounded in length only.
 # The rule is checked where a name enters the fleet (an inventory, a declaration, a placement, a
 # router's map), so a reference outside it matches nothing and is ignored; a pattern per reference
@@ -213,7 +220,7 @@ Engine = Literal["vllm", "llama.cpp"]
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to run one replica of a declared model."""
 
-    name: Name
+    name: ModelName
     source: Text
     precision: Label
     engine: Engine

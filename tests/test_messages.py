@@ -75,3 +75,21 @@ def test_deep_nesting_is_a_decode_error_readers_catch() -> None:
     deep = b'{"type":"NodeLost","node":"n1","at":"2026-11-01T10:00:00Z","junk":' + b"[" * 5000 + b"]" * 5000 + b"}"
     with pytest.raises(m.DECODE_ERRORS):
         m.decode_event(deep)
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("meta-llama/Llama-3.1-8B-Instruct", True), ("org/sub/model", True), ("qwen", True),
+    ("/model", False), ("org/", False), ("org//model", False), ("org/ model", False), ("a\n/b", False),
+])
+def test_a_model_name_may_join_parts_with_a_slash_and_a_node_name_may_not(name: str, ok: bool) -> None:
+    """OpenAI clients ask for ``org/model``; a node name stays one part (it names files and hosts)."""
+    spec = {"name": name, "source": "s", "precision": "bf16", "engine": "vllm", "gpu_class": "H100-80GB",
+            "context": 4096}
+    if ok:
+        assert msgspec.convert(spec, m.ModelSpec).name == name
+        assert m.name_problem(name, model=True) is None
+    else:
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(spec, m.ModelSpec)
+        assert m.name_problem(name, model=True) is not None
+    assert m.name_problem(name) is None if "/" not in name and ok else m.name_problem(name) is not None
