@@ -415,7 +415,8 @@ class EngineRun:
             return 0
         pids = await asyncio.to_thread(descendants, [p.pid for p in self.procs if p.returncode is None])
         try:
-            return await self.memory_of(pids, self.gpu_indexes)
+            # Bounded: a driver call that hangs must not hold back the healthy report.
+            return await asyncio.wait_for(self.memory_of(pids, self.gpu_indexes), 10)
         except Exception as e:  # noqa: BLE001 - a figure for people: never worth the state report
             log.warning("engine %s: GPU memory not observed: %s", self.replica_id, e)
             return 0

@@ -26,6 +26,9 @@ from llmgw.fleet.fold import FleetState
 log = logging.getLogger(__name__)
 
 MAX_NODES = 100_000  # samples kept at most; past it a new node's are dropped and counted
+# Nodes whose samples one status answer carries (~1 KiB each): the answer stays well under NATS's
+# default 1 MiB payload limit on any fleet; per-class use always covers every node.
+NODE_ROWS = 400
 
 
 class GpuSamples:
@@ -91,7 +94,7 @@ def summarize(state: FleetState, beats: Mapping[str, m.HeartbeatSent], *,
               nodes: bool = False) -> tuple[tuple[m.ClassGpuUse, ...], tuple[m.NodeGpus, ...]]:
     """Per GPU class (and, with ``nodes``, per node) what the samples of live, known GPUs say."""
     classes: dict[str, list[int]] = {}  # class → [sampled, util sum, util count, used, total]
-    per_node = []
+    per_node: list[m.NodeGpus] = []
     for name, hb in sorted(beats.items()):
         node = state.nodes.get(name)
         if node is None or node.lost:
@@ -110,11 +113,12 @@ def summarize(state: FleetState, beats: Mapping[str, m.HeartbeatSent], *,
             if s.memory_used_mib is not None and s.memory_total_mib is not None:
                 c[3] += s.memory_used_mib
                 c[4] += s.memory_total_mib
-        if nodes and kept:
+        if nodes and kept and len(per_node) < NODE_ROWS:
             kinds = {g.gpu_class for g in node.gpus.values()}
             per_node.append(m.NodeGpus(node=name, gpu_class=kinds.pop() if len(kinds) == 1 else "mixed",
                                        at=hb.at.astimezone(UTC),
-                                       gpus=tuple(msgspec.structs.replace(s, processes=()) for s in kept)))
+                                       gpus=tuple(msgspec.structs.replace(s, processes=()) if s.processes else s
+                                                  for s in kept)))
     use = tuple(
         m.ClassGpuUse(gpu_class=k, sampled=c[0], utilization_pct=round(c[1] / c[2], 1) if c[2] else None,
                       memory_used_mib=c[3], memory_total_mib=c[4])

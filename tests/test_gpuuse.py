@@ -239,3 +239,44 @@ async def test_status_shows_gpu_use_from_the_heartbeat_stream(bus: Bus, tmp_path
                                            memory_used_mib=70_004, memory_total_mib=2 * 81920),)
     assert plain.node_gpus == ()  # ctl status does not carry every GPU of the fleet
     assert [n.node for n in full.node_gpus] == ["n1"] and full.gpu_use == plain.gpu_use
+
+
+def test_one_answer_carries_at_most_node_rows_nodes_but_every_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmgw.gpuuse
+
+    monkeypatch.setattr(llmgw.gpuuse, "NODE_ROWS", 1)
+    state = fold(small_fleet())
+    use, nodes = summarize(state, {"n1": beat("n1", sample(0, 10, 1)), "n4": beat("n4", sample(0, 30, 1))}, nodes=True)
+    assert [n.node for n in nodes] == ["n1"]  # an answer stays under NATS's payload limit on any fleet
+    assert [u.gpu_class for u in use] == ["H100-80GB", "L40S-48GB"]
+
+
+async def test_a_driver_call_that_hangs_stalls_samples_never_heartbeats(bus: Bus, fleet_file: Path) -> None:
+    import threading
+
+    release = threading.Event()
+
+    class Hanging(SimNvml):
+        def sample(self, index: int) -> GpuUse | None:
+            release.wait(30)  # NVML stuck on a GPU that fell off the bus
+            return None
+
+    node = load(fleet_file).node("l40s-01")
+    agent = Agent(bus, Hanging(node), node.name, fabric=node.fabric, simulated=True, heartbeat_s=0.05)
+
+    async def beats() -> list[m.HeartbeatSent]:
+        return [e for e in await stored(bus, subjects.STREAM_HEARTBEAT) if isinstance(e, m.HeartbeatSent)]
+
+    try:
+        async with running(agent):
+            await until(lambda: agent.started.is_set(), "the agent")
+            first = await bus.stream_last_seq(subjects.STREAM_HEARTBEAT)
+            await until(lambda: _later(bus, first + 5), "five more heartbeats while the driver hangs")
+    finally:
+        release.set()
+    (hb,) = await beats()
+    assert hb.seq >= 5 and hb.gpus == ()
+
+
+async def _later(bus: Bus, seq: int) -> bool:
+    return await bus.stream_last_seq(subjects.STREAM_HEARTBEAT) >= seq
