@@ -1,9 +1,9 @@
 """``llmgw up``: a whole local control plane in one command, each part its own process.
 
 The embedded nats-server (unless ``--nats-url``), then ``llmgw project``,
-``planner``, ``scheduler``, ``router`` and, with ``--simulate``, one
-``llmgw agent --simulate`` for every node of the file; each a child with its
-own event loop and log file. Everything lives in the data directory, so a
+``planner``, ``scheduler``, ``router``, ``dashboard`` and, with ``--simulate``,
+one ``llmgw agent --simulate`` for every node of the file; each a child with
+its own event loop and log file. Everything lives in the data directory, so a
 second ``up`` with the same directory continues where the first stopped.
 Every one of them, nats-server included, is restarted when it dies (nats-server
 with the same store and port, so every other child reconnects to it), and the
@@ -45,6 +45,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     log: IO[bytes] | None = field(default=None, repr=False)
+    optional: bool = False  # one that keeps exiting is given up on, and the rest goes on (the dashboard)
     offset: int = 0  # where this run's output starts in the (appended) log
 
     def start(self) -> None:
@@ -79,7 +80,7 @@ class Child:
 
 
 def _router_url(router: Child, within_s: float = 10.0) -> str:
-    """The URL the router printed on its first line (the real port when --router-listen said 0)."""
+    """The URL the router (or dashboard) printed on its first line (the real port when its --listen said 0)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -155,15 +156,19 @@ def _default_models_dir() -> str | None:
               help="With --simulate: seconds each fake engine takes to start, so a cold start shows.")
 @click.option("--wake-timeout", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds the router holds a request while its parked model wakes.")
+@click.option("--dashboard-listen", default="127.0.0.1:8081", show_default=True,
+              help="Where the web dashboard listens (port 0: a free one; 'off': no dashboard).")
+@click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Key file (sha256 hex digests, one per line) for the router and the dashboard; off when absent.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool,
-       engine_startup_s: float, wake_timeout: float) -> None:
+       engine_startup_s: float, wake_timeout: float, dashboard_listen: str, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
     Example:
 
         llmgw up --simulate examples/fleet.toml
-        llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080
+        llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080 --api-keys keys.sha256
     """
     from llmgw.config import data_dir as default_data_dir
     from llmgw.fleetfile import load as load_fleet
@@ -194,24 +199,32 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             env["LLMGW_MODELS_DIR"] = models_dir
         exe = _llmgw_program()
         logs = root / "logs"
+        keys = ["--api-keys", str(api_keys.resolve())] if api_keys else []
         parts = [
             ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
             ("planner", ["planner"]),
             ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}"]),
             ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
-                        "--wake-timeout", f"{wake_timeout:g}"]),
+                        "--wake-timeout", f"{wake_timeout:g}", *keys]),
         ]
+        if dashboard_listen != "off":
+            parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))
         if fleet_path is not None:
             parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}",
                                      "--engine-startup-s", f"{engine_startup_s:g}"]))
         for name, args in parts:
-            child = Child(name, [*exe, *args], logs / f"{name}.log", env)
+            child = Child(name, [*exe, *args], logs / f"{name}.log", env, optional=name == "dashboard")
             child.start()
             children.append(child)
         if note:
             click.echo(note)
         router_url = _router_url(children[3]) or f"http://{router_listen}"
         click.echo(f"router: {router_url}/v1  (OpenAI API; models at /v1/models)")
+        board = next((c for c in children if c.name == "dashboard"), None)
+        if board is not None:
+            board_url = _router_url(board)
+            click.echo(f"dashboard: {board_url}" if board_url else
+                       f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
         click.echo(f"logs: {logs}/")
         if nats_url != DEFAULT_NATS_URL:
             click.echo(f"export LLMGW_NATS_URL={nats_url}   # so the commands below find this NATS")
@@ -223,6 +236,12 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             for child in children:
                 code = child.proc.poll() if child.proc else None
                 if code is None:
+                    continue
+                if child.restarts >= MAX_RESTARTS and child.optional:
+                    click.echo(f"{child.name} keeps exiting (code {code}): {child.tail(2)}; going on without it "
+                               f"(see {child.log_path})", err=True)
+                    child.stop()
+                    child.proc = None
                     continue
                 if child.restarts >= MAX_RESTARTS:
                     raise click.ClickException(f"{child.name} keeps exiting (code {code}): {child.tail()}; see {child.log_path}")

@@ -7,7 +7,9 @@
 * A critical XID arrives once, as a driver event; before its first inventory
   the agent reads what its node last published (the fleet stream), so a GPU
   that fell off the bus stays fenced across agent restarts until it is cleared.
-* Heartbeats by core publish to the heartbeat stream, never to history.
+* Heartbeats by core publish to the heartbeat stream, never to history; each
+  carries every GPU's last sample (utilization, memory, temperature, power,
+  processes), taken by its own loop so a driver call that hangs never stops one.
 * Events go through a bounded outbox, so a NATS outage delays them but loses
   and doubles nothing: each carries a msg id of node, boot id and sequence.
 """
@@ -30,9 +32,19 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
+from llmgw.engines import EngineSupervisor
 from llmgw.errors import BusError, NvmlError, OutboxFullError, PublishError
 from llmgw.fleetfile import FAULT_KINDS, FaultSpec, Fleet, faults
-from llmgw.nvml import Finding, GpuEvent, GpuStatic, NvmlPort, assess, gpu_class, xid_finding
+from llmgw.nvml import (
+    Finding,
+    GpuEvent,
+    GpuStatic,
+    GpuUse,
+    NvmlPort,
+    assess,
+    gpu_class,
+    xid_finding,
+)
 from llmgw.simnvml import SimNvml
 
 log = logging.getLogger(__name__)
@@ -42,6 +54,32 @@ Health = tuple[bool, tuple[str, ...]]
 
 _INJECT_DECODER = msgspec.json.Decoder(m.InjectFault)
 _XID_REASON = re.compile(r"xid (\d{1,6}): ")
+HEARTBEAT_PROCESSES = 16  # per GPU on a heartbeat, the largest first: enough to see who holds it
+
+
+def _within(value: float | None, lo: float, hi: float) -> float | None:
+    """A reading inside its bounds, else unknown: a driver's sentinel is not a figure."""
+    return value if value is not None and lo <= value <= hi else None
+
+
+def gpu_sample(use: GpuUse) -> m.GpuSample:
+    """A driver's sample as the heartbeat carries it: every figure inside the schema's bounds."""
+    procs = sorted(((pid, _within(mib, 0, m.MIB_MAX)) for pid, mib in use.processes if 1 <= pid <= 1 << 22),
+                   key=lambda p: -(p[1] or 0))[:HEARTBEAT_PROCESSES]
+    power = _within(use.power_w, 0, 10_000)
+    return m.GpuSample(
+        index=use.index,
+        utilization_pct=_int(_within(use.utilization_pct, 0, 100)),
+        memory_used_mib=_int(_within(use.memory_used_mib, 0, m.MIB_MAX)),
+        memory_total_mib=_int(_within(use.memory_total_mib, 0, m.MIB_MAX)),
+        temperature_c=_int(_within(use.temperature_c, -60, 200)),
+        power_w=None if power is None else round(power, 1),
+        processes=tuple(m.GpuProcess(pid=pid, used_mib=_int(mib)) for pid, mib in procs),
+    )
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 @runtime_checkable
@@ -136,6 +174,15 @@ class Agent:
         self._driver = ""
         # What this node last published per GPU uuid (any boot), until the first inventory uses it.
         self._remembered: dict[str, tuple[str, ...]] = {}
+        # The GPUs' last samples, and when (monotonic) they were taken: what heartbeats carry.
+        self.samples: tuple[m.GpuSample, ...] = ()
+        self._sampled_at = 0.0
+        self._first_sample = asyncio.Event()
+        for svc in self.services:
+            if isinstance(svc, EngineSupervisor):
+                svc.memory_of = self.engine_memory
+                if isinstance(port, SimNvml):
+                    port.engines = svc.holds  # the simulated driver sees the fake engines' memory
 
     # --- state ------------------------------------------------------------------------
 
@@ -296,12 +343,46 @@ class Agent:
             await asyncio.sleep(self.poll_s)
             await self._guarded_check()
 
+    def _sample(self) -> tuple[m.GpuSample, ...]:
+        out = []
+        for g in self._static:
+            use = self.port.sample(g.index)
+            if use is not None:
+                out.append(gpu_sample(use))
+        return tuple(out)
+
+    async def _sampler(self) -> None:
+        """Sample every GPU once a heartbeat, in a thread: a hung driver call stalls samples, not liveness."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self.samples = await asyncio.to_thread(self._sample)
+                self._sampled_at = loop.time()
+            except Exception as e:  # noqa: BLE001 - samples are for people; health and liveness go on
+                log.warning("%s: GPU use not sampled: %s", self.node, e)
+            self._first_sample.set()
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _fresh_samples(self) -> tuple[m.GpuSample, ...]:
+        """The last samples, unless the sampler has been stuck for several heartbeats."""
+        fresh = asyncio.get_running_loop().time() - self._sampled_at <= 3 * self.heartbeat_s + 1
+        return self.samples if fresh else ()
+
+    async def engine_memory(self, pids: set[int], gpus: tuple[int, ...]) -> int:
+        """MiB that NVML lists for these processes on these GPUs (an engine's observed memory); 0: none listed."""
+        uses = await asyncio.to_thread(lambda: [self.port.sample(i) for i in gpus])
+        return sum(mib for use in uses if use is not None for pid, mib in use.processes
+                   if pid in pids and mib is not None and 0 <= mib <= m.MIB_MAX)
+
     async def _heartbeat(self) -> None:
         seq = 0
         subject = subjects.heartbeat(self.node)
+        with contextlib.suppress(TimeoutError):  # the first beat carries samples, unless the driver hangs
+            await asyncio.wait_for(self._first_sample.wait(), min(self.heartbeat_s, 2.0))
         while True:
             seq += 1
-            hb = m.HeartbeatSent(at=self._now(), node=self.node, boot_id=self.boot_id, seq=seq)
+            hb = m.HeartbeatSent(at=self._now(), node=self.node, boot_id=self.boot_id, seq=seq,
+                                 gpus=self._fresh_samples())
             try:
                 await self.bus.publish_core(subject, m.encode(hb))
             except PublishError as e:
@@ -380,6 +461,7 @@ class Agent:
             asyncio.create_task(self.outbox.run(), name="outbox"),
             asyncio.create_task(self._consume(), name="events"),
             asyncio.create_task(self._poll(), name="poll"),
+            asyncio.create_task(self._sampler(), name="gpu-samples"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
             *(asyncio.create_task(_as_coro(svc(self.bus, self.outbox)), name="service") for svc in self.services),
         ]

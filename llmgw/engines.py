@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -188,6 +188,40 @@ def die_with(parent: int) -> Callable[[], None] | None:
     return preexec
 
 
+def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
+    """``pids`` and every process below them (Linux: parents from /proc/*/stat); just ``pids`` elsewhere.
+
+    vLLM's GPU workers are its children (tp > 1: one per GPU), and what NVML lists on a GPU is
+    theirs, not the ``vllm serve`` process the agent started.
+    """
+    out = set(pids)
+    children: dict[int, list[int]] = {}
+    try:
+        entries = list(proc.iterdir())
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # the name may hold spaces and parentheses
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        children.setdefault(ppid, []).append(int(entry.name))
+    stack = list(out)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
+
+
+# Given the engine's processes and this node's GPU indexes, the MiB NVML lists for them (0: unknown).
+MemoryProbe = Callable[[set[int], tuple[int, ...]], Awaitable[int]]
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -252,6 +286,7 @@ class EngineRun:
         self.endpoint = ""
         self.tail: deque[str] = deque(maxlen=config.log_lines)
         self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
+        self.memory_of: MemoryProbe | None = None  # the agent's NVML, when it runs this supervisor
 
     @property
     def replica_id(self) -> str:
@@ -262,13 +297,20 @@ class EngineRun:
         """The process that serves (head or single engine), or this worker part's."""
         return self.procs[-1] if self.procs else None
 
-    def report(self, state: m.ReplicaState, detail: str = "", observed_kv_tokens: int = 0) -> None:
+    @property
+    def gpu_indexes(self) -> tuple[int, ...]:
+        """This node's GPUs of the replica."""
+        return tuple(g.index for g in self.placed.gpus if g.node == self.node)
+
+    def report(self, state: m.ReplicaState, detail: str = "", observed_kv_tokens: int = 0,
+               observed_memory_mib: int = 0) -> None:
         self.state = state
         self.outbox.put(m.ReplicaStateChanged(
             at=m.utcnow(), replica_id=self.replica_id, model=self.placed.model, node=self.node,
             state=state, endpoint=self.endpoint if state == "healthy" and self.rank == 0 else "", detail=detail,
             restarts=self.restarts, observed_kv_tokens=observed_kv_tokens,
             head_address=self.head_address if self.multi and self.rank == 0 else "",
+            observed_memory_mib=observed_memory_mib,
         ))
         log.info("engine %s%s: %s %s", self.replica_id, f" part {self.rank}" if self.multi else "", state, detail)
 
@@ -371,6 +413,18 @@ class EngineRun:
             return 0
         return kv_tokens_from_props(text) if llama else kv_tokens_from_metrics(text)
 
+    async def _observe_memory(self) -> int:
+        """MiB NVML lists for this run's processes and their children on its GPUs here; 0 when unknown."""
+        if self.memory_of is None or not self.procs:
+            return 0
+        pids = await asyncio.to_thread(descendants, [p.pid for p in self.procs if p.returncode is None])
+        try:
+            # Bounded: a driver call that hangs must not hold back the healthy report.
+            return await asyncio.wait_for(self.memory_of(pids, self.gpu_indexes), 10)
+        except Exception as e:  # noqa: BLE001 - a figure for people: never worth the state report
+            log.warning("engine %s: GPU memory not observed: %s", self.replica_id, e)
+            return 0
+
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         """/health answers 200, then a one-token completion does too; ``check_problem`` says what did not."""
         base = f"http://{self.config.check_host}:{self.port}"
@@ -449,7 +503,8 @@ class EngineRun:
                     self.report("starting", f"part {self.rank + 1} of {len(self.placed.nodes)}: {ran}")
                 worker = self.multi and self.rank > 0
                 if await (self._joined() if worker else self._wait_healthy()):
-                    self.report("healthy", observed_kv_tokens=0 if worker else await self._observe())
+                    self.report("healthy", observed_kv_tokens=0 if worker else await self._observe(),
+                                observed_memory_mib=await self._observe_memory())
                     await self._any_exit()
                 await self.stop()
                 await asyncio.gather(*pumps, return_exceptions=True)
@@ -480,6 +535,16 @@ class EngineSupervisor:
         self.refused: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
+        self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
+
+    def holds(self) -> list[tuple[int, tuple[int, ...], int]]:
+        """(pid, GPU indexes, planned MiB per GPU; 0: not planned) of every engine process running here."""
+        out = []
+        for run in self.runs.values():
+            proc = run.proc
+            if proc is not None and proc.returncode is None:
+                out.append((proc.pid, run.gpu_indexes, round(run.placed.spec.gib_per_gpu * 1024)))
+        return out
 
     def _fold(self, event: m.Event) -> None:
         match event:
@@ -522,6 +587,7 @@ class EngineSupervisor:
                 del self.runs[rid]
             if rid not in self._tasks and (head or not worker):
                 run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
+                run.memory_of = self.memory_of
                 self.runs[rid] = run
                 self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
 

@@ -144,12 +144,37 @@ FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
 # --- heartbeat stream: llmgw.heartbeat.<node> (latest only, never replayed) --
 
 
+MIB_MAX = 1 << 24  # 16 TiB in MiB: more than any GPU holds, so a larger figure is a broken reading
+
+
+class GpuProcess(msgspec.Struct, frozen=True, kw_only=True):
+    """A process holding memory on a GPU, as NVML lists it."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=1 << 22)]  # Linux's pid_max is at most 2^22
+    used_mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)] | None = None  # None: NVML cannot say (MIG, permissions)
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU's use at one heartbeat; None where NVML cannot say (unknown is not idle)."""
+
+    index: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    utilization_pct: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
+    memory_used_mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)] | None = None
+    memory_total_mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)] | None = None
+    temperature_c: Annotated[int, msgspec.Meta(ge=-60, le=200)] | None = None
+    power_w: Annotated[float, msgspec.Meta(ge=0, le=10_000)] | None = None
+    processes: Annotated[tuple[GpuProcess, ...], msgspec.Meta(max_length=64)] = ()
+
+
 class HeartbeatSent(Event, tag="HeartbeatSent", frozen=True, kw_only=True):
     """An agent is alive; kept out of the history that status replays."""
 
     node: Name
     boot_id: Label
     seq: Seq
+    # Each GPU's use when the agent last sampled it (latest per node: the heartbeat stream keeps one).
+    # Bounded here: an agent clamps what it reads, so a heartbeat out of range is a broken agent.
+    gpus: Annotated[tuple[GpuSample, ...], msgspec.Meta(max_length=256)] = ()
 
 
 HeartbeatEvent = HeartbeatSent
@@ -324,6 +349,9 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     # A replica over several nodes (pp > 1): each node reports its own part; the head's part
     # (the first node) says where the others join it (Ray's head, host:port).
     head_address: Label = ""
+    # GPU memory the engine's processes (and their children) hold on this node, as NVML lists them,
+    # in MiB; 0 when unknown. Bounded as observed_kv_tokens is; readers clamp.
+    observed_memory_mib: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
@@ -398,6 +426,8 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Also every replica (``StatusReport.replica_list``), and one model in full (``model_detail``).
     replicas: bool = False
     model: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # Also every node's latest GPU samples (``StatusReport.node_gpus``): the dashboard's, not ``ctl status``'s.
+    gpus: bool = False
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -522,6 +552,25 @@ class ModelDetail(msgspec.Struct, frozen=True, kw_only=True):
     events: tuple[ModelEvent, ...]
 
 
+class ClassGpuUse(msgspec.Struct, frozen=True, kw_only=True):
+    """What the GPUs of one class are doing, from the agents' latest samples of live nodes."""
+
+    gpu_class: str
+    sampled: int  # GPUs with a recent sample
+    utilization_pct: float | None  # mean over the sampled GPUs that report it; None: none does
+    memory_used_mib: int
+    memory_total_mib: int
+
+
+class NodeGpus(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's latest GPU samples (processes left out) and when its agent took them."""
+
+    node: str
+    gpu_class: str
+    at: datetime
+    gpus: tuple[GpuSample, ...]
+
+
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet at ``now``, computed only from the events folded up to ``positions``."""
 
@@ -546,6 +595,10 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     model_detail: ModelDetail | None = None  # only when asked (``StatusRequest.model``), and declared
     # Events folded at the time their stream stored them: their own was too far from it.
     clamped_events: int = 0
+    # GPU use from the agents' latest heartbeats (live only: empty in a replay): per class, and
+    # per node when the request asked for ``gpus``.
+    gpu_use: tuple[ClassGpuUse, ...] = ()
+    node_gpus: tuple[NodeGpus, ...] = ()
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

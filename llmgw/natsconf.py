@@ -130,7 +130,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL)]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
-        pub += [*_read(*s.HISTORY_STREAMS), *_info(*ALL_STREAMS), *_snapshots_write()]
+        pub += [*_read(*s.HISTORY_STREAMS, HEARTBEAT), *_info(*ALL_STREAMS), *_snapshots_write()]  # heartbeats: GPU use
         sub += [s.STATUS]
         responses = True
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>"]

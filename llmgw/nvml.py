@@ -87,6 +87,19 @@ class GpuEvent:
     xid: int = 0
 
 
+@dataclass(frozen=True)
+class GpuUse:
+    """What a GPU is doing now: one sample; None where the driver cannot say."""
+
+    index: int
+    utilization_pct: int | None = None
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    processes: tuple[tuple[int, int | None], ...] = ()  # (pid, MiB it holds, None: unknown)
+
+
 class NvmlPort(Protocol):
     """What the agent needs from NVML; the real adapter and the simulator implement it."""
 
@@ -102,6 +115,8 @@ class NvmlPort(Protocol):
 
     def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
 
+    def sample(self, index: int) -> GpuUse | None: ...
+
 
 def xid_finding(xid: int) -> Finding:
     """A critical XID as a finding; the application's own XIDs are not fatal."""
@@ -114,6 +129,13 @@ def xid_finding(xid: int) -> Finding:
 GPU_LOST = Finding("gpu-lost", "GPU is lost (fell off the bus; NVML_ERROR_GPU_IS_LOST)")
 THERMAL = Finding("thermal", "thermal slowdown")
 POWER_BRAKE = Finding("power-brake", "power-brake slowdown")
+
+
+MIB = 1024 * 1024
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def ecc_finding(count: int) -> Finding:
@@ -352,6 +374,49 @@ class RealNvml:
         if action == lib.NVML_GPU_RECOVERY_ACTION_NONE:
             return []
         return [Finding("recovery-action", f"NVML recommends: {RECOVERY_TEXT.get(action, f'recovery action {action}')}")]
+
+    # --- use ----------------------------------------------------------------------------
+
+    def sample(self, index: int) -> GpuUse | None:
+        """Utilization, memory, temperature, power and compute processes; None for a lost GPU.
+
+        Never raises: a sample is for people to look at, and a reading that fails leaves its
+        field unknown (the health checks are what speak about a failing GPU).
+        """
+        lib = self.lib
+        h = self._handles.get(index)
+        if h is None:
+            return None
+        values: dict[str, Any] = {}
+        reads: tuple[tuple[str, Any], ...] = (
+            ("util", lambda: lib.nvmlDeviceGetUtilizationRates(h).gpu),
+            ("memory", lambda: lib.nvmlDeviceGetMemoryInfo(h)),
+            ("temperature", lambda: lib.nvmlDeviceGetTemperature(h, lib.NVML_TEMPERATURE_GPU)),
+            ("power", lambda: lib.nvmlDeviceGetPowerUsage(h)),
+            ("processes", lambda: lib.nvmlDeviceGetComputeRunningProcesses(h)),
+        )
+        for name, read in reads:
+            try:
+                values[name] = read()
+            except lib.NVMLError as e:
+                if self._is(e, "NVMLError_GpuIsLost"):
+                    return None
+                if not self._unsupported(e):
+                    log.debug("GPU %d: cannot read its %s: %s", index, name, e)
+        mem = values.get("memory")
+        processes = []
+        for p in values.get("processes") or ():
+            used = getattr(p, "usedGpuMemory", None)  # pynvml: None when NVML_VALUE_NOT_AVAILABLE
+            processes.append((int(p.pid), None if used is None else int(used) // MIB))
+        return GpuUse(
+            index=index,
+            utilization_pct=_int_or_none(values.get("util")),
+            memory_used_mib=None if mem is None else int(mem.used) // MIB,
+            memory_total_mib=None if mem is None else int(mem.total) // MIB,
+            temperature_c=_int_or_none(values.get("temperature")),
+            power_w=None if values.get("power") is None else int(values["power"]) / 1000,  # NVML: milliwatts
+            processes=tuple(processes),
+        )
 
     # --- events ------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
+from llmgw import gpuuse, subjects
 from llmgw import messages as m
-from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
@@ -162,6 +162,7 @@ class Projector:
         self._last_commit = time.monotonic()
         self._last_snapshot = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
+        self.gpu_samples: gpuuse.GpuSamples | None = None  # followed while serving status
         self._process: ProcessWriter | None = None
         if store is not None and writer_process and store.path != ":memory:":
             # The child owns the file from here on; this process only reads NATS and folds.
@@ -469,10 +470,13 @@ class Projector:
         """Follow every stream, commit on an interval, serve status; until cancelled."""
         sub = await self.bus.serve(subjects.STATUS, self.handle_status) if serve_status else None
         ticker = asyncio.create_task(self._tick())
+        self.gpu_samples = gpuuse.GpuSamples(self.bus) if serve_status else None
+        samples = asyncio.create_task(self.gpu_samples.run()) if self.gpu_samples else None
         try:
             with fewer_gc_passes():
                 await _all_or_none(self._read(stream, None) for stream in self.streams)
         finally:
+            await gpuuse.stop(samples)
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, ProjectionError):
                 await ticker  # a commit that failed on the ticker is raised by the flush below too
@@ -505,8 +509,9 @@ class Projector:
                         f"({self._history.history.position:,} of {folded:,}) once after its start; "
                         "ask again in a few seconds, or use --replay") from None
             history = self._history.history
-        return m.encode(status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
-                                             replicas=req.replicas, model=req.model))
+        report = status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
+                                      replicas=req.replicas, model=req.model)
+        return m.encode(gpuuse.add_to(report, self.state, self.gpu_samples, nodes=req.gpus))
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""

@@ -103,7 +103,8 @@ def start_up(tmp_path: Path, fleet: Path, *extra: str, router_port: int = 0) -> 
     env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS))
     proc = subprocess.Popen(
         [LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0",
-         "--router-listen", f"127.0.0.1:{router_port or free_port()}", "--heartbeat-s", "1", *extra],
+         "--router-listen", f"127.0.0.1:{router_port or free_port()}", "--heartbeat-s", "1",
+         "--dashboard-listen", "127.0.0.1:0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
     assert proc.stdout is not None

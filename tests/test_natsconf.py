@@ -324,7 +324,8 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
                              (router, (subjects.STREAM_CONTROL,)),
                              (planner, (subjects.STREAM_FLEET, subjects.STREAM_CONTROL)),
                              (scheduler, natsconf.ALL_STREAMS),
-                             (cli, subjects.HISTORY_STREAMS)):
+                             (cli, subjects.HISTORY_STREAMS),
+                             (projector, (subjects.STREAM_HEARTBEAT,))):  # GPU use for status
             for stream in streams:
                 assert await read_to_end(bus, stream) >= 1, (bus, stream)
         for bus in (projector, scheduler):  # they check the streams at start; admin declared them

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from llmgw.cli.main import cli
 from llmgw.errors import NvmlError
 from llmgw.fleetfile import load
-from llmgw.nvml import GPU_LOST, RealNvml, assess, gpu_class, xid_finding
+from llmgw.nvml import GPU_LOST, GpuUse, RealNvml, assess, gpu_class, xid_finding
 from llmgw.simnvml import SimNvml
 
 CLUSTER = bytes(range(1, 17))
@@ -41,6 +41,11 @@ class FakeGpu:
     recovery: int = real.NVML_GPU_RECOVERY_ACTION_NONE
     recovery_ret: int = real.NVML_SUCCESS
     events: int = real.nvmlEventTypeXidCriticalError | real.nvmlEventTypeDoubleBitEccError
+    util: int = 0
+    used_bytes: int = 0
+    temperature: int = 30
+    power_mw: int = 70_000
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes; None: not available)
     raises: dict[str, type[BaseException]] = field(default_factory=dict)  # function name → error
 
 
@@ -104,7 +109,21 @@ class FakeDriver:
         return self.gpus[h].uuid
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return types.SimpleNamespace(total=self.gpus[h].total_bytes, used=0, free=self.gpus[h].total_bytes)
+        g = self.gpus[h]
+        return types.SimpleNamespace(total=g.total_bytes, used=g.used_bytes, free=g.total_bytes - g.used_bytes)
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return types.SimpleNamespace(gpu=self.gpus[h].util, memory=0)
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        assert sensor == real.NVML_TEMPERATURE_GPU
+        return self.gpus[h].temperature
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return self.gpus[h].power_mw
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.gpus[h].processes]
 
     def nvmlDeviceGetPciInfo(self, h: int) -> Any:
         return types.SimpleNamespace(busId=self.gpus[h].bus_id)
@@ -341,11 +360,37 @@ def test_every_driver_call_the_adapter_makes_is_covered() -> None:
     nvml.gpus()
     nvml.health(0)
     nvml.driver_version()
+    nvml.sample(0)
     driver.pending = [types.SimpleNamespace(device=0, eventType=real.nvmlEventTypeXidCriticalError, eventData=48)]
     nvml.wait_event(10)
     nvml.close()
     provided = {n for n in dir(driver) if n.startswith("nvml")}
     assert driver.calls == provided
+
+
+def test_a_sample_reads_use_memory_temperature_power_and_processes() -> None:
+    mib = 1024 * 1024
+    nvml, _ = _adapter(_gpu(0, util=87, used_bytes=71_000 * mib, temperature=64, power_mw=512_345,
+                            processes=[(4242, 70_000 * mib), (4343, None)]), _gpu(1))
+    nvml.open()
+    busy, idle = nvml.sample(0), nvml.sample(1)
+    assert busy == GpuUse(index=0, utilization_pct=87, memory_used_mib=71_000, memory_total_mib=81559,
+                          temperature_c=64, power_w=512.345, processes=((4242, 70_000), (4343, None)))
+    assert idle == GpuUse(index=1, utilization_pct=0, memory_used_mib=0, memory_total_mib=81559,
+                          temperature_c=30, power_w=70.0)
+
+
+def test_a_sample_leaves_what_the_driver_cannot_say_unknown_and_skips_a_lost_gpu() -> None:
+    unsupported = {n: real.NVMLError_NotSupported for n in (
+        "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetComputeRunningProcesses")}
+    nvml, driver = _adapter(_gpu(0, raises={**unsupported, "nvmlDeviceGetTemperature": real.NVMLError_Unknown}),
+                            _gpu(1), _gpu(2, raises={"nvmlDeviceGetHandleByIndex": real.NVMLError_GpuIsLost}))
+    nvml.open()
+    # Unknown is not idle: None, never 0; and an odd driver error costs the field, not the sample.
+    assert nvml.sample(0) == GpuUse(index=0, memory_used_mib=0, memory_total_mib=81559)
+    driver.gpus[1].raises = {"nvmlDeviceGetTemperature": real.NVMLError_GpuIsLost}
+    assert nvml.sample(1) is None  # fell off the bus mid-sample: the health check says so, not a sample
+    assert nvml.sample(2) is None  # lost before start
 
 
 def test_cli_without_nvml_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:

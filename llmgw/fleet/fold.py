@@ -29,6 +29,8 @@ from llmgw import subjects
 # another version is not resumed from (llmgw/fleet/snapshots.py), it is folded again.
 FOLD_VERSION = 1
 
+OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
+
 
 @dataclass
 class GpuView:
@@ -86,6 +88,8 @@ class ReplicaView:
     # healthy only when every part is; its endpoint is the head's (the first node).
     parts: dict[str, str] = field(default_factory=dict)
     head_address: str = ""
+    # GPU memory its engine's processes hold, per node, as each node's agent last observed it (MiB).
+    observed_memory_mib: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,6 +198,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                     replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
                 if event.observed_kv_tokens > 0:
                     replica.observed_kv_tokens = event.observed_kv_tokens
+                if 0 < event.observed_memory_mib <= OBSERVED_MIB_MAX:
+                    replica.observed_memory_mib[event.node] = event.observed_memory_mib
         case m.ReplicaPlaced():
             state.replicas[event.replica_id] = ReplicaView(
                 replica_id=event.replica_id,

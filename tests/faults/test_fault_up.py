@@ -66,7 +66,7 @@ async def test_up_restarts_a_killed_nats_server_and_nothing_else_notices(tmp_pat
     router_port = free_port()
     up = await asyncio.create_subprocess_exec(
         LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0", "--no-example",
-        "--router-listen", f"127.0.0.1:{router_port}", "--heartbeat-s", "0.2", "--lost-after", f"{LOST_AFTER_S:g}",
+        "--router-listen", f"127.0.0.1:{router_port}", "--dashboard-listen", "127.0.0.1:0", "--heartbeat-s", "0.2", "--lost-after", f"{LOST_AFTER_S:g}",
         "--router-tick", "0.5", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
     assert up.stdout is not None
     out = up.stdout

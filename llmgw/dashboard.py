@@ -1,0 +1,556 @@
+"""The web dashboard: one read-only page of the fleet, kept live with Server-Sent Events.
+
+One process serves any number of pages from one view of the fleet: it follows
+the tail of the fleet and control streams for the timeline, and asks the
+projector's status service only while a page is open: at once when one of
+those events arrives (at most every ``MIN_GAP_S``), else once an interval for
+GPU use and idle times. So twenty open pages cost the projector what one does. Every section is rendered
+here, with every value escaped; the page's script only swaps in the sections
+that changed. When the projector does not answer, the page says
+"reconnecting" and shows what it said last, until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import html
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.errors import BusError, ConfigError, LlmgwError, NoServiceError
+
+log = logging.getLogger(__name__)
+
+COOKIE = "llmgw_key"
+MAX_CLIENTS = 256  # open pages at once; past it a page is refused (503), not served slowly
+MIN_GAP_S = 0.5  # between two status requests, however many events arrive
+SECTIONS = ("conn", "summary", "capacity", "fabrics", "models", "gpus", "events")
+STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
+SECURITY_HEADERS = {
+    # No inline script or style anywhere: even a value that escaped escaping could not run.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
+# --- HTML, escaped by default ---------------------------------------------------------------
+
+
+class Safe(str):
+    """HTML that is already escaped (made here by ``el``); any other str is escaped where it is used."""
+
+
+def esc(value: object) -> Safe:
+    return value if isinstance(value, Safe) else Safe(html.escape(str(value), quote=True))
+
+
+def el(tag: str, *children: object, **attrs: object) -> Safe:
+    """``<tag attrs>children</tag>``; text children and every attribute value escaped (``cls`` is ``class``)."""
+    attr = "".join(f' {"class" if k == "cls" else k.replace("_", "-")}="{esc(v)}"'
+                   for k, v in attrs.items() if v is not None and v is not False)
+    return Safe(f"<{tag}{attr}>{''.join(esc(c) for c in children)}</{tag}>")
+
+
+def join(parts: Iterable[object]) -> Safe:
+    return Safe("".join(esc(p) for p in parts))
+
+
+def duration(seconds: float | None) -> str:
+    """``3m 12s``, ``2h 05m``, ``4d 03h``; ``-`` for unknown (never a duration anyone could act on)."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def clock(t: datetime | None) -> str:
+    return t.astimezone(UTC).strftime("%H:%M:%S") if t is not None else "-"
+
+
+def gib(mib: float) -> str:
+    return f"{mib / 1024:,.0f} GiB" if mib >= 10 * 1024 else f"{mib / 1024:,.1f} GiB"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+# --- the sections -------------------------------------------------------------------------------
+
+
+def bar(parts: Iterable[tuple[str, int]], total: int) -> Safe:
+    """A stacked bar as SVG (attributes, not inline styles, so the CSP needs no exception).
+
+    A used or unhealthy GPU always shows: each non-empty part is at least 1% wide.
+    """
+    x = 0.0
+    rects = []
+    for cls, n in parts:
+        if n <= 0 or total <= 0:
+            continue
+        w = max(100 * n / total, 1.0)
+        w = min(w, 100 - x)
+        rects.append(el("rect", cls=cls, x=f"{x:.2f}", y="0", width=f"{w:.2f}", height="10"))
+        x += w
+    return el("svg", *rects, cls="bar", viewBox="0 0 100 10", preserveAspectRatio="none", role="img")
+
+
+def capacity_section(r: m.StatusReport) -> Safe:
+    use = {u.gpu_class: u for u in r.gpu_use}
+    rows = []
+    for c in r.capacity:
+        u = use.get(c.gpu_class)
+        util = "-" if u is None or u.utilization_pct is None else f"{u.utilization_pct:.0f}%"
+        mem = "-" if u is None or not u.memory_total_mib else f"{gib(u.memory_used_mib)} of {gib(u.memory_total_mib)}"
+        rows.append(el(
+            "div",
+            el("div", el("span", c.gpu_class, cls="name"),
+               el("span", f"{c.used} used · {c.free} free · {c.unhealthy} unhealthy · {c.lost} lost · {c.total} total",
+                  cls="counts"), cls="row-head"),
+            bar((("used", c.used), ("free", c.free), ("unhealthy", c.unhealthy), ("lost", c.lost)), c.total),
+            el("div", f"utilization {util} · memory in use {mem}", cls="use"),
+            cls="capacity", data_class=c.gpu_class,
+        ))
+    return join(rows) if rows else el("p", "no GPUs reported yet: start an agent", cls="empty")
+
+
+def fabrics_section(r: m.StatusReport) -> Safe:
+    if not r.free_nodes:
+        return el("p", "no nodes", cls="empty")
+    head = el("tr", *(el("th", h) for h in ("fabric", "GPU class", "free whole nodes", "live nodes")))
+    body = [el("tr", el("td", f.fabric), el("td", f.gpu_class), el("td", f.free_nodes, cls="num"),
+               el("td", f.live_nodes, cls="num")) for f in r.free_nodes]
+    return el("table", el("thead", head), el("tbody", *body))
+
+
+STATE_CLASS = {"serving": "good", "healthy": "good", "starting": "warn", "placed": "warn", "parked": "info",
+               "unhealthy": "bad", "failed": "bad", "unplaceable": "bad", "stopped": "info"}
+
+
+def badge(state: str) -> Safe:
+    return el("span", state, cls=f"badge {STATE_CLASS.get(state, 'info')}")
+
+
+def models_section(r: m.StatusReport) -> Safe:
+    replicas: dict[str, list[m.IdleReplica]] = {}
+    for rep in r.idle:
+        replicas.setdefault(rep.model, []).append(rep)
+    reasons = {u.name: u for u in r.unplaceable}
+    names = sorted({*r.model_states, *replicas})
+    if not names:
+        return el("p", "no models declared: ", el("code", "llmgw ctl model deploy …"), cls="empty")
+    rows = []
+    for name in names:
+        reps = sorted(replicas.get(name, []), key=lambda x: x.replica_id)
+        state = r.model_states.get(name, "undeclared")
+        healthy = sum(x.state == "healthy" for x in reps)
+        rows.append(el("tr", el("td", name, cls="model"), el("td", badge(state)),
+                       el("td", f"{healthy}/{len(reps)} healthy", cls="num"),
+                       el("td", reasons[name].reason if name in reasons else "", cls="reason"), cls="model-row"))
+        for x in reps:
+            rows.append(el("tr", el("td", x.replica_id, cls="replica"), el("td", badge(x.state)),
+                           el("td", f"{plural(x.gpus, 'GPU')} on {', '.join(x.nodes)}"),
+                           el("td", f"idle {duration(x.idle_s)}", cls="idle"), cls="replica-row"))
+    head = el("tr", *(el("th", h) for h in ("model / replica", "state", "replicas / GPUs", "why / idle")))
+    return el("table", el("thead", head), el("tbody", *rows))
+
+
+def gpus_section(r: m.StatusReport) -> Safe:
+    lost = set(r.lost_nodes)
+    if not r.node_gpus and not lost:
+        return el("p", "no GPU samples yet (agents send them with each heartbeat)", cls="empty")
+    rows = []
+    for n in r.node_gpus:
+        cells = []
+        for g in n.gpus:
+            u = g.utilization_pct
+            level = "unknown" if u is None else f"u{min(10, (u + 5) // 10)}"
+            mem = "-" if g.memory_used_mib is None or not g.memory_total_mib else \
+                f"{gib(g.memory_used_mib)} / {gib(g.memory_total_mib)}"
+            title = (f"GPU {g.index}: {'-' if u is None else f'{u}%'} busy, {mem}, "
+                     f"{'-' if g.temperature_c is None else f'{g.temperature_c}°C'}, "
+                     f"{'-' if g.power_w is None else f'{g.power_w:.0f} W'}")
+            cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}", title=title))
+        rows.append(el("div", el("span", n.node, cls="node"), el("span", n.gpu_class, cls="cls"),
+                       el("span", *cells, cls="cells"), cls="node-row"))
+    for name in sorted(lost):
+        rows.append(el("div", el("span", name, cls="node"), el("span", "lost", cls="badge bad"), cls="node-row"))
+    more = r.nodes - len(lost) - len(r.node_gpus)
+    if more > 0:
+        rows.append(el("p", f"… and {plural(more, 'more node')} (all are in the capacity figures)", cls="empty"))
+    return join(rows)
+
+
+def describe(event: m.Event) -> tuple[str, str, str]:
+    """(severity, subject, what happened) of an event, for the timeline."""
+    match event:
+        case m.NodeInventoryReported(node=node, gpus=gpus, fabric=fabric):
+            kinds = Counter(g.gpu_class for g in gpus)
+            bad = sum(not g.healthy for g in gpus)
+            what = ", ".join(f"{n} × {k}" for k, n in sorted(kinds.items())) or "no GPUs"
+            return ("warn" if bad else "info", node,
+                    f"reported {what} on fabric {fabric}" + (f", {bad} unhealthy" if bad else ""))
+        case m.GpuHealthChanged(node=node, gpu_index=i, healthy=ok, reasons=why):
+            return ("good" if ok else "bad", node,
+                    f"GPU {i} healthy again" if ok and not why else f"GPU {i} {'healthy' if ok else 'unhealthy'}: "
+                    + "; ".join(why))
+        case m.NodeLost(node=node, timeout_s=timeout):
+            return "bad", node, f"lost: no heartbeat for {timeout:g}s"
+        case m.NodeReturned(node=node):
+            return "good", node, "returned"
+        case m.ModelDeclared(spec=s):
+            return ("info", s.name, f"declared: {s.source} {s.precision}, tp {s.tp} × pp {s.pp} on {s.gpu_class}, "
+                                    f"{plural(s.replicas, 'replica')}")
+        case m.ModelScaled(name=name, replicas=n):
+            return "info", name, f"scaled to {plural(n, 'replica')}"
+        case m.ModelAutoscaled(name=name, replicas=n, reason=why):
+            return "info", name, f"autoscaled to {plural(n, 'replica')}" + (f": {why}" if why else "")
+        case m.ModelRemoved(name=name):
+            return "info", name, "removed"
+        case m.ModelUnplaceable(name=name, reason=why):
+            return "bad", name, f"unplaceable: {why}"
+        case m.ReplicaPlaced(replica_id=rid, nodes=nodes, gpus=gpus, fabric=fabric):
+            return "info", rid, f"placed on {plural(len(gpus), 'GPU')} of {', '.join(nodes)}" + (
+                f" (fabric {fabric})" if fabric else "")
+        case m.ReplicaStateChanged(replica_id=rid, node=node, state=state, detail=detail):
+            sev = STATE_CLASS.get(state, "info")
+            return sev, rid, f"{state} on {node}" + (f": {detail}" if detail else "")
+        case m.ReplicaStopped(replica_id=rid, reason=why):
+            return "info", rid, f"stopped: {why}"
+    return "info", "", type(event).__name__
+
+
+def events_section(events: Iterable[m.Event]) -> Safe:
+    rows = []
+    for e in events:
+        sev, who, what = describe(e)
+        rows.append(el("li", el("time", clock(e.at), datetime=e.at.isoformat()), el("span", type(e).__name__, cls="kind"),
+                       el("span", who, cls="who"), el("span", what, cls="what"), cls=f"event {sev}"))
+    return el("ol", *rows, cls="timeline") if rows else el("p", "no events yet", cls="empty")
+
+
+def summary_section(r: m.StatusReport) -> Safe:
+    by_state = ", ".join(f"{n} {s}" for s, n in r.replicas_by_state.items()) or "none"
+    parts = [plural(r.nodes, "node"), f"{len(r.lost_nodes)} lost", plural(r.models, "model"),
+             f"{plural(r.replicas, 'replica')} ({by_state})"]
+    if r.unprojected_events:
+        parts.append(f"{plural(r.unprojected_events, 'event')} not projected")
+    return el("p", " · ".join(parts), cls="summary")
+
+
+def conn_section(ok: bool, why: str, at: float | None) -> Safe:
+    when = datetime.fromtimestamp(at, UTC) if at else None
+    if ok:
+        return el("span", f"live · {clock(when)} UTC", cls="conn live")
+    last = f"; showing what it said at {clock(when)} UTC" if when else ""
+    return el("span", f"reconnecting: {why}{last}", cls="conn reconnecting")
+
+
+def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool, why: str,
+           at: float | None) -> dict[str, str]:
+    """Every section of the page as escaped HTML, by element id."""
+    out: dict[str, str] = {"conn": conn_section(ok, why, at), "events": events_section(events)}
+    if report is None:
+        waiting = el("p", "waiting for the projector…", cls="empty")
+        out |= {k: waiting for k in ("summary", "capacity", "fabrics", "models", "gpus")}
+        return out
+    out |= {"summary": summary_section(report), "capacity": capacity_section(report),
+            "fabrics": fabrics_section(report), "models": models_section(report), "gpus": gpus_section(report)}
+    return out
+
+
+PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole nodes per fabric",
+               "models": "Models and replicas", "gpus": "GPU utilization per node", "events": "Recent events"}
+
+
+def page(sections: dict[str, str]) -> str:
+    """The whole page, server-rendered: it reads right before (and without) its script."""
+    blocks = [el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
+              for k in ("capacity", "fabrics", "models", "gpus", "events")]
+    return "<!doctype html>" + el(
+        "html",
+        el("head", Safe('<meta charset="utf-8">'), Safe('<meta name="viewport" content="width=device-width">'),
+           el("title", "llmgw dashboard"), Safe('<link rel="stylesheet" href="static/dashboard.css">'),
+           Safe('<script src="static/dashboard.js" defer></script>')),
+        el("body", el("header", el("h1", "llmgw"), el("div", Safe(sections["conn"]), id="conn"),
+                      el("div", Safe(sections["summary"]), id="summary")),
+           el("main", *blocks)),
+        lang="en")
+
+
+def login_page(problem: str = "") -> str:
+    form = el("form", el("label", "API key ", Safe('<input type="password" name="key" autofocus required>')),
+              Safe('<button type="submit">open</button>'), method="post", action="login")
+    note = el("p", problem, cls="error") if problem else ""
+    return "<!doctype html>" + el("html", el("head", Safe('<meta charset="utf-8">'), el("title", "llmgw dashboard"),
+                                             Safe('<link rel="stylesheet" href="static/dashboard.css">')),
+                                  el("body", el("main", el("h1", "llmgw"), note, form, cls="login")), lang="en")
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+class Dashboard:
+    """The dashboard's view of the fleet and its aiohttp app; ``start`` serves it, ``stop`` ends it."""
+
+    def __init__(self, bus: Bus, *, api_keys: Iterable[str] = (), interval_s: float = 5.0, events: int = 50,
+                 request_timeout_s: float = 5.0) -> None:
+        if interval_s <= 0:
+            raise ConfigError(f"--interval must be positive (got {interval_s})")
+        self.bus = bus
+        self.keys = tuple(api_keys)
+        self.interval_s = interval_s
+        self.max_events = max(1, events)
+        self.request_timeout_s = request_timeout_s
+        self.report: m.StatusReport | None = None
+        self.ok = False
+        self.why = "not asked yet"
+        self.answered_at: float | None = None  # wall clock of the last answer
+        self.asked = 0  # status requests made: what the projector pays
+        self.events: list[m.Event] = []
+        self.sections: dict[str, str] = render(None, (), ok=False, why=self.why, at=None)
+        self.version = 0
+        self.clients = 0
+        self.url = ""
+        self._changed = asyncio.Condition()
+        self._refresh_lock = asyncio.Lock()
+        self._last_refresh = -1e9
+        self._poke = asyncio.Event()  # a fleet or control event arrived: ask again soon
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+
+    # --- what the page shows -----------------------------------------------------------------------
+
+    async def refresh(self, max_age_s: float = MIN_GAP_S) -> None:
+        """Ask the projector unless its last answer is younger than ``max_age_s`` (askers at once share one)."""
+        async with self._refresh_lock:
+            if time.monotonic() - self._last_refresh < max_age_s:
+                return
+            req = m.StatusRequest(idle_threshold_s=0, gpus=True, wait_s=0)
+            self.asked += 1
+            try:
+                data = await self.bus.request(subjects.STATUS, m.encode(req), timeout=self.request_timeout_s,
+                                              service="projector (llmgw project)")
+                self.report = m.STATUS_REPORT_DECODER.decode(data)
+                self.ok, self.why, self.answered_at = True, "", time.time()
+            except NoServiceError:
+                self.ok, self.why = False, "no projector answers on the bus"
+            except LlmgwError as e:
+                self.ok, self.why = False, str(e)
+            except m.DECODE_ERRORS as e:
+                self.ok, self.why = False, f"the projector's answer cannot be read ({e})"
+            except Exception as e:  # noqa: BLE001 - the bus between reconnects, anything: the page says so
+                self.ok, self.why = False, f"the bus: {e or type(e).__name__}"
+            self._last_refresh = time.monotonic()
+            await self._publish()
+
+    async def _publish(self) -> None:
+        sections = render(self.report, reversed(self.events), ok=self.ok, why=self.why, at=self.answered_at)
+        if sections != self.sections:
+            self.sections = sections
+            async with self._changed:
+                self.version += 1
+                self._changed.notify_all()
+
+    def _keep(self, events: Iterable[m.Event]) -> None:
+        self.events.extend(events)
+        self.events.sort(key=lambda e: e.at)
+        del self.events[:-self.max_events]
+
+    async def _tail(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
+        """The last events of a history stream, then every new one; a bus outage is waited out."""
+        start: int | None = None
+        delay = 0.5
+        while True:
+            try:
+                if start is None:
+                    last = await self.bus.stream_last_seq(stream)
+                    start = max(1, last - self.max_events + 1)
+                follower = self.bus.follow(stream, decoder, start, who="dashboard")
+                try:
+                    async for batch in follower.batches():
+                        self._keep(d.event for d in batch)
+                        delay = 0.5
+                        if self.clients:
+                            self._poke.set()  # the fleet changed: what status says has too
+                            await self._publish()
+                finally:
+                    start = follower.last_seq + 1
+            except BusError as e:
+                log.warning("dashboard: reading %s: %s; again in %.1fs", stream, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def _poll(self) -> None:
+        while True:
+            self._poke.clear()
+            if self.clients:
+                await self.refresh()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), self.interval_s)
+            await asyncio.sleep(max(0.0, self._last_refresh + MIN_GAP_S - time.monotonic()))
+
+    # --- HTTP -------------------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.keys:
+            return True
+        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            key = request.cookies.get(COOKIE, "")
+        return self._valid(key.strip())
+
+    def _valid(self, key: str) -> bool:
+        if not key:
+            return False
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        ok = False
+        for k in self.keys:  # every key compared, so timing says nothing about which matched
+            ok |= hmac.compare_digest(digest, k)
+        return ok
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        public = request.path.startswith("/static/") or request.path == "/login"
+        if not public and not self._authorized(request):
+            if request.path == "/":
+                resp: web.StreamResponse = web.Response(status=401, text=login_page(), content_type="text/html")
+            else:
+                resp = web.json_response({"error": "missing or invalid API key; send `Authorization: Bearer <key>`"},
+                                         status=401)
+        else:
+            resp = await handler(request)
+        if not resp.prepared:  # an event stream sent its own
+            resp.headers.update(SECURITY_HEADERS)
+        return resp
+
+    async def _index(self, request: web.Request) -> web.Response:
+        if not self.clients:  # nobody polls while no page is open: ask now
+            await self.refresh()
+        return web.Response(text=page(self.sections), content_type="text/html", headers={"Cache-Control": "no-store"})
+
+    async def _login(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        key = str(form.get("key", "")).strip()
+        if not self._valid(key):
+            return web.Response(status=401, text=login_page("that key is not accepted"), content_type="text/html")
+        resp = web.Response(status=303, headers={"Location": "./"})
+        resp.set_cookie(COOKIE, key, httponly=True, samesite="Strict", secure=request.secure, path="/")
+        return resp
+
+    async def _static(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        body = resources.files("llmgw").joinpath("static", name).read_bytes()
+        return web.Response(body=body, content_type=STATIC[name], headers={"Cache-Control": "max-age=300"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        """The same data as the page, as JSON, for scripts."""
+        if not self.clients:
+            await self.refresh()
+        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(self.report),
+                "events": [msgspec.to_builtins(e) for e in reversed(self.events)]}
+        return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events: the sections that changed, whenever something did."""
+        if self.clients >= MAX_CLIENTS:
+            raise web.HTTPServiceUnavailable(text=f"{MAX_CLIENTS} pages are open already; close one")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                           "X-Accel-Buffering": "no"})
+        resp.headers.update(SECURITY_HEADERS)
+        await resp.prepare(request)
+        self.clients += 1
+        sent: dict[str, str] = {}
+        seen = -1
+        try:
+            await resp.write(b"retry: 2000\n\n")  # the browser's wait before it reconnects
+            if time.monotonic() - self._last_refresh >= self.interval_s:
+                self._poke.set()
+            while True:
+                changed = {k: v for k, v in self.sections.items() if sent.get(k) != v}
+                seen = self.version
+                if changed:
+                    data = json.dumps({"v": seen, "sections": changed})
+                    await resp.write(f"event: update\ndata: {data}\n\n".encode())
+                    sent.update(changed)
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait_for(self._newer_than(seen)), 15)
+                    except TimeoutError:
+                        await resp.write(b": keep-alive\n\n")
+        except (ConnectionResetError, ConnectionError):
+            pass  # the page went away
+        finally:
+            self.clients -= 1
+        return resp
+
+    def _newer_than(self, version: int) -> Callable[[], bool]:
+        return lambda: self.version != version
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard])
+        app.router.add_get("/", self._index)
+        app.router.add_post("/login", self._login)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/api/status", self._status)
+        app.router.add_get("/static/{name}", self._static)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Follow the streams, ask the projector, listen; returns the page's URL."""
+        self._tasks = [asyncio.create_task(self._tail(subjects.STREAM_FLEET, m.FLEET_DECODER), name="dash-fleet"),
+                       asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
+                       asyncio.create_task(self._poll(), name="dash-poll")]
+        # handler_cancellation: a page that closes ends its event stream at once, not at the next write.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.stop()
+            raise ConfigError(f"the dashboard cannot listen on {host}:{port} ({e.strerror}); pick another "
+                              "--listen (port 0 picks a free one)") from e
+        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("", "0.0.0.0") else host)
+        self.url = f"http://{shown}:{bound}/"
+        return self.url
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

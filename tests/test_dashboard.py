@@ -1,0 +1,197 @@
+"""The web dashboard against a real nats-server and a real projector, read over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from projection_events import inventory, small_fleet, spec, t
+from running import until
+from streams import publish
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.dashboard import Dashboard, bar, duration
+from llmgw.projections.runner import Projector
+from llmgw.router import hash_key
+
+EVIL = "<script>alert(1)</script>"
+EVIL_REASON = 'no room <img src=x onerror="alert(2)"> & more'
+
+
+@contextlib.asynccontextmanager
+async def projecting(bus: Bus) -> AsyncIterator[Projector]:
+    """A live projector (no DuckDB file: the status service is what the dashboard reads), caught up."""
+    projector = Projector(bus, None)
+    task = asyncio.create_task(projector.run_forever())
+    try:
+        last = {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        await until(lambda: all(projector.cursor.positions.get(s, 0) >= n for s, n in last.items()), "the fold")
+        yield projector
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def serving(bus: Bus, **kw: Any) -> AsyncIterator[Dashboard]:
+    board = Dashboard(bus, **kw)
+    await board.start("127.0.0.1", 0)
+    try:
+        yield board
+    finally:
+        await board.stop()
+
+
+async def updates(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The ``update`` events of a Server-Sent Events stream, decoded."""
+    kind, data = "", ""
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif not line and kind == "update":
+            yield json.loads(data)
+            kind, data = "", ""
+
+
+async def until_update(stream: AsyncIterator[dict[str, Any]], section: str, text: str, limit_s: float = 15) -> str:
+    """The first version of a section that holds ``text``."""
+    async with asyncio.timeout(limit_s):
+        async for u in stream:
+            html = u["sections"].get(section, "")
+            if text in html:
+                return str(html)
+    raise AssertionError(f"the stream ended before {section} showed {text!r}")
+
+
+def test_durations_and_bars_read_right() -> None:
+    assert [duration(x) for x in (None, -1, 5, 192, 7500, 200_000)] == ["-", "-", "5s", "3m 12s", "2h 05m", "2d 07h"]
+    # 1 used GPU of 400 still shows (at least 1% wide), and the parts never run past the end.
+    one = bar((("used", 1), ("free", 399)), 400)
+    assert 'class="used" x="0.00" y="0" width="1.00"' in one and 'width="99.00"' in one
+
+
+async def test_the_page_shows_the_fleet_and_escapes_what_it_did_not_write(bus: Bus) -> None:
+    evil = spec(EVIL, gpu_class="L40S-48GB", tp=8)
+    await publish(bus, [*small_fleet(), m.ModelDeclared(at=t(20), spec=evil),
+                        m.ModelUnplaceable(at=t(21), name=EVIL, reason=EVIL_REASON)])
+    await bus.publish_core(subjects.heartbeat("n1"), m.encode(m.HeartbeatSent(
+        at=t(22), node="n1", boot_id="b", seq=1,
+        gpus=(m.GpuSample(index=0, utilization_pct=87, memory_used_mib=70_000, memory_total_mib=81_559),))))
+    async with projecting(bus) as projector, serving(bus) as board, aiohttp.ClientSession() as http:
+        await until(lambda: projector.gpu_samples is not None and bool(projector.gpu_samples.latest), "GPU samples")
+        async with http.get(board.url) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+            assert "script-src 'self'" in r.headers["Content-Security-Policy"]
+            page = await r.text()
+        async with http.get(board.url + "static/dashboard.js") as r:
+            assert r.status == 200 and "EventSource" in await r.text()
+        async with http.get(board.url + "static/../dashboard.py") as r:
+            assert r.status == 404
+    # Every model and GPU class, the unplaceable reason, a replica with its idle time, GPU use.
+    for text in ("llama-70b", "qwen-8b", "gemma-9b", "deepseek-v3", "H100-80GB", "L40S-48GB", "r-qwen",
+                 "needs 4 whole H100-80GB nodes", "ib-a", "n5", "live ·", "utilization 87%"):
+        assert text in page, text
+    assert 'title="GPU 0: 87% busy, 68 GiB / 80 GiB, -, -">87<' in page
+    # What an agent or an operator wrote is text on the page, never markup.
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and EVIL not in page
+    assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt; &amp; more" in page and "<img" not in page
+    assert page.count("<script") == 1  # the page's own, from static/
+
+
+async def test_a_fault_reaches_an_open_page_and_many_pages_cost_one_request(bus: Bus) -> None:
+    await publish(bus, small_fleet())
+    async with projecting(bus), serving(bus, interval_s=60) as board, aiohttp.ClientSession() as http:
+        await until(lambda: len(board.events) == len(small_fleet()) - 4, "the timeline (the idle maps are not in it)")
+        responses = [await http.get(board.url + "events") for _ in range(20)]
+        try:
+            streams = [updates(r) for r in responses]
+            for s in streams:
+                await until_update(s, "conn", "live")
+            # Twenty pages, one question to the projector: they share one view.
+            assert board.clients == 20 and board.asked == 1
+            await publish(bus, [m.GpuHealthChanged(at=t(30), node="n2", gpu_index=1, gpu_uuid="GPU-n2-1",
+                                                   healthy=False, reasons=("xid 79: GPU has fallen off the bus",))])
+            timeline = await until_update(streams[0], "events", "xid 79")
+            assert "GPU 1 unhealthy: xid 79: GPU has fallen off the bus" in timeline and 'class="event bad"' in timeline
+            # The event makes it ask again at once, not an interval (a minute here) later: the bar shows it.
+            await until_update(streams[0], "capacity", "2 unhealthy")
+            assert board.asked == 2
+        finally:
+            for r in responses:
+                r.close()
+    await until(lambda: board.clients == 0, "the pages to close")
+
+
+async def test_the_page_says_reconnecting_while_the_projector_is_away_then_catches_up(bus: Bus) -> None:
+    await publish(bus, small_fleet())
+    async with serving(bus, interval_s=0.2) as board, aiohttp.ClientSession() as http:
+        async with http.get(board.url) as r:
+            assert "reconnecting: no projector answers on the bus" in await r.text()
+        async with http.get(board.url + "events") as r:
+            stream = updates(r)
+            async with projecting(bus):
+                await until_update(stream, "conn", "live ·")
+                models = board.sections["models"]
+            assert "llama-70b" in models
+            # The projector goes away: the page says so and keeps what it last showed.
+            await until_update(stream, "conn", "reconnecting")
+            assert board.sections["models"] == models
+            await publish(bus, [m.ModelDeclared(at=t(40), spec=spec("late-model"))])
+            async with projecting(bus):  # back: it folds from the start and the page catches up
+                assert "late-model" in await until_update(stream, "models", "late-model")
+
+
+async def test_api_keys_guard_everything_but_the_login_and_static_files(bus: Bus, tmp_path: Path) -> None:
+    async with serving(bus, api_keys=[hash_key("s3cret")]) as board, \
+            aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.get(board.url) as r:
+            assert r.status == 401 and 'name="key"' in await r.text()
+        for path in ("events", "api/status"):
+            async with http.get(board.url + path) as r:
+                assert r.status == 401 and "invalid API key" in await r.text()
+        async with http.get(board.url + "static/dashboard.css") as r:
+            assert r.status == 200
+        async with http.get(board.url + "api/status", headers={"Authorization": "Bearer s3cret"}) as r:
+            assert r.status == 200 and (await r.json())["live"] is False
+        async with http.get(board.url + "api/status", headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with http.post(board.url + "login", data={"key": "wrong"}, allow_redirects=False) as r:
+            assert r.status == 401 and "not accepted" in await r.text()
+        async with http.post(board.url + "login", data={"key": "s3cret"}, allow_redirects=False) as r:
+            assert r.status == 303 and "HttpOnly" in r.headers["Set-Cookie"] and "SameSite=Strict" in r.headers["Set-Cookie"]
+        async with http.get(board.url) as r:  # the cookie from the login
+            assert r.status == 200 and "waiting for the projector" in await r.text()
+
+
+async def test_a_node_without_samples_and_a_fleet_without_models_read_plainly(bus: Bus) -> None:
+    await publish(bus, [inventory("n1", "ib-a", 2, t(0))])
+    async with projecting(bus), serving(bus) as board, aiohttp.ClientSession() as http:
+        async with http.get(board.url) as r:
+            page = await r.text()
+    assert "no models declared" in page and "no GPU samples yet" in page and "1 node · 0 lost" in page
+    assert "0 used · 2 free · 0 unhealthy · 0 lost · 2 total" in page
+
+
+async def test_a_port_it_cannot_take_is_one_clear_error(bus: Bus) -> None:
+    import socket
+
+    from llmgw.errors import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        board = Dashboard(bus)
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port} .*pick another --listen"):
+            await board.start("127.0.0.1", port)
