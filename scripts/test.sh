@@ -3,11 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The dashboard's browser test drives headless Chromium: Debian's packages, installed where missing
-# when we may (root, apt-get present); elsewhere that one test is skipped and says how to get them.
+# when we may (root, apt-get present); elsewhere that one test fails and says how to get them.
 if { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } \
     && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      chromium chromium-driver) >/dev/null 2>&1 || echo "warning: chromium not installed; the browser test is skipped" >&2
+      chromium chromium-driver) >/dev/null 2>&1 || echo "warning: chromium could not be installed; the browser test will fail" >&2
 fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv

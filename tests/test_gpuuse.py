@@ -132,16 +132,18 @@ async def test_a_simulated_agent_reports_busy_gpus_and_its_engines_memory(bus: B
         return [e for e in await stored(bus, subjects.STREAM_CONTROL)
                 if isinstance(e, m.ReplicaStateChanged) and e.state == "healthy"]
 
-    async def busy_beat() -> m.HeartbeatSent | None:
-        for e in await stored(bus, subjects.STREAM_HEARTBEAT):
-            if isinstance(e, m.HeartbeatSent) and any(g.processes for g in e.gpus):
-                return e
-        return None
+    seen: list[m.HeartbeatSent] = []
+
+    async def busy_beat() -> bool:
+        # The stream keeps the latest heartbeat only: keep the one seen, not a second read.
+        seen.extend(e for e in await stored(bus, subjects.STREAM_HEARTBEAT)
+                    if isinstance(e, m.HeartbeatSent) and any(g.processes for g in e.gpus))
+        return bool(seen)
 
     async with running(agent):
         await until(healthy, "the fake engine healthy", limit_s=25)
         await until(busy_beat, "a heartbeat with the engine's GPUs busy")
-        hb = await busy_beat()
+        hb = seen[0]
         proc = sup.runs["qwen-r1"].proc
         assert proc is not None
         pid = proc.pid
