@@ -172,6 +172,18 @@ def why_text(s: m.ModelSummary) -> str:
                              "`ctl model scale` brings it back" if s.state == "stopped" else "")
 
 
+def memory_text(r: m.ReplicaRow, gib_per_gpu: float) -> str:
+    """What NVML says the engine holds on each node, against the plan's memory per GPU x its GPUs there."""
+    if not r.observed_memory_mib:
+        return "-"
+    parts = []
+    for node, mib in r.observed_memory_mib.items():
+        gpus = sum(g.node == node for g in r.gpus)
+        plan = f" / {gib_per_gpu * gpus:.1f}" if gib_per_gpu and gpus else ""
+        parts.append(f"{node}: {mib / 1024:.1f}{plan} GiB")
+    return "\n".join(parts)
+
+
 def kv_text(planned: int, observed: int) -> str:
     """Observed KV tokens against the plan, with the plan's error; ``-`` until an engine reports."""
     if not observed:
@@ -308,13 +320,14 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     console.print(f"\nReplicas ({len(d.replicas)}; idle - = no router knows)")
     if d.replicas:
         reps = Table(box=box.SIMPLE)
-        for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan"):
+        for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan",
+                    "GPU memory obs / plan"):
             reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle") else "left")
         for r in d.replicas:
             state = f"{r.state}: {r.detail}" if r.detail else r.state
             reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
                          r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
-                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed))
+                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed), memory_text(r, spec.gib_per_gpu))
         console.print(reps)
     else:
         console.print("  none placed\n")

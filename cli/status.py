@@ -69,6 +69,14 @@ def _time(t: datetime | None) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
+def gpu_use_cells(u: m.ClassGpuUse | None) -> list[str]:
+    """Mean utilization and memory in use of a class's sampled GPUs: ``63%``, ``412/640 GiB``."""
+    if u is None or not u.sampled:
+        return ["-", "-"]
+    util = "-" if u.utilization_pct is None else f"{u.utilization_pct:.0f}%"
+    return [util, f"{u.memory_used_mib / 1024:,.0f}/{u.memory_total_mib / 1024:,.0f} GiB"]
+
+
 def render_replicas(r: m.StatusReport, console: Console) -> None:
     """Every replica: where it runs and how it is doing."""
     console.print(f"Replicas ({len(r.replica_list)}; idle - = no router knows)")
@@ -119,8 +127,16 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     for col in ("GPU class", "total", "used", "free", "unhealthy", "lost"):
         cap.add_column(col, justify="left" if col == "GPU class" else "right")
     cap.add_column("usage")
+    # What the GPUs are doing, from the agents' latest NVML samples (live only; a replay has none).
+    use = {u.gpu_class: u for u in r.gpu_use}
+    if use:
+        cap.add_column("util", justify="right")
+        cap.add_column("memory in use", justify="right")
     for c in r.capacity:
-        cap.add_row(c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.unhealthy), str(c.lost), usage_bar(c))
+        row = [c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.unhealthy), str(c.lost), usage_bar(c)]
+        if use:
+            row += gpu_use_cells(use.get(c.gpu_class))
+        cap.add_row(*row)
     console.print(cap)
     console.print("Free whole nodes (every GPU healthy and free; what a multi-node replica needs)")
     fab = Table(box=box.SIMPLE)

@@ -532,6 +532,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens_planned: int
     kv_tokens_observed: int
     kv_error: float | None = None
+    # GPU memory the engine's processes hold, per node, as its agent read NVML (empty: not reported).
+    observed_memory_mib: dict[str, int] = {}
 
 
 class ModelEvent(msgspec.Struct, frozen=True, kw_only=True):

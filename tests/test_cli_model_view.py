@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from live_projector import publish_fresh, serving
@@ -26,7 +27,8 @@ MISTRAL = m.ModelSpec(name="mistral", source="org/mistral-24b", precision="fp8",
 def mistral_events() -> list[m.Event]:
     flaps = [m.ReplicaStateChanged(at=t(32 + i), replica_id="mistral-r2", model="mistral", node="n4",
                                    state="healthy" if i % 2 == 0 else "unhealthy", restarts=i // 2,
-                                   endpoint="http://n4:8001", observed_kv_tokens=96_000 if i % 2 == 0 else 0)
+                                   endpoint="http://n4:8001", observed_kv_tokens=96_000 if i % 2 == 0 else 0,
+                                   observed_memory_mib=40_960 if i % 2 == 0 else 0)
              for i in range(21)]
     return [
         m.ModelDeclared(at=T0 - timedelta(hours=12), spec=MISTRAL),  # 22:00 the day before
@@ -118,6 +120,7 @@ def test_model_show_json_live_equals_replay(live_projector: Settings) -> None:
         "endpoint": "http://n4:8001", "restarts": 10, "idle_s": -1.0, "kv_tokens_planned": 100_000,
         "kv_tokens_observed": 96_000, "kv_error": 0.0417}
     assert r["gpus"] == [{"node": "n4", "index": 1, "uuid": "GPU-n4-1"}]
+    assert r["observed_memory_mib"] == {"n4": 40_960}  # NVML, as its agent read it
     # The latest 20 of its 26 control events, oldest first: the declaration and both placements are older.
     seqs = [e["seq"] for e in d["events"]]
     assert seqs == list(range(12 + 7, 12 + 27))
@@ -184,3 +187,15 @@ def test_model_show_after_more_events_reads_them_too(live_projector: Settings) -
     d = json.loads(live)
     assert [e["seq"] for e in d["events"]][-2:] == [39, 40]
     assert (d["summary"]["wanted"], d["summary"]["placed"], d["summary"]["state"]) == (2, 2, "serving")
+
+
+def test_model_show_states_observed_gpu_memory_against_the_plan() -> None:
+    from llmgw.cli.models import memory_text
+
+    row = m.ReplicaRow(replica_id="x-r1", model="x", state="healthy", nodes=("a", "b"),
+                       gpus=tuple(m.GpuRef(node=n, index=i, uuid=f"{n}{i}") for n in "ab" for i in range(2)),
+                       fabric="ib", endpoint="", restarts=0, detail="", placed_at=None, state_at=None, idle_s=-1,
+                       idle_since=None, kv_tokens_planned=0, kv_tokens_observed=0,
+                       observed_memory_mib={"a": 81_920, "b": 79_872})
+    assert memory_text(row, 42.5) == "a: 80.0 / 85.0 GiB\nb: 78.0 / 85.0 GiB"
+    assert memory_text(msgspec.structs.replace(row, observed_memory_mib={}), 42.5) == "-"

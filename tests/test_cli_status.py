@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from live_projector import publish_fresh, serving
@@ -273,3 +274,13 @@ def test_status_without_a_projector_says_what_to_do(fleet: Settings) -> None:
     code, out = _status(fleet)
     assert code == 1
     assert "Error: no projector (status service; run `llmgw project` or use --replay) is running" in out
+
+
+def test_the_capacity_table_says_what_the_gpus_are_doing_when_agents_sampled_them() -> None:
+    from llmgw.cli.status import gpu_use_cells
+
+    use = m.ClassGpuUse(gpu_class="H100-80GB", sampled=16, utilization_pct=62.6, memory_used_mib=700 * 1024,
+                        memory_total_mib=1280 * 1024)
+    assert gpu_use_cells(use) == ["63%", "700/1,280 GiB"]
+    assert gpu_use_cells(msgspec.structs.replace(use, utilization_pct=None)) == ["-", "700/1,280 GiB"]
+    assert gpu_use_cells(None) == ["-", "-"]  # a class no agent sampled (or a replay)

@@ -124,6 +124,7 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
             state_at=_utc(r.state_at), idle_s=UNKNOWN_IDLE if idle is None else idle, idle_since=_utc(since),
             kv_tokens_planned=planned, kv_tokens_observed=observed,
             kv_error=round((planned - observed) / observed, 4) if planned and observed else None,
+            observed_memory_mib=dict(sorted(r.observed_memory_mib.items())),
         ))
     return tuple(rows)
 
