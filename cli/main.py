@@ -40,6 +40,7 @@ SUMMARIES = {
     "nats-conf": "Generate nats.conf with one user per role and one per agent node.",
     "declare-streams": "Declare llmgw's streams (create, or update to this version's limits); log in as admin.",
     "ctl": "Ask the control plane: plans, status, what can be stopped.",
+    "dashboard": "Serve a live, read-only web page of the fleet; prints its URL on the first line.",
 }
 
 

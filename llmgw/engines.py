@@ -36,12 +36,14 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
 from llmgw.errors import ConfigError
+from llmgw.upstream import Timeouts, Upstream
 
 log = logging.getLogger(__name__)
 
 ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
 # What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
 JOINED_MARKERS = ("Ray runtime started", "joined ")
+CHECK_S = 10.0  # one health check or reading, all of it
 
 
 def _llmgw_program() -> list[str]:
@@ -287,6 +289,7 @@ class EngineRun:
         self.tail: deque[str] = deque(maxlen=config.log_lines)
         self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
         self.memory_of: MemoryProbe | None = None  # the agent's NVML, when it runs this supervisor
+        self.http: Upstream | None = None  # the supervisor's client; a run started alone makes its own
 
     @property
     def replica_id(self) -> str:
@@ -404,8 +407,7 @@ class EngineRun:
         base = f"http://{self.config.check_host}:{self.port}"
         llama = self.placed.spec.engine == "llama.cpp" and not self.config.simulate
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session, \
-                    session.get(f"{base}/props" if llama else f"{base}/metrics") as r:
+            async with (await self._http()).get(base, "/props" if llama else "/metrics", total_s=5) as r:
                 if r.status != 200:
                     return 0
                 text = (await r.content.read(4 << 20)).decode(errors="replace")
@@ -425,17 +427,24 @@ class EngineRun:
             log.warning("engine %s: GPU memory not observed: %s", self.replica_id, e)
             return 0
 
-    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+    async def _http(self) -> Upstream:
+        if self.http is None:
+            self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
+        await self.http.start()  # started once; again is a no-op
+        return self.http
+
+    async def _healthy(self, http: Upstream) -> bool:
         """/health answers 200, then a one-token completion does too; ``check_problem`` says what did not."""
         base = f"http://{self.config.check_host}:{self.port}"
         self.check_refused = False
         try:
-            async with session.get(f"{base}/health") as r:
+            async with http.get(base, "/health", total_s=CHECK_S) as r:
                 if r.status != 200:
                     self.check_problem = f"GET /health answered {r.status}"
                     return False
-            body = {"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}
-            async with session.post(f"{base}/v1/completions", json=body) as r:
+            body = json.dumps({"model": self.placed.spec.name, "prompt": "ping", "max_tokens": 1}).encode()
+            async with http.post(base, "/v1/completions", body, {"Content-Type": "application/json"},
+                                 total_s=CHECK_S) as r:
                 if r.status != 200:
                     text = (await r.content.read(300)).decode(errors="replace").strip()
                     self.check_problem = f"POST /v1/completions (model {self.placed.spec.name!r}) answered {r.status}: {text}"
@@ -448,20 +457,19 @@ class EngineRun:
     async def _wait_healthy(self) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.health_timeout_s
-        timeout = aiohttp.ClientTimeout(total=10)
         self.check_problem, refused_since = "not checked yet", None
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while loop.time() < deadline:
-                if self._exited():
-                    return False
-                if await self._healthy(session):
-                    return True
-                refused_since = (refused_since or loop.time()) if self.check_refused else None
-                if refused_since is not None and loop.time() - refused_since >= self.config.health_refused_s:
-                    self.tail.append(f"the engine is up but refuses the health check for "
-                                     f"{self.config.health_refused_s:g}s: {self.check_problem}")
-                    return False
-                await asyncio.sleep(self.config.health_interval_s)
+        http = await self._http()
+        while loop.time() < deadline:
+            if self._exited():
+                return False
+            if await self._healthy(http):
+                return True
+            refused_since = (refused_since or loop.time()) if self.check_refused else None
+            if refused_since is not None and loop.time() - refused_since >= self.config.health_refused_s:
+                self.tail.append(f"the engine is up but refuses the health check for "
+                                 f"{self.config.health_refused_s:g}s: {self.check_problem}")
+                return False
+            await asyncio.sleep(self.config.health_interval_s)
         self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s; last: {self.check_problem}")
         return False
 
@@ -536,6 +544,8 @@ class EngineSupervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
+        # One HTTP client for every engine's health checks and readings (llmgw/upstream.py, as the router's).
+        self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
 
     def holds(self) -> list[tuple[int, tuple[int, ...], int]]:
         """(pid, GPU indexes, planned MiB per GPU; 0: not planned) of every engine process running here."""
@@ -587,7 +597,7 @@ class EngineSupervisor:
                 del self.runs[rid]
             if rid not in self._tasks and (head or not worker):
                 run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
-                run.memory_of = self.memory_of
+                run.memory_of, run.http = self.memory_of, self.http
                 self.runs[rid] = run
                 self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
 
@@ -616,6 +626,7 @@ class EngineSupervisor:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.http.close()
 
     async def __call__(self, bus: Bus, outbox: Outbox) -> None:
         await self.run(bus, outbox)

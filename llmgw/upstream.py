@@ -1,8 +1,10 @@
-"""The router's upstream client: the only module in the router that does outbound HTTP.
+"""The one outbound HTTP edge towards engines: the router's proxying and the agents' health checks.
 
 One aiohttp ClientSession for the whole process, created once: a session per
 request would cost a connector, a DNS cache and a TLS context each time, and
-keep-alive connections to the engines are what keeps added latency low.
+keep-alive connections to the engines are what keeps added latency low. The
+router proxies through it; an agent's engine supervisor checks health and reads
+what an engine reserved through its own, with a total bound per check.
 """
 
 from __future__ import annotations
@@ -69,13 +71,28 @@ class Upstream:
             await self._session.close()
             self._session = None
 
-    def post(self, endpoint: str, route: str, body: bytes,
-             headers: dict[str, str]) -> aiohttp.client._RequestContextManager:
-        """POST ``body`` to ``endpoint + route``; await it for the response once headers arrived."""
-        assert self._session is not None, "Upstream.start() was not awaited"
+    def _url(self, endpoint: str, route: str) -> URL:
         url = self._urls.get((endpoint, route))
         if url is None:
             if len(self._urls) > 10_000:
                 self._urls.clear()  # endpoints come and go; never grow without bound
             url = self._urls[(endpoint, route)] = URL(endpoint + route)
-        return self._session.post(url, data=body, headers=headers)
+        return url
+
+    def post(self, endpoint: str, route: str, body: bytes, headers: dict[str, str], *,
+             total_s: float | None = None) -> aiohttp.client._RequestContextManager:
+        """POST ``body`` to ``endpoint + route``; await it for the response once headers arrived.
+        ``total_s`` bounds the whole exchange (a health check), on top of the session's timeouts."""
+        assert self._session is not None, "Upstream.start() was not awaited"
+        url = self._url(endpoint, route)
+        if total_s is None:
+            return self._session.post(url, data=body, headers=headers)
+        return self._session.post(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=total_s))
+
+    def get(self, endpoint: str, route: str, *, total_s: float | None = None) -> aiohttp.client._RequestContextManager:
+        """GET ``endpoint + route`` (health, metrics, props), bounded like ``post``."""
+        assert self._session is not None, "Upstream.start() was not awaited"
+        url = self._url(endpoint, route)
+        if total_s is None:
+            return self._session.get(url)
+        return self._session.get(url, timeout=aiohttp.ClientTimeout(total=total_s))
