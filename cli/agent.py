@@ -17,7 +17,8 @@ from llmgw.agent import Agent
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
-from llmgw.engines import EngineConfig, EngineSupervisor, parse_engine_cmds
+from llmgw.enginecmd import parse_engine_cmds
+from llmgw.engines import EngineConfig, EngineSupervisor
 from llmgw.errors import LlmgwError
 from llmgw.fleetfile import faults, load, parse_fault_kind
 from llmgw.liveness import HeartbeatMonitor

@@ -7,12 +7,12 @@ import signal
 
 import click
 
+from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.cli.router import _listen
 from llmgw.config import Settings
 from llmgw.dashboard import Dashboard
-from llmgw.router import load_api_keys
 
 
 @click.command("dashboard")

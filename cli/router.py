@@ -6,10 +6,11 @@ import socket
 
 import click
 
+from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
-from llmgw.router import load_api_keys, serve_router
+from llmgw.router import serve_router
 from llmgw.upstream import Timeouts
 
 

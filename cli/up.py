@@ -25,7 +25,7 @@ import click
 
 from llmgw.cli.options import run
 from llmgw.config import DEFAULT_NATS_URL, Settings
-from llmgw.engines import _llmgw_program
+from llmgw.enginecmd import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
 from llmgw.natsserver import EmbeddedServer
 
@@ -197,7 +197,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
         if models_dir:
             env["LLMGW_MODELS_DIR"] = models_dir
-        exe = _llmgw_program()
+        exe = llmgw_program()
         logs = root / "logs"
         keys = ["--api-keys", str(api_keys.resolve())] if api_keys else []
         parts = [

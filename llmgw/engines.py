@@ -18,14 +18,12 @@ import ctypes
 import json
 import logging
 import os
-import re
 import shlex
-import shutil
 import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -35,130 +33,19 @@ import aiohttp
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
-from llmgw.errors import ConfigError
+from llmgw.enginecmd import (
+    JOINED_MARKERS,
+    default_commands,
+    engine_argv,
+    kv_tokens_from_metrics,
+    kv_tokens_from_props,
+    part_argvs,
+)
 from llmgw.upstream import Timeouts, Upstream
 
 log = logging.getLogger(__name__)
 
-ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
-# What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
-JOINED_MARKERS = ("Ray runtime started", "joined ")
 CHECK_S = 10.0  # one health check or reading, all of it
-
-
-def _llmgw_program() -> list[str]:
-    exe = Path(sys.executable).parent / "llmgw"
-    if exe.is_file():
-        return [str(exe)]
-    found = shutil.which("llmgw")
-    return [found] if found else [sys.executable, "-m", "llmgw"]
-
-
-def default_commands() -> dict[str, list[str]]:
-    """The program prefix each engine starts with, before llmgw's arguments."""
-    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*_llmgw_program(), "fake-engine"],
-            "ray": ["ray"]}
-
-
-def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
-    """``vllm=/opt/vllm/bin/vllm serve`` → {"vllm": [...]}; a bad one is a ConfigError naming it."""
-    out = default_commands()
-    for raw in values:
-        key, sep, cmd = raw.partition("=")
-        key = key.strip()
-        if not sep or key not in ENGINE_KEYS or not cmd.strip():
-            raise ConfigError(
-                f"--engine-cmd {raw!r}: expected ENGINE=CMD with ENGINE one of {', '.join(ENGINE_KEYS)}, "
-                "e.g. --engine-cmd 'vllm=/opt/vllm/bin/vllm serve'"
-            )
-        argv = shlex.split(cmd)
-        if key == "vllm" and Path(argv[-1]).name == "vllm":
-            argv.append("serve")  # `vllm=/opt/vllm/bin/vllm` names the program; the subcommand is implied
-        out[key] = argv
-    return out
-
-
-def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "",
-                startup_s: float = 0.0) -> list[str]:
-    """The command line for one replica's engine."""
-    if simulate:
-        return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
-                *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
-                # A plausible reservation: a little under the plan, as a real engine's often is.
-                *(("--kv-tokens", str(spec.kv_tokens * 97 // 100)) if spec.kv_tokens > 0 else ())]
-    if spec.engine == "vllm":
-        argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
-        if spec.pp > 1:
-            argv += ["--pipeline-parallel-size", str(spec.pp), "--distributed-executor-backend", "ray"]
-        if spec.quantization:
-            argv += ["--quantization", spec.quantization]
-        if spec.kv_cache_dtype != "auto":
-            argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
-        argv += [
-            "--max-model-len", str(spec.context),
-            "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",
-            "--host", host, "--port", str(port),
-            "--served-model-name", spec.name,
-        ]
-        return [*argv, *spec.engine_args]
-    model_file = spec.file or spec.source
-    if spec.file and not Path(spec.file).exists():
-        # A GGUF file named inside a repository: llama-server downloads it itself.
-        where = ["--hf-repo", spec.source, "--hf-file", spec.file]
-    else:
-        where = ["-m", model_file]
-    argv = [*cmds["llama.cpp"], *where, "-c", str(spec.context), "-ngl", "999",
-            "--host", host, "--port", str(port), "--alias", spec.name]
-    return [*argv, *spec.engine_args]
-
-
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def kv_tokens_from_metrics(text: str) -> int:
-    """num_gpu_blocks x block_size from vLLM's Prometheus ``vllm:cache_config_info``; 0 when absent."""
-    found = _CACHE_INFO.search(text)
-    if found is None:
-        return 0
-    labels = dict(_LABEL.findall(found.group(1)))
-    try:
-        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    except (KeyError, ValueError):
-        return 0
-
-
-def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool,
-               name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0) -> list[list[str]]:
-    """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
-
-    vLLM: a Ray cluster per replica. The head (rank 0) runs ``ray start --head`` and then
-    ``vllm serve … --distributed-executor-backend ray``, which finds it through RAY_ADDRESS;
-    every other node runs ``ray start --address HEAD --block`` (``--block``: killing it
-    takes down what it started). Simulated: the head's fake engine waits on a TCP port for
-    the other parts; each other part connects to it and holds the connection.
-    """
-    if simulate:
-        if rank == 0:
-            return [[*engine_argv(spec, port, host, cmds, simulate=True, name=name, startup_s=startup_s),
-                     "--parts", str(spec.pp), "--rendezvous-port", str(rendezvous_port)]]
-        return [[*cmds["fake"], "--model", spec.name, "--name", f"{name}/part{rank}", "--join", head_address]]
-    gpus = str(spec.tp)
-    if rank == 0:
-        return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
-                engine_argv(spec, port, host, cmds, simulate=False, name=name)]
-    return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
-
-
-def kv_tokens_from_props(text: str) -> int:
-    """llama-server's /props: ``default_generation_settings.n_ctx`` (or a top-level ``n_ctx``); 0 when absent."""
-    try:
-        props = json.loads(text)
-        settings = props.get("default_generation_settings") or {}
-        n = settings.get("n_ctx", props.get("n_ctx", 0))
-        return int(n) if isinstance(n, int) and n > 0 else 0
-    except (ValueError, AttributeError):
-        return 0
 
 
 _PR_SET_PDEATHSIG = 1

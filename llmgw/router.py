@@ -26,13 +26,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from pathlib import Path
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
 from llmgw import messages as m
+from llmgw import openai_api as api
 from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
@@ -68,60 +68,6 @@ CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the
 _HEAD = msgspec.json.Decoder(_Head)
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
-
-
-def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
-    """An OpenAI-style error document, so clients raise their usual exceptions."""
-    return _ENC.encode({"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
-def _error(status: int, message: str, type_: str, code: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(message, type_, code, param),
-                        content_type="application/json", headers=headers)
-
-
-def _unauthorized() -> web.Response:
-    return _error(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
-                  "invalid_request_error", "invalid_api_key")
-
-
-def _model(name: str, state: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "state": state}
-
-
-# --- API keys ---------------------------------------------------------------------
-
-
-def load_api_keys(path: str | Path) -> frozenset[str]:
-    """SHA-256 hex digests, one per line; ``#`` starts a comment. Raises ConfigError."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="ascii")
-    except OSError as e:
-        raise ConfigError(f"cannot read API key file {p} ({e.strerror}); pass a file of sha256 hex digests, one per line") from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not text (byte {e.object[e.start]:#04x} at offset {e.start}); "
-                          "write sha256 hex digests, one per line") from None
-    keys = set()
-    for n, line in enumerate(text.splitlines(), 1):
-        digest = line.split("#", 1)[0].strip().lower()
-        if not digest:
-            continue
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ConfigError(
-                f"{p}:{n}: not a sha256 hex digest ({len(digest)} characters); "
-                "write `printf %s \"$KEY\" | sha256sum` output, one per line"
-            )
-        keys.add(digest)
-    if not keys:
-        raise ConfigError(f"{p} holds no keys; add sha256 hex digests or drop --api-keys")
-    return frozenset(keys)
-
-
-def hash_key(key: str) -> str:
-    """The digest an API key file stores for ``key``."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 # --- the router -------------------------------------------------------------------
@@ -391,12 +337,12 @@ class Router:
             if self.keys and not self._authorized(request):
                 status = 401
                 self.metrics.error("", "unauthorized")
-                return _unauthorized()
+                return api.unauthorized()
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 # Refuse before reading: the announced size is already too large.
                 status = 413
                 self.metrics.error("", "too_large")
-                big = _error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
+                big = api.error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
                                   "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
                 big.force_close()
                 return big
@@ -407,27 +353,27 @@ class Router:
             except TimeoutError:
                 status = 408
                 self.metrics.error("", "body_timeout")
-                late = _error(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                late = api.error(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
                               "invalid_request_error", "request_timeout")
                 late.force_close()  # what is left of that body must not be read as a request
                 return late
             except web.HTTPRequestEntityTooLarge:
                 status = 413
                 self.metrics.error("", "too_large")
-                return _error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
+                return api.error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
                                    "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
             try:
                 head = _HEAD.decode(body)
             except m.DECODE_ERRORS as e:
                 status = 400
                 self.metrics.error("", "bad_request")
-                return _error(400, f"request body is not a valid JSON object with a string `model` ({e})",
+                return api.error(400, f"request body is not a valid JSON object with a string `model` ({e})",
                               "invalid_request_error", "invalid_json")
             model, stream = head.model, head.stream
             if not model:
                 status = 400
                 self.metrics.error("", "bad_request")
-                return _error(400, "the request has no `model`; name one of GET /v1/models",
+                return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
             resp = await self._forward(request, route, model, stream, body, t0)
             status = resp.status
@@ -471,7 +417,7 @@ class Router:
                 # connection the engine had just closed fails the same way as a dead engine.
                 other = None if retried else (self.acquire(model, exclude=rep) or self.acquire(model))
                 if other is None:
-                    return _error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
+                    return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
                                   "server_error", "upstream_unreachable")
                 self.metrics.retry()
@@ -480,7 +426,7 @@ class Router:
             except TimeoutError:
                 self.release(rep)
                 self.metrics.error(model, "upstream_timeout")
-                return _error(504, f"replica {rep.replica_id} of {model} did not answer within "
+                return api.error(504, f"replica {rep.replica_id} of {model} did not answer within "
                                    f"{self.upstream.timeouts.read_s:g}s", "server_error", "upstream_timeout")
             except BaseException:
                 self.release(rep)
@@ -493,7 +439,7 @@ class Router:
                 except READ_ERRORS as e:
                     up.close()
                     self.metrics.error(model, "upstream_broken")
-                    return _error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
+                    return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
                 if up.status == 200 and (usage := usage_of(data)) is not None:
                     self.metrics.tokens(model, usage)
@@ -556,7 +502,7 @@ class Router:
         up.close()
         self.metrics.error(model, "upstream_broken")
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError):
-            await resp.write(b"\n\ndata: " + error_body(
+            await resp.write(b"\n\ndata: " + api.error_body(
                 f"replica {rep.replica_id} of {model} broke off the stream ({type(e).__name__}); "
                 "the reply is incomplete", "server_error", "upstream_broken") + b"\n\n")
             await resp.write_eof()
@@ -565,56 +511,56 @@ class Router:
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         if state == "timeout":
             self.metrics.error(model, "wake_timeout")
-            return _error(503, f"model {model!r} is starting (woken by a request) and had no healthy replica within "
+            return api.error(503, f"model {model!r} is starting (woken by a request) and had no healthy replica within "
                                f"{self.wake_timeout_s:g}s; retry after {RETRY_AFTER_S}s",
                           "server_error", "model_starting", "model", headers=retry)
         if state == "unplaceable":
             self.metrics.error(model, "unplaceable")
             d = self.pool.declared.get(model)
             why = d.unplaceable if d is not None and d.unplaceable else "the scheduler found no room"
-            return _error(503, f"model {model!r} cannot be placed: {why}", "server_error", "model_unplaceable", "model")
+            return api.error(503, f"model {model!r} cannot be placed: {why}", "server_error", "model_unplaceable", "model")
         if state == "stopped":
             self.metrics.error(model, "stopped")
-            return _error(503, f"model {model!r} is scaled to 0 replicas by its operator; "
+            return api.error(503, f"model {model!r} is scaled to 0 replicas by its operator; "
                                f"`llmgw ctl model scale {model} --replicas 1` brings it back",
                           "server_error", "model_stopped", "model")
         if model in self.pool.known_models:
             self.metrics.error(model, "no_replica")
-            return _error(503, f"model {model!r} has no healthy replica right now; retry after {RETRY_AFTER_S}s",
+            return api.error(503, f"model {model!r} has no healthy replica right now; retry after {RETRY_AFTER_S}s",
                           "server_error", "no_healthy_replica", "model", headers=retry)
         self.metrics.error("", "unknown_model")
-        return _error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
+        return api.error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
                       "invalid_request_error", "model_not_found", "model")
 
     async def models(self, request: web.Request) -> web.Response:
         if self.keys and not self._authorized(request):
             self.metrics.error("", "unauthorized")
-            return _unauthorized()
-        data = [_model(name, state) for name, state in self.pool.listed().items()]
+            return api.unauthorized()
+        data = [api.model_object(name, state) for name, state in self.pool.listed().items()]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
         """One model of GET /v1/models (the OpenAI client's ``models.retrieve``), or a 404."""
         if self.keys and not self._authorized(request):
             self.metrics.error("", "unauthorized")
-            return _unauthorized()
+            return api.unauthorized()
         name = request.match_info["model"]
         state = self.pool.listed().get(name)
         if state is None:
-            return _error(404, f"the model `{name}` does not exist; GET /v1/models lists the models served",
+            return api.error(404, f"the model `{name}` does not exist; GET /v1/models lists the models served",
                           "invalid_request_error", "model_not_found", "model")
-        return web.Response(body=_ENC.encode(_model(name, state)), content_type="application/json")
+        return web.Response(body=_ENC.encode(api.model_object(name, state)), content_type="application/json")
 
     async def no_route(self, request: web.Request) -> web.Response:
         """Any path or method the router does not serve: an OpenAI-style 404 or 405, so clients show why."""
         path = request.path
         allowed = METHODS.get(path) or ("GET" if path.startswith("/v1/models/") else None)
         if allowed is None:
-            return _error(404, f"{request.method} {path} is not a route of this router; it serves "
+            return api.error(404, f"{request.method} {path} is not a route of this router; it serves "
                                f"{', '.join(ROUTES)} (POST) and /v1/models (GET)",
                           "invalid_request_error", "unknown_url")
         allow = f"{allowed}, HEAD" if allowed == "GET" else allowed
-        return _error(405, f"{request.method} is not allowed on {path}; use {allowed}",
+        return api.error(405, f"{request.method} is not allowed on {path}; use {allowed}",
                       "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
 
     async def health(self, request: web.Request) -> web.Response:

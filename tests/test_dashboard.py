@@ -17,10 +17,10 @@ from streams import publish
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.dashboard import Dashboard, bar, duration
 from llmgw.projections.runner import Projector
-from llmgw.router import hash_key
 
 EVIL = "<script>alert(1)</script>"
 EVIL_REASON = 'no room <img src=x onerror="alert(2)"> & more'

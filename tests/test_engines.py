@@ -16,15 +16,14 @@ from streams import stored
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, Outbox
-from llmgw.engines import (
-    EngineConfig,
-    EngineSupervisor,
+from llmgw.enginecmd import (
     default_commands,
     engine_argv,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
     parse_engine_cmds,
 )
+from llmgw.engines import EngineConfig, EngineSupervisor
 from llmgw.errors import ConfigError
 
 NODE = "n1"

@@ -21,12 +21,13 @@ from running import engines as running_engines
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.endpoints import Pool
 from llmgw.errors import ConfigError
 from llmgw.fake_engine import EngineProcess, spawn
-from llmgw.router import Router, hash_key
+from llmgw.router import Router
 from llmgw.upstream import Timeouts
 
 MODEL = "qwen-test"
