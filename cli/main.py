@@ -22,6 +22,7 @@ COMMANDS = {
     "nats-conf": "llmgw.cli.natsconf:nats_conf",
     "declare-streams": "llmgw.cli.natsconf:declare_streams",
     "ctl": "llmgw.cli.ctl:ctl",
+    "export": "llmgw.cli.export:export",
 }
 
 

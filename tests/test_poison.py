@@ -16,10 +16,11 @@ from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus
 from llmgw.fleet import status as status_report
+from llmgw.fleet.checkpoint import Checkpoint, encode_state
 from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, apply, clamp_times, fold, stored_at
 from llmgw.fleet.replay import replay
 from llmgw.projections.runner import Projector
-from llmgw.projections.store import Batch, Checkpoint, Store, encode_state
+from llmgw.projections.store import Batch, Store
 
 AT = "2026-03-02T10:00:00Z"
 
