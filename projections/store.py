@@ -513,6 +513,11 @@ class Store:
         return self.con.execute(sql, params or []).fetchall()
 
 
+def _literal(path: Path) -> str:
+    """A path as an SQL string literal (COPY takes no parameters)."""
+    return "'" + str(path).replace("'", "''") + "'"
+
+
 class DatabaseHeldError(ProjectionError):
     """Another process (a running projector) holds the file: DuckDB lets no one else open it."""
 
@@ -549,10 +554,10 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
             if table in by_day:
                 where = dest / table
                 where.mkdir(parents=True, exist_ok=True)  # there even when empty: a reader's glob finds the table
-                con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") TO '{where}' "
-                            "(FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
+                con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") "
+                            f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
             else:
-                con.execute(f"COPY \"{table}\" TO '{dest / (table + '.parquet')}' (FORMAT parquet)")
+                con.execute(f"COPY \"{table}\" TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
     except (duckdb.Error, OSError) as e:
         raise ProjectionError(f"cannot export {source} to {dest}: {e}") from e
     finally:
