@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import statistics
@@ -64,9 +65,10 @@ def _remove(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-async def project(bus: Bus, path: Path, every: int | None) -> tuple[float, int, int]:
-    """Project from zero: seconds, events, snapshots written."""
-    _remove(path)
+async def project(bus: Bus, path: Path, every: int | None, *, fresh: bool = True) -> tuple[float, int, int]:
+    """Project (from zero when ``fresh``): seconds, events folded, snapshots written."""
+    if fresh:
+        _remove(path)
     store = Store(path)
     start = time.perf_counter()
     projector = Projector(bus, store, writer_process=True, fold_snapshot_events=every)
@@ -99,14 +101,24 @@ async def main(args: argparse.Namespace) -> None:
     try:
         bus = await Bus.connect(Settings(nats_url=url, request_timeout_s=30.0), "llmgw-bench")
         await bus.ensure_streams()
-        gen = history(args.events, 256, 8, 7, 2, 10.0, 48, 6)
-        n, secs = await publish(bus, gen, 10_000)
-        await asyncio.sleep(2)
-        print(f"published {n:,} events in {secs:.1f}s")
-
-        secs, folded, written = await project(bus, work / "p.duckdb", args.every)
-        print(f"projector with snapshots every {args.every:,} events: {folded:,} events in {secs:.1f}s, "
-              f"{written} snapshots written")
+        # As a fleet lives: the history arrives in chunks and a live projector folds each as it comes,
+        # so each snapshot is taken at the streams' heads (every stream at one moment), as in production.
+        gen = iter(history(args.events, 256, 8, 7, 2, 10.0, 48, 6))
+        n = written = 0
+        live = work / "live.duckdb"
+        pub_s = proj_s = 0.0
+        while True:
+            chunk = list(itertools.islice(gen, args.every))
+            if not chunk:
+                break
+            k, secs = await publish(bus, iter(chunk), 10_000)
+            n, pub_s = n + k, pub_s + secs
+            await asyncio.sleep(0.5)
+            secs, _, w = await project(bus, live, args.every, fresh=False)
+            written, proj_s = written + w, proj_s + secs
+        print(f"published {n:,} events in {pub_s:.1f}s, projected as they came in {proj_s:.1f}s; "
+              f"{written} fold snapshots written (one every {args.every:,} events)")
+        folded = n
         lo, hi = await stored_range(bus)
         print("\nctl status (a new process each run; median of --runs)")
         print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")

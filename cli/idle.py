@@ -28,7 +28,9 @@ def _json_row(r: IdleRow) -> dict[str, Any]:
 
 @click.command("idle")
 @click.option("--older-than", "older_than_s", default="30m", show_default=True, callback=_older_than,
-              help="Idle at least this long (90s, 30m, 2h, 1d).")
+              help="Idle at least this long (90s, 30m, 1h30m, 2d).")
+@click.option("--model", "model", metavar="NAME", default=None,
+              help="Only this model's replicas (with --stop: stop only those).")
 @click.option("--stop", is_flag=True, help="Stop the replicas listed (ReplicaStopped, reason idle); their GPUs are freed.")
 @click.option("--dry-run", is_flag=True, help="With --stop: say what would be stopped, publish nothing.")
 @click.option("--replay", is_flag=True,
@@ -36,8 +38,8 @@ def _json_row(r: IdleRow) -> dict[str, Any]:
 @click.option("--no-snapshot", is_flag=True, help="When replaying: fold from sequence 1, not from the newest fold snapshot.")
 @json_option
 @nats_options
-def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, no_snapshot: bool, as_json: bool,
-         settings: Settings) -> None:
+def idle(older_than_s: float, model: str | None, stop: bool, dry_run: bool, replay: bool, no_snapshot: bool,
+         as_json: bool, settings: Settings) -> None:
     """Replicas idle longer than --older-than, the GPUs they hold, and GPU-hours idle.
 
     A replica no router has reported is unknown, never idle: it is counted
@@ -52,13 +54,14 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, no_snapsh
     Example:
 
         llmgw ctl idle --older-than 2h
+        llmgw ctl idle --older-than 1h30m --model qwen
         llmgw ctl idle --older-than 2h --stop --dry-run
         llmgw ctl idle --older-than 2h --stop --json
     """
     from llmgw import ctl
 
     rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True),
-                                              use_snapshots=not no_snapshot))
+                                              use_snapshots=not no_snapshot, model=model))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []
@@ -67,7 +70,7 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, no_snapsh
         stopped = [r.replica_id for r in chosen]
     if as_json:
         echo_json({
-            "now": now.isoformat(), "older_than_s": older_than_s,
+            "now": now.isoformat(), "older_than_s": older_than_s, "model": model,
             "idle": [_json_row(r) for r in chosen],
             "gpus_held": sum(r.gpus for r in chosen),
             "gpu_hours_idle": round(sum(r.gpu_hours_idle for r in chosen), 4),
@@ -75,16 +78,18 @@ def idle(older_than_s: float, stop: bool, dry_run: bool, replay: bool, no_snapsh
             "stopped": stopped, "dry_run": dry_run, "source": source,
         })
         return
-    _render(chosen, unknown, older_than_s, stop, dry_run)
+    _render(chosen, unknown, older_than_s, stop, dry_run, model)
 
 
-def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, stop: bool, dry_run: bool) -> None:
+def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, stop: bool, dry_run: bool,
+            model: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     if not chosen:
-        console.print(f"no replica idle for {human_duration(older_than_s)} or more")
+        of = f" of {model}" if model else ""
+        console.print(f"no replica{of} idle for {human_duration(older_than_s)} or more")
     else:
         table = Table(box=None, pad_edge=False)
         for col, just in (("replica", "left"), ("model", "left"), ("nodes", "left"), ("GPUs", "right"),

@@ -23,6 +23,7 @@ COMMANDS = {
     "declare-streams": "llmgw.cli.natsconf:declare_streams",
     "ctl": "llmgw.cli.ctl:ctl",
     "dashboard": "llmgw.cli.dashboard:dashboard",
+    "export": "llmgw.cli.export:export",
 }
 
 # `llmgw --help` lists these instead of importing every command for its docstring (the router,
@@ -41,6 +42,7 @@ SUMMARIES = {
     "declare-streams": "Declare llmgw's streams (create, or update to this version's limits); log in as admin.",
     "ctl": "Ask the control plane: plans, status, what can be stopped.",
     "dashboard": "Serve a live, read-only web page of the fleet; prints its URL on the first line.",
+    "export": "Write the projection's tables as Parquet (pandas, Spark, Polars, any DuckDB).",
 }
 
 

@@ -11,17 +11,27 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+# A plain number of seconds, or amounts with units, largest first, each once: 90s, 1h30m, 2d4h
+# (what human_duration prints reads back).
+_DURATION = re.compile(r"^\s*(?:\d+(?:\.\d+)?|(?:\d+(?:\.\d+)?\s*[wdhms]\s*)+)\s*$")
+_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([wdhms])")
+_UNITS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 MAX_DURATION_S = 10 * 365 * 86400  # ten years: what an event may carry (messages.Seconds), and far past any history
 
 
 def parse_duration(text: str, flag: str) -> float:
-    """Seconds from ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or a plain number of seconds (at most ten years)."""
-    match = _DURATION.match(text)
-    if not match:
-        raise click.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 2h, 1d", param_hint=flag)
-    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    """Seconds from ``90s``, ``30m``, ``1h30m``, ``2d4h``, ``1w`` or a plain number of seconds (at most ten years)."""
+    if not _DURATION.match(text):
+        raise click.BadParameter(f"{text!r} is not a duration; write e.g. 90s, 30m, 1h30m, 2d4h", param_hint=flag)
+    parts = _PART.findall(text)
+    if not parts:
+        seconds = float(text)
+    else:
+        sizes = [_UNITS[u] for _, u in parts]
+        if sizes != sorted(set(sizes), reverse=True):
+            raise click.BadParameter(f"{text!r} repeats a unit or puts a smaller one first; write e.g. 1h30m, 2d4h",
+                                     param_hint=flag)
+        seconds = sum(float(n) * size for (n, _), size in zip(parts, sizes, strict=True))
     if not seconds <= MAX_DURATION_S:
         raise click.BadParameter(f"{text!r} is longer than ten years (3650d); write a shorter duration",
                                  param_hint=flag)

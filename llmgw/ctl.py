@@ -140,29 +140,41 @@ async def show_model(settings: Settings, name: str, *, replay: bool = False,
 
 
 async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
-                     notice: Notice = lambda _: None, use_snapshots: bool = True) -> tuple[list[IdleRow], datetime, str]:
+                     notice: Notice = lambda _: None, use_snapshots: bool = True,
+                     model: str | None = None) -> tuple[list[IdleRow], datetime, str]:
     """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
 
     From the projector's status service when one answers with every event
     stored when we asked folded in (a projector that is behind would see old
     idle maps and overstate idleness); otherwise, or with ``replay``, by
     folding the streams here, which takes longer the longer the history.
+    With ``model``, only that model's replicas; a model not declared is an error.
     """
     now = now or m.utcnow()
     bus = await _connect(settings, "llmgw-ctl-idle")
     try:
-        if not replay:
-            rows = await _idle_from_projector(bus, older_than_s, now, notice)
-            if rows is not None:
-                return rows, now, "projector"
-        state = await replay_state(bus, use_snapshots=use_snapshots, notice=notice)
+        found = None if replay else await _idle_from_projector(bus, older_than_s, now, notice)
+        if found is None:
+            state = await replay_state(bus, use_snapshots=use_snapshots, notice=notice)
     finally:
         await bus.close()
-    return [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s], now, "replay"
+    if found is not None:
+        (rows, declared), source = found, "projector"
+    else:
+        rows = [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
+        declared, source = sorted(state.models), "replay"
+    if model is not None:
+        # An older projector lists no models: then only its rows can say a name exists.
+        if declared and model not in declared and all(r.model != model for r in rows):
+            raise LlmgwError(f"no model named {model!r} is declared (declared: {', '.join(declared)}); "
+                             "see `llmgw ctl model list`")
+        rows = [r for r in rows if r.model == model]
+    return rows, now, source
 
 
-async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime, notice: Notice) -> list[IdleRow] | None:
-    """The projector's idle rows once it has folded what is stored now; None: no projector, or it lags."""
+async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime,
+                               notice: Notice) -> tuple[list[IdleRow], list[str]] | None:
+    """The projector's idle rows and declared models once it has folded what is stored now; None: no projector, or it lags."""
     from llmgw.errors import NoServiceError, ServiceError
 
     req = m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=await stream_heads(bus), wait_s=CATCH_UP_S)
@@ -177,8 +189,8 @@ async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime, not
         notice(f"the projector could not answer ({e}): replaying the streams here")
         return None
     # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
-    return [IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None, r.idle_since)
-            for r in report.idle]
+    return ([IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None,
+                     r.idle_since) for r in report.idle], sorted(s.name for s in report.model_list))
 
 
 async def stop_idle(settings: Settings, rows: list[IdleRow]) -> list[int]:

@@ -10,6 +10,7 @@ state and those positions and goes on exactly where the commit left it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import typing
@@ -28,46 +29,15 @@ from llmgw import messages as m
 from llmgw.errors import ProjectionError
 from llmgw.fleet.checkpoint import Checkpoint, decode_state
 from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView
+from llmgw.projections import schema
+
+log = logging.getLogger(__name__)
 
 # 2: the usage fold forgets replicas that left every router's map, so a state checkpointed
-# by schema 1 would not resume into what a clean replay gives.
-SCHEMA_VERSION = 3
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS checkpoint (stream VARCHAR PRIMARY KEY, seq BIGINT NOT NULL);
-CREATE TABLE IF NOT EXISTS projector_state (
-    id INTEGER PRIMARY KEY, schema_version INTEGER, as_of TIMESTAMPTZ, events BIGINT,
-    unprojected BIGINT, snapshot BLOB);
-CREATE TABLE IF NOT EXISTS events (
-    stream VARCHAR, seq BIGINT, subject VARCHAR, type VARCHAR, ts TIMESTAMPTZ,
-    stored_at TIMESTAMPTZ, node VARCHAR, model VARCHAR, replica_id VARCHAR, json VARCHAR);
-CREATE TABLE IF NOT EXISTS gpu_health (
-    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, node VARCHAR, gpu_index INTEGER,
-    gpu_uuid VARCHAR, healthy BOOLEAN, reasons VARCHAR);
-CREATE TABLE IF NOT EXISTS replica_lifecycle (
-    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, replica_id VARCHAR, model VARCHAR,
-    kind VARCHAR, state VARCHAR, node VARCHAR, gpus INTEGER, detail VARCHAR);
-CREATE TABLE IF NOT EXISTS idle_history (
-    stream VARCHAR, seq BIGINT, ts TIMESTAMPTZ, router VARCHAR, tick BIGINT,
-    replica_id VARCHAR, last_request TIMESTAMPTZ, serving_since TIMESTAMPTZ, idle_s DOUBLE);
-CREATE TABLE IF NOT EXISTS unprojected_events (
-    stream VARCHAR, seq BIGINT, subject VARCHAR, raw BLOB, error VARCHAR);
-CREATE TABLE IF NOT EXISTS nodes (
-    name VARCHAR, fabric VARCHAR, fabric_source VARCHAR, boot_id VARCHAR, gpus INTEGER,
-    healthy_gpus INTEGER, lost BOOLEAN, lost_at TIMESTAMPTZ, simulated BOOLEAN,
-    updated_at TIMESTAMPTZ);
-CREATE TABLE IF NOT EXISTS gpus (
-    node VARCHAR, gpu_index INTEGER, uuid VARCHAR, name VARCHAR, gpu_class VARCHAR,
-    memory_mib BIGINT, healthy BOOLEAN, reasons VARCHAR, since TIMESTAMPTZ, replica_id VARCHAR);
-CREATE TABLE IF NOT EXISTS replicas (
-    replica_id VARCHAR, model VARCHAR, state VARCHAR, nodes VARCHAR, gpus INTEGER,
-    fabric VARCHAR, placed_at TIMESTAMPTZ, state_at TIMESTAMPTZ, endpoint VARCHAR,
-    restarts INTEGER, idle_since TIMESTAMPTZ);
-CREATE TABLE IF NOT EXISTS models (
-    name VARCHAR, engine VARCHAR, precision VARCHAR, gpu_class VARCHAR, tp INTEGER, pp INTEGER,
-    replicas_wanted INTEGER, replicas_placed INTEGER, declared_at TIMESTAMPTZ);
-CREATE TABLE IF NOT EXISTS unplaceable (name VARCHAR, reason VARCHAR, since TIMESTAMPTZ);
-"""
+# by schema 1 would not resume into what a clean replay gives. 3: the reader's bookkeeping
+# moved into the cursor. 4: the analysts' names (projections/schema.py: node, model,
+# gpu_count, lists for nodes and reasons, NULL for an unknown idle time) and the views.
+SCHEMA_VERSION = 4
 
 HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "unprojected_events")
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
@@ -135,22 +105,20 @@ SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished
        coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleChanges' THEN NULL ELSE json END
 FROM stage_parsed;
 INSERT INTO gpu_health
-SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN,
-       coalesce(array_to_string(x[17]::JSON::VARCHAR[], ','), '')
+SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN, coalesce(x[17]::JSON::VARCHAR[], [])
 FROM stage_parsed WHERE x[1] = 'GpuHealthChanged';
 INSERT INTO replica_lifecycle
 SELECT stream, seq, ts, x[8], x[5],
        CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE 'state' END,
        CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE x[12] END,
-       CASE x[1] WHEN 'ReplicaPlaced' THEN array_to_string(x[15]::JSON::VARCHAR[], ',')
-                 WHEN 'ReplicaStateChanged' THEN x[3] END,
+       CASE x[1] WHEN 'ReplicaPlaced' THEN x[15]::JSON::VARCHAR[] WHEN 'ReplicaStateChanged' THEN [x[3]] END,
        CASE x[1] WHEN 'ReplicaPlaced' THEN json_array_length(x[16])::INTEGER END,
        CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END
 FROM stage_parsed WHERE x[1] IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
 INSERT INTO idle_history
 SELECT stream, seq, ts, router, tick, replica_id, last_request, serving_since,
-       -- ts - the newer of the two times (the same float as Python's timedelta.total_seconds()), -1: unknown
-       CASE WHEN newest IS NULL THEN -1.0 ELSE greatest(0.0, (epoch_us(ts) - epoch_us(newest)) / 1e6) END
+       -- ts - the newer of the two times (the same float as Python's timedelta.total_seconds()); NULL: unknown
+       CASE WHEN newest IS NOT NULL THEN greatest(0.0, (epoch_us(ts) - epoch_us(newest)) / 1e6) END
 FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving_since, last_request)) AS newest
       FROM (SELECT stream, seq, ts, m.router, m.tick, c[1] AS replica_id, c[2]::TIMESTAMPTZ AS last_request,
                    c[3]::TIMESTAMPTZ AS serving_since
@@ -228,10 +196,6 @@ def _without(chunks: list[Chunk], drop: set[tuple[str, int]]) -> list[Chunk]:
     return out
 
 
-def _join(items: tuple[str, ...]) -> str:
-    return ",".join(items)
-
-
 class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
     """What an idle map leaves for DuckDB: its time, router and tick, and the entries that changed.
 
@@ -302,12 +266,12 @@ def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
             for n in state.nodes.values()
         ],
         "gpus": [
-            (g.node, g.index, g.uuid, g.name, g.gpu_class, g.memory_mib, g.healthy, _join(g.reasons), g.since,
+            (g.node, g.index, g.uuid, g.name, g.gpu_class, g.memory_mib, g.healthy, g.reasons, g.since,
              held.get((g.node, g.index)))
             for g in state.gpus()
         ],
         "replicas": [
-            (r.replica_id, r.model, r.state, _join(r.nodes), len(r.gpus), r.fabric, r.placed_at, r.state_at,
+            (r.replica_id, r.model, r.state, r.nodes, len(r.gpus), r.fabric, r.placed_at, r.state_at,
              r.endpoint, r.restarts, state.idle_since(r.replica_id))
             for r in state.replicas.values()
         ],
@@ -324,11 +288,29 @@ def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
     }
 
 
+# A copy of the live file taken with ``cp`` holds what its last checkpoint wrote (the rest is
+# in the WAL); past DuckDB's threshold it checkpoints by size only, which a quiet fleet takes
+# hours to reach. Checkpointing at least this often keeps such a copy at most this old.
+CHECKPOINT_INTERVAL_S = 60.0
+
+# The analysts' snapshot is written in this storage version, so that the DuckDB CLI people
+# install (duckdb-cli 1.5.x from PyPI) opens it; the live file is in the library's own.
+SNAPSHOT_STORAGE_VERSION = "v1.5.0"
+
+
+def _other_schema(path: str, version: int) -> ProjectionError:
+    return ProjectionError(f"{path} was written by projector schema {version}, this is {SCHEMA_VERSION}; "
+                           "project into a new file (history replays from the streams)")
+
+
 class Store:
     """One DuckDB database (a file, or ``:memory:``) owned by one projector."""
 
-    def __init__(self, path: str | Path, *, lock_wait_s: float = 3.0) -> None:
+    def __init__(self, path: str | Path, *, lock_wait_s: float = 3.0,
+                 checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S) -> None:
         self.path = str(path)
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self._checkpointed = time.monotonic()
         try:
             self.con = self._connect(lock_wait_s)
         except duckdb.IOException as e:
@@ -343,8 +325,32 @@ class Store:
         # to: a third of the projector's DuckDB time. Checkpointing every ~10 commits
         # writes a row group about once; a crash replays at most this much WAL.
         self.con.execute("SET checkpoint_threshold = '256MB'")
-        self.con.execute(SCHEMA)
+        self._create_schema()
         self.con.execute(STAGING)
+
+    def _create_schema(self) -> None:
+        """The tables, views and comments; a file of another schema version is refused first.
+
+        Its tables would not have the columns the views read, and the operator must
+        hear what to do, not DuckDB's binder error.
+        """
+        con = self.con
+        found = con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+                            "AND schema_name = 'main' AND table_name = 'projector_state'").fetchone()
+        if found and found[0]:
+            row = con.execute("SELECT schema_version FROM projector_state WHERE id = 1").fetchone()
+            if row is not None and row[0] != SCHEMA_VERSION:
+                self.close()
+                raise _other_schema(self.path, row[0])
+        try:
+            con.execute("BEGIN TRANSACTION")
+            con.execute(";\n".join(schema.statements()))
+            con.execute("COMMIT")
+        except duckdb.Error as e:
+            self.close()
+            raise ProjectionError(f"cannot create llmgw's tables in {self.path}: {e}; it was written by another "
+                                  "version, or is not llmgw's: project into a new file (history replays from "
+                                  "the streams)") from e
 
     def _connect(self, lock_wait_s: float) -> duckdb.DuckDBPyConnection:
         """Open the file, waiting a little for a lock held by a projector that is still dying.
@@ -371,10 +377,7 @@ class Store:
             return Checkpoint()
         version, blob = row
         if version != SCHEMA_VERSION:
-            raise ProjectionError(
-                f"{self.path} was written by projector schema {version}, this is {SCHEMA_VERSION}; "
-                "project into a new file (history replays from the streams)"
-            )
+            raise _other_schema(self.path, version)
         checkpoint = decode_state(blob)
         positions = dict(self.con.execute("SELECT stream, seq FROM checkpoint").fetchall())
         if positions != checkpoint.cursor.positions:
@@ -402,6 +405,20 @@ class Store:
             batch.chunks = _without(batch.chunks, {(r[0], r[1]) for r in refused})
             batch.rows["unprojected_events"].extend(refused)
             self._commit(batch, snapshot, before_commit)
+        if time.monotonic() - self._checkpointed >= self.checkpoint_interval_s:
+            try:
+                self.checkpoint()
+            except ProjectionError as e:  # the commit is safe in the WAL; only a copy of the file is staler
+                log.warning("%s", e)
+                self._checkpointed = time.monotonic()
+
+    def checkpoint(self) -> None:
+        """Write what the WAL holds into the file itself, so that a plain copy of it has every commit."""
+        try:
+            self.con.execute("CHECKPOINT")
+        except duckdb.Error as e:
+            raise ProjectionError(f"cannot checkpoint {self.path}: {e}") from e
+        self._checkpointed = time.monotonic()
 
     def _unwritable(self, chunks: list[Chunk]) -> list[tuple[Any, ...]]:
         """The messages of ``chunks`` whose rows DuckDB refuses, as unprojected rows; found by halving."""
@@ -473,12 +490,12 @@ class Store:
             raise ProjectionError(f"cannot commit to {self.path}: {e}; nothing of this batch was written") from e
 
     def export_snapshot(self, dest: str | Path) -> Path:
-        """Copy the database to ``dest`` atomically, for analysts to open read-only."""
+        """Copy the database to ``dest`` atomically, for analysts to open read-only (in the DuckDB CLI too)."""
         dest = Path(dest)
         tmp = dest.with_name(dest.name + ".tmp")
         tmp.unlink(missing_ok=True)
         name = self.con.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
-        self.con.execute(f"ATTACH '{tmp}' AS llmgw_snapshot")
+        self.con.execute(f"ATTACH '{tmp}' AS llmgw_snapshot (STORAGE_VERSION '{SNAPSHOT_STORAGE_VERSION}')")
         try:
             self.con.execute(f'COPY FROM DATABASE "{name}" TO llmgw_snapshot')
         finally:
@@ -494,3 +511,55 @@ class Store:
 
     def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         return self.con.execute(sql, params or []).fetchall()
+
+
+def _literal(path: Path) -> str:
+    """A path as an SQL string literal (COPY takes no parameters)."""
+    return "'" + str(path).replace("'", "''") + "'"
+
+
+class DatabaseHeldError(ProjectionError):
+    """Another process (a running projector) holds the file: DuckDB lets no one else open it."""
+
+
+def copy_to_parquet(source: str | Path, dest: str | Path,
+                    by_day: tuple[str, ...]) -> tuple[dict[str, int], datetime | None]:
+    """Every table of ``source`` as Parquet under ``dest``; rows per table, and the newest event time.
+
+    ``by_day`` tables go to ``dest/<table>/day=YYYY-MM-DD/`` (the day of ``ts`` in
+    UTC; hive partitioning, so a reader gets ``day`` back as a column), the others
+    to ``dest/<table>.parquet``. The file is opened read-only, so the copy is of
+    one committed state.
+    """
+    try:
+        con = duckdb.connect(str(source), read_only=True)
+    except duckdb.IOException as e:
+        if "lock" in str(e).lower():
+            raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
+        raise ProjectionError(f"cannot open {source}: {e}") from e
+    dest = Path(dest)
+    out = {}
+    as_of = None
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        con.execute("SET TimeZone = 'UTC'")
+        names = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' "
+                                           "ORDER BY table_name").fetchall()]
+        if "projector_state" not in names:
+            raise ProjectionError(f"{source} holds no llmgw projection (no projector_state table)")
+        row = con.execute("SELECT as_of FROM projector_state WHERE id = 1").fetchone()
+        as_of = row[0] if row else None
+        for table in names:
+            out[table] = con.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]  # type: ignore[index]
+            if table in by_day:
+                where = dest / table
+                where.mkdir(parents=True, exist_ok=True)  # there even when empty: a reader's glob finds the table
+                con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") "
+                            f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
+            else:
+                con.execute(f"COPY \"{table}\" TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
+    except (duckdb.Error, OSError) as e:
+        raise ProjectionError(f"cannot export {source} to {dest}: {e}") from e
+    finally:
+        con.close()
+    return out, as_of

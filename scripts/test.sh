@@ -14,6 +14,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e '.[test]'
+# The DuckDB CLI analysts install (duckdb-cli 1.5.x), apart from the duckdb package llmgw writes
+# with: tests/test_analyst_sql.py opens the analysts' snapshot in it.
+if [ ! -x .venv-duckdb-cli/bin/duckdb ]; then
+  python3 -m venv .venv-duckdb-cli
+  .venv-duckdb-cli/bin/python -m pip install -q 'duckdb-cli>=1.5,<1.6' >/dev/null
+fi
 .venv/bin/ruff check llmgw projections cli tests benchmarks
 .venv/bin/mypy llmgw projections cli
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -6,6 +6,7 @@ import asyncio
 import json
 from datetime import timedelta
 
+import msgspec
 from click.testing import CliRunner, Result
 from running import until
 from streams import stored
@@ -15,6 +16,7 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.cli.progress import human_duration as human
+from llmgw.cli.progress import parse_duration
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
 from llmgw.fleetfile import FleetNode, inventory
@@ -94,6 +96,12 @@ async def test_asks_the_projector_once_it_has_caught_up(bus: Bus, nats_url: str,
         r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--json")
         assert r.exit_code == 0 and r.stderr == ""
         asked = json.loads(r.stdout)
+        # the projector's list of declared models says which names exist
+        r = await invoke(nats_url, "ctl", "idle", "--model", "qwn")
+        assert (r.exit_code, r.stderr) == (1, "Error: no model named 'qwn' is declared (declared: qwen); "
+                                              "see `llmgw ctl model list`\n")
+        r = await invoke(nats_url, "ctl", "idle", "--older-than", "5m", "--model", "qwen", "--json")
+        assert [x["replica_id"] for x in json.loads(r.stdout)["idle"]] == ["qwen-r1", "qwen-r2"]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -128,6 +136,49 @@ async def test_stop_dry_run_then_stop(bus: Bus, nats_url: str) -> None:
 
     r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h")
     assert r.stdout.startswith("no replica idle for 2h or more")
+
+
+async def test_model_picks_its_replicas_and_stops_only_those(bus: Bus, nats_url: str) -> None:
+    await seed(bus)
+    now = m.utcnow()
+    spec = m.ModelSpec(name="llama", source="meta-llama/Llama-3.1-8B-Instruct", precision="bf16", engine="vllm",
+                       gpu_class="H100-80GB", context=8192)
+    await bus.publish(m.ModelDeclared(at=now - timedelta(hours=5), spec=spec))
+    await bus.publish(m.ModelDeclared(at=now - timedelta(hours=5), spec=msgspec.structs.replace(
+        spec, name="gemma", source="google/gemma-2-9b-it")))
+    await bus.publish(m.ReplicaPlaced(at=now - timedelta(hours=4), replica_id="llama-r1", model="llama", nodes=("n1",),
+                                      gpus=(m.GpuRef(node="n1", index=6, uuid="GPU-n1-6"),), spec=spec, fabric="f"))
+    await bus.publish(m.IdleMapPublished(at=now, router="router-1", boot_id="b", tick=10, last_request={
+        "qwen-r1": now - timedelta(hours=3), "qwen-r2": now - timedelta(minutes=10),
+        "llama-r1": now - timedelta(hours=4)}))
+    everyone = json.loads((await invoke(nats_url, "ctl", "idle", "--older-than", "1h30m", "--json")).stdout)
+    assert [x["replica_id"] for x in everyone["idle"]] == ["qwen-r1", "llama-r1"]
+
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "1h30m", "--model", "llama", "--json")
+    data = json.loads(r.stdout)
+    assert (data["model"], [x["replica_id"] for x in data["idle"]], data["unknown"]) == ("llama", ["llama-r1"], [])
+    assert data["older_than_s"] == 5400
+    r = await invoke(nats_url, "ctl", "idle", "--model", "gemma")  # declared, nothing placed
+    assert r.exit_code == 0 and r.stdout.startswith("no replica of gemma idle for 30m or more")
+    r = await invoke(nats_url, "ctl", "idle", "--model", "lama")
+    assert r.exit_code == 1 and r.stderr.endswith(
+        "\nError: no model named 'lama' is declared (declared: gemma, llama, qwen); see `llmgw ctl model list`\n")
+
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "2h", "--model", "llama", "--stop", "--json")
+    assert json.loads(r.stdout)["stopped"] == ["llama-r1"]
+    stops = [e for e in await control(bus) if isinstance(e, m.ReplicaStopped)]
+    assert [e.replica_id for e in stops] == ["llama-r1"]  # qwen-r1, idle as long, is not llama's
+
+
+async def test_compound_durations_read_back_what_the_tool_prints(nats_url: str) -> None:
+    for seconds in (45, 1800, 5400, 7200, 3 * 86400 + 4 * 3600, 2 * 604800):
+        assert parse_duration(human(seconds), "--older-than") == seconds, human(seconds)
+    assert [parse_duration(x, "-") for x in ("1h30m", "2d4h", "90s", "90", "1.5h", "1w1d", " 2h 5m ")] == [
+        5400, 187200, 90, 90, 5400, 691200, 7500]
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "30m1h")
+    assert r.exit_code == 2 and "'30m1h' repeats a unit or puts a smaller one first; write e.g. 1h30m" in r.output
+    r = await invoke(nats_url, "ctl", "idle", "--older-than", "3650d1s")
+    assert r.exit_code == 2 and "is longer than ten years" in r.output
 
 
 async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:

@@ -86,7 +86,7 @@ async def test_once_writes_history_views_checkpoint_and_keeps_bad_events(bus: Bu
         ("rt-a", 1, "r-llama", t(9), 60.0),
         ("rt-a", 1, "r-qwen", t(7), 180.0),
         ("rt-a", 2, "r-llama", t(95), 300.0),
-        ("rt-b", 1, "r-qwen", None, -1.0),
+        ("rt-b", 1, "r-qwen", None, None),
         ("rt-b", 1, "r-qwen", t(8), 120.0),
     ]
     state = Store(duckdb_path)

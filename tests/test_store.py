@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -52,9 +53,9 @@ def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
     assert store.query("SELECT DISTINCT type FROM events WHERE json IS NULL") == [("IdleMapPublished",)]
     assert store.query("SELECT node, gpu_index, replica_id FROM gpus WHERE replica_id IS NOT NULL "
                        "AND node = 'n1'") == [("n1", 0, "r-qwen")]
-    assert store.query("SELECT name, replicas_wanted, replicas_placed FROM models ORDER BY name") == [
+    assert store.query("SELECT model, replicas_wanted, replicas_placed FROM models ORDER BY model") == [
         ("deepseek-v3", 1, 0), ("gemma-9b", 1, 1), ("llama-70b", 1, 1), ("qwen-8b", 1, 1)]
-    assert store.query("SELECT name, lost FROM nodes WHERE lost") == [("n5", True)]
+    assert store.query("SELECT node, lost FROM nodes WHERE lost") == [("n5", True)]
     store.close()
 
 
@@ -78,7 +79,7 @@ def test_idle_history_keeps_microseconds_and_offsets_exactly(duckdb_path: Path) 
                        "ORDER BY tick, replica_id") == [
         (1, "r1", last, None, (at - last).total_seconds()),
         (1, "r2", None, since, (at - since).total_seconds()),
-        (3, "r2", None, None, -1.0),
+        (3, "r2", None, None, None),  # vanished: unknown, not idle
     ]
     store.close()
 
@@ -133,6 +134,39 @@ def test_snapshot_is_a_complete_read_only_copy(tmp_path: Path) -> None:
     finally:
         con.close()
     store.close()
+
+
+def test_a_plain_copy_of_the_live_file_holds_what_was_committed(tmp_path: Path) -> None:
+    """Checkpointed on a schedule, the file itself has the commits, not only its WAL (which a copy leaves behind)."""
+    live = tmp_path / "live.duckdb"
+    store = Store(live, checkpoint_interval_s=0)  # at every commit, as a long-running one does every minute
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
+    shutil.copyfile(live, tmp_path / "copy.duckdb")  # while the projector holds it, without the WAL
+    con = duckdb.connect(str(tmp_path / "copy.duckdb"), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM events").fetchone() == (len(small_fleet()),)
+    finally:
+        con.close()
+        store.close()
+
+
+def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path: Path) -> None:
+    """Schema 3's tables lack the columns the views read: the next step, not a binder error."""
+    old = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(old))
+    con.execute("CREATE TABLE projector_state (id INTEGER PRIMARY KEY, schema_version INTEGER, as_of TIMESTAMPTZ, "
+                "events BIGINT, unprojected BIGINT, snapshot BLOB)")
+    con.execute("CREATE TABLE nodes (name VARCHAR, gpus INTEGER)")
+    con.execute("INSERT INTO projector_state VALUES (1, 3, NULL, 0, 0, NULL)")
+    con.close()
+    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 4; project into a new file"):
+        Store(old)
+    con = duckdb.connect(str(old), read_only=True)  # closed again, and untouched
+    try:
+        assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchone() == (0,)
+    finally:
+        con.close()
 
 
 def test_unknown_table_is_an_error(duckdb_path: Path) -> None:

@@ -1,0 +1,43 @@
+"""``llmgw export``: the projection's tables as files for other tools."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from llmgw.config import data_dir
+from llmgw.errors import LlmgwError
+
+
+@click.command("export")
+@click.option("--parquet", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory to create: one Parquet file per table, the history tables one folder per day.")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The projector's DuckDB file, or a snapshot or private copy of it "
+                   "[default: <data dir>/llmgw.duckdb].")
+def export(dest: Path, db: Path | None) -> None:
+    """Write the projection's tables as Parquet (pandas, Spark, Polars, any DuckDB).
+
+    A running projector holds its file, so its snapshot (<db stem>.snapshot.duckdb)
+    is exported instead, and the time it reaches is printed.
+
+    \b
+    Example:
+        llmgw export --parquet llmgw-parquet
+        llmgw export --parquet out --db mine.duckdb
+        duckdb -c "FROM read_parquet('out/idle_history/*/*.parquet', hive_partitioning = true)"
+    """
+    from llmgw.projections.export import export_parquet
+
+    db = db or data_dir() / "llmgw.duckdb"
+    try:
+        done = export_parquet(db, dest)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    if done.from_snapshot:
+        click.echo(f"{db} is held by a running projector: exported its snapshot {done.source}", file=sys.stderr)
+    as_of = done.as_of.isoformat() if done.as_of else "no events"
+    click.echo(f"{dest}: {len(done.rows)} tables, {sum(done.rows.values()):,} rows, as of {as_of} "
+               f"(from {done.source})")

@@ -1,0 +1,299 @@
+"""The DuckDB schema analysts read: tables, views, and a comment on every one of their columns.
+
+Plain text, no duckdb: the store runs it (``statements``), and docs/data.md
+explains the same names. Naming, once for all tables and views:
+
+* a node is ``node``, a model ``model``, a replica ``replica_id``, a GPU
+  ``gpu_index`` on its node and ``gpu_uuid`` everywhere: the same name in every
+  table, so that ``JOIN … USING (node)`` works;
+* ``ts`` is when the row's event happened (``at`` is a reserved word in DuckDB's
+  SQL); other moments end in ``_at`` (``stored_at``, ``placed_at``) or say what
+  they are (``since``, ``last_request``);
+* ``gpus`` is only the table of GPUs; a number of GPUs is ``gpu_count``;
+* several nodes or reasons are a ``VARCHAR[]`` list, never a joined string;
+* an unknown idle time is NULL (unknown is not idle), never a number;
+* ``stream`` holds the JetStream stream's name (``LLMGW_FLEET``), as ``nats``
+  and ``ctl status --json`` show it; the CLI's flags take it or ``fleet``.
+"""
+
+from __future__ import annotations
+
+# A stretch without requests counts as idle in ``gpu_hours_idle_daily`` from this long on:
+# the default of ``llmgw ctl idle --older-than``, so that both answer the same question.
+IDLE_AFTER_S = 1800
+
+# Columns that mean the same in every table that has them.
+_COMMON = {
+    "stream": "JetStream stream holding the message: LLMGW_FLEET, LLMGW_CONTROL or LLMGW_USAGE "
+              "(the CLI's fleet, control, usage)",
+    "seq": "sequence of the message in its stream; (stream, seq) names one message",
+    "ts": "when the event happened: its `at` as its publisher set it, or stored_at when that is more than "
+          "5 minutes later or 10 years earlier than stored_at (a wrong clock)",
+    "node": "node name",
+    "model": "model name (as declared with llmgw ctl model deploy)",
+    "replica_id": "replica id, <model>-r<n>: the n-th replica ever placed for the model",
+    "gpu_index": "the GPU's index on its node (NVML's)",
+    "gpu_uuid": "the GPU's UUID (GPU-…), which follows the card when indices change",
+    "gpu_count": "number of GPUs",
+    "healthy": "whether the GPU may be used (unhealthy GPUs are neither used nor free)",
+    "reasons": "why, as the agent reported it, e.g. 'xid 79: GPU has fallen off the bus'; empty when nothing is wrong",
+}
+
+# table -> (what one row is, [(column, type, comment or None for _COMMON's)])
+TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
+    "checkpoint": ("Bookkeeping: the last sequence of each stream this file holds, written in the same "
+                   "transaction as the rows.", [
+        ("stream", "VARCHAR PRIMARY KEY", None),
+        ("seq", "BIGINT NOT NULL", "the last sequence of the stream folded into this file"),
+    ]),
+    "projector_state": ("Bookkeeping: one row (id 1), what a resumed projector starts from.", [
+        ("id", "INTEGER PRIMARY KEY", "always 1"),
+        ("schema_version", "INTEGER", "schema of this file (SCHEMA_VERSION in projections/store.py); a projector "
+                                      "refuses another and says to project into a new file"),
+        ("as_of", "TIMESTAMPTZ", "the newest event time folded"),
+        ("events", "BIGINT", "rows in events plus rows in unprojected_events"),
+        ("unprojected", "BIGINT", "messages that could not be decoded or were refused (ctl status counts them)"),
+        ("snapshot", "BLOB", "the folded state and its cursor, msgpack {state, cursor} "
+                             "(llmgw.fleet.checkpoint.Checkpoint)"),
+    ]),
+    "events": ("History: one row per event folded.", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("subject", "VARCHAR", "the NATS subject it was published on"),
+        ("type", "VARCHAR", "the event's tag: NodeInventoryReported, GpuHealthChanged, ReplicaPlaced, …"),
+        ("ts", "TIMESTAMPTZ", None),
+        ("stored_at", "TIMESTAMPTZ", "when NATS stored the message"),
+        ("node", "VARCHAR", "the node the event is about (ReplicaPlaced: its first node), else NULL"),
+        ("model", "VARCHAR", "the model the event is about, else NULL"),
+        ("replica_id", "VARCHAR", "the replica the event is about, else NULL"),
+        ("json", "VARCHAR", "the event as published (JSON; json->>'reason'); NULL for IdleMapPublished, "
+                            "whose content is in idle_history"),
+    ]),
+    "gpu_health": ("History: one row per GpuHealthChanged, a GPU whose health or reasons changed (only "
+                   "changes are events; a node's inventory reports them all, see gpu_faults).", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("node", "VARCHAR", None),
+        ("gpu_index", "INTEGER", None),
+        ("gpu_uuid", "VARCHAR", None),
+        ("healthy", "BOOLEAN", None),
+        ("reasons", "VARCHAR[]", None),
+    ]),
+    "replica_lifecycle": ("History: one row per ReplicaPlaced, ReplicaStateChanged and ReplicaStopped.", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("replica_id", "VARCHAR", None),
+        ("model", "VARCHAR", None),
+        ("kind", "VARCHAR", "placed, state (a state report) or stopped"),
+        ("state", "VARCHAR", "placed, stopped, or the state reported: starting, healthy, unhealthy, failed"),
+        ("nodes", "VARCHAR[]", "placed: every node of the replica; state: the node that reported; stopped: NULL"),
+        ("gpu_count", "INTEGER", "placed: the GPUs the replica holds; else NULL"),
+        ("detail", "VARCHAR", "state: the engine's detail; placed and stopped: why, e.g. "
+                              "'woken by router-a: 3 requests waiting', 'idle'"),
+    ]),
+    "idle_history": ("History: one row per change of one router's idle-map entry for one replica (it appeared, "
+                     "its last request moved, it vanished, or the router restarted); unchanged entries are "
+                     "not repeated every tick.", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("router", "VARCHAR", "the router whose map this is"),
+        ("tick", "BIGINT", "the router's tick (counts from 1 again when it restarts)"),
+        ("replica_id", "VARCHAR", None),
+        ("last_request", "TIMESTAMPTZ", "the router's latest request to the replica; NULL: none it knows of"),
+        ("serving_since", "TIMESTAMPTZ", "when the router began routing to the replica, while it has sent it "
+                                         "no request; else NULL"),
+        ("idle_s", "DOUBLE", "seconds from the newer of last_request and serving_since to ts; NULL: this router "
+                             "knows nothing of the replica (unknown is not idle)"),
+    ]),
+    "unprojected_events": ("History: one row per message kept but not folded (undecodable, out of bounds, "
+                           "refused; counted in ctl status), or, with error starting 'the store cannot write "
+                           "it:', a decoded event whose history rows DuckDB refused (folded; not counted).", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("subject", "VARCHAR", "the NATS subject it was published on"),
+        ("raw", "BLOB", "the message as stored"),
+        ("error", "VARCHAR", "why it was not folded"),
+    ]),
+    "nodes": ("Now (rebuilt at every commit): one row per node that reported an inventory.", [
+        ("node", "VARCHAR", None),
+        ("fabric", "VARCHAR", "the node's fabric (a replica never spans fabrics)"),
+        ("fabric_source", "VARCHAR", "where the fabric came from: fleet-file, nvml, …"),
+        ("boot_id", "VARCHAR", "the agent's boot id: changes when the agent restarts"),
+        ("gpu_count", "INTEGER", "GPUs the node reported"),
+        ("healthy_gpu_count", "INTEGER", "of those, healthy"),
+        ("lost", "BOOLEAN", "missed its heartbeats (NodeLost) and has not reported since"),
+        ("lost_at", "TIMESTAMPTZ", "when it was lost; NULL when not lost"),
+        ("simulated", "BOOLEAN", "a simulated node (llmgw agent --simulate)"),
+        ("updated_at", "TIMESTAMPTZ", "the newest event about the node"),
+    ]),
+    "gpus": ("Now (rebuilt at every commit): one row per GPU of every node.", [
+        ("node", "VARCHAR", None),
+        ("gpu_index", "INTEGER", None),
+        ("gpu_uuid", "VARCHAR", None),
+        ("gpu_name", "VARCHAR", "the product name NVML reports, e.g. NVIDIA H100 80GB HBM3"),
+        ("gpu_class", "VARCHAR", "what models are placed by, e.g. H100-80GB"),
+        ("memory_mib", "BIGINT", "memory in MiB"),
+        ("healthy", "BOOLEAN", None),
+        ("reasons", "VARCHAR[]", None),
+        ("since", "TIMESTAMPTZ", "when its current health and reasons were first reported"),
+        ("replica_id", "VARCHAR", "the replica holding it; NULL: not held"),
+    ]),
+    "replicas": ("Now (rebuilt at every commit): one row per replica placed and not stopped.", [
+        ("replica_id", "VARCHAR", None),
+        ("model", "VARCHAR", None),
+        ("state", "VARCHAR", "placed, starting, healthy, unhealthy or failed"),
+        ("nodes", "VARCHAR[]", "its nodes (the first runs the head)"),
+        ("gpu_count", "INTEGER", "GPUs it holds"),
+        ("fabric", "VARCHAR", "the fabric of its nodes"),
+        ("placed_at", "TIMESTAMPTZ", "when it was placed"),
+        ("state_at", "TIMESTAMPTZ", "when its state last changed"),
+        ("endpoint", "VARCHAR", "where the router sends its requests; empty until it serves"),
+        ("restarts", "INTEGER", "engine restarts its agent reported"),
+        ("idle_since", "TIMESTAMPTZ", "since when nobody has asked for it; NULL: no router knows (unknown is "
+                                      "not idle)"),
+    ]),
+    "models": ("Now (rebuilt at every commit): one row per declared model.", [
+        ("model", "VARCHAR", None),
+        ("engine", "VARCHAR", "vllm or llama.cpp (a precision carries its engine)"),
+        ("precision", "VARCHAR", "bf16, fp8, awq, q4_K_M, …"),
+        ("gpu_class", "VARCHAR", "the GPU class it runs on"),
+        ("tp", "INTEGER", "tensor-parallel ranks per replica"),
+        ("pp", "INTEGER", "pipeline-parallel stages per replica"),
+        ("replicas_wanted", "INTEGER", "replicas declared, scaled or autoscaled to"),
+        ("replicas_placed", "INTEGER", "replicas placed now"),
+        ("declared_at", "TIMESTAMPTZ", "when it was last declared"),
+    ]),
+    "unplaceable": ("Now (rebuilt at every commit): declared models the scheduler could not place, and why.", [
+        ("model", "VARCHAR", None),
+        ("reason", "VARCHAR", "why, with the numbers"),
+        ("since", "TIMESTAMPTZ", "when the scheduler said so"),
+    ]),
+}
+
+# name -> (what one row is, its SELECT, {column: comment or None for _COMMON's}). In the order
+# created: a view reads only tables and the views before it. Each works in the DuckDB CLI the
+# snapshot is written for (docs/data.md), and gives the same answer in any session time zone.
+VIEWS: dict[str, tuple[str, str, dict[str, str | None]]] = {
+    "replica_lifetimes": ("One row per replica placed in this history: where, how many GPUs, from when to when.", """
+SELECT replica_id, any_value(model) AS model,
+       any_value(nodes) FILTER (kind = 'placed') AS nodes,
+       any_value(gpu_count) FILTER (kind = 'placed') AS gpu_count,
+       min(ts) FILTER (kind = 'placed') AS placed_at,
+       min(ts) FILTER (kind = 'stopped') AS stopped_at,
+       arg_min(detail, ts) FILTER (kind = 'stopped') AS stop_reason
+FROM replica_lifecycle GROUP BY replica_id HAVING count(*) FILTER (kind = 'placed') > 0
+""", {"replica_id": None, "model": None, "nodes": "its nodes (the first runs the head)",
+      "gpu_count": "GPUs it held", "placed_at": "when it was placed",
+      "stopped_at": "when it was stopped (its GPUs freed); NULL: still placed",
+      "stop_reason": "why it was stopped, e.g. idle, scaled down to 1; NULL: still placed"}),
+
+    "replica_gpus": ("One row per GPU a replica held: which card, from when to when.", """
+SELECT p.replica_id, p.model, p.node, p.gpu_index, p.gpu_uuid, l.placed_at, l.stopped_at
+FROM (SELECT replica_id, model, g.node AS node, g.index AS gpu_index, g.uuid AS gpu_uuid
+      FROM (SELECT replica_id, model,
+                   unnest(from_json(json->'gpus', '[{"node": "VARCHAR", "index": "INTEGER", "uuid": "VARCHAR"}]')) AS g
+            FROM events WHERE type = 'ReplicaPlaced')) p
+JOIN replica_lifetimes l USING (replica_id)
+""", {"replica_id": None, "model": None, "node": None, "gpu_index": None, "gpu_uuid": None,
+      "placed_at": "when the replica took the GPU", "stopped_at": "when it freed it; NULL: it still holds it"}),
+
+    "replica_idle_intervals": ("One row per stretch in which nobody asked for a replica: from a request (or "
+                               "the moment a router began routing to it) to the next one any router saw, its "
+                               "stop, or the newest event. Before the first, idleness is unknown: not a row.", """
+WITH activity AS (
+    SELECT DISTINCT replica_id, t FROM (
+        SELECT replica_id, last_request AS t FROM idle_history WHERE last_request IS NOT NULL
+        UNION ALL
+        SELECT replica_id, serving_since FROM idle_history WHERE serving_since IS NOT NULL)
+), stretches AS (
+    SELECT replica_id, t AS idle_from, lead(t) OVER (PARTITION BY replica_id ORDER BY t) AS next_t FROM activity
+), newest AS (
+    SELECT max(ts) AS newest FROM events
+)
+SELECT s.replica_id, l.model, l.gpu_count, s.idle_from, coalesce(s.next_t, l.stopped_at, n.newest) AS idle_to,
+       epoch(idle_to - s.idle_from) AS idle_s, s.next_t IS NULL AND l.stopped_at IS NULL AS ongoing
+FROM stretches s JOIN replica_lifetimes l USING (replica_id) CROSS JOIN newest n
+WHERE idle_to > s.idle_from
+""", {"replica_id": None, "model": None, "gpu_count": "GPUs the replica held meanwhile",
+      "idle_from": "a request, or when a router began routing to the replica",
+      "idle_to": "the next request any router saw; the replica's stop; or the newest event in the file",
+      "idle_s": "seconds idle (idle_to - idle_from)",
+      "ongoing": "true when still idle at the newest event (idle_to is that event's time)"}),
+
+    "gpu_hours_idle_daily": (f"GPU-hours per model and day (UTC) that replicas sat idle in stretches of "
+                             f"{IDLE_AFTER_S // 60} minutes or more (llmgw ctl idle's default --older-than), "
+                             "a stretch split at midnight. For another threshold, filter replica_idle_intervals.",
+                             f"""
+SELECT model, day::DATE AS day,
+       sum(gpu_count * epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day))) / 3600 AS gpu_hours_idle
+FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
+      FROM (SELECT model, gpu_count, idle_from AT TIME ZONE 'UTC' AS f, idle_to AT TIME ZONE 'UTC' AS t
+            FROM replica_idle_intervals WHERE idle_s >= {IDLE_AFTER_S}))
+GROUP BY model, day
+""", {"model": None, "day": "the day (UTC)",
+      "gpu_hours_idle": "GPUs held × hours idle that day"}),
+
+    "gpu_faults": ("One row per reason a GPU newly reported (XIDs, ECC errors, …): a GpuHealthChanged or a node's "
+                   "inventory that names a reason the GPU's previous report did not, and the replica that held "
+                   "the GPU then.", """
+WITH reports AS (
+    SELECT stream, seq, ts, node, gpu_index, gpu_uuid, healthy, reasons FROM gpu_health
+    UNION ALL
+    SELECT stream, seq, ts, node, g.index, g.uuid, coalesce(g.healthy, true), coalesce(g.reasons, [])
+    FROM (SELECT stream, seq, ts, node,
+                 unnest(from_json(json->'gpus',
+                                  '[{"index": "INTEGER", "uuid": "VARCHAR", "healthy": "BOOLEAN", "reasons": ["VARCHAR"]}]'))
+                     AS g
+          FROM events WHERE type = 'NodeInventoryReported')
+), news AS (
+    SELECT *, lag(reasons, 1, []) OVER (PARTITION BY gpu_uuid ORDER BY ts, stream, seq) AS before FROM reports
+), faults AS (
+    SELECT ts, stream, seq, node, gpu_index, gpu_uuid, healthy,
+           unnest(list_filter(reasons, lambda r: NOT list_contains(before, r))) AS reason
+    FROM news
+)
+SELECT f.node, f.gpu_index, f.gpu_uuid, f.ts,
+       CASE WHEN regexp_matches(reason, '^xid[ -]?[0-9]') THEN 'xid'
+            WHEN reason ILIKE '%uncorrectable ECC%' THEN 'ecc-uncorrectable'
+            WHEN reason ILIKE 'GPU is lost%' THEN 'gpu-lost'
+            WHEN reason ILIKE 'thermal%' THEN 'thermal'
+            WHEN reason ILIKE 'power-brake%' THEN 'power-brake'
+            WHEN reason ILIKE 'retired pages pending%' THEN 'retired-pages-pending'
+            WHEN reason ILIKE 'row remap pending%' THEN 'row-remap-pending'
+            WHEN reason ILIKE 'row remap failed%' THEN 'row-remap-failed'
+            WHEN reason ILIKE 'NVML recommends%' THEN 'recovery-action'
+            ELSE 'other' END AS kind,
+       try_cast(nullif(regexp_extract(reason, '^xid[ -]?([0-9]+)', 1), '') AS INTEGER) AS xid,
+       f.reason, f.healthy, g.replica_id
+FROM faults f
+LEFT JOIN replica_gpus g
+       ON g.gpu_uuid = f.gpu_uuid AND g.placed_at <= f.ts AND (g.stopped_at IS NULL OR f.ts < g.stopped_at)
+""", {"node": None, "gpu_index": None, "gpu_uuid": None, "ts": "when it was reported",
+      "kind": "xid, ecc-uncorrectable, gpu-lost, thermal, power-brake, retired-pages-pending, row-remap-pending, "
+              "row-remap-failed, recovery-action or other (the agent's finding codes)",
+      "xid": "the XID number for kind xid, else NULL",
+      "reason": "the reason as the agent reported it",
+      "healthy": "whether the GPU stayed usable (application XIDs and slowdowns do not make it unhealthy)",
+      "replica_id": "the replica holding the GPU at the time; NULL: none"}),
+}
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def statements() -> list[str]:
+    """The tables (if absent), the views (replaced), and every comment, in order."""
+    out = []
+    for table, (what, cols) in TABLES.items():
+        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in cols)})")
+        out.append(f"COMMENT ON TABLE {table} IS {_quote(what)}")
+        out += [f"COMMENT ON COLUMN {table}.{c} IS {_quote(why or _COMMON[c])}" for c, _, why in cols]
+    for view, (what, sql, view_cols) in VIEWS.items():
+        out.append(f"CREATE OR REPLACE VIEW {view} AS {sql.strip()}")
+        out.append(f"COMMENT ON VIEW {view} IS {_quote(what)}")
+        out += [f"COMMENT ON COLUMN {view}.{c} IS {_quote(why or _COMMON[c])}" for c, why in view_cols.items()]
+    return out
