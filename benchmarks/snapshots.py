@@ -114,7 +114,8 @@ async def main(args: argparse.Namespace) -> None:
             k, secs = await publish(bus, iter(chunk), 10_000)
             n, pub_s = n + k, pub_s + secs
             await asyncio.sleep(0.5)
-            secs, _, w = await project(bus, live, args.every, fresh=False)
+            # Due a little before the chunk's end: the server drops the week's few duplicate msg ids.
+            secs, _, w = await project(bus, live, args.every * 9 // 10, fresh=False)
             written, proj_s = written + w, proj_s + secs
         print(f"published {n:,} events in {pub_s:.1f}s, projected as they came in {proj_s:.1f}s; "
               f"{written} fold snapshots written (one every {args.every:,} events)")
