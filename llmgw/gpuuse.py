@@ -137,8 +137,17 @@ def add_to(report: m.StatusReport, state: FleetState, samples: GpuSamples | None
 
 
 async def stop(task: asyncio.Task[None] | None) -> None:
-    """Cancel a ``run`` task and wait for it."""
-    if task is not None:
+    """Cancel a ``run`` task and wait for it to end.
+
+    Again and again: Python 3.11's ``asyncio.wait_for`` inside nats-py can swallow a
+    cancel that arrives as its inner await completes, and the follower would then
+    read on, holding up the projector's stop (as ``runner._all_or_none`` does for reads).
+    """
+    if task is None:
+        return
+    while not task.done():
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled():
+        with contextlib.suppress(Exception):
+            task.result()  # its outcome is read, so none is reported as never retrieved

@@ -45,6 +45,7 @@ def _spec(name: str, gpu_class: str, tp: int = 1, pp: int = 1, replicas: int = 1
           autoscale: bool = False) -> m.ModelSpec:
     return m.ModelSpec(name=name, source=f"org/{name}", precision="bf16", engine="vllm", gpu_class=gpu_class,
                        context=32768, tp=tp, pp=pp, replicas=replicas, kv_tokens=kv,
+                       gib_per_gpu=72.0 if gpu_class.startswith("H100") else 41.0,
                        min_replicas=0 if autoscale else None, max_replicas=2 if autoscale else None)
 
 
@@ -62,8 +63,10 @@ def _placed(rid: str, s: m.ModelSpec, node: str, gpus: range, t: datetime, fabri
 
 
 def _healthy(rid: str, s: m.ModelSpec, node: str, t: datetime, kv: int) -> m.ReplicaStateChanged:
+    # What NVML lists for the engine on this node: a little under the plan, as vLLM's own figures run.
+    memory = round(s.gib_per_gpu * s.tp * 1024 * 0.97)
     return m.ReplicaStateChanged(at=t, replica_id=rid, model=s.name, node=node, state="healthy",
-                                 endpoint=f"http://{node}:8000", observed_kv_tokens=kv)
+                                 endpoint=f"http://{node}:8000", observed_kv_tokens=kv, observed_memory_mib=memory)
 
 
 def _health(node: str, gpu: int, t: datetime, healthy: bool, *reasons: str) -> m.GpuHealthChanged:
