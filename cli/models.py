@@ -6,13 +6,13 @@ import io
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
-from rich import box
-from rich.console import Console
-from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 from llmgw import messages as m
 from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_options, run
@@ -215,6 +215,9 @@ def list_models(use_replay: bool, as_json: bool, settings: Settings) -> None:
         llmgw ctl model list
         llmgw ctl model list --json | jq '.[] | select(.state == "parked") | .name'
     """
+    from rich import box
+    from rich.table import Table
+
     from llmgw import ctl
 
     rows = run(ctl.list_models(settings, replay=use_replay, notice=_notice))
@@ -246,6 +249,8 @@ def list_models(use_replay: bool, as_json: bool, settings: Settings) -> None:
 
 def echo_rendered(draw: Callable[[Console], object]) -> None:
     """What ``draw`` prints, without rich's trailing spaces: as wide as the terminal, or 160 columns into a file."""
+    from rich.console import Console
+
     terminal = Console().is_terminal
     buf = io.StringIO()
     draw(Console(file=buf, width=Console().width if terminal else 160, force_terminal=terminal, highlight=False,
@@ -280,6 +285,9 @@ def _time(t: datetime | None) -> str:
 
 def render_detail(d: m.ModelDetail, console: Console) -> None:
     """``ctl model show``'s tables."""
+    from rich import box
+    from rich.table import Table
+
     from llmgw.cli.replay import describe
 
     s, spec = d.summary, d.spec

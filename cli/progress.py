@@ -8,8 +8,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 # A plain number of seconds, or amounts with units, largest first, each once: 90s, 1h30m, 2d4h
 # (what human_duration prints reads back).
@@ -61,6 +59,15 @@ def now_or(now: datetime | None) -> datetime:
 @contextmanager
 def progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
     """A progress callback (events folded of total, events/s, ETA) on a terminal; None when piped."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
     console = Console(stderr=True)
     if not console.is_terminal:
         yield None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import io
 from collections import Counter
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import click
 import msgspec
-from rich import box
-from rich.console import Console
-from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -79,6 +80,9 @@ def gpu_use_cells(u: m.ClassGpuUse | None) -> list[str]:
 
 def render_replicas(r: m.StatusReport, console: Console) -> None:
     """Every replica: where it runs and how it is doing."""
+    from rich import box
+    from rich.table import Table
+
     console.print(f"Replicas ({len(r.replica_list)}; idle - = no router knows)")
     if not r.replica_list:
         console.print("  none placed\n")
@@ -94,6 +98,9 @@ def render_replicas(r: m.StatusReport, console: Console) -> None:
 
 def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = False) -> None:
     """The report as tables for people."""
+    from rich import box
+    from rich.table import Table
+
     lost = f" ({len(r.lost_nodes)} lost: {', '.join(r.lost_nodes)})" if r.lost_nodes else ""
     states = ", ".join(f"{n} {s}" for s, n in r.replicas_by_state.items())
     positions = " ".join(f"{k.removeprefix('LLMGW_').lower()}:{v}" for k, v in r.positions.items())
@@ -189,6 +196,8 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
         llmgw ctl status --replicas
         llmgw ctl status --at 2026-03-02T10:42 --idle-threshold 1h --json
     """
+    from rich.console import Console
+
     if at_text and at_seq_text:
         raise click.UsageError("give --at or --at-seq, not both")
     threshold_s = parse_duration(idle_threshold, "--idle-threshold")
