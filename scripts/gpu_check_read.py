@@ -1,9 +1,14 @@
 """On the GPU machine: what the real-NVML agent put on the bus (inventory, health, the latest heartbeat's samples)."""
-import asyncio, json, sys
+import asyncio
+import json
+
 import msgspec
-from llmgw import messages as m, subjects
+
+from llmgw import messages as m
+from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
+
 
 async def main() -> None:
     bus = await Bus.connect(Settings(nats_url="nats://127.0.0.1:4222"), "devcheck")
