@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmgw import messages as m
 from llmgw.bus import Bus
@@ -89,3 +90,36 @@ async def caught_up(flag: asyncio.Event, reader: asyncio.Task[None], limit_s: fl
         raise AssertionError("the reader stopped before it caught up")
     if waiter not in done:
         raise AssertionError(f"the reader did not catch up within {limit_s:.0f}s")
+
+
+class Proc(NamedTuple):
+    pid: int
+    ppid: int
+    argv: list[bytes]
+
+
+def live_processes() -> list[Proc]:
+    """Every process in /proc that is not a zombie, with its parent and command line."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != b"Z":
+            out.append(Proc(int(entry.name), int(fields[1]), argv))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False

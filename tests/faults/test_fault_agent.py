@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from faultkit import alive, live_processes
 from running import until
 from streams import stored
 
@@ -28,29 +29,8 @@ NODE = "h100-a-01"
 
 
 def engine_pids(replica_id: str) -> list[int]:
-    """Live (not zombie) fake-engine processes serving ``replica_id``, found in /proc."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"fake-engine" in argv and replica_id.encode() in argv and state != b"Z":
-            out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
+    """Live fake-engine processes serving ``replica_id``."""
+    return [p.pid for p in live_processes() if b"fake-engine" in p.argv and replica_id.encode() in p.argv]
 
 
 async def healthy_reports(bus: Bus, replica_id: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from faultkit import live_processes
 from running import until
 from streams import stored
 
@@ -43,20 +44,7 @@ gpu_memory_mib = 40960
 
 
 def children_named(parent: int, word: bytes) -> list[int]:
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv0 = f.read().split(b"\0")[0]
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != b"Z" and word in argv0:
-            out.append(int(entry.name))
-    return out
+    return [p.pid for p in live_processes() if p.ppid == parent and word in p.argv[0]]
 
 
 async def test_up_restarts_a_killed_nats_server_and_nothing_else_notices(tmp_path: Path,
