@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +49,6 @@ COMMITS_IN_FLIGHT = 2
 READ_ATTEMPTS = 8  # about a minute of backoff before a projector gives up on a stream
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Where a finite read of one stream ends: at ``seq``, or at the last message stored by ``ts_ns``."""
-
-    seq: int
-    ts_ns: int | None = None
 
 
 # Folding makes thousands of short-lived, acyclic objects a batch (decoded events, their
@@ -382,12 +373,12 @@ class Projector:
 
     # --- reading --------------------------------------------------------------------
 
-    async def _read(self, stream: str, stop: Stop | None) -> None:
+    async def _read(self, stream: str, stop_at: int | None) -> None:
         """Read one stream from the folded position; a busy or restarting server is waited out."""
         delay = 0.5
         for attempt in range(1, READ_ATTEMPTS + 1):
             try:
-                await self._read_from_position(stream, stop)
+                await self._read_from_position(stream, stop_at)
                 return
             except (TimeoutError, BusError) as e:
                 # The reader restarts after what was folded, so nothing is read twice.
@@ -426,34 +417,24 @@ class Projector:
             "or `llmgw up`) to rebuild it from what the streams hold now"
         )
 
-    async def _read_from_position(self, stream: str, stop: Stop | None) -> None:
+    async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)
         start = self.cursor.positions.get(stream, 0) + 1
-        stop_at = stop.seq if stop is not None else None
         if stop_at is not None and start > stop_at:
             return
         reader = self.bus.reader(stream, start, batch=self.read_batch, stop_at=stop_at)
         async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
             async for msgs in batches:
-                if stop is not None and stop.ts_ns is not None and msgs[-1].ts_ns > stop.ts_ns:
-                    msgs = [x for x in msgs if x.ts_ns <= stop.ts_ns]
-                    if msgs:
-                        self.ingest(stream, msgs)
-                    return
                 self.ingest(stream, msgs)
                 await self._maybe_commit()
 
-    async def stops(self, at_ns: int | None = None) -> dict[str, Stop]:
-        """Where each stream ends now (and, with ``at_ns``, the last message stored by then)."""
-        out = {}
-        for stream in self.streams:
-            out[stream] = Stop(await self.bus.stream_last_seq(stream), at_ns)
-        return out
+    async def run_once(self) -> Checkpoint:
+        """Fold every stream up to what is stored now, commit, return the state and cursor.
 
-    async def run_once(self, stops: dict[str, Stop] | None = None) -> Checkpoint:
-        """Fold every stream up to ``stops`` (default: what is stored now), commit, return the state and cursor."""
-        stops = stops if stops is not None else await self.stops()
-        self._total = sum(max(0, s.seq - self.cursor.positions.get(k, 0)) for k, s in stops.items())
+        (A fold up to a moment or a sequence is ``llmgw.fleet.replay``'s, in memory.)
+        """
+        stops = {stream: await self.bus.stream_last_seq(stream) for stream in self.streams}
+        self._total = sum(max(0, seq - self.cursor.positions.get(k, 0)) for k, seq in stops.items())
         try:
             with fewer_gc_passes():
                 await _all_or_none(self._read(stream, stops.get(stream)) for stream in self.streams)
