@@ -378,7 +378,8 @@ class Agent:
         seq = 0
         subject = subjects.heartbeat(self.node)
         with contextlib.suppress(TimeoutError):  # the first beat carries samples, unless the driver hangs
-            await asyncio.wait_for(self._first_sample.wait(), min(self.heartbeat_s, 2.0))
+            async with asyncio.timeout(min(self.heartbeat_s, 2.0)):
+                await self._first_sample.wait()
         while True:
             seq += 1
             hb = m.HeartbeatSent(at=self._now(), node=self.node, boot_id=self.boot_id, seq=seq,
@@ -426,7 +427,8 @@ class Agent:
         if kind in ("xid", "ecc", "clear"):
             # These arrive as driver events, through the event thread, like on a real GPU.
             async with self._applied:
-                await asyncio.wait_for(self._applied.wait_for(lambda: self._events_applied >= target), timeout=10)
+                async with asyncio.timeout(10):
+                    await self._applied.wait_for(lambda: self._events_applied >= target)
         await self.check()
         healthy, reasons = self.health(gpu)
         return m.FaultInjected(node=self.node, gpu=gpu, kind=kind, healthy=healthy, reasons=reasons,

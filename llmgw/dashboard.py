@@ -411,7 +411,8 @@ class Dashboard:
             if self.clients:
                 await self.refresh()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._poke.wait()
             await asyncio.sleep(max(0.0, self._last_refresh + MIN_GAP_S - time.monotonic()))
 
     # --- HTTP -------------------------------------------------------------------------------------------
@@ -502,7 +503,8 @@ class Dashboard:
                     sent.update(changed)
                 async with self._changed:
                     try:
-                        await asyncio.wait_for(self._changed.wait_for(self._newer_than(seen)), 15)
+                        async with asyncio.timeout(15):
+                            await self._changed.wait_for(self._newer_than(seen))
                     except TimeoutError:
                         await resp.write(b": keep-alive\n\n")
         except (ConnectionResetError, ConnectionError):

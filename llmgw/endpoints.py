@@ -222,4 +222,5 @@ class EndpointSink:
             async with self._changed:
                 await self._changed.wait_for(lambda: predicate(self.pool))
 
-        await asyncio.wait_for(waiter(), within)
+        async with asyncio.timeout(within):
+            await waiter()

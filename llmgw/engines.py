@@ -309,7 +309,8 @@ class EngineRun:
         pids = await asyncio.to_thread(descendants, [p.pid for p in self.procs if p.returncode is None])
         try:
             # Bounded: a driver call that hangs must not hold back the healthy report.
-            return await asyncio.wait_for(self.memory_of(pids, self.gpu_indexes), 10)
+            async with asyncio.timeout(10):
+                return await self.memory_of(pids, self.gpu_indexes)
         except Exception as e:  # noqa: BLE001 - a figure for people: never worth the state report
             log.warning("engine %s: GPU memory not observed: %s", self.replica_id, e)
             return 0
@@ -368,7 +369,8 @@ class EngineRun:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), 10)
+                async with asyncio.timeout(10):
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)

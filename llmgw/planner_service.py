@@ -110,7 +110,8 @@ class PlannerService:
                 self._progress.clear()
                 await self._progress.wait()
 
-        await asyncio.wait_for(reached(), timeout)
+        async with asyncio.timeout(timeout):
+            await reached()
 
     async def run(self, *, catch_up_timeout: float = 30.0) -> None:
         """Catch up with both streams, then answer requests and follow live until cancelled."""

@@ -172,8 +172,9 @@ class Router:
         self._tasks.append(asyncio.create_task(self._follow(), name="router-endpoints"))
         if self.idle_tracking:
             self._tasks.append(asyncio.create_task(self._ticker(), name="router-idle"))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.sink.caught_up.wait(), wait_caught_up)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_caught_up):
+                await self.sink.caught_up.wait()
         # handler_cancellation: a client that goes away cancels the upstream request.
         # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
         # head this long after it opened (or after its last answer), so headers sent a line
@@ -296,7 +297,8 @@ class Router:
         held.append(fut)
         self._wish(model)
         try:
-            state = await asyncio.wait_for(fut, self.wake_timeout_s)
+            async with asyncio.timeout(self.wake_timeout_s):
+                state = await fut
         except TimeoutError:
             state = "timeout"
         finally:
@@ -349,7 +351,8 @@ class Router:
             try:
                 # A client that stops halfway through its body (slow-loris) must not hold a
                 # connection and a handler forever.
-                body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+                async with asyncio.timeout(self.body_timeout_s):
+                    body = await request.read()
             except TimeoutError:
                 status = 408
                 self.metrics.error("", "body_timeout")

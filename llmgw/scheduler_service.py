@@ -145,7 +145,8 @@ class SchedulerService:
         while self.stats.applied[stream] < seq and loop.time() < deadline:
             self._changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=max(deadline - loop.time(), 0.01))
+                async with asyncio.timeout(max(deadline - loop.time(), 0.01)):
+                    await self._changed.wait()
 
     async def step(self) -> list[m.Event]:
         """One pass: decide and publish if leader and caught up; what was published."""
@@ -190,7 +191,8 @@ class SchedulerService:
                     log.warning("scheduler %s: pass failed: %s", self.name, e)
                 self._changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(_first(stop, self._changed), timeout=self.tick_s)
+                    async with asyncio.timeout(self.tick_s):
+                        await _first(stop, self._changed)
                 # Let a burst of events land before deciding on it.
                 await asyncio.sleep(min(0.05, self.tick_s))
         finally:

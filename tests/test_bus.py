@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from running import until
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.bus.reader import StreamReader
 from llmgw.config import Settings
 from llmgw.errors import ConnectError, ServiceError
 from llmgw.natsserver import EmbeddedServer
@@ -77,6 +80,29 @@ async def test_reader_follows_new_events_live(bus: Bus) -> None:
             await asyncio.sleep(0.2)  # let the reader catch up and wait between bursts
     await asyncio.wait_for(task, timeout=15)
     assert seen == list(range(1, 31))
+
+
+async def test_a_follower_cancelled_as_a_message_wakes_it_stops(bus: Bus) -> None:
+    """Python 3.11's ``wait_for`` returns the inner result and drops a cancel that lands in the
+    same loop turn (gh-86296): a follower cancelled just as it woke then ran on, and the
+    scheduler that cancelled it waited forever (the poison fault test, 1 run in 5 under load)."""
+    async def follow(reader: StreamReader) -> None:
+        async for _ in reader.batches():
+            pass
+
+    for _ in range(20):
+        reader = bus.reader(subjects.STREAM_FLEET, 1, idle_expires_s=0.5)
+        task = asyncio.create_task(follow(reader))
+        await until(functools.partial(_waiting, reader), "the follower waiting")
+        await asyncio.sleep(0.05)
+        reader._wake.set()  # a message arrives ...
+        task.cancel()  # ... in the same turn as the cancel
+        done, _ = await asyncio.wait([task], timeout=5)
+        assert done, "the follower swallowed its cancel and is still running"
+
+
+def _waiting(reader: StreamReader) -> bool:
+    return reader._sub is not None and not reader._wake.is_set()
 
 
 async def test_empty_stream_and_start_past_the_end(bus: Bus) -> None:

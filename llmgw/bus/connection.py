@@ -86,10 +86,12 @@ async def _abandon(nc: NatsClient) -> None:
     for step in ("close", "transport"):
         try:
             if step == "close":
-                await asyncio.wait_for(nc.close(), timeout=2)
+                async with asyncio.timeout(2):
+                    await nc.close()
             elif (transport := getattr(nc, "_transport", None)) is not None:
                 transport.close()
-                await asyncio.wait_for(transport.wait_closed(), timeout=1)
+                async with asyncio.timeout(1):
+                    await transport.wait_closed()
         except asyncio.CancelledError:
             if task is not None and task.cancelling():
                 raise
@@ -200,7 +202,8 @@ class Bus:
             websockets()
         nc = NatsClient()
         try:
-            await asyncio.wait_for(nc.connect(**opts), timeout=settings.connect_timeout_s * 3 + 2)
+            async with asyncio.timeout(settings.connect_timeout_s * 3 + 2):
+                await nc.connect(**opts)
         except (TimeoutError, OSError, nats.errors.Error, ssl.SSLError) as e:
             cause = first_error[0] if first_error else e
             # A refused login leaves nats-py's socket open; close it rather than leak it.
@@ -214,7 +217,8 @@ class Bus:
         self._closing = True
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), timeout=5)
+                async with asyncio.timeout(5):
+                    await self.nc.drain()
             with contextlib.suppress(Exception):
                 await self.nc.close()
 

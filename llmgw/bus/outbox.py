@@ -90,6 +90,7 @@ class Outbox:
     async def flush(self, timeout: float = 10.0) -> None:  # noqa: ASYNC109 - public API
         """Wait until everything queued is acknowledged."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
         except TimeoutError as e:
             raise PublishError(f"{len(self._queue)} events still undelivered after {timeout:.0f}s") from e

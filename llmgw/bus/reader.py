@@ -280,7 +280,8 @@ class StreamReader:
                 if not self._buf:
                     self._wake.clear()
                     try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=self._idle_s + 3)
+                        async with asyncio.timeout(self._idle_s + 3):
+                            await self._wake.wait()
                     except TimeoutError:
                         # No message and no status for a whole request: the consumer is gone
                         # (a server restart drops memory consumers). Recreate it.
