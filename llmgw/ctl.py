@@ -44,7 +44,7 @@ async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STR
     """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
     from llmgw.fleet.replay import replay
 
-    return (await replay(bus, streams=streams, use_snapshots=use_snapshots, warn=notice))[0]
+    return (await replay(bus, streams=streams, use_snapshots=use_snapshots, warn=notice)).state
 
 
 async def stream_heads(bus: Bus) -> dict[str, int]:
@@ -83,15 +83,11 @@ async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None 
                            model: str = "", use_snapshots: bool = True,
                            notice: Notice | None = None) -> m.StatusReport:
     """The report the status service gives, from the streams folded here: the same fold, the same history."""
-    from llmgw.fleet.history import ModelHistory, catch_up
     from llmgw.fleet.replay import replay as fold_streams
     from llmgw.fleet.status import report
 
-    state, cursor = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots,
-                                       warn=notice)
-    history = ModelHistory()  # not in the snapshots: read from the control stream's start
-    await catch_up(bus, history, cursor.positions.get(subjects.STREAM_CONTROL, 0))
-    return report(state, at, threshold_s, cursor, history=history, replicas=replicas, model=model)
+    c = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots, warn=notice)
+    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model)
 
 
 # --- models ------------------------------------------------------------------------------------------

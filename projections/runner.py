@@ -30,7 +30,7 @@ from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode_state
 from llmgw.fleet.fold import Cursor, apply, clamp_times, refusal
-from llmgw.fleet.history import HistoryReader
+from llmgw.fleet.history import catch_up, note_batch
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -140,11 +140,11 @@ class Projector:
         self.read_batch = batch
         self.progress = progress
         checkpoint = store.load() if store is not None else Checkpoint()
-        self.state, self.cursor = checkpoint.state, checkpoint.cursor
+        self.state, self.cursor, self.history = checkpoint.state, checkpoint.cursor, checkpoint.history
+        self._history_behind = checkpoint.history_behind() if subjects.STREAM_CONTROL in self.streams else 0
         self.batch = Batch()
         self.folded = 0
         self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
-        self._history = HistoryReader()  # read by the status service when asked, not while folding
         self.committed = 0
         self._total = 0
         self._lock = asyncio.Lock()
@@ -180,6 +180,8 @@ class Projector:
         stored = [x.ts_ns for x in msgs]
         if clamped := clamp_times(decoded, stored):
             self._clamped(stream, clamped)
+        if stream == subjects.STREAM_CONTROL:
+            note_batch(self.history, [x.seq for x in msgs], decoded)
         if self.store is not None:
             payloads = datas  # idle maps' replaced by what changed in them, below
             idle = m.IdleMapPublished
@@ -192,8 +194,7 @@ class Projector:
             for event in decoded:
                 apply(state, event)
         self.folded += len(msgs)
-        self.cursor.positions[stream], self.cursor.stored_ns[stream] = msgs[-1].seq, msgs[-1].ts_ns
-        self._progress.set()
+        self._advance(stream, msgs[-1])
         if self.progress is not None:
             self.progress(self.folded, self._total)
 
@@ -226,27 +227,38 @@ class Projector:
                 except m.DECODE_ERRORS as e:
                     decoded.append(e)
         state, batch = self.state, self.batch
+        control = stream == subjects.STREAM_CONTROL
         for raw, event in zip(msgs, decoded, strict=True):
-            why = None if isinstance(event, Exception) else refusal(state, raw.subject, event)
+            why = None
+            if not isinstance(event, Exception):
+                # Clamped whether or not it is refused, as a replay clamps its whole batch.
+                one = [event]
+                if clamp_times(one, [raw.ts_ns]):
+                    self._clamped(stream, 1)
+                    event = one[0]
+                if control:
+                    self.history.note(raw.seq, event)
+                why = refusal(state, raw.subject, event)
             if isinstance(event, Exception) or why is not None:
                 what = "cannot be decoded" if why is None else "refused"
                 log.warning("%s:%d (%s) %s, kept in unprojected_events: %s", stream, raw.seq, raw.subject, what, why or event)
                 add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, why or str(event))
                 self.cursor.unprojected += 1
             else:
-                one = [event]
-                if clamp_times(one, [raw.ts_ns]):
-                    self._clamped(stream, 1)
-                    event = one[0]
                 if self.store is not None:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
                 apply(state, event)
             self.folded += 1
-        self.cursor.positions[stream], self.cursor.stored_ns[stream] = msgs[-1].seq, msgs[-1].ts_ns
-        self._progress.set()
+        self._advance(stream, msgs[-1])
         if self.progress is not None:
             self.progress(self.folded, self._total)
+
+    def _advance(self, stream: str, last: RawMsg) -> None:
+        self.cursor.positions[stream], self.cursor.stored_ns[stream] = last.seq, last.ts_ns
+        if stream == subjects.STREAM_CONTROL:
+            self.history.position = last.seq  # undecodable ones included, as the cursor
+        self._progress.set()
 
     def _clamped(self, stream: str, n: int) -> None:
         self.cursor.clamped += n
@@ -292,7 +304,7 @@ class Projector:
             self.cursor.positions = dict(sorted(self.cursor.positions.items()))
             self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
             self.cursor.stored_ns = dict(sorted(self.cursor.stored_ns.items()))
-            snapshot = encode_state(self.state, self.cursor)
+            snapshot = encode_state(self.state, self.cursor, self.history)
             self._maybe_fold_snapshot(snapshot)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -311,7 +323,7 @@ class Projector:
         """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was)."""
         if not self._fold_snapshot_due():
             return
-        blob = blob if blob is not None else encode_state(self.state, self.cursor)
+        blob = blob if blob is not None else encode_state(self.state, self.cursor, self.history)
         self._fold_snapshot_at = (self.folded, time.monotonic())
         c = self.cursor
         cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected, clamped=c.clamped,
@@ -419,6 +431,10 @@ class Projector:
 
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)
+        if stream == subjects.STREAM_CONTROL and self._history_behind:
+            # A checkpoint from before the models' history travelled in it: read it once, up to the cursor.
+            await catch_up(self.bus, self.history, self._history_behind)
+            self._history_behind = 0
         start = self.cursor.positions.get(stream, 0) + 1
         if stop_at is not None and start > stop_at:
             return
@@ -445,7 +461,7 @@ class Projector:
             with contextlib.suppress(Exception):
                 await self._settle(0)
             self.close()
-        return Checkpoint(self.state, self.cursor)
+        return Checkpoint(self.state, self.cursor, self.history)
 
     async def run_forever(self, *, serve_status: bool = True) -> None:
         """Follow every stream, commit on an interval, serve status; until cancelled."""
@@ -477,19 +493,12 @@ class Projector:
         """The status service: a StatusRequest in, the StatusReport of the folded state out."""
         req = m.STATUS_REQUEST_DECODER.decode(data) if data.strip() else m.StatusRequest()
         await self.caught_up(req.wait_for, req.wait_s)
-        history = None
-        if subjects.STREAM_CONTROL in self.streams:
-            # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), read from
-            # the control stream up to what is folded: the report then states one position for both.
-            while (folded := self.cursor.positions.get(subjects.STREAM_CONTROL, 0)) > self._history.history.position:
-                try:
-                    await self._history.upto(self.bus, folded, max(req.wait_s, 1.0))
-                except TimeoutError:
-                    raise ProjectionError(
-                        f"the status service is still reading the control stream's history "
-                        f"({self._history.history.position:,} of {folded:,}) once after its start; "
-                        "ask again in a few seconds, or use --replay") from None
-            history = self._history.history
+        # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), noted beside it.
+        history = self.history if subjects.STREAM_CONTROL in self.streams else None
+        if history is not None and self._history_behind:
+            raise ProjectionError(f"the status service is reading the control stream's history once after an upgrade "
+                                  f"({history.position:,} of {self._history_behind:,}); ask again in a few seconds, "
+                                  "or use --replay")
         report = status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
                                       replicas=req.replicas, model=req.model)
         return m.encode(gpuuse.add_to(report, self.state, self.gpu_samples, nodes=req.gpus))
@@ -511,7 +520,8 @@ class Projector:
                                       f"after {within_s:g}s; it is catching up: ask again, or use --replay")
             self._progress.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._progress.wait()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -330,7 +330,7 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
                 assert await read_to_end(bus, stream) >= 1, (bus, stream)
         for bus in (projector, scheduler):  # they check the streams at start; admin declared them
             await bus.ensure_streams()
-        state, cursor = await replay(projector, use_snapshots=False)
+        state, cursor = (c := await replay(projector, use_snapshots=False)).state, c.cursor
         assert state.nodes["h100-a-01"].gpus and cursor.unprojected == 0
         assert (await replay_state(cli)).models["qwen"].spec == spec
         # The projector writes fold snapshots; every other role reads them and none writes one.

@@ -135,8 +135,8 @@ async def test_live_replay_and_resumed_status_are_identical(
 ) -> None:
     last = await publish(bus, [*small_fleet(), BAD])
     live = await _live_status(bus, tmp_path / "live.duckdb", last)
-    state, cursor = await replay(bus)
-    replayed = m.encode(status_report.report(state, None, 600, cursor))
+    c = await replay(bus)
+    replayed = m.encode(status_report.report(c.state, None, 600, c.cursor, history=c.history))
     rc = await crash_then_resume(settings, bus, tmp_path / "crashed.duckdb", "9", 4)
     assert rc == -signal.SIGKILL
     resumed = await _live_status(bus, tmp_path / "crashed.duckdb", last)
@@ -214,8 +214,8 @@ async def test_crash_anywhere_then_resume_equals_clean_replay(
         expected = msgspec.json.encode(status_report.report(cp.state, cursor=cp.cursor))
     finally:
         clean_store.close()
-    state, cursor = await replay(bus)
-    assert expected == m.encode(status_report.report(state, cursor=cursor))
+    c = await replay(bus)
+    assert expected == m.encode(status_report.report(c.state, cursor=c.cursor))
 
 
 async def test_cancelled_while_commits_are_queued_loses_no_rows(bus: Bus, tmp_path: Path) -> None:
@@ -319,3 +319,31 @@ async def test_a_status_request_waits_for_what_the_asker_saw_stored(bus: Bus, tm
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         store.close()
+
+
+async def test_a_checkpoint_from_before_the_models_history_travelled_in_it_reads_it_once(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    """An upgraded projector's checkpoint has no ModelHistory: it reads the control stream up to its
+    cursor once, then notes as it folds, and ends where a fold from sequence 1 does."""
+    await fresh_streams(bus)
+    events = small_fleet()
+    await publish(bus, events[:13])  # two replicas placed
+    path = tmp_path / "old.duckdb"
+    await project_once(bus, path)
+    store = Store(path)
+    try:
+        cp = store.load()
+        assert cp.history.position > 0 and cp.history_behind() == 0  # noted while folding
+        store.commit(Batch(), encode_state(cp.state, cp.cursor))  # as an older projector wrote it
+        assert store.load().history_behind() > 0
+    finally:
+        store.close()
+    await publish(bus, events[13:])
+    store = Store(path)
+    try:
+        resumed = await Projector(bus, store).run_once()
+    finally:
+        store.close()
+    assert resumed.history == (await replay(bus, use_snapshots=False)).history
+    assert resumed.history.recent  # not trivially equal: models have events

@@ -45,10 +45,13 @@ async def both_ways(bus: Bus, **target: object) -> tuple[bytes, bytes]:
     out = []
     for use in (True, False):
         warned: list[str] = []
-        state, cursor = await replay(bus, use_snapshots=use, warn=warned.append, **target)  # type: ignore[arg-type]
+        c = await replay(bus, use_snapshots=use, warn=warned.append, **target)  # type: ignore[arg-type]
         assert warned == [], warned
-        now = state.as_of
-        out.append(m.encode(report(state, now, 60.0, cursor)) + msgspec.json.encode(idle_rows(state, now)))
+        now = c.state.as_of
+        # The models' history (their latest events, stopped replicas' GPU-hours) travels in the snapshot too.
+        out.append(m.encode(report(c.state, now, 60.0, c.cursor, history=c.history, replicas=True))
+                   + msgspec.json.encode(idle_rows(c.state, now))
+                   + msgspec.msgpack.encode(c.history))
     return out[0], out[1]
 
 
@@ -92,9 +95,9 @@ async def test_the_projector_writes_snapshots_that_a_replay_starts_from(bus: Bus
 
 async def _write_bad(bus: Bus, name_suffix: str, **change: object) -> None:
     """A snapshot of the whole history, with one thing wrong."""
-    state, cursor = await replay(bus, use_snapshots=False)
-    blob = encode_state(state, cursor)
-    header = snapshots.header_for(blob, cursor, 10**18)
+    c = await replay(bus, use_snapshots=False)
+    blob = encode_state(c.state, c.cursor, c.history)
+    header = snapshots.header_for(blob, c.cursor, 10**18)
     header = msgspec.structs.replace(header, **change)
     name = snapshots.object_name(header) + name_suffix
     await bus.objects(subjects.SNAPSHOT_BUCKET).put(name, blob, msgspec.json.encode(header).decode())
@@ -114,23 +117,23 @@ async def test_a_bad_snapshot_is_skipped_with_one_line_and_the_fold_is_still_rig
     await publish(bus, small_fleet())
     await _write_bad(bus, "", **change)
     warned: list[str] = []
-    state, cursor = await replay(bus, warn=warned.append)
+    c = await replay(bus, warn=warned.append)
     assert len(warned) == 1 and why in warned[0], warned
-    assert (state, cursor) == await replay(bus, use_snapshots=False)
+    assert c == await replay(bus, use_snapshots=False)
 
 
 async def test_a_snapshot_whose_bytes_were_changed_is_caught_by_its_checksum(bus: Bus) -> None:
     await fresh_streams(bus)
     await publish(bus, small_fleet())
-    state, cursor = await replay(bus, use_snapshots=False)
-    blob = encode_state(state, cursor)
-    header = snapshots.header_for(blob, cursor, 10**18)
+    c = await replay(bus, use_snapshots=False)
+    blob = encode_state(c.state, c.cursor, c.history)
+    header = snapshots.header_for(blob, c.cursor, 10**18)
     tampered = blob.replace(b"H100-80GB", b"H200-80GB", 1)
     assert hashlib.sha256(tampered).hexdigest() != header.sha256
     await bus.objects(subjects.SNAPSHOT_BUCKET).put(snapshots.object_name(header), tampered,
                                                     msgspec.json.encode(header).decode())
     warned: list[str] = []
-    assert await replay(bus, warn=warned.append) == (state, cursor)
+    assert await replay(bus, warn=warned.append) == c
     assert len(warned) == 1 and "checksum" in warned[0]
 
 
@@ -172,3 +175,18 @@ async def test_ctl_status_replay_says_it_skipped_a_snapshot_and_no_snapshot_fold
     assert outs[0][0] == outs[1][0]
     assert "skipped: fold version" in outs[0][1] and outs[0][1].count("\n") == 1
     assert "skipped" not in outs[1][1]
+
+
+async def test_a_snapshot_from_before_the_models_history_travelled_in_it_is_completed(bus: Bus) -> None:
+    """A fold-version-1 snapshot holds no ModelHistory: the replay reads the control stream up to the
+    snapshot's position for it, and the answer is the fold from sequence 1's."""
+    await fresh_streams(bus)
+    await publish(bus, small_fleet())
+    c = await replay(bus, use_snapshots=False)
+    blob = encode_state(c.state, c.cursor)  # no history, as the first snapshots were written
+    header = snapshots.header_for(blob, c.cursor, 10**18)
+    await bus.objects(subjects.SNAPSHOT_BUCKET).put(snapshots.object_name(header), blob,
+                                                    msgspec.json.encode(header).decode())
+    warned: list[str] = []
+    again = await replay(bus, warn=warned.append)
+    assert warned == [] and again == c and again.history.recent

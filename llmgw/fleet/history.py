@@ -3,21 +3,23 @@
 The fold keeps only what is true now (a stopped replica is gone), which is all
 that status and placement need. ``ctl model show`` also lists a model's latest
 events, and ``ctl model list`` the GPU-hours its replicas held today, stopped
-ones included. ``ModelHistory`` keeps just that, folded from the control
-stream alone in its own order, so the projector's status service and a replay
-here read the same stream up to the same sequence and agree exactly.
+ones included. ``ModelHistory`` keeps just that, noted from every decodable
+control event (times clamped as the fold clamps them) in stream order, beside
+the fold: it travels in the same checkpoint and fold snapshot, so a replay
+from a snapshot reads only what came after it, and the projector's status
+service and a replay here agree exactly. Its size follows the models and
+their open replicas (and one figure per model per day), never the history.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.fleet.fold import clamp_times
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
@@ -38,23 +40,26 @@ class ModelHistory:
     """A model's latest control events and its stopped replicas' GPU-seconds per UTC day; ``note`` in stream order."""
 
     position: int = 0  # the last control-stream sequence noted
-    recent: dict[str, deque[m.ModelEvent]] = field(default_factory=dict)
+    recent: dict[str, list[m.ModelEvent]] = field(default_factory=dict)  # the latest RECENT_EVENTS, oldest first
     held_s: dict[tuple[str, date], float] = field(default_factory=dict)  # (model, day) → GPU-seconds, stopped replicas
     # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan).
     observed_kv: dict[str, int] = field(default_factory=dict)
-    _open: dict[str, _Held] = field(default_factory=dict)
+    placed: dict[str, _Held] = field(default_factory=dict)  # replicas placed and not yet stopped
 
     def note(self, seq: int, event: m.ControlEvent) -> None:
         """One control-stream event, at its sequence."""
         self.position = max(self.position, seq)
-        model = about(event, self._open)
+        model = about(event, self.placed)
         if model is None:
             return
-        self.recent.setdefault(model, deque(maxlen=RECENT_EVENTS)).append(m.ModelEvent(seq=seq, event=event))
+        recent = self.recent.setdefault(model, [])
+        recent.append(m.ModelEvent(seq=seq, event=event))
+        if len(recent) > RECENT_EVENTS:
+            del recent[0]
         match event:
             case m.ReplicaPlaced():
                 self._close(event.replica_id, event.at)  # placed again under the same id: the first one ended
-                self._open[event.replica_id] = _Held(event.model, len(event.gpus), event.nodes, event.at)
+                self.placed[event.replica_id] = _Held(event.model, len(event.gpus), event.nodes, event.at)
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
             case m.ReplicaStateChanged() if event.observed_kv_tokens > 0:
@@ -70,7 +75,7 @@ class ModelHistory:
         return self.held_s.get((model, day), 0.0)
 
     def _close(self, replica_id: str, at: datetime) -> None:
-        held = self._open.pop(replica_id, None)
+        held = self.placed.pop(replica_id, None)
         if held is None:
             return
         for day, seconds in split_by_day(held.since, at):
@@ -114,7 +119,11 @@ def split_by_day(start: datetime, end: datetime) -> list[tuple[date, float]]:
 
 
 async def catch_up(bus: Bus, history: ModelHistory, upto: int) -> None:
-    """Note the control stream's events after ``history.position`` up to sequence ``upto``."""
+    """Note the control stream's events after ``history.position`` up to sequence ``upto``.
+
+    Only for a checkpoint written before the history travelled in it: every fold notes
+    as it goes (``note_batch``).
+    """
     if upto <= history.position:
         return
     follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, history.position + 1, stop_at=upto,
@@ -122,35 +131,16 @@ async def catch_up(bus: Bus, history: ModelHistory, upto: int) -> None:
     batches = follower.batches()
     try:
         async for batch in batches:
-            for d in batch:
-                history.note(d.raw.seq, d.event)
+            events = [d.event for d in batch]
+            clamp_times(events, [d.raw.ts_ns for d in batch])
+            note_batch(history, [d.raw.seq for d in batch], events)
     finally:
         await batches.aclose()  # type: ignore[attr-defined]
     history.position = max(history.position, upto)
 
 
-class HistoryReader:
-    """A ``ModelHistory`` a long-running service reads on when asked: one read at a time, shared by every request.
-
-    A read that takes longer than the asker will wait (a projector just started on
-    a long control stream) goes on in the background, so the next request finds it done.
-    """
-
-    def __init__(self) -> None:
-        self.history = ModelHistory()
-        self._reading: asyncio.Future[None] | None = None
-
-    async def upto(self, bus: Bus, seq: int, within_s: float | None = None) -> ModelHistory:
-        """The history up to ``seq`` at least; TimeoutError after ``within_s`` (the read goes on)."""
-        while self.history.position < seq:
-            if self._reading is None or self._reading.done():
-                self._reading = asyncio.ensure_future(catch_up(bus, self.history, seq))
-                self._reading.add_done_callback(_read_outcome)
-            await asyncio.wait_for(asyncio.shield(self._reading), within_s)
-        return self.history
-
-
-def _read_outcome(read: asyncio.Future[None]) -> None:
-    """A failed read is the error of the requests that waited for it; read here too, so none goes unread."""
-    if not read.cancelled():
-        read.exception()
+def note_batch(history: ModelHistory, seqs: list[int], events: list[m.ControlEvent]) -> None:
+    """Control events as a fold reads them (decoded, times clamped), in stream order."""
+    note = history.note
+    for seq, event in zip(seqs, events, strict=True):
+        note(seq, event)

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.fold import Cursor, FleetState, apply, clamp_times, refusal
+from llmgw.fleet.checkpoint import Checkpoint
+from llmgw.fleet.fold import Cursor, apply, clamp_times, refusal
+from llmgw.fleet.history import catch_up, note_batch
 from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
@@ -31,11 +33,12 @@ Progress = Callable[[int, int], None] | None
 
 async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int] | None = None,
                  streams: tuple[str, ...] = subjects.HISTORY_STREAMS, progress: Progress = None,
-                 use_snapshots: bool = True, warn: Warn | None = None) -> tuple[FleetState, Cursor]:
+                 use_snapshots: bool = True, warn: Warn | None = None) -> Checkpoint:
     """The fold of ``streams`` as stored now, or as of ``at`` / right after ``at_seq`` (STREAM, SEQ).
 
     It starts from the newest fold snapshot that lies wholly before that target
     (``use_snapshots=False``: from sequence 1); ``warn`` hears why a snapshot was skipped.
+    The models' history (``ModelHistory``) comes with it, up to the same control position.
     """
     at_ns = int(at.timestamp() * 1e9) if at is not None else None
     if at_seq is not None:
@@ -46,12 +49,15 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
         stops[at_seq[0]] = at_seq[1]
     # With a moment, every stream stops there; the stream --at-seq names stops at its sequence.
     cuts = {s: at_ns for s in streams if at_ns is not None and not (at_seq is not None and s == at_seq[0])}
-    state, cursor = FleetState(), Cursor()
+    checkpoint = Checkpoint()
     if use_snapshots:
         found = await snapshots.load(bus, snapshots.Target(stops=stops, cut_ns=cuts), heads,
                                      warn or (lambda line: log.warning("%s", line)))
         if found is not None:
-            state, cursor = found[0].state, found[0].cursor
+            checkpoint = found[0]
+    state, cursor, history = checkpoint.state, checkpoint.cursor, checkpoint.history
+    if behind := checkpoint.history_behind():  # a snapshot from before the history travelled in it
+        await catch_up(bus, history, behind)
     for stream, (_, created) in heads.items():
         if created:
             cursor.stream_created[stream] = created
@@ -63,6 +69,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
             continue
         cut = cuts.get(stream)
         past = False
+        control = stream == subjects.STREAM_CONTROL
 
         def skipped(raw: RawMsg, _: Exception, stream: str = stream, cut: int | None = cut) -> None:
             if cut is None or raw.ts_ns <= cut:  # an undecodable message is folded past, as the projector does
@@ -80,6 +87,8 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                 # and a refused one is unprojected.
                 events = [d.event for d in batch]
                 cursor.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])
+                if control:
+                    note_batch(history, [d.raw.seq for d in batch], events)
                 for d, event in zip(batch, events, strict=True):
                     if refusal(state, d.raw.subject, event) is None:
                         apply(state, event)
@@ -91,7 +100,8 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                     progress(done, total)
                 if past:
                     break
-    return state, cursor
+    history.position = max(history.position, cursor.positions.get(subjects.STREAM_CONTROL, 0))
+    return checkpoint
 
 
 def _advance(cursor: Cursor, stream: str, raw: RawMsg) -> None:

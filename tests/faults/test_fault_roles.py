@@ -108,8 +108,8 @@ async def test_an_agent_cannot_speak_for_another_node(tmp_path: Path, record: Ca
         heads = {s: await cli.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
         live = m.STATUS_REPORT_DECODER.decode(await cli.request(
             subjects.STATUS, m.encode(m.StatusRequest(now=AT, wait_for=heads, wait_s=10)), timeout=15))
-        replay_fold, replay_cursor = await replay(cli)
-        replayed = report(replay_fold, AT, live.idle_threshold_s, replay_cursor)
+        c = await replay(cli)
+        replayed = report(c.state, AT, live.idle_threshold_s, c.cursor, history=c.history)
         scheduler_view = await replay_state(sched)
         sink = EndpointSink(buses["router"])
         follow = asyncio.create_task(sink.run())
