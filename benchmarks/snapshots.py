@@ -10,6 +10,7 @@ alternating with and without, ``--rounds`` times each.
 
     .venv/bin/python benchmarks/snapshots.py                  # 1M events
     .venv/bin/python benchmarks/snapshots.py --events 200000  # quicker
+    .venv/bin/python benchmarks/snapshots.py --store /tmp/week # keep the week there; a second run reuses it
 
 Prints figures; asserts nothing (timing belongs here, not in tests).
 """
@@ -22,6 +23,7 @@ import itertools
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,23 +44,34 @@ from llmgw.projections.store import Store  # noqa: E402
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 
 
+# The child is forked from this small launcher, not from the benchmark: a fork of a process
+# holding a week of generated events starts with its pages, and the kernel keeps the larger of
+# the pre- and post-exec peaks as the child's ru_maxrss (hundreds of MiB that llmgw never used).
+_LAUNCH = """
+import os, sys, time
+start = time.perf_counter()
+out = int(sys.argv.pop(1))
+pid = os.fork()
+if pid == 0:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+os.write(out, f"{time.perf_counter() - start} {usage.ru_maxrss} {os.waitstatus_to_exitcode(status)}".encode())
+"""
+
+
 def run_cli(*args: str) -> tuple[float, float, str]:
     """One ``llmgw`` process: wall seconds, peak RSS (MiB), stderr."""
     r, w = os.pipe()
-    start = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-        os.dup2(w, 2)
-        os.execv(LLMGW, [LLMGW, *args])
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH, str(w), LLMGW, *args], pass_fds=(w,),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
     os.close(w)
-    _, status, usage = os.wait4(pid, 0)
-    wall = time.perf_counter() - start
-    err = os.read(r, 1 << 16).decode(errors="replace")
+    wall, rss, code = os.read(r, 256).decode().split()
     os.close(r)
-    if os.waitstatus_to_exitcode(status):
+    err = proc.stderr.decode(errors="replace")
+    if int(code) or proc.returncode:
         raise SystemExit(f"llmgw {' '.join(args)} failed: {err}")
-    return wall, usage.ru_maxrss / 1024, err
+    return float(wall), int(rss) / 1024, err
 
 
 def _remove(path: Path) -> None:
@@ -94,79 +107,108 @@ async def stored_range(bus: Bus) -> tuple[int, int]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-snap-", dir=args.workdir))
+    work = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="llmgw-bench-snap-", dir=args.workdir))
+    reuse = args.store is not None and (work / "nats").exists()
     server = EmbeddedServer(work / "nats", port=0)
     server.start()
     url = server.url
     try:
         bus = await Bus.connect(Settings(nats_url=url, request_timeout_s=30.0), "llmgw-bench")
         await bus.ensure_streams()
-        # As a fleet lives: the history arrives in chunks and a live projector folds each as it comes,
-        # so each snapshot is taken at the streams' heads (every stream at one moment), as in production.
-        gen = iter(history(args.events, 256, 8, 7, 2, 10.0, 48, 6))
-        n = written = 0
-        live = work / "live.duckdb"
-        pub_s = proj_s = 0.0
-        while True:
-            chunk = list(itertools.islice(gen, args.every))
-            if not chunk:
-                break
-            k, secs = await publish(bus, iter(chunk), 10_000)
-            n, pub_s = n + k, pub_s + secs
-            await asyncio.sleep(0.5)
-            # Due a little before the chunk's end: the server drops the week's few duplicate msg ids.
-            secs, _, w = await project(bus, live, args.every * 9 // 10, fresh=False)
-            written, proj_s = written + w, proj_s + secs
-        print(f"published {n:,} events in {pub_s:.1f}s, projected as they came in {proj_s:.1f}s; "
-              f"{written} fold snapshots written (one every {args.every:,} events)")
-        folded = n
-        lo, hi = await stored_range(bus)
-        print("\nctl status (a new process each run; median of --runs)")
-        print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")
-        targets: list[tuple[str, list[str]]] = []
-        for pct in (10, 50, 90):
-            at = datetime.fromtimestamp((lo + (hi - lo) * pct / 100) / 1e9, UTC).isoformat()
-            targets.append((f"--at {pct}%", ["--at", at]))
-        targets.append(("--replay", ["--replay"]))
-        for name, extra in targets:
-            row = {}
-            for mode in ((), ("--no-snapshot",)):
-                walls, rss = [], []
-                for _ in range(args.runs):
-                    wall, peak, _ = run_cli("ctl", "status", "--json", "--nats-url", url, *extra, *mode)
-                    walls.append(wall)
-                    rss.append(peak)
-                row[mode] = (statistics.median(walls), statistics.median(rss))
-            (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
-            print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
-
-        # The scheduler's start-up fold (from sequence 1: its demand memory is not in the snapshots).
-        from llmgw.scheduler_service import FOLLOWED, SchedulerService
-
-        svc = SchedulerService(bus)
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
-        lasts = {s: await bus.stream_last_seq(s) for s in FOLLOWED}
-        while any(svc.stats.applied[s] < lasts[s] for s in FOLLOWED):  # noqa: ASYNC110 - a benchmark polls
-            await asyncio.sleep(0.05)
-        print(f"\nscheduler start-up fold (from sequence 1): {time.perf_counter() - start:.1f}s for "
-              f"{sum(lasts.values()):,} messages")
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-        print("\nprojector from zero, alternating (median of --rounds each)")
-        with_s, without_s = [], []
-        for _ in range(args.rounds):
-            with_s.append((await project(bus, work / "a.duckdb", args.every))[0])
-            without_s.append((await project(bus, work / "b.duckdb", None))[0])
-        a, b = statistics.median(with_s), statistics.median(without_s)
-        print(f"with snapshots {folded / a:,.0f} events/s, without {folded / b:,.0f} events/s: "
-              f"snapshots cost {(a - b) / b:+.1%}")
+        if not reuse:
+            await publish_and_project(bus, work, args)
+        await measure(bus, url, work, args)
         await bus.close()
     finally:
         server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.store is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+async def publish_and_project(bus: Bus, work: Path, args: argparse.Namespace) -> None:
+    # As a fleet lives: the history arrives in chunks and a live projector folds each as it comes,
+    # so each snapshot is taken at the streams' heads (every stream at one moment), as in production.
+    gen = iter(history(args.events, 256, 8, 7, 2, 10.0, 48, 6))
+    n = written = 0
+    live = work / "live.duckdb"
+    pub_s = proj_s = 0.0
+    while True:
+        chunk = list(itertools.islice(gen, args.every))
+        if not chunk:
+            break
+        k, secs = await publish(bus, iter(chunk), 10_000)
+        n, pub_s = n + k, pub_s + secs
+        await asyncio.sleep(0.5)
+        # Due a little before the chunk's end: the server drops the week's few duplicate msg ids.
+        secs, _, w = await project(bus, live, args.every * 9 // 10, fresh=False)
+        written, proj_s = written + w, proj_s + secs
+    print(f"published {n:,} events in {pub_s:.1f}s, projected as they came in {proj_s:.1f}s; "
+          f"{written} fold snapshots written (one every {args.every:,} events)")
+
+
+async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> None:
+    folded = sum([await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS])
+    lo, hi = await stored_range(bus)
+    print("\nctl status (a new process each run; median of --runs)")
+    print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")
+    targets: list[tuple[str, list[str]]] = []
+    for pct in (10, 50, 90):
+        at = datetime.fromtimestamp((lo + (hi - lo) * pct / 100) / 1e9, UTC).isoformat()
+        targets.append((f"--at {pct}%", ["--at", at]))
+    targets.append(("--replay", ["--replay"]))
+    for name, extra in targets:
+        row = {}
+        for mode in ((), ("--no-snapshot",)):
+            walls, rss = [], []
+            for _ in range(args.runs):
+                wall, peak, _ = run_cli("ctl", "status", "--json", "--nats-url", url, *extra, *mode)
+                walls.append(wall)
+                rss.append(peak)
+            row[mode] = (statistics.median(walls), statistics.median(rss))
+        (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
+        print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
+
+    # The services' start-up folds: from the newest snapshot, and from sequence 1 beside it.
+    from llmgw.planner_service import PlannerService
+    from llmgw.scheduler_service import FOLLOWED, SchedulerService
+
+    print("\nstart-up fold (in this process; median of --runs)")
+    for use in (True, False):
+        sched_s, plan_s = [], []
+        for _ in range(args.runs):
+            svc = SchedulerService(bus, use_snapshots=use)
+            start = time.perf_counter()
+            if use:
+                await svc.start_from_snapshot()
+            tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
+            lasts = {s: await bus.stream_last_seq(s) for s in FOLLOWED}
+            while any(svc.stats.applied[s] < lasts[s] for s in FOLLOWED):  # noqa: ASYNC110 - a benchmark polls
+                await asyncio.sleep(0.01)
+            sched_s.append(time.perf_counter() - start)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            planner = PlannerService(bus, use_snapshots=use)
+            start = time.perf_counter()
+            task = asyncio.create_task(planner.run())
+            await planner.ready.wait()
+            plan_s.append(time.perf_counter() - start)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        read = sum(lasts[s] - (svc.checkpoint.cursor.positions.get(s, 0) if use else 0) for s in FOLLOWED)
+        print(f"{'from snapshot' if use else 'from sequence 1':<16} scheduler {statistics.median(sched_s):6.2f} s "
+              f"({read:,} events read)   planner {statistics.median(plan_s):6.2f} s")
+
+    if not args.rounds:
+        return
+    print("\nprojector from zero, alternating (median of --rounds each)")
+    with_s, without_s = [], []
+    for _ in range(args.rounds):
+        with_s.append((await project(bus, work / "a.duckdb", args.every))[0])
+        without_s.append((await project(bus, work / "b.duckdb", None))[0])
+    a, b = statistics.median(with_s), statistics.median(without_s)
+    print(f"with snapshots {folded / a:,.0f} events/s, without {folded / b:,.0f} events/s: "
+          f"snapshots cost {(a - b) / b:+.1%}")
 
 
 if __name__ == "__main__":
@@ -176,4 +218,5 @@ if __name__ == "__main__":
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir")
+    p.add_argument("--store", help="keep the server's store here; when it exists, measure on it without publishing")
     asyncio.run(main(p.parse_args()))

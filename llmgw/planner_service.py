@@ -6,6 +6,8 @@ following both live. It answers on ``subjects.PLAN`` in the queue group
 ``subjects.PLANNER_QUEUE``, so that several planners share the load. A request
 that cannot be decoded or makes no sense gets an error reply (Bus.serve); an
 event that cannot be decoded is logged with its sequence, counted and skipped.
+At start-up its fold and the observed KV reservations come from the newest fold
+snapshot (``llmgw/fleet/snapshots.py``), so a restart reads only what came after.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PlanError, ServiceError
-from llmgw.fleet.fold import FleetState, apply, clamp_times
+from llmgw.fleet import snapshots
+from llmgw.fleet.fold import FleetState, apply, clamp_times, refusal
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ _FOLLOWED = ((subjects.STREAM_FLEET, m.FLEET_DECODER), (subjects.STREAM_CONTROL,
 class PlannerService:
     """One planner: an in-memory fold of the fleet and control streams, and the plan handler."""
 
-    def __init__(self, bus: Bus, *, models_dir: str | Path | None = None, cache_size: int = 256) -> None:
+    def __init__(self, bus: Bus, *, models_dir: str | Path | None = None, cache_size: int = 256,
+                 use_snapshots: bool = True) -> None:
         self.bus = bus
         self.models_dir = models_dir
         self.state = FleetState()
@@ -49,6 +53,9 @@ class PlannerService:
         # What healthy engines reserved, per spec; and reports refused as implausible or foreign.
         self.observed: dict[str, int] = {}  # KV tokens by planner.observation_key
         self.refused_observations = 0
+        self.refused = 0  # events every fold refuses (fold.refusal)
+        self.use_snapshots = use_snapshots
+        self.started_from = ""  # the fold snapshot the fold started from, or "" (sequence 1)
 
     # --- requests ---------------------------------------------------------------------
 
@@ -78,12 +85,24 @@ class PlannerService:
 
     # --- the fold ---------------------------------------------------------------------
 
+    async def start_from_snapshot(self) -> None:
+        """Take the newest fold snapshot as the fold so far (none: sequence 1)."""
+        found = await snapshots.newest(self.bus, "planner")
+        if found is not None:
+            c, self.started_from = found
+            self.state, self.observed = c.state, c.observed
+            self.positions = {s: c.cursor.positions.get(s, 0) for s, _ in _FOLLOWED}
+
     async def _follow(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
-        follower = self.bus.follow(stream, decoder, idle_expires_s=2.0, who="planner", on_skip=self._skipped)
+        follower = self.bus.follow(stream, decoder, self.positions.get(stream, 0) + 1, idle_expires_s=2.0,
+                                   who="planner", on_skip=self._skipped)
         async for batch in follower.batches():
             events = [d.event for d in batch]
             self.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
             for d, event in zip(batch, events, strict=True):
+                if refusal(self.state, d.raw.subject, event) is not None:
+                    self.refused += 1
+                    continue
                 if isinstance(event, m.ReplicaStateChanged) and \
                         planner.record_observation(self.observed, self.state, event) is False:
                     self.refused_observations += 1
@@ -116,6 +135,8 @@ class PlannerService:
     async def run(self, *, catch_up_timeout: float = 30.0) -> None:
         """Catch up with both streams, then answer requests and follow live until cancelled."""
         targets = {stream: await self.bus.stream_last_seq(stream) for stream, _ in _FOLLOWED}
+        if self.use_snapshots and not self.positions:
+            await self.start_from_snapshot()
         tasks = [asyncio.create_task(self._follow(s, d), name=f"planner-follow-{s}") for s, d in _FOLLOWED]
         sub = None
         try:

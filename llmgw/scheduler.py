@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -72,19 +72,19 @@ class SchedulerMemory:
     so the result is the same however the usage and control streams interleave.
     """
 
-    placed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    placed: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
     failed_at: dict[str, datetime] = field(default_factory=dict)
     idle_stops: dict[str, set[int]] = field(default_factory=dict)
     last_idle_stop: dict[str, int] = field(default_factory=dict)
     wished: dict[str, Wish] = field(default_factory=dict)
     # The control sequence of the autoscaler's latest scale to zero, per model.
     zeroed_at: dict[str, int] = field(default_factory=dict)
-    autoscalings: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    autoscalings: dict[str, int] = field(default_factory=dict)
     routers: dict[str, RouterLoad] = field(default_factory=dict)
     # Per model, (router's control sequence, demand summed over live routers) at each
     # router map, newest last; and the control sequence of its count's last change.
-    samples: dict[str, deque[tuple[int, int]]] = field(default_factory=dict)
+    samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # the last DOWN_SAMPLES
     count_changed_at: dict[str, int] = field(default_factory=dict)
     ignored_wishes: int = 0
     refused_claims: int = 0
@@ -135,7 +135,7 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
             memory.zeroed_at.pop(name, None)
             memory.count_changed_at[name] = seq
         case m.ModelAutoscaled(name=name, replicas=replicas):
-            memory.autoscalings[name] += 1
+            memory.autoscalings[name] = memory.autoscalings.get(name, 0) + 1
             memory.count_changed_at[name] = seq
             if replicas == 0:
                 memory.zeroed_at[name] = seq
@@ -144,7 +144,7 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
         case m.ModelRemoved(name=name):
             memory._forget(name)
         case m.ReplicaPlaced(model=model):
-            memory.placed[model] += 1
+            memory.placed[model] = memory.placed.get(model, 0) + 1
         case m.ReplicaStateChanged(model=model, state="healthy"):
             memory.failures.pop(model, None)
             memory.failed_at.pop(model, None)
@@ -156,7 +156,7 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
                     if wish is None or seq > wish.control_seq:  # else a router already wanted it back
                         memory.idle_stops.setdefault(model, set()).add(seq)
                 elif reason.startswith("failed"):
-                    memory.failures[model] += 1
+                    memory.failures[model] = memory.failures.get(model, 0) + 1
                     memory.failed_at[model] = event.at
         case _:
             pass
@@ -174,10 +174,10 @@ def _observe_load(memory: SchedulerMemory, event: m.IdleMapPublished) -> None:
         for model, load in r.load.items():
             totals[model] += load.in_flight + load.queued
     for model, total in totals.items():
-        window = memory.samples.get(model)
-        if window is None:
-            window = memory.samples[model] = deque(maxlen=DOWN_SAMPLES)
+        window = memory.samples.setdefault(model, [])
         window.append((event.control_seq, total))
+        if len(window) > DOWN_SAMPLES:
+            del window[0]
 
 
 @dataclass(frozen=True)

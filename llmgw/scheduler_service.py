@@ -7,6 +7,10 @@ the lease before it publishes), and expires by the bucket's TTL when its
 holder dies. A leader also decides only once its fold has caught up to every
 stream's last sequence, and after publishing waits until its own decisions
 come back through the fold, so it never decides twice on a stale view.
+
+At start-up the fold and the demand memory come from the newest fold snapshot
+the projector wrote (``llmgw/fleet/snapshots.py``), so a restart reads only the
+events after it; with none (or ``use_snapshots=False``), from sequence 1.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
-from llmgw.fleet.fold import FleetState, apply, clamp_times
+from llmgw.fleet import snapshots
+from llmgw.fleet.checkpoint import Checkpoint, fold_event
+from llmgw.fleet.fold import clamp_times
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +96,10 @@ class SchedulerStats:
     duplicates: int = 0
     malformed: int = 0
     clamped: int = 0
+    refused: int = 0  # as every fold refuses them (fold.refusal): folded past, not applied
     passes: int = 0
     applied: dict[str, int] = field(default_factory=dict)
+    started_from: str = ""  # the fold snapshot the fold started from, or "" (sequence 1)
 
 
 class SchedulerService:
@@ -106,6 +114,7 @@ class SchedulerService:
         tick_s: float = 1.0,
         clock: Callable[[], datetime] = m.utcnow,
         services: tuple[Service, ...] = (),
+        use_snapshots: bool = True,
     ) -> None:
         self.bus = bus
         self.name = name or f"scheduler-{uuid.uuid4().hex[:8]}"
@@ -113,8 +122,9 @@ class SchedulerService:
         self.tick_s = tick_s
         self.clock = clock
         self.services = services
-        self.state = FleetState()
-        self.memory = scheduler.SchedulerMemory()
+        self.use_snapshots = use_snapshots
+        self.checkpoint = Checkpoint()
+        self.state, self.memory = self.checkpoint.state, self.checkpoint.demand
         self.stats = SchedulerStats(applied={s: 0 for s in FOLLOWED})
         self.published: list[m.Event] = []
         self._changed = asyncio.Event()
@@ -122,14 +132,26 @@ class SchedulerService:
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
         self.stats.malformed += 1  # recorded and skipped: a malformed event must not stop placement
 
+    async def start_from_snapshot(self) -> None:
+        """Take the newest fold snapshot of every followed stream as the fold so far (none: sequence 1)."""
+        found = await snapshots.newest(self.bus, f"scheduler {self.name}")
+        if found is None:
+            return
+        self.checkpoint, self.stats.started_from = found
+        self.state, self.memory = self.checkpoint.state, self.checkpoint.demand
+        for s in FOLLOWED:
+            self.stats.applied[s] = self.checkpoint.cursor.positions.get(s, 0)
+
     async def _follow(self, stream: str) -> None:
-        follower = self.bus.follow(stream, m.ANY_DECODER, who="scheduler", on_skip=self._skipped)
+        follower = self.bus.follow(stream, m.ANY_DECODER, self.stats.applied[stream] + 1, who="scheduler",
+                                   on_skip=self._skipped)
         async for batch in follower.batches():
             events = [d.event for d in batch]
             self.stats.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
+            c = self.checkpoint
             for d, event in zip(batch, events, strict=True):
-                scheduler.observe(self.memory, event, self.state, d.raw.seq, d.raw.subject)
-                apply(self.state, event)
+                if not fold_event(c, d.raw.seq, d.raw.subject, event):
+                    self.stats.refused += 1
             self.stats.applied[stream] = follower.last_seq
             self._changed.set()
 
@@ -178,6 +200,8 @@ class SchedulerService:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Fold and decide until ``stop`` is set (or forever); releases the lease on the way out."""
         stop = stop or asyncio.Event()
+        if self.use_snapshots and not any(self.stats.applied.values()):
+            await self.start_from_snapshot()
         tasks = [asyncio.create_task(self._follow(s), name=f"follow-{s}") for s in FOLLOWED]
         tasks += [asyncio.create_task(_as_coro(svc(self.bus)), name="service") for svc in self.services]
         try:

@@ -28,9 +28,9 @@ from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
-from llmgw.fleet.checkpoint import Checkpoint, encode_state
-from llmgw.fleet.fold import Cursor, apply, clamp_times, refusal
-from llmgw.fleet.history import catch_up, note_batch
+from llmgw.fleet.checkpoint import Checkpoint, encode, observe
+from llmgw.fleet.fold import FOLD_VERSION, Cursor, apply, clamp_times, refusal
+from llmgw.fleet.history import note_batch
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -140,8 +140,11 @@ class Projector:
         self.read_batch = batch
         self.progress = progress
         checkpoint = store.load() if store is not None else Checkpoint()
+        # The fold and what the services keep beyond it (llmgw/fleet/checkpoint.py), one object.
+        self.checkpoint = checkpoint
         self.state, self.cursor, self.history = checkpoint.state, checkpoint.cursor, checkpoint.history
-        self._history_behind = checkpoint.history_behind() if subjects.STREAM_CONTROL in self.streams else 0
+        # A checkpoint from an older version lacks the models' history and the services' memory.
+        self._incomplete = not checkpoint.complete()
         self.batch = Batch()
         self.folded = 0
         self._progress = asyncio.Event()  # set whenever a batch is folded: status requests wait on it
@@ -182,16 +185,19 @@ class Projector:
             self._clamped(stream, clamped)
         if stream == subjects.STREAM_CONTROL:
             note_batch(self.history, [x.seq for x in msgs], decoded)
+        c = self.checkpoint
         if self.store is not None:
             payloads = datas  # idle maps' replaced by what changed in them, below
             idle = m.IdleMapPublished
             for i, event in enumerate(decoded):
                 if type(event) is idle:
                     payloads[i] = idle_payload(event, state.routers.get(event.router))
+                observe(c, msgs[i].seq, msgs[i].subject, event)
                 apply(state, event)
             self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], stored, payloads)
         else:
-            for event in decoded:
+            for x, event in zip(msgs, decoded, strict=True):
+                observe(c, x.seq, x.subject, event)
                 apply(state, event)
         self.folded += len(msgs)
         self._advance(stream, msgs[-1])
@@ -248,6 +254,7 @@ class Projector:
                 if self.store is not None:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
+                observe(self.checkpoint, raw.seq, raw.subject, event)
                 apply(state, event)
             self.folded += 1
         self._advance(stream, msgs[-1])
@@ -304,7 +311,7 @@ class Projector:
             self.cursor.positions = dict(sorted(self.cursor.positions.items()))
             self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
             self.cursor.stored_ns = dict(sorted(self.cursor.stored_ns.items()))
-            snapshot = encode_state(self.state, self.cursor, self.history)
+            snapshot = encode(self.checkpoint)
             self._maybe_fold_snapshot(snapshot)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
@@ -323,7 +330,7 @@ class Projector:
         """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was)."""
         if not self._fold_snapshot_due():
             return
-        blob = blob if blob is not None else encode_state(self.state, self.cursor, self.history)
+        blob = blob if blob is not None else encode(self.checkpoint)
         self._fold_snapshot_at = (self.folded, time.monotonic())
         c = self.cursor
         cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected, clamped=c.clamped,
@@ -429,12 +436,22 @@ class Projector:
             "or `llmgw up`) to rebuild it from what the streams hold now"
         )
 
+    async def _complete(self) -> None:
+        """Fold what an older checkpoint lacks (history, the services' memory) up to its cursor, once."""
+        if not self._incomplete:
+            return
+        log.info("the checkpoint predates fold version %d: folding the models' history and the services' "
+                 "memory up to its position once", FOLD_VERSION)
+        from llmgw.fleet.replay import replay
+
+        again = await replay(self.bus, upto=self.cursor.positions, use_snapshots=False)
+        c = self.checkpoint
+        c.history, c.demand, c.observed = again.history, again.demand, again.observed
+        self.history = c.history
+        self._incomplete = False
+
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)
-        if stream == subjects.STREAM_CONTROL and self._history_behind:
-            # A checkpoint from before the models' history travelled in it: read it once, up to the cursor.
-            await catch_up(self.bus, self.history, self._history_behind)
-            self._history_behind = 0
         start = self.cursor.positions.get(stream, 0) + 1
         if stop_at is not None and start > stop_at:
             return
@@ -452,6 +469,7 @@ class Projector:
         stops = {stream: await self.bus.stream_last_seq(stream) for stream in self.streams}
         self._total = sum(max(0, seq - self.cursor.positions.get(k, 0)) for k, seq in stops.items())
         try:
+            await self._complete()
             with fewer_gc_passes():
                 await _all_or_none(self._read(stream, stops.get(stream)) for stream in self.streams)
             await self.flush()
@@ -461,7 +479,7 @@ class Projector:
             with contextlib.suppress(Exception):
                 await self._settle(0)
             self.close()
-        return Checkpoint(self.state, self.cursor, self.history)
+        return self.checkpoint
 
     async def run_forever(self, *, serve_status: bool = True) -> None:
         """Follow every stream, commit on an interval, serve status; until cancelled."""
@@ -470,6 +488,7 @@ class Projector:
         self.gpu_samples = gpuuse.GpuSamples(self.bus) if serve_status else None
         samples = asyncio.create_task(self.gpu_samples.run()) if self.gpu_samples else None
         try:
+            await self._complete()
             with fewer_gc_passes():
                 await _all_or_none(self._read(stream, None) for stream in self.streams)
         finally:
@@ -495,10 +514,9 @@ class Projector:
         await self.caught_up(req.wait_for, req.wait_s)
         # What the fold forgets (stopped replicas' GPU-hours, a model's latest events), noted beside it.
         history = self.history if subjects.STREAM_CONTROL in self.streams else None
-        if history is not None and self._history_behind:
-            raise ProjectionError(f"the status service is reading the control stream's history once after an upgrade "
-                                  f"({history.position:,} of {self._history_behind:,}); ask again in a few seconds, "
-                                  "or use --replay")
+        if history is not None and self._incomplete:
+            raise ProjectionError("the status service is folding the models' history once after an upgrade; "
+                                  "ask again in a few seconds, or use --replay")
         report = status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
                                       replicas=req.replicas, model=req.model)
         return m.encode(gpuuse.add_to(report, self.state, self.gpu_samples, nodes=req.gpus))

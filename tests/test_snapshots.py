@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -12,10 +15,11 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from projection_events import event_lists, small_fleet
+from running import until
 from streams import fresh_streams, publish
 
 from llmgw import messages as m
-from llmgw import subjects
+from llmgw import scheduler, subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.fleet import snapshots
@@ -27,6 +31,7 @@ from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
+T_NONE = datetime(2026, 1, 1, tzinfo=UTC)  # "now" for a fold with no event yet
 
 
 async def project(bus: Bus, path: Path, every: int) -> int:
@@ -49,10 +54,19 @@ async def both_ways(bus: Bus, **target: object) -> tuple[bytes, bytes]:
         assert warned == [], warned
         now = c.state.as_of
         # The models' history (their latest events, stopped replicas' GPU-hours) travels in the snapshot too.
+        # And what the scheduler would decide on it (its demand memory travels too), and the planner's
+        # observed reservations.
+        decisions = [(d.msg_id, m.encode(d.event)) for d in scheduler.decide(c.state, c.demand, now or T_NONE)]
         out.append(m.encode(report(c.state, now, 60.0, c.cursor, history=c.history, replicas=True))
                    + msgspec.json.encode(idle_rows(c.state, now))
-                   + msgspec.msgpack.encode(c.history))
+                   + msgspec.msgpack.encode([c.history, decisions, c.observed, _demand(c.demand)]))
     return out[0], out[1]
+
+
+def _demand(memory: scheduler.SchedulerMemory) -> scheduler.SchedulerMemory:
+    # How many wishes named a model not (yet) declared depends on how the streams interleave
+    # as they are read, and is only counted: the rest is a fold of each stream's own order.
+    return dataclasses.replace(memory, ignored_wishes=0)
 
 
 @hsettings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -158,8 +172,6 @@ def test_retention_keeps_the_newest_then_hourly_for_a_week_then_daily() -> None:
 async def test_ctl_status_replay_says_it_skipped_a_snapshot_and_no_snapshot_folds_from_1(
     bus: Bus, settings: Settings,
 ) -> None:
-    import asyncio
-
     await fresh_streams(bus)
     await publish(bus, small_fleet())
     await _write_bad(bus, "", fold_version=FOLD_VERSION + 1)
@@ -177,16 +189,61 @@ async def test_ctl_status_replay_says_it_skipped_a_snapshot_and_no_snapshot_fold
     assert "skipped" not in outs[1][1]
 
 
-async def test_a_snapshot_from_before_the_models_history_travelled_in_it_is_completed(bus: Bus) -> None:
-    """A fold-version-1 snapshot holds no ModelHistory: the replay reads the control stream up to the
-    snapshot's position for it, and the answer is the fold from sequence 1's."""
+async def test_a_scheduler_starts_from_the_newest_snapshot_and_decides_as_one_from_sequence_1(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    """Its fold and demand memory come from the snapshot; it reads only what came after."""
+    from llmgw.scheduler_service import FOLLOWED, SchedulerService
+
     await fresh_streams(bus)
-    await publish(bus, small_fleet())
-    c = await replay(bus, use_snapshots=False)
-    blob = encode_state(c.state, c.cursor)  # no history, as the first snapshots were written
-    header = snapshots.header_for(blob, c.cursor, 10**18)
-    await bus.objects(subjects.SNAPSHOT_BUCKET).put(snapshots.object_name(header), blob,
-                                                    msgspec.json.encode(header).decode())
-    warned: list[str] = []
-    again = await replay(bus, warn=warned.append)
-    assert warned == [] and again == c and again.history.recent
+    events = small_fleet()
+    await publish(bus, events[:15])
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
+    await publish(bus, events[15:])  # after the newest snapshot
+
+    async def folded(use_snapshots: bool) -> SchedulerService:
+        svc = SchedulerService(bus, use_snapshots=use_snapshots)
+        if use_snapshots:
+            await svc.start_from_snapshot()
+        tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
+        try:
+            await until(svc._caught_up, "the scheduler's fold caught up")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return svc
+
+    from_snapshot, from_one = await folded(True), await folded(False)
+    assert from_snapshot.stats.started_from and not from_one.stats.started_from
+    assert from_snapshot.checkpoint.cursor.positions[subjects.STREAM_CONTROL] > 0  # it did skip events
+    now = events[-1].at
+    decide = [[(d.msg_id, m.encode(d.event)) for d in scheduler.decide(s.state, s.memory, now)]
+              for s in (from_snapshot, from_one)]
+    assert decide[0] == decide[1] and decide[0]  # the same, and not trivially
+    assert _demand(from_snapshot.memory) == _demand(from_one.memory)
+
+
+async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_one_from_sequence_1(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    from llmgw import planner
+    from llmgw.planner_service import PlannerService
+
+    await fresh_streams(bus)
+    events = small_fleet()
+    await publish(bus, events[:15])
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
+    await publish(bus, events[15:])
+    seen = []
+    for use in (True, False):
+        svc = PlannerService(bus, use_snapshots=use)
+        task = asyncio.create_task(svc.run())
+        try:
+            await until(svc.ready.is_set, "the planner ready")
+            seen.append((svc.started_from, planner.pools(svc.state), svc.observed, svc.state.nodes, svc.state.replicas))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert seen[0][0] and not seen[1][0]
+    assert seen[0][1:] == seen[1][1:] and seen[0][1]

@@ -1,4 +1,11 @@
-"""A fold and where its reader stood, as bytes: the projector's checkpoint row and the bus's snapshots."""
+"""A fold and where its reader stood, as bytes: the projector's checkpoint row and the bus's snapshots.
+
+Besides the fleet state, a checkpoint carries what the long-running services
+keep beyond it, folded from the same events at the same positions: the models'
+history (status), the scheduler's demand memory, and the planner's observed KV
+reservations. A service then starts from the newest snapshot and reads only
+what came after it (``fold_event`` is the one rule every reader folds by).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from llmgw import subjects
-from llmgw.fleet.fold import Cursor, FleetState
+from llmgw import messages as m
+from llmgw import planner, scheduler
+from llmgw.fleet.fold import FOLD_VERSION, Cursor, FleetState, apply, refusal
 from llmgw.fleet.history import ModelHistory
 
 
@@ -15,18 +23,21 @@ from llmgw.fleet.history import ModelHistory
 class Checkpoint:
     """The folded state, where its reader stood in each stream, and the models' history up to there.
 
-    A checkpoint written before ``history`` travelled in it decodes with an empty one
-    (position 0): whoever loads it reads the control stream up to the cursor once.
+    ``fold_version`` is stamped when it is encoded: a decoded one of an older version
+    (0: written before it was stamped) lacks the history and the services' memory, and
+    whoever resumes from it folds them again up to its cursor (``llmgw.fleet.replay``).
     """
 
     state: FleetState = field(default_factory=FleetState)
     cursor: Cursor = field(default_factory=Cursor)
     history: ModelHistory = field(default_factory=ModelHistory)
+    demand: scheduler.SchedulerMemory = field(default_factory=scheduler.SchedulerMemory)
+    observed: dict[str, int] = field(default_factory=dict)  # KV tokens by planner.observation_key
+    fold_version: int = field(default=0, compare=False)  # metadata: not part of what two folds agree on
 
-    def history_behind(self) -> int:
-        """The control-stream sequence the history must be read up to, or 0 when it is complete."""
-        folded = self.cursor.positions.get(subjects.STREAM_CONTROL, 0)
-        return folded if self.history.position < folded else 0
+    def complete(self) -> bool:
+        """Whether it carries everything this version folds (a fresh one, or one decoded from this version)."""
+        return self.fold_version == FOLD_VERSION or not any(self.cursor.positions.values())
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -34,8 +45,34 @@ _DECODER = msgspec.msgpack.Decoder(Checkpoint)
 
 
 def encode_state(state: FleetState, cursor: Cursor, history: ModelHistory | None = None) -> bytes:
-    """A state, its cursor and the models' history as bytes (msgpack)."""
-    return _ENCODER.encode(Checkpoint(state, cursor, history if history is not None else ModelHistory()))
+    """A state, its cursor and the models' history as bytes (msgpack), the services' memory empty."""
+    return encode(Checkpoint(state, cursor, history if history is not None else ModelHistory()))
+
+
+def encode(checkpoint: Checkpoint) -> bytes:
+    checkpoint.fold_version = FOLD_VERSION  # this code folded it: all of it is there
+    return _ENCODER.encode(checkpoint)
+
+
+def fold_event(c: Checkpoint, seq: int, subject: str, event: m.Event) -> bool:
+    """Fold one decoded event (times clamped) as every reader does; False when it is refused.
+
+    The services' memory sees it first, on the state before it (``scheduler.observe``'s rule).
+    """
+    if refusal(c.state, subject, event) is not None:
+        return False
+    observe(c, seq, subject, event)
+    apply(c.state, event)
+    return True
+
+
+def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
+    """The services' memory of an event not refused, before ``apply`` folds it into the state."""
+    kind = type(event)
+    if kind is not m.GpuHealthChanged:  # the most frequent fleet event: neither memory reads it
+        scheduler.observe(c.demand, event, c.state, seq, subject)
+        if kind is m.ReplicaStateChanged:
+            planner.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
 
 
 def decode_state(data: bytes) -> Checkpoint:

@@ -25,9 +25,10 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 
-# Bumped whenever apply() folds any event differently: a snapshot of the fold made by
-# another version is not resumed from (llmgw/fleet/snapshots.py), it is folded again.
-FOLD_VERSION = 1
+# Bumped whenever apply() folds any event differently, or a checkpoint carries more: a
+# snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
+# it is folded again. 2: the models' history and the services' memory travel in it.
+FOLD_VERSION = 2
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 

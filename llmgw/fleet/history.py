@@ -15,14 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING
 
 from llmgw import messages as m
-from llmgw import subjects
-from llmgw.fleet.fold import clamp_times
-
-if TYPE_CHECKING:
-    from llmgw.bus import Bus
 
 RECENT_EVENTS = 20  # per model: what ``ctl model show`` lists
 
@@ -116,27 +110,6 @@ def split_by_day(start: datetime, end: datetime) -> list[tuple[date, float]]:
         out.append((start.date(), (stop - start).total_seconds()))
         start = stop
     return out
-
-
-async def catch_up(bus: Bus, history: ModelHistory, upto: int) -> None:
-    """Note the control stream's events after ``history.position`` up to sequence ``upto``.
-
-    Only for a checkpoint written before the history travelled in it: every fold notes
-    as it goes (``note_batch``).
-    """
-    if upto <= history.position:
-        return
-    follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, history.position + 1, stop_at=upto,
-                          idle_expires_s=2.0, who="model history")
-    batches = follower.batches()
-    try:
-        async for batch in batches:
-            events = [d.event for d in batch]
-            clamp_times(events, [d.raw.ts_ns for d in batch])
-            note_batch(history, [d.raw.seq for d in batch], events)
-    finally:
-        await batches.aclose()  # type: ignore[attr-defined]
-    history.position = max(history.position, upto)
 
 
 def note_batch(history: ModelHistory, seqs: list[int], events: list[m.ControlEvent]) -> None:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import Checkpoint
-from llmgw.fleet.fold import Cursor, apply, clamp_times, refusal
-from llmgw.fleet.history import catch_up, note_batch
+from llmgw.fleet.checkpoint import Checkpoint, fold_event
+from llmgw.fleet.fold import Cursor, clamp_times
+from llmgw.fleet.history import note_batch
 from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
@@ -33,12 +33,15 @@ Progress = Callable[[int, int], None] | None
 
 async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int] | None = None,
                  streams: tuple[str, ...] = subjects.HISTORY_STREAMS, progress: Progress = None,
-                 use_snapshots: bool = True, warn: Warn | None = None) -> Checkpoint:
+                 use_snapshots: bool = True, warn: Warn | None = None,
+                 upto: dict[str, int] | None = None) -> Checkpoint:
     """The fold of ``streams`` as stored now, or as of ``at`` / right after ``at_seq`` (STREAM, SEQ).
 
     It starts from the newest fold snapshot that lies wholly before that target
     (``use_snapshots=False``: from sequence 1); ``warn`` hears why a snapshot was skipped.
-    The models' history (``ModelHistory``) comes with it, up to the same control position.
+    The models' history and the services' memory come with it (``Checkpoint``).
+    ``upto`` (stream → sequence) stops each stream there instead: a projector whose checkpoint
+    predates them folds them again up to its cursor.
     """
     at_ns = int(at.timestamp() * 1e9) if at is not None else None
     if at_seq is not None:
@@ -47,6 +50,8 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
     stops = {s: last for s, (last, _) in heads.items()}
     if at_seq is not None:
         stops[at_seq[0]] = at_seq[1]
+    if upto is not None:
+        stops = {s: min(last, upto.get(s, 0)) for s, last in stops.items()}
     # With a moment, every stream stops there; the stream --at-seq names stops at its sequence.
     cuts = {s: at_ns for s in streams if at_ns is not None and not (at_seq is not None and s == at_seq[0])}
     checkpoint = Checkpoint()
@@ -55,9 +60,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                                      warn or (lambda line: log.warning("%s", line)))
         if found is not None:
             checkpoint = found[0]
-    state, cursor, history = checkpoint.state, checkpoint.cursor, checkpoint.history
-    if behind := checkpoint.history_behind():  # a snapshot from before the history travelled in it
-        await catch_up(bus, history, behind)
+    cursor, history = checkpoint.cursor, checkpoint.history
     for stream, (_, created) in heads.items():
         if created:
             cursor.stream_created[stream] = created
@@ -90,9 +93,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                 if control:
                     note_batch(history, [d.raw.seq for d in batch], events)
                 for d, event in zip(batch, events, strict=True):
-                    if refusal(state, d.raw.subject, event) is None:
-                        apply(state, event)
-                    else:
+                    if not fold_event(checkpoint, d.raw.seq, d.raw.subject, event):
                         cursor.unprojected += 1
                     _advance(cursor, stream, d.raw)
                 done += len(batch)

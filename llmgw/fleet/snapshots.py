@@ -200,3 +200,13 @@ async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
                     return checkpoint, name
         warn(f"snapshot {name} skipped: {why}")
     return None
+
+
+async def newest(bus: Bus, who: str) -> tuple[Checkpoint, str] | None:
+    """The newest snapshot of the streams as stored now: where a service's start-up fold begins."""
+    heads = {s: await bus.stream_head(s) for s in subjects.HISTORY_STREAMS}
+    target = Target(stops={s: h[0] for s, h in heads.items()}, cut_ns={})
+    found = await load(bus, target, heads, lambda line: log.warning("%s: %s", who, line))
+    if found is not None:
+        log.info("%s: the fold starts from snapshot %s", who, found[1])
+    return found
