@@ -249,8 +249,9 @@ async def main(args: argparse.Namespace) -> None:
         live = Projector(bus, store)
         task = asyncio.create_task(live.run_forever())
         req = m.encode(m.StatusRequest())
-        # The first answer after a start also reads the control stream's history once (model list/show):
-        # timed on its own, then the steady state.
+        # The first answer after a start (the projector resumes from its checkpoint, the models'
+        # history in it; before fold version 2 it read the control stream's history once): timed on
+        # its own, then the steady state.
         t = time.perf_counter()
         first = await bus.request(subjects.STATUS, m.encode(m.StatusRequest(wait_s=30)), timeout=40)
         first_s = time.perf_counter() - t
@@ -277,7 +278,7 @@ async def main(args: argparse.Namespace) -> None:
         lat.sort()
         print(f"status:    service {statistics.median(lat):.1f} ms median, {lat[int(len(lat) * 0.95) - 1]:.1f} ms p95 "
               f"({args.status_runs} requests); `llmgw ctl status` end to end {statistics.median(cli):.0f} ms median; "
-              f"the first answer after the projector started (reads the control stream's history once) {first_s:.2f}s")
+              f"the first answer after the projector started {first_s:.2f}s")
         await bus.close()
     finally:
         if server is not None:

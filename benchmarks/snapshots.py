@@ -148,6 +148,15 @@ async def publish_and_project(bus: Bus, work: Path, args: argparse.Namespace) ->
 
 async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> None:
     folded = sum([await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS])
+    if "ctl" in args.parts:
+        await measure_ctl(bus, url, args)
+    if "startup" in args.parts:
+        await measure_startup(bus, args)
+    if "projector" in args.parts and args.rounds:
+        await measure_projector(bus, work, folded, args)
+
+
+async def measure_ctl(bus: Bus, url: str, args: argparse.Namespace) -> None:
     lo, hi = await stored_range(bus)
     print("\nctl status (a new process each run; median of --runs)")
     print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")
@@ -168,7 +177,10 @@ async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> N
         (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
         print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
 
-    # The services' start-up folds: from the newest snapshot, and from sequence 1 beside it.
+
+
+async def measure_startup(bus: Bus, args: argparse.Namespace) -> None:
+    """The services' start-up folds: from the newest snapshot, and from sequence 1 beside it."""
     from llmgw.planner_service import PlannerService
     from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
@@ -199,8 +211,9 @@ async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> N
         print(f"{'from snapshot' if use else 'from sequence 1':<16} scheduler {statistics.median(sched_s):6.2f} s "
               f"({read:,} events read)   planner {statistics.median(plan_s):6.2f} s")
 
-    if not args.rounds:
-        return
+
+
+async def measure_projector(bus: Bus, work: Path, folded: int, args: argparse.Namespace) -> None:
     print("\nprojector from zero, alternating (median of --rounds each)")
     with_s, without_s = [], []
     for _ in range(args.rounds):
@@ -218,5 +231,6 @@ if __name__ == "__main__":
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir")
+    p.add_argument("--parts", default="ctl,startup,projector", help="what to measure (comma-separated)")
     p.add_argument("--store", help="keep the server's store here; when it exists, measure on it without publishing")
     asyncio.run(main(p.parse_args()))

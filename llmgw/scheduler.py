@@ -109,10 +109,7 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
     """
     match event:
         case m.IdleMapPublished():
-            if subject and not subjects.usage_speaks_for(subject, event.router):
-                memory.refused_claims += 1
-                return memory
-            _observe_load(memory, event)
+            observe_idle_map(memory, event, subject)
         case m.ModelWanted():
             if subject and not subjects.usage_speaks_for(subject, event.router):
                 memory.refused_claims += 1
@@ -163,16 +160,22 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
     return memory
 
 
-def _observe_load(memory: SchedulerMemory, event: m.IdleMapPublished) -> None:
-    stale = max(STALE_TICKS * event.tick_s, STALE_MIN_S)
-    memory.routers[event.router] = RouterLoad(event.at, stale, event.load, event.busy)
-    # A router that stopped reporting (stopped, cut off) must not hold its last load forever.
-    for name in [n for n, r in memory.routers.items() if (event.at - r.at).total_seconds() > r.stale_after_s]:
-        del memory.routers[name]
-    totals: dict[str, int] = defaultdict(int)
-    for r in memory.routers.values():
-        for model, load in r.load.items():
-            totals[model] += load.in_flight + load.queued
+def observe_idle_map(memory: SchedulerMemory, event: m.IdleMapPublished, subject: str = "") -> None:
+    """``observe`` of an idle map: a router's demand report (every fold runs it for most of the usage stream)."""
+    if subject and not subjects.usage_speaks_for(subject, event.router):
+        memory.refused_claims += 1
+        return
+    routers, at = memory.routers, event.at
+    routers[event.router] = RouterLoad(at, max(STALE_TICKS * event.tick_s, STALE_MIN_S), event.load, event.busy)
+    if len(routers) > 1:
+        # A router that stopped reporting (stopped, cut off) must not hold its last load forever.
+        for name in [n for n, r in routers.items() if (at - r.at).total_seconds() > r.stale_after_s]:
+            del routers[name]
+    totals: dict[str, int] = {}
+    for r in routers.values():
+        if r.load:
+            for model, load in r.load.items():
+                totals[model] = totals.get(model, 0) + load.in_flight + load.queued
     for model, total in totals.items():
         window = memory.samples.setdefault(model, [])
         window.append((event.control_seq, total))

@@ -361,7 +361,11 @@ class Store:
         deadline = time.monotonic() + lock_wait_s
         while True:
             try:
-                return duckdb.connect(self.path)
+                con = duckdb.connect(self.path)
+                # No progress bar: DuckDB draws one on the terminal for a statement that runs over
+                # 2 s (a large commit, the analysts' snapshot copy), in the projector's logs.
+                con.execute("SET enable_progress_bar = false")
+                return con
             except duckdb.IOException as e:
                 if "lock" not in str(e).lower() or time.monotonic() >= deadline:
                     raise
@@ -533,6 +537,7 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
     """
     try:
         con = duckdb.connect(str(source), read_only=True)
+        con.execute("SET enable_progress_bar = false")
     except duckdb.IOException as e:
         if "lock" in str(e).lower():
             raise DatabaseHeldError(f"{source} is held by another process: {e}") from e

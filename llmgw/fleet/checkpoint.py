@@ -69,10 +69,15 @@ def fold_event(c: Checkpoint, seq: int, subject: str, event: m.Event) -> bool:
 def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
     """The services' memory of an event not refused, before ``apply`` folds it into the state."""
     kind = type(event)
-    if kind is not m.GpuHealthChanged:  # the most frequent fleet event: neither memory reads it
+    if kind is _IDLE_MAP:  # most of the usage stream, so the most frequent: straight to its case
+        scheduler.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
+    elif kind is not _HEALTH:  # the most frequent fleet event: neither memory reads it
         scheduler.observe(c.demand, event, c.state, seq, subject)
         if kind is m.ReplicaStateChanged:
             planner.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
+
+
+_IDLE_MAP, _HEALTH = m.IdleMapPublished, m.GpuHealthChanged
 
 
 def decode_state(data: bytes) -> Checkpoint:
