@@ -237,14 +237,17 @@ class Projector:
         for raw, event in zip(msgs, decoded, strict=True):
             why = None
             if not isinstance(event, Exception):
-                # Clamped whether or not it is refused, as a replay clamps its whole batch.
-                one = [event]
-                if clamp_times(one, [raw.ts_ns]):
-                    self._clamped(stream, 1)
-                    event = one[0]
-                if control:
-                    self.history.note(raw.seq, event)
-                why = refusal(state, raw.subject, event)
+                # As every reader (bus.follow): a subject its payload disagrees with is refused
+                # first; anything else is clamped and noted, then asked whether its node speaks for it.
+                why = subjects.disagrees(raw.subject, event)
+                if why is None:
+                    one = [event]
+                    if clamp_times(one, [raw.ts_ns]):
+                        self._clamped(stream, 1)
+                        event = one[0]
+                    if control:
+                        self.history.note(raw.seq, event)
+                    why = refusal(state, raw.subject, event)
             if isinstance(event, Exception) or why is not None:
                 what = "cannot be decoded" if why is None else "refused"
                 log.warning("%s:%d (%s) %s, kept in unprojected_events: %s", stream, raw.seq, raw.subject, what, why or event)

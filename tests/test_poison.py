@@ -284,3 +284,20 @@ def test_small_fleet_still_folds_the_same() -> None:
     """The bounds refuse nothing the project itself publishes."""
     for e in small_fleet():
         assert m.decode_event(m.encode(e)) == e
+
+
+async def test_a_forged_event_dated_far_off_is_refused_before_it_is_clamped_by_every_reader(
+    bus: Bus, duckdb_path: Path,
+) -> None:
+    """Seen in the poison fault test: the projector counted a refused event's clamp, a replay did not
+    (its follower refuses a subject the payload disagrees with before anything else): 6 != 4."""
+    now = datetime.now(UTC)
+    await bus.publish(inventory("n1", "ib-a", 2, now))
+    forged = m.NodeLost(at=datetime(1, 1, 1, tzinfo=UTC), node="n1")  # names n1, stored under n2's subject
+    await bus.publish_bytes(subjects.fleet("n2", "lost"), m.encode(forged), "forged-1")
+    await bus.publish(m.NodeLost(at=datetime(1, 1, 1, tzinfo=UTC), node="n2"))  # clamped, folded
+    cp = await Projector(bus, Store(duckdb_path)).run_once()
+    report = status_report.report(cp.state, None, 1800, cp.cursor)
+    assert (report.clamped_events, report.unprojected_events) == (1, 1)
+    c = await replay(bus)
+    assert status_report.report(c.state, None, 1800, c.cursor) == report
