@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 COOKIE = "llmgw_key"
 MAX_CLIENTS = 256  # open pages at once; past it a page is refused (503), not served slowly
 MIN_GAP_S = 0.5  # between two status requests, however many events arrive
+FIRST_EVENTS_WAIT_S = 2.0  # the first page waits at most this long for the latest events to be read
 SECTIONS = ("conn", "summary", "capacity", "fabrics", "models", "gpus", "events")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 SECURITY_HEADERS = {
@@ -340,6 +341,8 @@ class Dashboard:
         self._refresh_lock = asyncio.Lock()
         self._last_refresh = -1e9
         self._poke = asyncio.Event()  # a fleet or control event arrived: ask again soon
+        self._tailing = 0  # streams whose latest events are not read yet; the first page waits for them
+        self._tailed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
 
@@ -385,15 +388,20 @@ class Dashboard:
         """The last events of a history stream, then every new one; a bus outage is waited out."""
         start: int | None = None
         delay = 0.5
+        caught_up = False
         while True:
             try:
                 if start is None:
                     last = await self.bus.stream_last_seq(stream)
                     start = max(1, last - self.max_events + 1)
+                    if last == 0:
+                        caught_up = self._caught_up(stream)
                 follower = self.bus.follow(stream, decoder, start, who="dashboard")
                 try:
                     async for batch in follower.batches():
                         self._keep(d.event for d in batch)
+                        if not caught_up and follower.last_seq >= last:
+                            caught_up = self._caught_up(stream)
                         delay = 0.5
                         if self.clients:
                             self._poke.set()  # the fleet changed: what status says has too
@@ -404,6 +412,12 @@ class Dashboard:
                 log.warning("dashboard: reading %s: %s; again in %.1fs", stream, e, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    def _caught_up(self, stream: str) -> bool:
+        self._tailing -= 1
+        if self._tailing <= 0:
+            self._tailed.set()
+        return True
 
     async def _poll(self) -> None:
         while True:
@@ -451,6 +465,11 @@ class Dashboard:
         return resp
 
     async def _index(self, request: web.Request) -> web.Response:
+        # The first page right after a start: not "no events yet" while the latest are being read.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_EVENTS_WAIT_S):
+                await self._tailed.wait()
+        self._tailed.set()  # only the first page ever waits (a bus away at start must not slow every page)
         if not self.clients:  # nobody polls while no page is open: ask now
             await self.refresh()
         return web.Response(text=page(self.sections), content_type="text/html", headers={"Cache-Control": "no-store"})
@@ -527,6 +546,7 @@ class Dashboard:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Follow the streams, ask the projector, listen; returns the page's URL."""
+        self._tailing = 2
         self._tasks = [asyncio.create_task(self._tail(subjects.STREAM_FLEET, m.FLEET_DECODER), name="dash-fleet"),
                        asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
                        asyncio.create_task(self._poll(), name="dash-poll")]
