@@ -25,6 +25,7 @@ from llmgw.config import Settings
 from llmgw.fleet import snapshots
 from llmgw.fleet.checkpoint import encode_state
 from llmgw.fleet.fold import FOLD_VERSION
+from llmgw.fleet.pool import Pool
 from llmgw.fleet.replay import replay
 from llmgw.fleet.status import idle_rows, report
 from llmgw.projections.runner import Projector
@@ -59,7 +60,7 @@ async def both_ways(bus: Bus, **target: object) -> tuple[bytes, bytes]:
         decisions = [(d.msg_id, m.encode(d.event)) for d in scheduler.decide(c.state, c.demand, now or T_NONE)]
         out.append(m.encode(report(c.state, now, 60.0, c.cursor, history=c.history, replicas=True))
                    + msgspec.json.encode(idle_rows(c.state, now))
-                   + msgspec.msgpack.encode([c.history, decisions, c.observed, _demand(c.demand)]))
+                   + msgspec.msgpack.encode([c.history, decisions, c.observed, _demand(c.demand), pool_view(c.pool)]))
     return out[0], out[1]
 
 
@@ -67,6 +68,14 @@ def _demand(memory: scheduler.SchedulerMemory) -> scheduler.SchedulerMemory:
     # How many wishes named a model not (yet) declared depends on how the streams interleave
     # as they are read, and is only counted: the rest is a fold of each stream's own order.
     return dataclasses.replace(memory, ignored_wishes=0)
+
+
+def pool_view(pool: Pool) -> tuple[object, ...]:
+    """A router's pool as values (its Replica objects compare by identity)."""
+    reps = sorted((r.replica_id, r.model, r.state, r.endpoint, r.in_pool, r.nodes, sorted(r.parts.items()))
+                  for r in pool.replicas.values())
+    healthy = sorted((model, sorted(r.replica_id for r in reps_)) for model, reps_ in pool.healthy.items())
+    return reps, healthy, sorted(pool.known_models), sorted(pool.declared.items()), pool.refused
 
 
 @hsettings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -247,3 +256,29 @@ async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_o
             await asyncio.gather(task, return_exceptions=True)
     assert seen[0][0] and not seen[1][0]
     assert seen[0][1:] == seen[1][1:] and seen[0][1]
+
+
+async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_from_sequence_1(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    from llmgw.endpoints import EndpointSink
+
+    await fresh_streams(bus)
+    events = small_fleet()
+    await publish(bus, events[:16])  # a replica healthy before the snapshot
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
+    await publish(bus, events[16:])
+    seen = []
+    for use in (True, False):
+        sink = EndpointSink(bus, use_snapshots=use)
+        task = asyncio.create_task(sink.run())
+        try:
+            await until(sink.caught_up.is_set, "the router's pool caught up")
+            seen.append((sink.started_from, pool_view(sink.pool), {r.replica_id: r.pooled_at > 0 for r in
+                                                                   sink.pool.replicas.values() if r.in_pool}))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert seen[0][0] and not seen[1][0]
+    assert seen[0][1] == seen[1][1] and seen[0][1][1]  # the same pool, with healthy replicas in it
+    assert all(seen[0][2].values())  # pooled by this router now, not at 0

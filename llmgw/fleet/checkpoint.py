@@ -2,13 +2,14 @@
 
 Besides the fleet state, a checkpoint carries what the long-running services
 keep beyond it, folded from the same events at the same positions: the models'
-history (status), the scheduler's demand memory, and the planner's observed KV
-reservations. A service then starts from the newest snapshot and reads only
+history (status), the scheduler's demand memory, the planner's observed KV
+reservations and the routers' pool. A service then starts from the newest snapshot and reads only
 what came after it (``fold_event`` is the one rule every reader folds by).
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 import msgspec
@@ -17,6 +18,7 @@ from llmgw import messages as m
 from llmgw import planner, scheduler
 from llmgw.fleet.fold import FOLD_VERSION, Cursor, FleetState, apply, refusal
 from llmgw.fleet.history import ModelHistory
+from llmgw.fleet.pool import Pool
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Checkpoint:
     history: ModelHistory = field(default_factory=ModelHistory)
     demand: scheduler.SchedulerMemory = field(default_factory=scheduler.SchedulerMemory)
     observed: dict[str, int] = field(default_factory=dict)  # KV tokens by planner.observation_key
+    pool: Pool = field(default_factory=Pool)  # the routers' (pooled_at 0: a router stamps its own start)
     fold_version: int = field(default=0, compare=False)  # metadata: not part of what two folds agree on
 
     def complete(self) -> bool:
@@ -71,13 +74,16 @@ def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
     kind = type(event)
     if kind is _IDLE_MAP:  # most of the usage stream, so the most frequent: straight to its case
         scheduler.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
-    elif kind is not _HEALTH:  # the most frequent fleet event: neither memory reads it
+    elif kind is not _HEALTH:  # the most frequent fleet event: no memory reads it
         scheduler.observe(c.demand, event, c.state, seq, subject)
         if kind is m.ReplicaStateChanged:
             planner.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
+        if kind in _CONTROL:
+            c.pool.apply(event, 0.0)  # type: ignore[arg-type]
 
 
 _IDLE_MAP, _HEALTH = m.IdleMapPublished, m.GpuHealthChanged
+_CONTROL = frozenset(typing.get_args(m.ControlEvent))
 
 
 def decode_state(data: bytes) -> Checkpoint:

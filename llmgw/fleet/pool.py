@@ -1,0 +1,173 @@
+"""The router's pool: which replicas may take traffic, folded from the control stream.
+
+A pure fold (``Pool.apply``) kept here with the other folds of the fleet core, so
+that every reader (the projector, a replay) folds it too and a fold snapshot
+carries it: a router restarts from the newest snapshot (``EndpointSink``) rather
+than from the control stream's first sequence. Only a placed replica whose latest
+state, reported by a node it was placed on, is ``healthy`` with an endpoint is in
+the pool; unhealthy, failed, stopping or stopped leaves it at once. The pool also
+carries the outstanding-request counts that the router's acquire uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw import messages as m
+from llmgw.fleet.fold import model_state, part_state, speaks_for
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica as the router sees it: where it is, how it is, how busy it is."""
+
+    replica_id: str
+    model: str
+    state: str = "placed"
+    endpoint: str = ""
+    outstanding: int = 0
+    in_pool: bool = False
+    # Wall clock when this router put the replica in its pool (for serving_since).
+    pooled_at: float = 0.0
+    # Over several nodes: each node's part; routable only when every part is healthy.
+    nodes: tuple[str, ...] = ()
+    parts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Declared:
+    """A declared model as the router needs it: can a request wake it, or why not."""
+
+    replicas_wanted: int
+    replicas_by: str = "declared"  # declared | operator | autoscaler
+    unplaceable: str | None = None
+
+
+@dataclass
+class Pool:
+    """Replicas by id and the healthy ones by model; mutated only by the sink."""
+
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    healthy: dict[str, list[Replica]] = field(default_factory=dict)
+    # Models anyone declared or placed: "no such model" (404) differs from
+    # "no healthy replica right now" (503).
+    known_models: set[str] = field(default_factory=set)
+    declared: dict[str, Declared] = field(default_factory=dict)
+    # State reports for a replica from a node it was not placed on: counted, never routed to.
+    refused: int = 0
+
+    def models(self) -> list[str]:
+        """Models with at least one healthy replica."""
+        return sorted(name for name, reps in self.healthy.items() if reps)
+
+    def model_state(self, name: str) -> str:
+        """serving, starting, parked, unplaceable, stopped, or unknown (placed by no declaration we saw).
+
+        The same states as ``FleetState.model_states``, from this router's view.
+        """
+        healthy = bool(self.healthy.get(name))
+        placed = healthy or any(r.model == name for r in self.replicas.values())
+        d = self.declared.get(name)
+        if d is None:
+            return "serving" if healthy else "starting" if placed else "unknown"
+        return model_state(healthy=healthy, placed=placed, replicas_wanted=d.replicas_wanted,
+                           replicas_by=d.replicas_by, unplaceable=d.unplaceable)
+
+    def listed(self) -> dict[str, str]:
+        """Every model a request can reach or wake, with its state (stopped ones are not listed)."""
+        names = set(self.declared) | {n for n, reps in self.healthy.items() if reps}
+        states = {n: self.model_state(n) for n in sorted(names)}
+        return {n: st for n, st in states.items() if st != "stopped"}
+
+    def states(self) -> dict[str, int]:
+        """How many replicas are in each state."""
+        out: dict[str, int] = {}
+        for r in self.replicas.values():
+            out[r.state] = out.get(r.state, 0) + 1
+        return out
+
+    def _enter(self, rep: Replica, now: float) -> None:
+        if not rep.in_pool:
+            rep.in_pool, rep.pooled_at = True, now
+            self.healthy.setdefault(rep.model, []).append(rep)
+
+    def _leave(self, rep: Replica) -> None:
+        if rep.in_pool:
+            rep.in_pool = False
+            reps = self.healthy.get(rep.model, [])
+            if rep in reps:
+                reps.remove(rep)
+            if not reps:
+                self.healthy.pop(rep.model, None)
+
+    def apply(self, event: m.ControlEvent, now: float) -> bool:
+        """Fold one control event; True when the pool changed. ``now`` is the router's wall clock."""
+        match event:
+            case m.ModelDeclared(spec=spec):
+                self.known_models.add(spec.name)
+                self.declared[spec.name] = Declared(spec.replicas)
+                return True
+            case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
+                d = self.declared.get(name)
+                if d is not None:
+                    d.replicas_wanted, d.replicas_by = n, "operator" if type(event) is m.ModelScaled else "autoscaler"
+                    return True
+            case m.ModelUnplaceable(name=name, reason=reason):
+                d = self.declared.get(name)
+                if d is not None:
+                    d.unplaceable = reason
+                    return True
+            case m.ModelRemoved(name=name):
+                self.declared.pop(name, None)
+                if not any(r.model == name for r in self.replicas.values()):
+                    self.known_models.discard(name)
+                return True
+            case m.ReplicaPlaced(replica_id=rid, model=model):
+                self.known_models.add(model)
+                if (d := self.declared.get(model)) is not None:
+                    d.unplaceable = None
+                if rid not in self.replicas:
+                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes)
+                return True
+            case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
+                rep = self.replicas.get(rid)
+                if rep is None:
+                    return False  # never placed, or stopped already: no agent's word makes it routable
+                if speaks_for(rep.nodes, event) is not None:
+                    self.refused += 1  # only the replica's own nodes speak for it, "stopped" included
+                    return False
+                if state == "stopped":
+                    self._leave(rep)
+                    del self.replicas[rid]
+                    return True
+                was = (rep.in_pool, rep.endpoint)
+                whole: str = state
+                if len(rep.nodes) > 1:
+                    rep.parts[event.node] = state
+                    whole = part_state(rep.nodes, rep.parts)
+                    if event.node != rep.nodes[0]:
+                        endpoint = ""  # only the head serves; a worker's report never moves the endpoint
+                rep.state = whole
+                if endpoint:
+                    rep.endpoint = endpoint.rstrip("/")
+                if whole == "healthy" and rep.endpoint:
+                    if rep.in_pool and was[1] != rep.endpoint:
+                        self._leave(rep)  # moved: count it as new from now
+                    self._enter(rep, now)
+                else:
+                    self._leave(rep)
+                return was != (rep.in_pool, rep.endpoint)
+            case m.ReplicaStopped(replica_id=rid):
+                gone = self.replicas.pop(rid, None)
+                if gone is not None:
+                    self._leave(gone)
+                    return True
+        return False
+
+    def __post_init__(self) -> None:
+        # Decoded from a snapshot: ``healthy`` must hold the very Replica objects of ``replicas``.
+        if self.replicas and any(r.in_pool for r in self.replicas.values()):
+            self.healthy = {}
+            for rep in self.replicas.values():
+                if rep.in_pool:
+                    self.healthy.setdefault(rep.model, []).append(rep)
