@@ -181,12 +181,13 @@ async def measure_ctl(bus: Bus, url: str, args: argparse.Namespace) -> None:
 
 async def measure_startup(bus: Bus, args: argparse.Namespace) -> None:
     """The services' start-up folds: from the newest snapshot, and from sequence 1 beside it."""
+    from llmgw.endpoints import EndpointSink
     from llmgw.planner_service import PlannerService
     from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
     print("\nstart-up fold (in this process; median of --runs)")
     for use in (True, False):
-        sched_s, plan_s = [], []
+        sched_s, plan_s, route_s = [], [], []
         for _ in range(args.runs):
             svc = SchedulerService(bus, use_snapshots=use)
             start = time.perf_counter()
@@ -207,9 +208,17 @@ async def measure_startup(bus: Bus, args: argparse.Namespace) -> None:
             plan_s.append(time.perf_counter() - start)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            sink = EndpointSink(bus, use_snapshots=use)
+            start = time.perf_counter()
+            task = asyncio.create_task(sink.run())
+            await sink.caught_up.wait()
+            route_s.append(time.perf_counter() - start)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         read = sum(lasts[s] - (svc.checkpoint.cursor.positions.get(s, 0) if use else 0) for s in FOLLOWED)
         print(f"{'from snapshot' if use else 'from sequence 1':<16} scheduler {statistics.median(sched_s):6.2f} s "
-              f"({read:,} events read)   planner {statistics.median(plan_s):6.2f} s")
+              f"({read:,} events read)   planner {statistics.median(plan_s):6.2f} s   "
+              f"router {statistics.median(route_s):6.2f} s")
 
 
 

@@ -51,7 +51,7 @@ class EndpointSink:
 
     async def start_from_snapshot(self) -> None:
         """Take the pool of the newest fold snapshot as the pool so far (none: sequence 1)."""
-        found = await snapshots.newest(self.bus, "router")
+        found = await snapshots.newest(self.bus, "router", (subjects.STREAM_CONTROL,))
         if found is None:
             return
         c, self.started_from = found

@@ -87,7 +87,7 @@ class PlannerService:
 
     async def start_from_snapshot(self) -> None:
         """Take the newest fold snapshot as the fold so far (none: sequence 1)."""
-        found = await snapshots.newest(self.bus, "planner")
+        found = await snapshots.newest(self.bus, "planner", tuple(s for s, _ in _FOLLOWED))
         if found is not None:
             c, self.started_from = found
             self.state, self.observed = c.state, c.observed

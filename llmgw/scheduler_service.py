@@ -134,7 +134,7 @@ class SchedulerService:
 
     async def start_from_snapshot(self) -> None:
         """Take the newest fold snapshot of every followed stream as the fold so far (none: sequence 1)."""
-        found = await snapshots.newest(self.bus, f"scheduler {self.name}")
+        found = await snapshots.newest(self.bus, f"scheduler {self.name}", FOLLOWED)
         if found is None:
             return
         self.checkpoint, self.stats.started_from = found

@@ -164,6 +164,18 @@ class Pool:
                     return True
         return False
 
+    def __eq__(self, other: object) -> bool:
+        # By value (a Replica compares by identity, for the router's acquire): two folds agree.
+        if not isinstance(other, Pool):
+            return NotImplemented
+        return self._view() == other._view()
+
+    def _view(self) -> tuple[object, ...]:
+        reps = {rid: (r.model, r.state, r.endpoint, r.in_pool, r.nodes, r.parts, r.outstanding, r.pooled_at)
+                for rid, r in self.replicas.items()}
+        healthy = {model: sorted(r.replica_id for r in reps_) for model, reps_ in self.healthy.items()}
+        return reps, healthy, self.known_models, self.declared, self.refused
+
     def __post_init__(self) -> None:
         # Decoded from a snapshot: ``healthy`` must hold the very Replica objects of ``replicas``.
         if self.replicas and any(r.in_pool for r in self.replicas.values()):

@@ -149,7 +149,9 @@ def _why_not(header: Header, blob: bytes | None, heads: dict[str, tuple[int, str
     if header.fold_version != FOLD_VERSION:
         return f"fold version {header.fold_version}, this folds with {FOLD_VERSION}"
     for stream, seq in header.positions.items():
-        last, created = heads.get(stream, (0, ""))
+        if stream not in heads:
+            continue  # a stream this reader does not follow (nor may read, under nats.conf): not its to check
+        last, created = heads[stream]
         known = header.stream_created.get(stream)
         if known and created and known != created:
             return f"{stream} was created at {created}, the snapshot's at {known} (declared again)"
@@ -202,10 +204,16 @@ async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
     return None
 
 
-async def newest(bus: Bus, who: str) -> tuple[Checkpoint, str] | None:
-    """The newest snapshot of the streams as stored now: where a service's start-up fold begins."""
-    heads = {s: await bus.stream_head(s) for s in subjects.HISTORY_STREAMS}
-    target = Target(stops={s: h[0] for s, h in heads.items()}, cut_ns={})
+async def newest(bus: Bus, who: str, streams: tuple[str, ...] = subjects.HISTORY_STREAMS,
+                 ) -> tuple[Checkpoint, str] | None:
+    """The newest snapshot of ``streams`` as stored now: where a service's start-up fold begins.
+
+    Only the streams the service follows are checked (a router may not even ask about the
+    fleet stream); what the snapshot folded of the others is not the service's to use.
+    """
+    heads = {s: await bus.stream_head(s) for s in streams}
+    unread = {s: 2**63 for s in subjects.HISTORY_STREAMS if s not in heads}
+    target = Target(stops={**{s: h[0] for s, h in heads.items()}, **unread}, cut_ns={})
     found = await load(bus, target, heads, lambda line: log.warning("%s: %s", who, line))
     if found is not None:
         log.info("%s: the fold starts from snapshot %s", who, found[1])
