@@ -22,6 +22,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError
+from llmgw.fleet import snapshots
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ class HeartbeatMonitor:
         timeout_s: float = 60.0,
         check_every_s: float | None = None,
         now: Callable[[], datetime] = m.utcnow,
+        use_snapshots: bool = True,
     ) -> None:
         self.bus = bus
+        self.use_snapshots = use_snapshots
+        self.started_from = ""  # the fold snapshot the lost nodes came from, or "" (the fleet stream from 1)
         self.timeout_s = timeout_s
         self.check_every_s = check_every_s or min(max(timeout_s / 10, 0.1), 5.0)
         self._now = now
@@ -73,12 +77,21 @@ class HeartbeatMonitor:
     # --- what the fleet stream already says -------------------------------------------
 
     async def _load_lost(self) -> None:
-        """Which nodes are lost now, per the NodeLost/NodeReturned already stored."""
+        """Which nodes are lost now, per the NodeLost/NodeReturned already stored (from the newest
+        fold snapshot's, then the fleet stream after it)."""
         last = await self.bus.stream_last_seq(subjects.STREAM_FLEET)
         if last == 0:
             return
+        start = 1
+        found = await snapshots.newest(self.bus, "liveness", (subjects.STREAM_FLEET,)) if self.use_snapshots else None
+        if found is not None:
+            c, self.started_from = found
+            self.lost = {node: _Lost(key="", stream_seq=seq) for node, seq in c.lost_at_seq.items()}
+            start = c.cursor.positions.get(subjects.STREAM_FLEET, 0) + 1
+            if start > last:
+                return
         # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
-        follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, stop_at=last, idle_expires_s=2.0,
+        follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, start, stop_at=last, idle_expires_s=2.0,
                                    who="liveness", keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned"),
                                    on_skip=self._skipped)
         async for batch in follower.batches():

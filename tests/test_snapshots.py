@@ -47,20 +47,20 @@ async def project(bus: Bus, path: Path, every: int) -> int:
 
 
 async def both_ways(bus: Bus, **target: object) -> tuple[bytes, bytes]:
-    """The status report and idle rows of a fold from the newest fitting snapshot and from sequence 1."""
+    """What every reader takes from a fold, from the newest fitting snapshot and from sequence 1: the status
+    report (with the models' history), idle rows, the scheduler's decisions and demand memory, the planner's
+    observed reservations, the routers' pool and the liveness monitor's lost nodes."""
     out = []
     for use in (True, False):
         warned: list[str] = []
         c = await replay(bus, use_snapshots=use, warn=warned.append, **target)  # type: ignore[arg-type]
         assert warned == [], warned
         now = c.state.as_of
-        # The models' history (their latest events, stopped replicas' GPU-hours) travels in the snapshot too.
-        # And what the scheduler would decide on it (its demand memory travels too), and the planner's
-        # observed reservations.
         decisions = [(d.msg_id, m.encode(d.event)) for d in scheduler.decide(c.state, c.demand, now or T_NONE)]
         out.append(m.encode(report(c.state, now, 60.0, c.cursor, history=c.history, replicas=True))
                    + msgspec.json.encode(idle_rows(c.state, now))
-                   + msgspec.msgpack.encode([c.history, decisions, c.observed, _demand(c.demand), pool_view(c.pool)]))
+                   + msgspec.msgpack.encode([c.history, decisions, c.observed, _demand(c.demand), pool_view(c.pool),
+                                           c.lost_at_seq]))
     return out[0], out[1]
 
 
@@ -282,3 +282,24 @@ async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_fro
     assert seen[0][0] and not seen[1][0]
     assert seen[0][1] == seen[1][1] and seen[0][1][1]  # the same pool, with healthy replicas in it
     assert all(seen[0][2].values())  # pooled by this router now, not at 0
+
+
+async def test_a_liveness_monitor_starts_from_the_newest_snapshot_with_the_lost_nodes_of_one_from_1(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    from llmgw.liveness import HeartbeatMonitor
+
+    await fresh_streams(bus)
+    events = small_fleet()  # n5 is lost in it
+    at = events[-1].at
+    await publish(bus, [*events, m.NodeLost(at=at, node="n2"), m.NodeLost(at=at, node="n3"),
+                        m.NodeReturned(at=at, node="n3")])
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
+    await publish(bus, [m.NodeLost(at=at, node="n4"), m.NodeReturned(at=at, node="n2")])  # after the snapshot
+    seen = []
+    for use in (True, False):
+        monitor = HeartbeatMonitor(bus, use_snapshots=use)
+        await monitor._load_lost()
+        seen.append((monitor.started_from, {n: x.stream_seq for n, x in monitor.lost.items()}))
+    assert seen[0][0] and not seen[1][0]
+    assert seen[0][1] == seen[1][1] and set(seen[0][1]) == {"n5", "n4"}

@@ -3,7 +3,7 @@
 Besides the fleet state, a checkpoint carries what the long-running services
 keep beyond it, folded from the same events at the same positions: the models'
 history (status), the scheduler's demand memory, the planner's observed KV
-reservations and the routers' pool. A service then starts from the newest snapshot and reads only
+reservations, the routers' pool and the liveness monitor's lost nodes. A service then starts from the newest snapshot and reads only
 what came after it (``fold_event`` is the one rule every reader folds by).
 """
 
@@ -36,6 +36,9 @@ class Checkpoint:
     demand: scheduler.SchedulerMemory = field(default_factory=scheduler.SchedulerMemory)
     observed: dict[str, int] = field(default_factory=dict)  # KV tokens by planner.observation_key
     pool: Pool = field(default_factory=Pool)  # the routers' (pooled_at 0: a router stamps its own start)
+    # The liveness monitor's: each node lost and not returned, and where its NodeLost is stored in the
+    # fleet stream (NodeReturned's msg id answers it). A node's inventory does not clear it here.
+    lost_at_seq: dict[str, int] = field(default_factory=dict)
     fold_version: int = field(default=0, compare=False)  # metadata: not part of what two folds agree on
 
     def complete(self) -> bool:
@@ -74,6 +77,10 @@ def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
     kind = type(event)
     if kind is _IDLE_MAP:  # most of the usage stream, so the most frequent: straight to its case
         scheduler.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
+    elif kind is m.NodeLost:
+        c.lost_at_seq[event.node] = seq  # type: ignore[attr-defined]
+    elif kind is m.NodeReturned:
+        c.lost_at_seq.pop(event.node, None)  # type: ignore[attr-defined]
     elif kind is not _HEALTH:  # the most frequent fleet event: no memory reads it
         scheduler.observe(c.demand, event, c.state, seq, subject)
         if kind is m.ReplicaStateChanged:
