@@ -75,7 +75,9 @@ class SchedulerMemory:
     placed: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     failed_at: dict[str, datetime] = field(default_factory=dict)
-    idle_stops: dict[str, set[int]] = field(default_factory=dict)
+    # Ascending (control order), not sets: a checkpoint's bytes must not depend on how the usage
+    # and control streams interleaved as they were read.
+    idle_stops: dict[str, list[int]] = field(default_factory=dict)
     last_idle_stop: dict[str, int] = field(default_factory=dict)
     wished: dict[str, Wish] = field(default_factory=dict)
     # The control sequence of the autoscaler's latest scale to zero, per model.
@@ -86,8 +88,11 @@ class SchedulerMemory:
     # router map, newest last; and the control sequence of its count's last change.
     samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # the last DOWN_SAMPLES
     count_changed_at: dict[str, int] = field(default_factory=dict)
-    ignored_wishes: int = 0
     refused_claims: int = 0
+    # Wishes for a model not declared when they were read: this reader's counter, not part of the
+    # fold (it depends on how the usage and control streams interleaved as read), so not a field
+    # and never in a checkpoint.
+    ignored_wishes = 0
 
     def parked(self, model: str) -> int:
         return len(self.idle_stops.get(model, ()))
@@ -123,7 +128,7 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
                 memory.wished[event.model] = Wish(event.control_seq, event.router, event.waiting)
                 stops = memory.idle_stops.get(event.model)
                 if stops:
-                    memory.idle_stops[event.model] = {x for x in stops if x > event.control_seq}
+                    memory.idle_stops[event.model] = [x for x in stops if x > event.control_seq]
         case m.ModelDeclared(spec=spec):
             memory._forget(spec.name)
             memory.count_changed_at[spec.name] = seq
@@ -151,7 +156,9 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
                     memory.last_idle_stop[model] = max(memory.last_idle_stop.get(model, 0), seq)
                     wish = memory.wished.get(model)
                     if wish is None or seq > wish.control_seq:  # else a router already wanted it back
-                        memory.idle_stops.setdefault(model, set()).add(seq)
+                        stops = memory.idle_stops.setdefault(model, [])
+                        if seq not in stops:
+                            stops.append(seq)
                 elif reason.startswith("failed"):
                     memory.failures[model] = memory.failures.get(model, 0) + 1
                     memory.failed_at[model] = event.at

@@ -3,8 +3,9 @@
 Besides the fleet state, a checkpoint carries what the long-running services
 keep beyond it, folded from the same events at the same positions: the models'
 history (status), the scheduler's demand memory, the planner's observed KV
-reservations, the routers' pool and the liveness monitor's lost nodes. A service then starts from the newest snapshot and reads only
-what came after it (``fold_event`` is the one rule every reader folds by).
+reservations, the routers' pool and the liveness monitor's lost nodes. A service
+then starts from the newest snapshot and reads only what came after it
+(``fold_event`` is the one rule every reader folds by).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from llmgw.fleet.pool import Pool
 
 @dataclass
 class Checkpoint:
-    """The folded state, where its reader stood in each stream, and the models' history up to there.
+    """The folded state, where its reader stood in each stream, and what the services keep beyond it.
 
     ``fold_version`` is stamped when it is encoded: a decoded one of an older version
     (0: written before it was stamped) lacks the history and the services' memory, and
@@ -51,8 +52,9 @@ _DECODER = msgspec.msgpack.Decoder(Checkpoint)
 
 
 def encode_state(state: FleetState, cursor: Cursor, history: ModelHistory | None = None) -> bytes:
-    """A state, its cursor and the models' history as bytes (msgpack), the services' memory empty."""
-    return encode(Checkpoint(state, cursor, history if history is not None else ModelHistory()))
+    """A state, its cursor and the models' history as bytes (msgpack), without the services' memory:
+    not stamped with the fold version, so whoever resumes from it folds that memory again."""
+    return _ENCODER.encode(Checkpoint(state, cursor, history if history is not None else ModelHistory()))
 
 
 def encode(checkpoint: Checkpoint) -> bytes:

@@ -51,7 +51,9 @@ class Pool:
     healthy: dict[str, list[Replica]] = field(default_factory=dict)
     # Models anyone declared or placed: "no such model" (404) differs from
     # "no healthy replica right now" (503).
-    known_models: set[str] = field(default_factory=set)
+    # (A dict for its order: a set of strings encodes in an order each process's hash seed picks,
+    # and a checkpoint's bytes must not depend on which process folded it.)
+    known_models: dict[str, None] = field(default_factory=dict)
     declared: dict[str, Declared] = field(default_factory=dict)
     # State reports for a replica from a node it was not placed on: counted, never routed to.
     refused: int = 0
@@ -104,7 +106,7 @@ class Pool:
         """Fold one control event; True when the pool changed. ``now`` is the router's wall clock."""
         match event:
             case m.ModelDeclared(spec=spec):
-                self.known_models.add(spec.name)
+                self.known_models[spec.name] = None
                 self.declared[spec.name] = Declared(spec.replicas)
                 return True
             case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
@@ -120,10 +122,10 @@ class Pool:
             case m.ModelRemoved(name=name):
                 self.declared.pop(name, None)
                 if not any(r.model == name for r in self.replicas.values()):
-                    self.known_models.discard(name)
+                    self.known_models.pop(name, None)
                 return True
             case m.ReplicaPlaced(replica_id=rid, model=model):
-                self.known_models.add(model)
+                self.known_models[model] = None
                 if (d := self.declared.get(model)) is not None:
                     d.unplaceable = None
                 if rid not in self.replicas:
