@@ -29,7 +29,7 @@ from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet import snapshots
 from llmgw.fleet.checkpoint import Checkpoint, fold_event
-from llmgw.fleet.fold import clamp_times
+from llmgw.fleet.fold import FleetState, clamp_times
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,17 @@ class SchedulerService:
         self.services = services
         self.use_snapshots = use_snapshots
         self.checkpoint = Checkpoint()
-        self.state, self.memory = self.checkpoint.state, self.checkpoint.demand
         self.stats = SchedulerStats(applied={s: 0 for s in FOLLOWED})
         self.published: list[m.Event] = []
         self._changed = asyncio.Event()
+
+    @property
+    def state(self) -> FleetState:
+        return self.checkpoint.state
+
+    @property
+    def memory(self) -> scheduler.SchedulerMemory:
+        return self.checkpoint.demand
 
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
         self.stats.malformed += 1  # recorded and skipped: a malformed event must not stop placement
@@ -138,7 +145,6 @@ class SchedulerService:
         if found is None:
             return
         self.checkpoint, self.stats.started_from = found
-        self.state, self.memory = self.checkpoint.state, self.checkpoint.demand
         for s in FOLLOWED:
             self.stats.applied[s] = self.checkpoint.cursor.positions.get(s, 0)
 
