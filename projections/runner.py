@@ -266,8 +266,6 @@ class Projector:
 
     def _advance(self, stream: str, last: RawMsg) -> None:
         self.cursor.positions[stream], self.cursor.stored_ns[stream] = last.seq, last.ts_ns
-        if stream == subjects.STREAM_CONTROL:
-            self.history.position = last.seq  # undecodable ones included, as the cursor
         self._progress.set()
 
     def _clamped(self, stream: str, n: int) -> None:

@@ -101,7 +101,6 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                     progress(done, total)
                 if past:
                     break
-    history.position = max(history.position, cursor.positions.get(subjects.STREAM_CONTROL, 0))
     return checkpoint
 
 
