@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -202,24 +204,25 @@ async def measure_startup(bus: Bus, args: argparse.Namespace) -> None:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             planner = PlannerService(bus, use_snapshots=use)
-            start = time.perf_counter()
-            task = asyncio.create_task(planner.run())
-            await planner.ready.wait()
-            plan_s.append(time.perf_counter() - start)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            plan_s.append(await _until_ready(planner.run(), planner.ready))
             sink = EndpointSink(bus, use_snapshots=use)
-            start = time.perf_counter()
-            task = asyncio.create_task(sink.run())
-            await sink.caught_up.wait()
-            route_s.append(time.perf_counter() - start)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            route_s.append(await _until_ready(sink.run(), sink.caught_up))
         read = sum(lasts[s] - (svc.checkpoint.cursor.positions.get(s, 0) if use else 0) for s in FOLLOWED)
         print(f"{'from snapshot' if use else 'from sequence 1':<16} scheduler {statistics.median(sched_s):6.2f} s "
               f"({read:,} events read)   planner {statistics.median(plan_s):6.2f} s   "
               f"router {statistics.median(route_s):6.2f} s")
 
+
+
+async def _until_ready(run: Coroutine[Any, Any, None], ready: asyncio.Event) -> float:
+    """Seconds from starting a service's ``run`` until ``ready`` is set; the service is then stopped."""
+    start = time.perf_counter()
+    task = asyncio.create_task(run)
+    await ready.wait()
+    secs = time.perf_counter() - start
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return secs
 
 
 async def measure_projector(bus: Bus, work: Path, folded: int, args: argparse.Namespace) -> None:

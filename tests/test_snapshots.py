@@ -192,17 +192,22 @@ async def test_ctl_status_replay_says_it_skipped_a_snapshot_and_no_snapshot_fold
     assert "skipped" not in outs[1][1]
 
 
+async def snapshot_then_more(bus: Bus, tmp_path: Path, before: list[m.Event], after: list[m.Event]) -> None:
+    """Fresh streams holding ``before``, projected with fold snapshots, then ``after`` stored past the newest one."""
+    await fresh_streams(bus)
+    await publish(bus, before)
+    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
+    await publish(bus, after)
+
+
 async def test_a_scheduler_starts_from_the_newest_snapshot_and_decides_as_one_from_sequence_1(
     bus: Bus, tmp_path: Path,
 ) -> None:
     """Its fold and demand memory come from the snapshot; it reads only what came after."""
     from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
-    await fresh_streams(bus)
     events = small_fleet()
-    await publish(bus, events[:15])
-    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
-    await publish(bus, events[15:])  # after the newest snapshot
+    await snapshot_then_more(bus, tmp_path, events[:15], events[15:])
 
     async def folded(use_snapshots: bool) -> SchedulerService:
         svc = SchedulerService(bus, use_snapshots=use_snapshots)
@@ -233,11 +238,8 @@ async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_o
     from llmgw import planner
     from llmgw.planner_service import PlannerService
 
-    await fresh_streams(bus)
     events = small_fleet()
-    await publish(bus, events[:15])
-    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
-    await publish(bus, events[15:])
+    await snapshot_then_more(bus, tmp_path, events[:15], events[15:])
     seen = []
     for use in (True, False):
         svc = PlannerService(bus, use_snapshots=use)
@@ -257,11 +259,8 @@ async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_fro
 ) -> None:
     from llmgw.endpoints import EndpointSink
 
-    await fresh_streams(bus)
     events = small_fleet()
-    await publish(bus, events[:16])  # a replica healthy before the snapshot
-    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
-    await publish(bus, events[16:])
+    await snapshot_then_more(bus, tmp_path, events[:16], events[16:])  # a replica healthy before the snapshot
     seen = []
     for use in (True, False):
         sink = EndpointSink(bus, use_snapshots=use)
@@ -283,13 +282,12 @@ async def test_a_liveness_monitor_starts_from_the_newest_snapshot_with_the_lost_
 ) -> None:
     from llmgw.liveness import HeartbeatMonitor
 
-    await fresh_streams(bus)
     events = small_fleet()  # n5 is lost in it
     at = events[-1].at
-    await publish(bus, [*events, m.NodeLost(at=at, node="n2"), m.NodeLost(at=at, node="n3"),
-                        m.NodeReturned(at=at, node="n3")])
-    assert await project(bus, tmp_path / "p.duckdb", 4) >= 1
-    await publish(bus, [m.NodeLost(at=at, node="n4"), m.NodeReturned(at=at, node="n2")])  # after the snapshot
+    await snapshot_then_more(bus, tmp_path,
+                             [*events, m.NodeLost(at=at, node="n2"), m.NodeLost(at=at, node="n3"),
+                              m.NodeReturned(at=at, node="n3")],
+                             [m.NodeLost(at=at, node="n4"), m.NodeReturned(at=at, node="n2")])
     seen = []
     for use in (True, False):
         monitor = HeartbeatMonitor(bus, use_snapshots=use)
