@@ -341,7 +341,7 @@ class Dashboard:
         self._refresh_lock = asyncio.Lock()
         self._last_refresh = -1e9
         self._poke = asyncio.Event()  # a fleet or control event arrived: ask again soon
-        self._tailing = 0  # streams whose latest events are not read yet; the first page waits for them
+        self._behind: set[str] = set()  # streams whose latest events are not read yet; the first page waits
         self._tailed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
@@ -388,20 +388,19 @@ class Dashboard:
         """The last events of a history stream, then every new one; a bus outage is waited out."""
         start: int | None = None
         delay = 0.5
-        caught_up = False
         while True:
             try:
                 if start is None:
                     last = await self.bus.stream_last_seq(stream)
                     start = max(1, last - self.max_events + 1)
                     if last == 0:
-                        caught_up = self._caught_up(stream)
+                        self._caught_up(stream)
                 follower = self.bus.follow(stream, decoder, start, who="dashboard")
                 try:
                     async for batch in follower.batches():
                         self._keep(d.event for d in batch)
-                        if not caught_up and follower.last_seq >= last:
-                            caught_up = self._caught_up(stream)
+                        if stream in self._behind and follower.last_seq >= last:
+                            self._caught_up(stream)
                         delay = 0.5
                         if self.clients:
                             self._poke.set()  # the fleet changed: what status says has too
@@ -413,11 +412,10 @@ class Dashboard:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    def _caught_up(self, stream: str) -> bool:
-        self._tailing -= 1
-        if self._tailing <= 0:
+    def _caught_up(self, stream: str) -> None:
+        self._behind.discard(stream)
+        if not self._behind:
             self._tailed.set()
-        return True
 
     async def _poll(self) -> None:
         while True:
@@ -546,7 +544,7 @@ class Dashboard:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Follow the streams, ask the projector, listen; returns the page's URL."""
-        self._tailing = 2
+        self._behind = {subjects.STREAM_FLEET, subjects.STREAM_CONTROL}
         self._tasks = [asyncio.create_task(self._tail(subjects.STREAM_FLEET, m.FLEET_DECODER), name="dash-fleet"),
                        asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
                        asyncio.create_task(self._poll(), name="dash-poll")]
