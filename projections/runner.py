@@ -30,7 +30,7 @@ from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode, observe
 from llmgw.fleet.fold import FOLD_VERSION, Cursor, apply, clamp_times, refusal
-from llmgw.fleet.history import note_batch
+from llmgw.fleet.history import ModelHistory, note_batch
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -142,7 +142,7 @@ class Projector:
         checkpoint = store.load() if store is not None else Checkpoint()
         # The fold and what the services keep beyond it (llmgw/fleet/checkpoint.py), one object.
         self.checkpoint = checkpoint
-        self.state, self.cursor, self.history = checkpoint.state, checkpoint.cursor, checkpoint.history
+        self.state, self.cursor = checkpoint.state, checkpoint.cursor  # the same objects, for the hot path
         # A checkpoint from an older version lacks the models' history and the services' memory.
         self._incomplete = not checkpoint.complete()
         self.batch = Batch()
@@ -263,6 +263,10 @@ class Projector:
         self._advance(stream, msgs[-1])
         if self.progress is not None:
             self.progress(self.folded, self._total)
+
+    @property
+    def history(self) -> ModelHistory:
+        return self.checkpoint.history
 
     def _advance(self, stream: str, last: RawMsg) -> None:
         self.cursor.positions[stream], self.cursor.stored_ns[stream] = last.seq, last.ts_ns
@@ -446,9 +450,10 @@ class Projector:
         from llmgw.fleet.replay import replay
 
         again = await replay(self.bus, upto=self.cursor.positions, use_snapshots=False)
-        c = self.checkpoint
-        c.history, c.demand, c.observed = again.history, again.demand, again.observed
-        self.history = c.history
+        # Everything but the projector's own fold and positions (which its DuckDB rows derive from)
+        # comes from the replay: whatever a later version adds to the checkpoint comes along.
+        again.state, again.cursor = self.state, self.cursor
+        self.checkpoint = again
         self._incomplete = False
 
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:

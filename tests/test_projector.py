@@ -349,4 +349,6 @@ async def test_a_checkpoint_from_an_older_fold_version_gets_its_history_and_memo
         store.close()
     again = await replay(bus, use_snapshots=False)
     assert (resumed.history, resumed.demand, resumed.observed) == (again.history, again.demand, again.observed)
+    assert (resumed.pool, resumed.lost_at_seq) == (again.pool, again.lost_at_seq)  # every service's memory
     assert resumed.history.recent and resumed.demand.placed  # not trivially equal
+    assert resumed.pool.replicas and resumed.lost_at_seq
