@@ -11,6 +11,7 @@ live in one place and change without awaiting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -59,9 +60,8 @@ class EndpointSink:
         for rep in seeded.replicas.values():
             if rep.in_pool:
                 rep.pooled_at = now  # as a fold from sequence 1 at start-up: pooled by this router now
-        pool = self.pool  # the router holds this object: filled in place
-        pool.replicas, pool.healthy, pool.known_models = seeded.replicas, seeded.healthy, seeded.known_models
-        pool.declared, pool.refused = seeded.declared, seeded.refused
+        for f in dataclasses.fields(Pool):  # the router holds self.pool: filled in place, every field
+            setattr(self.pool, f.name, getattr(seeded, f.name))
         self.applied_seq = c.cursor.positions.get(subjects.STREAM_CONTROL, 0)
         if self.on_change is not None:
             self.on_change()
