@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 from llmgw import messages as m
 from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_options, run
+from llmgw.cli.plan import parallel_option
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
@@ -60,6 +61,10 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--target-in-flight", type=click.FloatRange(min=0, min_open=True, max=100_000), default=4.0, show_default=True,
               help="Autoscale: requests in flight (and waiting) per replica to aim at.")
 @click.option("--idle-ttl", callback=_duration, help="Stop a replica nobody asked for this long (e.g. 2h); the scheduler enforces it.")
+@parallel_option
+@click.option("--file", "gguf", metavar="NAME.gguf|PATH",
+              help="llama.cpp: the GGUF to serve, a file here or a name in the model's directory or repository "
+                   "[default: the planner's conventional name, e.g. Qwen2.5-14B-Instruct-Q4_K_M.gguf].")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
@@ -68,7 +73,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
-           engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
+           parallel: int, gguf: str | None, engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None,
+           as_json: bool, settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
     Example:
@@ -77,6 +83,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --candidate 1 --replicas 2
         llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --precision fp8 --tp 1 --gpu-class L40S-48GB
         llmgw ctl model deploy coder Qwen/Qwen2.5-Coder-32B-Instruct --from-plan --candidate 1 --min-replicas 0 --max-replicas 4
+        llmgw ctl model deploy tiny ./models/tiny --from-plan --precision q8_0 --context 2048 --parallel 4
     """
     if candidate is not None and gpu_class is not None:
         raise click.UsageError("--candidate already names the GPU class; give one or the other")
@@ -87,7 +94,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
             raise click.UsageError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
         replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
     request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
-                            context=context, all=candidate is None, kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+                            context=context, all=candidate is None,
+                            kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
     from llmgw import ctl
 
     try:
@@ -95,11 +103,12 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         if pp is None and tp is not None and candidate is None:
             pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
         chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
+        file = ctl.gguf_file(chosen, gguf) if gguf is not None else chosen.file
     except LlmgwError as e:
         raise click.ClickException(str(e)) from e
     spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args,
                                    min_replicas=min_replicas, max_replicas=max_replicas,
-                                   target_in_flight=target_in_flight)
+                                   target_in_flight=target_in_flight, file=file)
     seq = run(ctl.publish_control(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
     if as_json:
         echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})
@@ -320,10 +329,19 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     plan.add_column(overflow="fold")
     plan.add_row("memory per GPU", f"{spec.gib_per_gpu:.2f} GiB (weights, overhead and KV cache) at "
                                    f"gpu_memory_utilization {spec.gpu_memory_utilization:g}" if spec.gib_per_gpu else "-")
-    plan.add_row("KV cache", f"{spec.kv_tokens:,} tokens per replica (KV dtype {spec.kv_cache_dtype})"
-                 if spec.kv_tokens else f"- (KV dtype {spec.kv_cache_dtype})")
-    plan.add_row("observed", kv_text(spec.kv_tokens, s.kv_tokens_observed) + "  (KV tokens its engines reserved / planned)"
-                 if s.kv_tokens_observed else "- (no engine has reported what it reserved)")
+    planned = spec.kv_tokens_planned
+    if spec.engine == "llama.cpp":
+        # Its -c is the pool its -np slots share: what it allocated says how much context each slot got.
+        plan.add_row("KV cache", f"{planned:,} tokens per replica: {spec.slots} slot{'s' if spec.slots != 1 else ''} "
+                                 f"x {spec.context:,} context (llama-server -np {spec.slots} -c {planned})")
+        plan.add_row("observed", f"{s.kv_tokens_observed:,} tokens allocated / {planned:,} asked: "
+                                 f"{s.kv_tokens_observed // spec.slots:,} context per slot / {spec.context:,} declared"
+                     if s.kv_tokens_observed else "- (no engine has reported what it allocated)")
+    else:
+        plan.add_row("KV cache", f"{planned:,} tokens per replica (KV dtype {spec.kv_cache_dtype})"
+                     if planned else f"- (KV dtype {spec.kv_cache_dtype})")
+        plan.add_row("observed", kv_text(planned, s.kv_tokens_observed) + "  (KV tokens its engines reserved / planned)"
+                     if s.kv_tokens_observed else "- (no engine has reported what it reserved)")
     console.print(plan)
     console.print(f"\nReplicas ({len(d.replicas)}; idle - = no router knows)")
     if d.replicas:

@@ -80,6 +80,12 @@ def render(reply: m.PlanReply, model: str) -> None:
         console.print(m.encode(spec).decode(), soft_wrap=True)
 
 
+parallel_option = click.option(
+    "--parallel", type=click.IntRange(0, m.MAX_PARALLEL), default=0,
+    help="Sequences one replica serves at once. llama.cpp: -np slots, each holding the whole --context, so its "
+         "KV cache is N x context; vLLM: --max-num-seqs [default: llama.cpp 1 slot, vLLM its own].")
+
+
 @click.command("plan")
 @click.argument("model")
 @click.option("--fleet", "fleet_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -93,14 +99,15 @@ def render(reply: m.PlanReply, model: str) -> None:
 @click.option("--params", callback=_params, help="Parameter count override, e.g. 70.6B (when the checkpoint does not say).")
 @click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="vLLM's KV cache dtype: fp8 halves it (auto: the model's, or the checkpoint's kv_cache_scheme).")
+@parallel_option
 @click.option("--all", "show_all", is_flag=True, help="Every split, also those that do not fit (default: the best per GPU class and precision).")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR",
               help="Directory of Org__Name model folders holding config.json [env LLMGW_MODELS_DIR].")
 @json_option
 @nats_options
 def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: tuple[int, ...], context: int | None,
-         util: float, params: int | None, kv_dtype: str, show_all: bool, models_dir: str | None, as_json: bool,
-         settings: Settings) -> None:
+         util: float, params: int | None, kv_dtype: str, parallel: int, show_all: bool, models_dir: str | None,
+         as_json: bool, settings: Settings) -> None:
     """Will MODEL fit on the fleet, and how to split it: every candidate, with its engine command.
 
     MODEL is a Hugging Face repo id (offline from the HF cache with HF_HUB_OFFLINE=1)
@@ -114,7 +121,7 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
     """
     request = m.PlanRequest(model=model, precisions=precisions, tp=tps, context=context,
                             gpu_memory_utilization=util, params=params, all=show_all,
-                            kv_cache_dtype=kv_dtype)  # type: ignore[arg-type]
+                            kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
     from llmgw import ctl
 
     try:

@@ -371,6 +371,23 @@ def choose(reply: m.PlanReply, *, candidate: int | None, gpu_class: str | None, 
     return chosen
 
 
+def gguf_file(chosen: m.Candidate, given: str) -> str:
+    """``deploy --file``: a file here is recorded by its absolute path, a bare name as it is
+    (looked up in the model's directory, or downloaded from its repository, by the agent)."""
+    if chosen.engine != "llama.cpp":
+        raise PlanError(f"--file names a GGUF for llama.cpp, but the chosen candidate runs {chosen.precision} on "
+                        f"{chosen.engine}; add --precision q8_0 (or another GGUF precision), or drop --file")
+    path = Path(given).expanduser()
+    if path.is_file():
+        return str(path.resolve())
+    if path.name != given:
+        raise PlanError(f"--file {given}: no such file here; give a path to the GGUF, or a bare file name that "
+                        f"{chosen.source} holds")
+    if not given.endswith(".gguf"):
+        raise PlanError(f"--file {given}: llama.cpp serves a .gguf file; name one, e.g. {chosen.file}")
+    return given
+
+
 # --- the control stream ------------------------------------------------------------------------------
 
 

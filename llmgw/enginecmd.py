@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmgw import messages as m
 from llmgw.errors import ConfigError
+from llmgw.modelinfo import is_repo_id
 
 ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
 # What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
@@ -62,7 +63,7 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
         return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
                 *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
                 # A plausible reservation: a little under the plan, as a real engine's often is.
-                *(("--kv-tokens", str(spec.kv_tokens * 97 // 100)) if spec.kv_tokens > 0 else ())]
+                *(("--kv-tokens", str(spec.kv_tokens_planned * 97 // 100)) if spec.kv_tokens_planned > 0 else ())]
     if spec.engine == "vllm":
         argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
         if spec.pp > 1:
@@ -71,6 +72,8 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
             argv += ["--quantization", spec.quantization]
         if spec.kv_cache_dtype != "auto":
             argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
+        if spec.parallel:
+            argv += ["--max-num-seqs", str(spec.parallel)]
         argv += [
             "--max-model-len", str(spec.context),
             "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",
@@ -78,15 +81,28 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
             "--served-model-name", spec.name,
         ]
         return [*argv, *spec.engine_args]
-    model_file = spec.file or spec.source
-    if spec.file and not Path(spec.file).exists():
-        # A GGUF file named inside a repository: llama-server downloads it itself.
-        where = ["--hf-repo", spec.source, "--hf-file", spec.file]
-    else:
-        where = ["-m", model_file]
-    argv = [*cmds["llama.cpp"], *where, "-c", str(spec.context), "-ngl", "999",
-            "--host", host, "--port", str(port), "--alias", spec.name]
+    # llama.cpp's -c is the KV pool its -np slots share: each slot gets the declared context.
+    argv = [*cmds["llama.cpp"], *gguf_location(spec), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
+            "-ngl", "999", "--host", host, "--port", str(port), "--alias", spec.name]
     return [*argv, *spec.engine_args]
+
+
+def gguf_location(spec: m.ModelSpec) -> list[str]:
+    """Where llama-server finds a spec's GGUF: ``-m PATH``, or ``--hf-repo/--hf-file`` to download it.
+
+    A file path is taken as it is; a bare file name lives in the model's directory when the
+    source is one (the planner records the file's name, and the agent runs in another
+    directory than the one the operator planned in); only a repository id is downloaded.
+    """
+    source = Path(spec.source).expanduser()
+    if spec.file is None:
+        return ["-m", str(source)]
+    file = Path(spec.file).expanduser()
+    if file.is_absolute():
+        return ["-m", str(file)]
+    if source.is_absolute() or not is_repo_id(spec.source):
+        return ["-m", str(source / file)]
+    return ["--hf-repo", spec.source, "--hf-file", spec.file]
 
 
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
@@ -128,11 +144,19 @@ def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping
 
 
 def kv_tokens_from_props(text: str) -> int:
-    """llama-server's /props: ``default_generation_settings.n_ctx`` (or a top-level ``n_ctx``); 0 when absent."""
+    """The KV cells llama-server allocated, from its /props: each slot's context
+    (``default_generation_settings.n_ctx``, or a top-level ``n_ctx``) x ``total_slots``; 0 when absent.
+
+    With -np N it splits -c into N slots (the context is capped at the model's training
+    context), so this is what it was asked for, never what the card would hold.
+    """
     try:
         props = json.loads(text)
         settings = props.get("default_generation_settings") or {}
         n = settings.get("n_ctx", props.get("n_ctx", 0))
-        return int(n) if isinstance(n, int) and n > 0 else 0
+        slots = props.get("total_slots", 1)
+        if not (isinstance(n, int) and 0 < n <= 1 << 32 and isinstance(slots, int) and 0 < slots <= m.MAX_PARALLEL):
+            return 0
+        return n * slots
     except (ValueError, AttributeError):
         return 0

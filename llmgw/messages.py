@@ -68,6 +68,9 @@ MAX_REPLICAS = 10_000
 GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GPUS)]
 Split = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]  # tp, pp
 Replicas = Annotated[int, msgspec.Meta(ge=0, le=MAX_REPLICAS)]
+MAX_PARALLEL = 4096  # sequences one replica serves at once (llama.cpp's -np, vLLM's --max-num-seqs)
+# 0: the engine's default (vLLM); llama.cpp always gets -np, 1 when unset.
+Parallel = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # stream sequences, ticks: DuckDB BIGINT
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10 * 365 * 86400)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]  # a model's sizes and counts (config.json)
@@ -272,6 +275,20 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
     kv_cache_dtype: Label = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
     kv_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
+    # Sequences served at once. llama.cpp: -np slots, each with ``context`` (-c is their shared
+    # pool, parallel x context); vLLM: --max-num-seqs (its paged cache needs no more memory).
+    parallel: Parallel = 0
+
+    @property
+    def slots(self) -> int:
+        """llama.cpp's -np: one slot unless more were asked for."""
+        return max(1, self.parallel)
+
+    @property
+    def kv_tokens_planned(self) -> int:
+        """The KV cache its engine should report: llama.cpp allocates exactly its -c (slots x context),
+        whatever else the card holds (older declarations recorded the card's capacity)."""
+        return self.context * self.slots if self.engine == "llama.cpp" else self.kv_tokens
 
     @property
     def autoscaled(self) -> bool:
@@ -667,6 +684,7 @@ class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     params: Annotated[int, msgspec.Meta(ge=1, le=10**16)] | None = None
     all: bool = False
     info: ModelInfo | None = None  # the model as the asker read it; None: the planner resolves it
+    parallel: Parallel = 0  # llama.cpp: slots, each holding the context (its KV pool is parallel x context)
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the model's dtype, or the checkpoint's kv_cache_scheme
 
 
@@ -705,6 +723,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     estimated_kv_tokens: int = 0
     # Over several nodes: what each node runs, the head first (``command`` is the head's vLLM).
     node_commands: tuple[str, ...] = ()
+    parallel: int = 0  # as asked (PlanRequest.parallel); llama.cpp's KV pool is max(1, parallel) x context
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -723,7 +742,9 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             gpu_memory_utilization=self.gpu_memory_utilization,
             gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_tokens=self.kv_tokens,
+            # llama.cpp allocates exactly its -c (slots x context), whatever else the card would hold.
+            kv_tokens=self.context * max(1, self.parallel) if self.engine == "llama.cpp" else self.kv_tokens,
+            parallel=self.parallel,
         )
 
 

@@ -31,6 +31,13 @@ from llmgw.messages import ModelInfo
 __all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    """``Org/Name``, as the Hugging Face Hub names a repository (not a path here)."""
+    return _REPO_ID.match(model) is not None
+
+
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 _MAX_HEADER = 100 * 1024**2
 MAX_PARAMS = 10**16  # 10 quadrillion: messages.PlanRequest's bound
@@ -396,7 +403,9 @@ def load_dir(path: Path, *, name: str | None = None, source: str | None = None, 
                          "or name a Hugging Face repo id")
     # A folder named Org__Name (as in examples/models) stands for the repo Org/Name.
     default_name = path.resolve().name.replace("__", "/", 1)
-    info = from_config(_read_json(cfg_path), name=name or default_name, source=source or str(path), where=str(cfg_path))
+    # Absolute: engines run on other nodes, from another working directory, than the one planned in.
+    info = from_config(_read_json(cfg_path), name=name or default_name, source=source or str(path.resolve()),
+                       where=str(cfg_path))
     if params:
         return _finish(info, params, "--params")
     index = path / "model.safetensors.index.json"

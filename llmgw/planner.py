@@ -47,10 +47,12 @@ def gguf_file(info: m.ModelInfo, p: Precision) -> str:
     return f"{info.name.rstrip('/').split('/')[-1]}-{p.name.upper()}.gguf"
 
 
-def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float, kv_dtype: str = "auto") -> str:
+def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float, kv_dtype: str = "auto",
+            parallel: int = 0) -> str:
     """The engine command line this candidate would run."""
     if p.engine == "llama.cpp":
-        return f"llama-server -m {gguf_file(info, p)} -c {context} -ngl 999"
+        slots = max(1, parallel)  # -c is the pool the -np slots share
+        return f"llama-server -m {gguf_file(info, p)} -c {context * slots} -np {slots} -ngl 999"
     parts = ["vllm serve", info.source, f"--tensor-parallel-size {tp}"]
     if pp > 1:
         parts += [f"--pipeline-parallel-size {pp}", "--distributed-executor-backend ray"]
@@ -62,17 +64,19 @@ def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, uti
         parts.append(f"--dtype {'float16' if p.name == 'fp16' else 'bfloat16'}")
     if kv_dtype != "auto":
         parts.append(f"--kv-cache-dtype {kv_dtype}")
+    if parallel:
+        parts.append(f"--max-num-seqs {parallel}")
     parts += [f"--max-model-len {context}", f"--gpu-memory-utilization {util:g}"]
     return " ".join(parts)
 
 
 def node_commands(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float,
-                  kv_dtype: str = "auto") -> tuple[str, ...]:
+                  kv_dtype: str = "auto", parallel: int = 0) -> tuple[str, ...]:
     """A replica over ``pp`` nodes: one Ray cluster per replica, the head serving (as the agents run it)."""
     if pp <= 1 or p.engine != "vllm":
         return ()
     head = (f"node 1 (head): ray start --head --port 6379 --num-gpus {tp} --block & "
-            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype)}")
+            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype, parallel)}")
     return (head, *(f"node {i + 1}: ray start --address HEAD:6379 --num-gpus {tp} --block" for i in range(1, pp)))
 
 
@@ -117,19 +121,25 @@ MAX_OBSERVED_RATIO = 4  # nor does an engine reserve 4 x what the plan left for 
 
 
 def observation_key(source: str, precision: str, tp: int, pp: int, gpu_class: str, util: float, kv_dtype: str) -> str:
-    """The spec facts an engine's reservation depends on (not the context: vLLM sizes the cache by memory)."""
+    """The spec facts a vLLM engine's reservation depends on (not the context: vLLM sizes the cache by memory)."""
     return f"{source}|{precision}|{tp}|{pp}|{gpu_class}|{util:g}|{kv_dtype}"
 
 
 def record_observation(observed: dict[str, int], state: FleetState, event: m.ReplicaStateChanged) -> bool | None:
     """Keep a healthy engine's KV reservation (tokens) by ``observation_key``: True kept, False refused
-    (implausible, or not from the replica's own node), None when the event carries none."""
+    (implausible, or not from the replica's own node), None when the event carries none.
+
+    llama.cpp's figure is never kept: it allocates exactly the -c it was given, which says what
+    was asked for, not what the card holds (``ctl model show`` still lists it per replica).
+    """
     if event.state != "healthy" or event.observed_kv_tokens == 0:
         return None
     replica = state.replicas.get(event.replica_id)
     if replica is None or event.node not in replica.nodes:
         return False
     spec = replica.spec
+    if spec.engine == "llama.cpp":
+        return None
     tokens = event.observed_kv_tokens
     if not 0 < tokens <= MAX_OBSERVED_TOKENS or (spec.kv_tokens and tokens > MAX_OBSERVED_RATIO * spec.kv_tokens):
         return False
@@ -140,12 +150,14 @@ def record_observation(observed: dict[str, int], state: FleetState, event: m.Rep
 
 
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
-             replicas_now: int, kv_dtype: str = "auto", observed: int | None = None) -> m.Candidate:
+             replicas_now: int, kv_dtype: str = "auto", observed: int | None = None, parallel: int = 0) -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
-    holds less (but at least MIN_CONTEXT) still fits, at the most it holds.
+    holds less (but at least MIN_CONTEXT) still fits, at the most it holds. llama.cpp
+    gives each of its ``parallel`` slots the whole context: its cache holds that many.
     """
+    slots = max(1, parallel) if p.engine == "llama.cpp" else 1
     tp, pp = split.tp, split.pp
     budget = util * split.memory_mib * MIB
     kv_dtype = kv_dtype_for(info, p, kv_dtype)
@@ -158,7 +170,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         # An engine of this very spec ran here: what it reserved replaces the estimate.
         kv_tokens = observed
         kv_budget = float(observed * kv.bytes_per_token)
-    longest = kv.max_context(kv_budget)
+    longest = kv.max_context(kv_budget) // slots
     max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
     reason: str | None = None
     if kv_budget <= 0:
@@ -167,9 +179,10 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         chosen = context or info.max_position_embeddings
     elif context is not None:
         chosen = context
-        if kv.bytes_for(context) > kv_budget:
-            reason = (f"a {context}-token context needs {gib(kv.bytes_for(context))} GiB of KV cache per GPU; "
-                      f"{gib(kv_budget)} GiB is left, enough for {max_context} tokens")
+        if kv.bytes_for(context * slots) > kv_budget:
+            each = f" in each of {slots} slots" if slots > 1 else ""
+            reason = (f"a {context}-token context{each} needs {gib(kv.bytes_for(context * slots))} GiB of KV cache "
+                      f"per GPU; {gib(kv_budget)} GiB is left, enough for {max_context} tokens{each}")
     else:
         chosen = min(max_context, default_context(info))
         floor = min(MIN_CONTEXT, info.max_position_embeddings)
@@ -196,8 +209,9 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         kv_tokens=kv_tokens,
         max_context=max_context,
         replicas_now=replicas_now if fits else 0,
-        command=command(info, p, tp, pp, chosen, util, kv_dtype),
-        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype),
+        command=command(info, p, tp, pp, chosen, util, kv_dtype, parallel),
+        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype, parallel),
+        parallel=parallel,
         kv_cache_dtype=kv_dtype,
         observed_kv_tokens=observed,
         estimated_kv_tokens=estimated,
@@ -385,8 +399,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     observed = observed or {}
 
     def seen(p: Precision, tp: int, pp: int, cls: str) -> int | None:
-        if not observed:
-            return None
+        if not observed or p.engine == "llama.cpp":
+            return None  # what an older fold kept of llama.cpp's -c is no capacity either
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)
         return observed.get(observation_key(info.source, p.name, tp, pp, cls, request.gpu_memory_utilization, kv))
 
@@ -414,7 +428,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
             for tp in ok_tps:
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
                              replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)),
-                             kv_dtype=request.kv_cache_dtype, observed=seen(p, tp, 1, cls))
+                             kv_dtype=request.kv_cache_dtype, observed=seen(p, tp, 1, cls),
+                             parallel=request.parallel)
                 single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -427,7 +442,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                     for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
                                      util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype,
-                                     observed=seen(p, tp, pp, cls))
+                                     observed=seen(p, tp, pp, cls), parallel=request.parallel)
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             if c.context >= target:

@@ -76,7 +76,7 @@ def test_table_for_people() -> None:
     assert lines[0] == "google/gemma-2-9b-it: 9.24B parameters (safetensors-index); 63 healthy GPUs in the fleet"
     assert any("H100-80GB" in line and "bf16" in line and "vllm" in line for line in lines)
     assert f"vllm serve {MODELS / 'google__gemma-2-9b-it'} --tensor-parallel-size 1 --max-model-len 8192" in out
-    assert "llama-server -m gemma-2-9b-it-Q8_0.gguf -c 8192 -ngl 999   # download gemma-2-9b-it-Q8_0.gguf" in out
+    assert "llama-server -m gemma-2-9b-it-Q8_0.gguf -c 8192 -np 1 -ngl 999   # download gemma-2-9b-it-Q8_0.gguf" in out
     assert "declaration for candidate 1" in out and '"engine":"vllm"' in out
 
 

@@ -19,6 +19,7 @@ from llmgw.bus import Bus, Outbox
 from llmgw.enginecmd import (
     default_commands,
     engine_argv,
+    gguf_location,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
     parse_engine_cmds,
@@ -93,7 +94,10 @@ def test_engine_command_lines() -> None:
                     "--gpu-memory-utilization", "0.9", "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "qwen"]
     gguf = spec(engine="llama.cpp", source="/models/q.gguf", precision="q4_K_M", tp=1)
     assert engine_argv(gguf, 9, "h", default_commands(), simulate=False) == [
-        "llama-server", "-m", "/models/q.gguf", "-c", "8192", "-ngl", "999", "--host", "h", "--port", "9", "--alias", "qwen"]
+        "llama-server", "-m", "/models/q.gguf", "-c", "8192", "-np", "1", "-ngl", "999", "--host", "h", "--port", "9",
+        "--alias", "qwen"]
+    vllm_seqs = engine_argv(spec(parallel=64), 1, "h", cmds, simulate=False)
+    assert vllm_seqs[vllm_seqs.index("--max-num-seqs") + 1] == "64"
     sim = engine_argv(spec(), 7, "h", default_commands(), simulate=True, name="qwen-r1")
     assert sim[-9:] == ["fake-engine", "--host", "h", "--port", "7", "--model", "qwen", "--name", "qwen-r1"]
     assert parse_engine_cmds(["vllm=/opt/v/bin/vllm"])["vllm"] == ["/opt/v/bin/vllm", "serve"]
@@ -282,11 +286,36 @@ async def test_a_placement_naming_another_fabric_is_refused_not_run(
 
 
 def test_kv_tokens_are_read_from_llama_servers_props() -> None:
-    # The shape of llama-server's GET /props (abridged).
+    # The shape of llama-server's GET /props (abridged): n_ctx is each slot's share of -c.
     props = '{"default_generation_settings": {"n_ctx": 8192, "params": {"temperature": 0.8}}, "total_slots": 1}'
     assert kv_tokens_from_props(props) == 8192
+    assert kv_tokens_from_props(props.replace('"total_slots": 1', '"total_slots": 4')) == 4 * 8192
     assert kv_tokens_from_props('{"n_ctx": 4096}') == 4096
     assert kv_tokens_from_props("not json") == 0 and kv_tokens_from_props("[]") == 0
+    # Bounded where decoded: an engine's figure never overflows what an event may carry.
+    assert kv_tokens_from_props('{"n_ctx": 4096, "total_slots": 1e400}') == 0
+    assert kv_tokens_from_props('{"n_ctx": 99999999999999999999, "total_slots": 2}') == 0
+
+
+@pytest.mark.parametrize(("source", "file", "where"), [
+    # The planner records a bare name: it lives in the model's directory, wherever the agent runs.
+    ("/models/tiny", "tiny-Q8_0.gguf", ["-m", "/models/tiny/tiny-Q8_0.gguf"]),
+    ("/models/tiny", "/elsewhere/t.gguf", ["-m", "/elsewhere/t.gguf"]),  # deploy --file PATH
+    ("/models/tiny-Q8_0.gguf", None, ["-m", "/models/tiny-Q8_0.gguf"]),
+    ("./models/tiny", "t.gguf", ["-m", "models/tiny/t.gguf"]),  # not an Org/Name id, so a path
+    # Only a repository id is downloaded, by llama-server itself.
+    ("Qwen/Qwen2.5-14B-Instruct-GGUF", "q.gguf", ["--hf-repo", "Qwen/Qwen2.5-14B-Instruct-GGUF", "--hf-file", "q.gguf"]),
+])
+def test_a_gguf_is_found_in_the_models_directory(source: str, file: str | None, where: list[str]) -> None:
+    s = spec(engine="llama.cpp", source=source, file=file, precision="q8_0", tp=1, context=512)
+    assert gguf_location(s) == where
+
+
+def test_llama_cpp_slots_each_get_the_declared_context() -> None:
+    s = spec(engine="llama.cpp", source="/m", file="t.gguf", precision="q8_0", tp=1, context=4096, parallel=8)
+    argv = engine_argv(s, 9, "h", default_commands(), simulate=False)
+    assert argv[argv.index("-c") + 1] == "32768" and argv[argv.index("-np") + 1] == "8"
+    assert s.kv_tokens_planned == 32768
 
 
 async def test_a_head_whose_other_part_never_joins_is_never_healthy(

@@ -516,6 +516,42 @@ def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> N
     assert not refused.fits and refused.max_context < 8192
 
 
+def test_llama_cpps_reservation_is_what_it_was_asked_never_the_cards_capacity() -> None:
+    # llama-server allocates exactly its -c: the figure it reports says nothing about the card.
+    info = model(LLAMA8)
+    state = fleet(node("n1", "ib-a"))
+    req = m.PlanRequest(model=info.name, precisions=("q8_0",), tp=(1,), context=1024)
+    before = P.plan(info, state, req).candidates[0]
+    spec = before.spec("x")
+    assert (spec.engine, spec.kv_tokens, spec.kv_tokens_planned) == ("llama.cpp", 1024, 1024)
+    _ran_here(state, spec)
+    observed: dict[str, int] = {}
+    echo = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=512)
+    assert P.record_observation(observed, state, echo) is None and observed == {}
+    # Even an older fold that kept one does not turn the verdict.
+    poisoned = {P.observation_key(info.source, "q8_0", 1, 1, "H100-80GB", 0.9, "auto"): 512}
+    assert P.plan(info, state, req, observed=poisoned).candidates[0] == P.plan(info, state, req).candidates[0]
+
+
+def test_llama_cpp_charges_every_slot_the_whole_context() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "ib-a"))
+
+    def q8(context: int | None, parallel: int) -> m.Candidate:
+        req = m.PlanRequest(model=info.name, precisions=("q8_0",), tp=(1,), context=context, parallel=parallel, all=True)
+        return P.plan(info, state, req).candidates[0]
+
+    one, eight = q8(None, 1), q8(None, 8)
+    pool = one.estimated_kv_tokens  # what the card holds; one slot may take all of it (up to the model's context)
+    assert one.fits and eight.fits and eight.max_context * 8 <= pool < (eight.max_context + P.LLAMACPP_CTX_PAD) * 8
+    assert q8(100_000, 1).fits and 100_000 * 8 > pool
+    refused = q8(100_000, 8)
+    assert not refused.fits and "in each of 8 slots" in (refused.reason or "")
+    spec = q8(4096, 8).spec("x")
+    assert (spec.parallel, spec.context, spec.kv_tokens) == (8, 4096, 32768)
+    assert "-c 32768 -np 8" in q8(4096, 8).command
+
+
 def test_implausible_or_foreign_reservations_are_refused() -> None:
     info = model(LLAMA8)
     state = fleet(node("n1", "ib-a") + node("n2", "ib-a"))

@@ -117,7 +117,7 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
         if model is not None and r.model != model:
             continue
         idle, since = _idle(state, r.replica_id, now)
-        planned, observed = r.spec.kv_tokens, r.observed_kv_tokens
+        planned, observed = r.spec.kv_tokens_planned, r.observed_kv_tokens
         rows.append(m.ReplicaRow(
             replica_id=r.replica_id, model=r.model, state=r.state, nodes=r.nodes, gpus=r.gpus, fabric=r.fabric,
             endpoint=r.endpoint, restarts=r.restarts, detail=r.detail, placed_at=_utc(r.placed_at),
@@ -163,7 +163,7 @@ def model_summaries(state: FleetState, now: datetime | None,
             idle_ttl_s=spec.idle_ttl_s, source=spec.source, precision=spec.precision, engine=spec.engine,
             quantization=spec.quantization, gpu_class=spec.gpu_class, tp=spec.tp, pp=spec.pp,
             gpus_per_replica=spec.tp * spec.pp, context=spec.context, unplaceable=v.unplaceable_reason,
-            kv_tokens_planned=spec.kv_tokens,
+            kv_tokens_planned=spec.kv_tokens_planned,
             # The latest report, which stays when its replica stops (a parked model keeps what it learnt).
             kv_tokens_observed=history.observed_kv.get(name, 0) if history is not None
             else max((r.observed_kv_tokens for r in reps), default=0),
