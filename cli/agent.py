@@ -33,6 +33,19 @@ def _engine_cmds(values: tuple[str, ...]) -> dict[str, list[str]]:
         raise click.BadParameter(str(e), param_hint="--engine-cmd") from e
 
 
+def engines_choice(simulated: bool, engines: str | None, engine_cmd: tuple[str, ...]) -> str:
+    """fake or real; an --engine-cmd that would go unused is an error, never ignored."""
+    if not simulated:
+        if engines == "fake":
+            raise click.UsageError("--engines fake runs on simulated GPUs only: add --simulate FLEET, or drop it")
+        return "real"
+    real = [c for c in engine_cmd if c.partition("=")[0].strip() != "fake"]  # fake=… sets the fake engine's program
+    if engines != "real" and real:
+        raise click.UsageError(f"--engine-cmd {real[0]!r} next to --simulate: simulated nodes run fake engines unless "
+                               "you add --engines real (the real engines on the simulated GPUs)")
+    return engines or "fake"
+
+
 def _print_inventory(inv: m.NodeInventoryReported, as_json: bool) -> None:
     if as_json:
         echo_json(msgspec.to_builtins(inv))
@@ -66,6 +79,15 @@ def _engine_env(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def engine_config(opts: dict[str, Any]) -> EngineConfig:
+    """Fake engines on simulated nodes; real ones (``--engines real``) listen on loopback there too,
+    since every simulated node is this machine."""
+    fake = opts["engines"] == "fake"
+    return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, fake_startup_s=opts["engine_startup_s"],
+                        env=opts["engine_env"], log_dir=opts["log_dir"],
+                        host="127.0.0.1" if opts["simulated"] and not fake else "")
+
+
 def _stop_all(agents: list[Agent]) -> None:
     for a in agents:
         a.stop()
@@ -78,9 +100,7 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
         agents = [
             Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
                   heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"],
-                  services=(EngineSupervisor(node, EngineConfig(cmds=opts["engine_cmds"], simulate=opts["simulated"],
-                                                                fake_startup_s=opts["engine_startup_s"],
-                                                                env=opts["engine_env"])),))
+                  services=(EngineSupervisor(node, engine_config(opts)),))
             for node, port, fabric, source in ports
         ]
         for a in agents:
@@ -126,13 +146,19 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
               help="Set for every engine process, repeatable: NCCL_SOCKET_IFNAME=ib0, GLOO_SOCKET_IFNAME=eth0, RAY_… ")
 @click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=0.0, show_default=True,
               help="With --simulate: seconds each fake engine takes to start, as a real one loads weights.")
+@click.option("--engines", type=click.Choice(["fake", "real"]), default=None,
+              help="With --simulate: fake engines (the default), or the real ones --engine-cmd names on the simulated "
+                   "GPUs (a laptop, CI, a CPU box). Without --simulate engines are always real.")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write each engine's output, line by line, to DIR/<replica>.log [default: only its last lines, "
+                   "in the replica's events].")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
 @click.pass_context
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
-          poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float, once: bool,
-          as_json: bool, settings: Settings) -> None:
+          poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float,
+          engines: str | None, log_dir: Path | None, once: bool, as_json: bool, settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -140,14 +166,18 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
     \b
         llmgw agent --node gpu-01 --fabric ib-a --nats-url nats://ctl:4222
         llmgw agent --simulate examples/fleet.toml
+        llmgw agent --simulate examples/cpu.toml --engines real --engine-cmd "llama.cpp=$(bash scripts/llama-server.sh | tail -1)"
         llmgw agent fault h100-a-01 3 xid=79
     """
     if ctx.invoked_subcommand is not None:
         return
+    cmds = _engine_cmds(engine_cmd)
+    engines = engines_choice(fleet_path is not None, engines, engine_cmd)
     opts: dict[str, Any] = {"heartbeat_s": heartbeat_s, "poll_s": poll_s, "once": once, "as_json": as_json,
                             "simulated": fleet_path is not None, "faults": (),
-                            "engine_cmds": _engine_cmds(engine_cmd), "engine_startup_s": engine_startup_s,
-                            "engine_env": _engine_env(engine_env)}
+                            "engine_cmds": cmds, "engine_startup_s": engine_startup_s,
+                            "engine_env": _engine_env(engine_env), "engines": engines,
+                            "log_dir": log_dir.resolve() if log_dir else None}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     try:
         if fleet_path is not None:

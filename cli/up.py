@@ -141,7 +141,7 @@ def _default_models_dir() -> str | None:
 
 @click.command("up")
 @click.option("--simulate", "fleet_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Also run simulated agents for every node of this fleet file (fake engines, no GPU).")
+              help="Also run simulated agents for every node of this fleet file (no GPU; fake engines unless --engines real).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="JetStream store, DuckDB file and logs [default: $LLMGW_DATA_DIR or ~/.local/share/llmgw].")
 @click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="nats-server port on loopback (0: a free one).")
@@ -151,23 +151,29 @@ def _default_models_dir() -> str | None:
 @click.option("--heartbeat-s", type=click.FloatRange(0.1), default=5.0, show_default=True, help="Seconds between simulated agents' heartbeats.")
 @click.option("--lost-after", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
 @click.option("--models-dir", help="Org__Name model folders for the planner [default: $LLMGW_MODELS_DIR, else ./examples/models].")
-@click.option("--no-example", is_flag=True, help="Do not declare the example model.")
+@click.option("--no-example", is_flag=True, help="Do not declare the example model (never declared with --engines real).")
 @click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
               help="With --simulate: seconds each fake engine takes to start, so a cold start shows.")
 @click.option("--wake-timeout", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds the router holds a request while its parked model wakes.")
 @click.option("--dashboard-listen", default="127.0.0.1:8081", show_default=True,
               help="Where the web dashboard listens (port 0: a free one; 'off': no dashboard).")
+@click.option("--engines", type=click.Choice(["fake", "real"]), default="fake", show_default=True,
+              help="With --simulate: fake engines, or the real ones --engine-cmd names, on the simulated GPUs.")
+@click.option("--engine-cmd", "engine_cmds", multiple=True, metavar="ENGINE=CMD",
+              help="With --engines real: the program for an engine, repeatable (e.g. 'llama.cpp=/path/to/llama-server').")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Key file (sha256 hex digests, one per line) for the router and the dashboard; off when absent.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool,
-       engine_startup_s: float, wake_timeout: float, dashboard_listen: str, api_keys: Path | None) -> None:
+       engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
+       api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
     Example:
 
         llmgw up --simulate examples/fleet.toml
+        llmgw up --simulate examples/cpu.toml --engines real --engine-cmd "llama.cpp=$HOME/.cache/llmgw/…/llama-server"
         llmgw up --data-dir /var/lib/llmgw --port 4222 --router-listen 0.0.0.0:8080 --api-keys keys.sha256
     """
     from llmgw.config import data_dir as default_data_dir
@@ -175,6 +181,19 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
 
     if fleet_path is not None:
         load_fleet(fleet_path)  # a bad file fails here, once, not as an agent that restarts on it forever
+    from llmgw.cli.agent import engines_choice
+
+    if fleet_path is None and (engines == "real" or engine_cmds):
+        raise click.UsageError("--engines real and --engine-cmd run engines on simulated GPUs: add --simulate FLEET "
+                               "(on GPU nodes run `llmgw agent` there instead)")
+    if fleet_path is not None:
+        engines = engines_choice(True, engines, engine_cmds)
+    from llmgw.enginecmd import parse_engine_cmds
+
+    try:
+        parse_engine_cmds(engine_cmds)
+    except LlmgwError as e:
+        raise click.BadParameter(str(e), param_hint="--engine-cmd") from e
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
     server = None
@@ -192,7 +211,9 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         click.echo(f"data: {root}  (llmgw.duckdb, logs/{', nats/' if server else ''}; --data-dir or LLMGW_DATA_DIR moves it)")
         from llmgw import ctl
 
-        note = run(ctl.prepare_up(Settings.from_env(nats_url=nats_url), fleet_path if not no_example else None,
+        note = run(ctl.prepare_up(Settings.from_env(nats_url=nats_url),
+                                  # The example is a vLLM model: a real engine would fail on it, over and over.
+                                  fleet_path if not (no_example or engines == "real") else None,
                                   models_dir, name=EXAMPLE_NAME, model=EXAMPLE_MODEL))
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
         if models_dir:
@@ -211,7 +232,9 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))
         if fleet_path is not None:
             parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}",
-                                     "--engine-startup-s", f"{engine_startup_s:g}"]))
+                                     "--engine-startup-s", f"{engine_startup_s:g}", "--engines", engines,
+                                     *(a for c in engine_cmds for a in ("--engine-cmd", c)),
+                                     "--log-dir", str(logs / "engines")]))
         for name, args in parts:
             child = Child(name, [*exe, *args], logs / f"{name}.log", env, optional=name == "dashboard")
             child.start()
@@ -225,7 +248,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             board_url = _router_url(board)
             click.echo(f"dashboard: {board_url}" if board_url else
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
-        click.echo(f"logs: {logs}/")
+        click.echo(f"logs: {logs}/" + ("  (engines: engines/<replica>.log)" if fleet_path is not None else ""))
         if nats_url != DEFAULT_NATS_URL:
             click.echo(f"export LLMGW_NATS_URL={nats_url}   # so the commands below find this NATS")
         click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")

@@ -219,7 +219,8 @@ class EngineRun:
         if self.config.log_dir is None:
             return None
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
-        return open(self.config.log_dir / f"{subjects.token(self.replica_id)}.log", "ab")  # noqa: SIM115 - the pump closes it
+        # Unbuffered: each line the pump writes is in the file at once, for `tail -f` while the engine runs.
+        return open(self.config.log_dir / f"{subjects.token(self.replica_id)}.log", "ab", buffering=0)  # noqa: SIM115 - the pump closes it
 
     def _argvs(self) -> tuple[list[list[str]], dict[str, str]]:
         host, spec = self.config.host, self.placed.spec

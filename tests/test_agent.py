@@ -288,7 +288,7 @@ async def test_nats_outage_loses_and_doubles_nothing(fleet_file: Path) -> None:
 
 async def test_cli_once_prints_and_publishes_the_inventory(bus: Bus, settings: Settings, fleet_file: Path) -> None:
     args = ["agent", "--simulate", str(fleet_file), "--node", "l40s-02", "--fabric", "eth-x", "--once", "--json",
-            "--engine-cmd", "vllm=/opt/vllm/bin/vllm", "--nats-url", settings.nats_url]
+            "--engines", "real", "--engine-cmd", "vllm=/opt/vllm/bin/vllm", "--nats-url", settings.nats_url]
     result = await asyncio.to_thread(CliRunner().invoke, cli, args)
     assert result.exit_code == 0, result.output
     printed = msgspec.json.decode(result.output.encode(), type=m.NodeInventoryReported)
@@ -304,6 +304,20 @@ async def test_cli_rejects_a_bad_engine_cmd_and_a_bad_fleet_file(tmp_path: Path,
     assert (result.exit_code, result.output) == (1, f"Error: {bad}: nodes[0].gpu_count must be a positive integer of at most 64 (got 0)\n")
     result = await asyncio.to_thread(CliRunner().invoke, cli, ["agent", "--simulate", str(bad), "--engine-cmd", "vllm"])
     assert result.exit_code == 2 and "expected ENGINE=CMD" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # Simulated nodes run fake engines: a real engine's program next to them would go unused.
+    (["--engine-cmd", "llama.cpp=/opt/llama-server"], "unless you add --engines real"),
+    (["--engines", "fake", "--engine-cmd", "vllm=/opt/vllm/bin/vllm"], "unless you add --engines real"),
+])
+async def test_cli_refuses_an_engine_cmd_it_would_ignore(fleet_file: Path, settings: Settings, args: list[str],
+                                                         message: str) -> None:
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["agent", "--simulate", str(fleet_file), *args,
+                                                               "--once", "--nats-url", settings.nats_url])
+    assert result.exit_code == 2 and message in result.output, result.output
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["agent", "--engines", "fake", "--once"])
+    assert result.exit_code == 2 and "--engines fake runs on simulated GPUs only" in result.output
 
 
 async def test_simulated_agents_cover_the_fleet_file(bus: Bus, fleet_file: Path) -> None:
