@@ -24,6 +24,7 @@ COMMANDS = {
     "ctl": "llmgw.cli.ctl:ctl",
     "dashboard": "llmgw.cli.dashboard:dashboard",
     "export": "llmgw.cli.export:export",
+    "demo-model": "llmgw.cli.demo_model:demo_model",
 }
 
 # `llmgw --help` lists these instead of importing every command for its docstring (the router,
@@ -43,6 +44,7 @@ SUMMARIES = {
     "ctl": "Ask the control plane: plans, status, what can be stopped.",
     "dashboard": "Serve a live, read-only web page of the fleet; prints its URL on the first line.",
     "export": "Write the projection's tables as Parquet (pandas, Spark, Polars, any DuckDB).",
+    "demo-model": "Write a tiny random-weight llama (Q8_0 GGUF and config.json) to plan and serve offline.",
 }
 
 

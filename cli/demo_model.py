@@ -1,0 +1,62 @@
+"""``llmgw demo-model``: a tiny random-weight llama to plan and serve without downloading one."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+
+from llmgw.errors import LlmgwError
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024**2:.1f} MiB" if n >= 1024**2 else f"{n / 1024:.0f} KiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+@click.command("demo-model")
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--context", type=int, default=2048, show_default=True, help="Context length the model states.")
+@click.option("--layers", type=int, default=2, show_default=True, help="Transformer blocks.")
+@click.option("--embd", type=int, default=64, show_default=True, help="Embedding width (a multiple of 32).")
+@click.option("--heads", type=int, default=4, show_default=True, help="Attention heads.")
+@click.option("--kv-heads", type=int, default=2, show_default=True, help="KV heads (grouped-query attention).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+def demo_model(directory: Path, context: int, layers: int, embd: int, heads: int, kv_heads: int, seed: int) -> None:
+    """Write a tiny random-weight llama (Q8_0 GGUF and config.json) to plan and serve offline.
+
+    It says nothing sensible, but llama-server loads it and answers chat
+    completions with it, and the planner sizes it like any other model. The
+    GGUF is named as the planner's llama.cpp commands name it: <folder>-Q8_0.gguf.
+
+    Example:
+
+    \b
+        llmgw demo-model models/llmgw-demo
+        llmgw demo-model models/demo-big --layers 4 --embd 256 --context 4096
+        llmgw ctl model plan models/llmgw-demo --fleet examples/fleet.toml
+    """
+    from llmgw.demomodel import write_demo_model
+
+    try:
+        made = write_demo_model(directory, context=context, layers=layers, embd=embd, heads=heads,
+                                kv_heads=kv_heads, seed=seed)
+    except LlmgwError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(f"cannot write into {directory} ({e.strerror or e}); pick a writable DIR") from e
+    click.echo(f"wrote {made.gguf} ({_size(made.file_bytes)}, Q8_0): llama, {_count(made.params)} parameters, "
+               f"{made.layers} layers, embedding {made.embd}, {made.heads} heads / {made.kv_heads} KV heads, "
+               f"FFN {made.ffn}, vocabulary {made.vocab_size}, context {made.context}")
+    click.echo(f"wrote {made.config}")
+    d, f = shlex.quote(str(directory)), shlex.quote(str(made.gguf))
+    body = '{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}'
+    click.echo("\nnext:")
+    click.echo(f"  llmgw ctl model plan {d} --fleet examples/fleet.toml   # or against a running control plane")
+    click.echo(f"  llama-server -m {f} -c {made.context} --port 8080   # no llama-server? bash scripts/llama-server.sh")
+    click.echo("  curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' "
+               f"-d {shlex.quote(body)}")
