@@ -1,6 +1,7 @@
 """The demand loop on real processes: how long a parked model takes to answer, and how load scales it.
 
     python benchmarks/demand.py [--rounds 5] [--startup-s 2] [--skip-scale]
+    python benchmarks/demand.py --engine real [--rounds 5]
 
 ``llmgw up`` (NATS, projector, planner, scheduler, router) and one simulated agent
 whose fake engines take ``--startup-s`` to start (like an engine loading weights)
@@ -14,6 +15,13 @@ and 200 ms per reply.
   clients sending back to back: router ticks until the replicas the target asks for
   (64 / 4 = 16) are placed and healthy, changes of the count over the next 60 ticks
   (0 is no flapping), and ticks until quiet takes it back to its minimum.
+
+``--engine real``: llama.cpp's llama-server (scripts/llama-server.sh) on the demo model
+(``llmgw demo-model --layers 4 --embd 256``) under ``up --simulate examples/cpu.toml
+--engines real``. The engine's own start-up (spawn → /health and a one-token completion
+answer) is measured alone first, so the wake's overhead is what llmgw adds to it. Then the
+router's overhead: the same requests sent straight to the engine and through the router,
+alternating, in one run.
 """
 
 from __future__ import annotations
@@ -89,9 +97,10 @@ async def first_byte(base: str, model: str) -> float:
     return ttfb
 
 
-def wake(url: str, base: str, rounds: int, startup_s: float) -> None:
-    plan = ("--from-plan", "--precision", "bf16", "--tp", "1", "--context", "8192")
-    cli(url, "ctl", "model", "deploy", "sleepy", MODEL, *plan, "--idle-ttl", "1s")
+def wake(url: str, base: str, rounds: int, startup_s: float, model: str = MODEL,
+         plan: tuple[str, ...] = ("--from-plan", "--precision", "bf16", "--tp", "1", "--context", "8192"),
+         engine: str = "fake engine") -> None:
+    cli(url, "ctl", "model", "deploy", "sleepy", model, *plan, "--idle-ttl", "1s")
     rows: list[dict[str, float]] = []
     for _ in range(rounds):
         until("sleepy parked", lambda: model_state(url, "sleepy") == "parked", every_s=0.3)
@@ -108,7 +117,7 @@ def wake(url: str, base: str, rounds: int, startup_s: float) -> None:
                      "wish → placed": (at(placed) - at(wish)).total_seconds(),
                      "placed → healthy (start-up + check)": (at(healthy) - at(placed)).total_seconds(),
                      "healthy → first byte": ttfb - (at(healthy) - sent).total_seconds()})
-    print(f"\nwake: a parked model, one streamed request, fake engine start-up {startup_s:g} s; {rounds} rounds")
+    print(f"\nwake: a parked model, one streamed request, {engine} start-up {startup_s * 1e3:.0f} ms; {rounds} rounds")
     for k in rows[0]:
         v = [r[k] for r in rows]
         print(f"  {k:<34} median {statistics.median(v) * 1e3:7.0f} ms   (min {min(v) * 1e3:.0f}, max {max(v) * 1e3:.0f})")
@@ -177,12 +186,123 @@ def scale(url: str, base: str) -> None:
     print(f"  replies: {counts}")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+SLEEPY_ARGS = ("-c", "2048", "-np", "1", "-ngl", "999", "-t", "1")  # what the agent starts it with
+
+
+def engine_alone(binary: str, gguf: Path, rounds: int) -> float:
+    """Median seconds from spawning llama-server to its first answered one-token completion."""
+
+    async def once() -> float:
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(binary, "-m", str(gguf), *SLEEPY_ARGS, "--host", "127.0.0.1",
+                                                    "--port", str(port), stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        try:
+            async with aiohttp.ClientSession() as s:
+                while True:
+                    try:
+                        async with s.post(base + "/v1/completions", json={"prompt": "ping", "max_tokens": 1}) as r:
+                            if r.status == 200:
+                                return time.monotonic() - t0
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.005)
+        finally:
+            proc.terminate()
+            await proc.wait()
+
+    return statistics.median(asyncio.run(once()) for _ in range(rounds))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def router_overhead(url: str, base: str, model_dir: Path, n: int = 40) -> None:
+    """The same non-streamed request straight to llama-server and through the router, alternating."""
+    cli(url, "ctl", "model", "deploy", "steady", str(model_dir), "--from-plan", "--precision", "q8_0",
+        "--context", "2048")
+    until("steady serving", lambda: model_state(url, "steady") == "serving")
+    endpoint = next(e["endpoint"] for e in reversed(events(url, "control"))
+                    if e["type"] == "ReplicaStateChanged" and e["model"] == "steady" and e["state"] == "healthy")
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+
+    async def drive() -> tuple[list[float], list[float]]:
+        direct: list[float] = []
+        routed: list[float] = []
+        async with aiohttp.ClientSession() as s:
+            for i in range(2 * n + 2):
+                target, times = (endpoint, direct) if i % 2 == 0 else (base, routed)
+                body = {"model": "steady", "prompt": prompt, "max_tokens": 8, "cache_prompt": False}
+                t0 = time.monotonic()
+                async with s.post(target + "/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                if i >= 2:  # the first pair warms both paths
+                    times.append(time.monotonic() - t0)
+        return direct, routed
+
+    direct, routed = asyncio.run(drive())
+    d, r = statistics.median(direct), statistics.median(routed)
+    print(f"\nrouter overhead: {n} completions each (77-token prompt, 8 tokens), straight to llama-server and "
+          "through the router, alternating")
+    print(f"  direct  median {d * 1e3:7.1f} ms")
+    print(f"  router  median {r * 1e3:7.1f} ms   (+{(r - d) * 1e3:.1f} ms, x{r / d:.2f})")
+
+
+def real(args: argparse.Namespace, tmp: Path) -> None:
+    built = subprocess.run(["bash", str(ROOT / "scripts" / "llama-server.sh")], capture_output=True, text=True,
+                           check=True)
+    binary = built.stdout.strip().splitlines()[-1]
+    model_dir = tmp / "tiny"
+    subprocess.run([LLMGW, "demo-model", str(model_dir), "--layers", "4", "--embd", "256"], check=True,
+                   stdout=subprocess.DEVNULL)
+    gguf = next(model_dir.glob("*.gguf"))
+    alone = engine_alone(binary, gguf, args.rounds)
+    up = subprocess.Popen([LLMGW, "up", "--data-dir", str(tmp / "data"), "--port", "0", "--router-listen", "127.0.0.1:0",
+                           "--router-tick", f"{TICK_S:g}", "--simulate", str(ROOT / "examples" / "cpu.toml"),
+                           "--engines", "real", "--engine-cmd", f"llama.cpp={binary} -t 1", "--heartbeat-s", "1",
+                           "--dashboard-listen", "off"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        url, base = _urls(up)
+        until("the simulated node", lambda: json.loads(cli(url, "ctl", "status", "--replay", "--json"))["nodes"] == 1)
+        wake(url, base, args.rounds, alone, model=str(model_dir),
+             plan=("--from-plan", "--precision", "q8_0", "--context", "2048"), engine="llama-server (measured alone)")
+        router_overhead(url, base, model_dir)
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        up.wait(30)
+
+
+def _urls(up: subprocess.Popen[str]) -> tuple[str, str]:
+    """The NATS URL and the router's base URL, from the lines ``up`` prints."""
+    assert up.stdout is not None
+    match = re.match(r"nats: (\S+)", up.stdout.readline())
+    assert match
+    for line in up.stdout:
+        if m := re.match(r"router: (\S+)/v1", line):
+            return match.group(1), m.group(1)
+    raise SystemExit("up exited before it printed the router's URL")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--startup-s", type=float, default=2.0)
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--engine", choices=["fake", "real"], default="fake")
     args = ap.parse_args()
+    if args.engine == "real":
+        real(args, Path(tempfile.mkdtemp(prefix="llmgw-bench-demand-")))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-demand-"))
     (tmp / "fleet.toml").write_text(FLEET)
     up = subprocess.Popen([LLMGW, "up", "--data-dir", str(tmp / "data"), "--port", "0", "--router-listen", "127.0.0.1:0",
@@ -190,15 +310,7 @@ def main() -> None:
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     agent = None
     try:
-        assert up.stdout is not None
-        match = re.match(r"nats: (\S+)", up.stdout.readline())
-        assert match
-        url = match.group(1)
-        base = ""
-        for line in up.stdout:
-            if m := re.match(r"router: (\S+)/v1", line):
-                base = m.group(1)
-                break
+        url, base = _urls(up)
         agent = subprocess.Popen([LLMGW, "agent", "--simulate", str(tmp / "fleet.toml"), "--heartbeat-s", "1",
                                   "--engine-startup-s", f"{args.startup_s:g}",
                                   "--engine-cmd", f"fake={LLMGW} fake-engine --latency-ms 200", "--nats-url", url],

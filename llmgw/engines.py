@@ -348,6 +348,7 @@ class EngineRun:
         deadline = loop.time() + self.config.health_timeout_s
         self.check_problem, refused_since = "not checked yet", None
         http = await self._http()
+        tries = 0
         while loop.time() < deadline:
             if self._exited():
                 return False
@@ -358,7 +359,10 @@ class EngineRun:
                 self.tail.append(f"the engine is up but refuses the health check for "
                                  f"{self.config.health_refused_s:g}s: {self.check_problem}")
                 return False
-            await asyncio.sleep(self.config.health_interval_s)
+            # Soon at first: a small model (or a wake) is up in well under a second, and every
+            # poll missed is latency added to the request that woke it; vLLM's minutes get the full interval.
+            await asyncio.sleep(min(self.config.health_interval_s, 0.02 * 2 ** tries))
+            tries += 1
         self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s; last: {self.check_problem}")
         return False
 

@@ -20,6 +20,10 @@ if [ ! -x .venv-duckdb-cli/bin/duckdb ]; then
   python3 -m venv .venv-duckdb-cli
   .venv-duckdb-cli/bin/python -m pip install -q 'duckdb-cli>=1.5,<1.6' >/dev/null
 fi
+# The real-engine tests run llama.cpp's llama-server, built from source once per machine (~20
+# CPU-minutes; cached in ~/.cache/llmgw): a build that cannot happen stops here and says why.
+LLMGW_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/llama-server.sh | tail -n 1)"
+export LLMGW_LLAMA_SERVER
 .venv/bin/ruff check llmgw projections cli tests benchmarks
 .venv/bin/mypy llmgw projections cli
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
