@@ -88,12 +88,14 @@ def nats_conf(fleet_path: Path | None, nodes: tuple[str, ...], routers: tuple[st
 
 
 @click.command("declare-streams")
+@click.option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(0.5, 3600), default=10.0, show_default=True,
+              help="Seconds a dead scheduler's lease outlives it (the lease bucket's TTL, set when it is created).")
 @nats_options
-def declare_streams(settings: Settings) -> None:
+def declare_streams(settings: Settings, lease_ttl_s: float) -> None:
     """Declare llmgw's streams (create, or update to this version's limits); log in as admin.
 
-    Under the shipped nats.conf only ``admin`` may create or update streams; every
-    other role finds them declared. Run it once before the control plane starts,
+    Under the shipped nats.conf only ``admin`` may create or update streams and buckets
+    (the fold snapshots' object store, the scheduler's lease); every other role finds them declared. Run it once before the control plane starts,
     and again after an upgrade.
 
     Example:
@@ -105,9 +107,10 @@ def declare_streams(settings: Settings) -> None:
     async def main() -> None:
         bus = await Bus.connect(settings, "llmgw-declare-streams", reconnect=False)
         try:
-            await bus.ensure_streams()
+            await bus.ensure_streams(lease_ttl_s=lease_ttl_s)
         finally:
             await bus.close()
 
     run(main())
-    click.echo(f"declared {', '.join(natsconf.ALL_STREAMS)} on {settings.nats_url}", err=True)
+    click.echo(f"declared {', '.join((*natsconf.ALL_STREAMS, natsconf.SNAPSHOT_STREAM, natsconf.LEASE_STREAM))} "
+               f"on {settings.nats_url}", err=True)

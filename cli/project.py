@@ -26,7 +26,7 @@ async def project_db(settings: Settings, db: Path, *, once: bool, snapshot: Path
     bus = await Bus.connect(settings, "llmgw-project", reconnect=not once)
     store = Store(db)
     try:
-        await bus.ensure_streams()
+        await bus.ensure_streams(lease=False)  # the lease is the scheduler's: not the projector's to see
         if once:
             with progress(f"projecting into {db.name}") as on_progress:
                 projector = Projector(bus, store, commit_every=commit_every, commit_interval_s=commit_interval_s,

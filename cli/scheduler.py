@@ -27,7 +27,7 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
         await HeartbeatMonitor(b, timeout_s=heartbeat_timeout_s).run()
 
     try:
-        await bus.ensure_streams()
+        await bus.ensure_streams(lease_ttl_s=lease_ttl_s)  # declares what is missing where it may (an open bus)
         sched = SchedulerService(bus, name=name, lease_ttl_s=lease_ttl_s, tick_s=tick_s, services=(liveness,))
         click.echo(f"scheduler {sched.name} on {settings.nats_url}: waiting for the lease (ttl {lease_ttl_s:g}s)", err=True)
         await sched.run(stop)

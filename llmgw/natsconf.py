@@ -61,12 +61,12 @@ def _read(*streams: str) -> list[str]:
 def _lease() -> list[str]:
     """The scheduler's KV lease (nats-py's key_value/create/update/delete/get).
 
-    Creating the bucket is the one stream a role other than admin may create: its
-    TTL is the scheduler's --lease-ttl. A create never changes an existing stream.
+    The bucket is admin's to declare (``llmgw declare-streams --lease-ttl``), like every
+    stream: a role that may create it before it exists may give it any subjects, and one
+    with ``_INBOX.>`` would store every role's replies where its own reads can reach them.
     """
     return [
         *_info(LEASE_STREAM),
-        s.js_stream("CREATE", LEASE_STREAM),
         s.js_api("DIRECT.GET", LEASE_STREAM, ">"),
         s.js_stream("MSG.GET", LEASE_STREAM),
         s.kv_subjects(s.SCHEDULER_LEASE_BUCKET),
@@ -87,6 +87,7 @@ def _snapshots_write() -> list[str]:
 
 # Whatever a role's allow list says, these stay refused for every role but admin.
 NEVER = [
+    s.js_stream("CREATE", ">"),
     s.js_stream("UPDATE", ">"),
     s.js_stream("DELETE", ">"),
     s.js_stream("PURGE", ">"),
@@ -111,7 +112,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
     pub: list[str] = []
     sub: list[str] = [s.inbox_prefix(user or user_name(role, node)) + ".>"]
     responses = False
-    deny_pub = list(NEVER) + ([] if role == "scheduler" else [s.js_stream("CREATE", ">")])
+    deny_pub = list(NEVER)
     if role == "agent":
         if not node:
             raise ConfigError("an agent user needs its node name")

@@ -51,7 +51,15 @@ class Lease:
 
     async def _bucket(self) -> Any:
         if self._kv is None:
-            self._kv = await self.bus.key_value(subjects.SCHEDULER_LEASE_BUCKET, self.ttl_s)
+            kv = await self.bus.key_value(subjects.SCHEDULER_LEASE_BUCKET, self.ttl_s)
+            # The bucket's TTL is what expires a lease, and admin declared it: say when it is not ours.
+            declared = (await kv.status()).ttl
+            if declared and abs(declared - self.ttl_s) > 1e-3:
+                log.warning("scheduler %s: the lease bucket %s expires a lease after %gs, as declared "
+                            "(`llmgw declare-streams --lease-ttl`); --lease-ttl %gs does not change that",
+                            self.holder, subjects.SCHEDULER_LEASE_BUCKET, declared, self.ttl_s)
+                self.ttl_s = declared
+            self._kv = kv
         return self._kv
 
     @property

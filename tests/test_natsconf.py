@@ -251,7 +251,7 @@ async def test_only_admin_creates_or_updates_streams(secured: Secured, admin: Bu
         # What the adversarial run did: wipe the fleet's history, seal control for good.
         await refused(projector, subjects.js_stream("UPDATE", subjects.STREAM_FLEET), msgspec.json.encode(wipe))
         await refused(scheduler, subjects.js_stream("UPDATE", subjects.STREAM_CONTROL), msgspec.json.encode(seal))
-        # Its own lease bucket neither: a create never changes a stream, an update is admin's.
+        # Its own lease bucket neither: admin declared it, the scheduler only uses it.
         kv = await scheduler.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)
         assert kv is not None
         lease = await stream_config(admin, natsconf.LEASE_STREAM)
@@ -264,14 +264,43 @@ async def test_only_admin_creates_or_updates_streams(secured: Secured, admin: Bu
     assert not (await stream_config(admin, subjects.STREAM_CONTROL)).get("sealed")
 
 
+# Every stream a role could name: ours, the key-value and object streams, and made-up ones.
+EVERY_STREAM = (*natsconf.ALL_STREAMS, natsconf.LEASE_STREAM, natsconf.SNAPSHOT_STREAM, "LLMGW_NEW", "KV_X", "OBJ_X")
+# What a role would give a stream it creates to read others' replies and answer their requests.
+CAPTURE = {"subjects": ["_INBOX.>", subjects.STATUS, subjects.PLAN], "storage": "memory"}
+
+
+async def test_the_scheduler_cannot_create_its_lease_bucket_to_capture_replies(secured: Secured, admin: Bus) -> None:
+    # A fresh deployment before the bucket existed: the scheduler could create KV_LLMGW_SCHEDULER with
+    # any subjects, and a stream on _INBOX.> and llmgw.status stored (and answered) other roles' requests.
+    await admin.js.delete_key_value(subjects.SCHEDULER_LEASE_BUCKET)
+    scheduler = await secured.connect("scheduler")
+    try:
+        await refused(scheduler, subjects.js_stream("CREATE", natsconf.LEASE_STREAM),
+                      msgspec.json.encode({**CAPTURE, "name": natsconf.LEASE_STREAM}))
+        with pytest.raises(PermissionDeniedError, match="run `llmgw declare-streams` as admin"):
+            await scheduler.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)
+        names = await admin.request("$JS.API.STREAM.NAMES", b"{}", timeout=5)
+        assert natsconf.LEASE_STREAM not in msgspec.json.decode(names)["streams"]
+    finally:
+        await scheduler.close()
+        await admin.ensure_streams()  # admin declares it again, as `declare-streams` does
+    info = await stream_config(admin, natsconf.LEASE_STREAM)
+    assert info["subjects"] == [f"$KV.{subjects.SCHEDULER_LEASE_BUCKET}.>"]
+
+
 @pytest.mark.parametrize("user", NON_ADMIN)
 async def test_no_role_but_admin_manages_jetstream(secured: Secured, admin: Bus, user: str) -> None:
     bus = await secured.connect(user)
     config = msgspec.json.encode(await stream_config(admin, subjects.STREAM_FLEET))
     try:
-        for stream in (subjects.STREAM_FLEET, subjects.STREAM_CONTROL, "LLMGW_NEW"):
-            for verb in ("CREATE", "UPDATE", "DELETE", "PURGE", "SNAPSHOT"):
+        for stream in EVERY_STREAM:
+            capture = msgspec.json.encode({**CAPTURE, "name": stream})
+            for verb in ("CREATE", "UPDATE", "DELETE", "PURGE", "SNAPSHOT", "RESTORE"):
+                if (user, verb, stream) == ("projector", "PURGE", natsconf.SNAPSHOT_STREAM):
+                    continue  # its retention purges old snapshots' chunks: the one purge it may send
                 await refused(bus, subjects.js_stream(verb, stream), config)
+                await refused(bus, subjects.js_stream(verb, stream), capture)
         for subject in ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST",
                         subjects.js_api("CONSUMER.NAMES", subjects.STREAM_CONTROL),
                         subjects.js_api("CONSUMER.LIST", subjects.STREAM_CONTROL),
@@ -328,8 +357,9 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
                              (projector, (subjects.STREAM_HEARTBEAT,))):  # GPU use for status
             for stream in streams:
                 assert await read_to_end(bus, stream) >= 1, (bus, stream)
-        for bus in (projector, scheduler):  # they check the streams at start; admin declared them
-            await bus.ensure_streams()
+        # They check the streams at start; admin declared them (the lease is the scheduler's alone).
+        await projector.ensure_streams(lease=False)
+        await scheduler.ensure_streams()
         state, cursor = (c := await replay(projector, use_snapshots=False)).state, c.cursor
         assert state.nodes["h100-a-01"].gpus and cursor.unprojected == 0
         assert (await replay_state(cli)).models["qwen"].spec == spec

@@ -47,6 +47,8 @@ from llmgw.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 10.0  # the scheduler's lease outlives a dead leader this long (declare-streams --lease-ttl)
 T = TypeVar("T")
 
 
@@ -276,8 +278,15 @@ class Bus:
 
     # --- streams -----------------------------------------------------------------
 
-    async def ensure_streams(self, replicas: int | None = None) -> None:
-        """Declare llmgw's streams; re-declaring an unchanged stream changes nothing."""
+    async def ensure_streams(self, replicas: int | None = None, lease_ttl_s: float = LEASE_TTL_S, *,
+                             lease: bool = True) -> None:
+        """Declare llmgw's streams, the fold snapshots' object bucket and (``lease``) the scheduler's
+        lease bucket (``lease_ttl_s``: how long a dead leader's lease outlives it); re-declaring changes
+        nothing. A role that only checks them at its start leaves out what it may not even see.
+
+        Every one of them is declared here, by admin, with a fixed configuration: a role that could
+        create a bucket before it exists could give it any subjects (``_INBOX.>`` stores every reply).
+        """
         replicas = replicas or self.settings.stream_replicas
         for spec in subjects.STREAMS:
             config = StreamConfig(
@@ -327,6 +336,8 @@ class Bus:
                 replicas=replicas, description="the projector's fold snapshots (llmgw.fleet.snapshots)")
         except (nats.js.errors.APIError, *_RETRYABLE) as e:
             raise BusError(f"cannot declare the object bucket {subjects.SNAPSHOT_BUCKET}: {e}") from e
+        if lease:
+            await self.key_value(subjects.SCHEDULER_LEASE_BUCKET, lease_ttl_s, replicas=replicas)
 
     async def stream_last_seq(self, stream: str) -> int:
         """The last sequence stored in a stream (0 when empty)."""
@@ -351,14 +362,26 @@ class Bus:
         created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
         return int(info.state.last_seq), created
 
-    async def key_value(self, bucket: str, ttl_s: float) -> KeyValue:
-        """A KV bucket, created if missing (the scheduler's lease)."""
+    async def key_value(self, bucket: str, ttl_s: float, replicas: int | None = None) -> KeyValue:
+        """A KV bucket (the scheduler's lease), created with ``ttl_s`` if missing and this user may
+        (admin; anyone on an open bus); an existing one is used as it was declared."""
+        stream = f"KV_{bucket}"
         try:
-            return await self.js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            return await self.js.create_key_value(
-                KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=self.settings.stream_replicas)
-            )
+            try:
+                return await self._guarded(subjects.js_stream("INFO", stream), self.js.key_value(bucket))
+            except nats.js.errors.BucketNotFoundError:
+                config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s,
+                                        replicas=replicas or self.settings.stream_replicas)
+                return await self._guarded(subjects.js_stream("CREATE", stream), self.js.create_key_value(config))
+        except PermissionDeniedError as e:
+            raise PermissionDeniedError(
+                f"the key-value bucket {bucket} is missing, and user {self.settings.user or '(none)'} may not "
+                "create it (only admin may); run `llmgw declare-streams` as admin (LLMGW_NATS_USER=admin) first"
+            ) from e
+        except nats.js.errors.APIError as e:
+            raise BusError(f"cannot declare the key-value bucket {bucket}: {e.description} (code {e.err_code})") from e
+        except _RETRYABLE as e:
+            raise BusError(f"JetStream did not answer for the key-value bucket {bucket}") from e
 
     # --- publish -----------------------------------------------------------------------
 

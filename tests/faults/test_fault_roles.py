@@ -69,7 +69,7 @@ async def test_an_agent_cannot_speak_for_another_node(tmp_path: Path, record: Ca
         for user in ("projector", "scheduler", "router", "cli", f"agent-{LIAR}", f"agent-{VICTIM}"):
             buses[user] = await Bus.connect(settings(user), f"fault-{user}", reconnect=False)
         liar, victim, sched, cli = buses[f"agent-{LIAR}"], buses[f"agent-{VICTIM}"], buses["scheduler"], buses["cli"]
-        await buses["projector"].ensure_streams()  # what `llmgw project` does at start: a check, no change
+        await buses["projector"].ensure_streams(lease=False)  # what `llmgw project` does at start: a check, no change
         live_db = tmp_path / "live.duckdb"
         projector = runner.Projector(buses["projector"], Store(live_db), commit_interval_s=0.1)
         projector_task = asyncio.create_task(projector.run_forever())
