@@ -82,7 +82,7 @@ class EndpointSink:
             changed = False
             now = time.time()
             for d in batch:  # (a subject its payload disagrees with was refused by the follower)
-                changed |= self.pool.apply(d.event, now)
+                changed |= self.pool.apply(d.event, now, d.raw.seq)
             self.applied_seq = follower.last_seq
             if self.applied_seq >= target:
                 self.caught_up.set()

@@ -109,7 +109,7 @@ class PlannerService:
                     log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
                                 "or not its replica's node)", stream, d.raw.seq, event.observed_kv_tokens,
                                 event.node, event.replica_id)
-                apply(self.state, event)
+                apply(self.state, event, d.raw.seq)
                 self._pools = None
             self.positions[stream] = follower.last_seq
             self._progress.set()

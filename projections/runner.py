@@ -193,12 +193,12 @@ class Projector:
                 if type(event) is idle:
                     payloads[i] = idle_payload(event, state.routers.get(event.router))
                 observe(c, msgs[i].seq, msgs[i].subject, event)
-                apply(state, event)
+                apply(state, event, msgs[i].seq)
             self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], stored, payloads)
         else:
             for x, event in zip(msgs, decoded, strict=True):
                 observe(c, x.seq, x.subject, event)
-                apply(state, event)
+                apply(state, event, x.seq)
         self.folded += len(msgs)
         self._advance(stream, msgs[-1])
         if self.progress is not None:
@@ -258,7 +258,7 @@ class Projector:
                     prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
                     add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
                 observe(self.checkpoint, raw.seq, raw.subject, event)
-                apply(state, event)
+                apply(state, event, raw.seq)
             self.folded += 1
         self._advance(stream, msgs[-1])
         if self.progress is not None:
@@ -452,6 +452,9 @@ class Projector:
         again = await replay(self.bus, upto=self.cursor.positions, use_snapshots=False)
         # Everything but the projector's own fold and positions (which its DuckDB rows derive from)
         # comes from the replay: whatever a later version adds to the checkpoint comes along.
+        for rid, replica in self.state.replicas.items():  # where each was placed: checked by snapshot readers
+            if (folded := again.state.replicas.get(rid)) is not None:
+                replica.placed_seq, replica.endpoint_seq = folded.placed_seq, folded.endpoint_seq
         again.state, again.cursor = self.state, self.cursor
         self.checkpoint = again
         self._incomplete = False

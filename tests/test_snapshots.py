@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from llmgw import scheduler, subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import encode_state
+from llmgw.fleet.checkpoint import Checkpoint, encode, encode_state
 from llmgw.fleet.fold import FOLD_VERSION
 from llmgw.fleet.pool import Pool
 from llmgw.fleet.replay import replay
@@ -152,6 +154,75 @@ async def test_a_snapshot_whose_bytes_were_changed_is_caught_by_its_checksum(bus
     warned: list[str] = []
     assert await replay(bus, warn=warned.append) == c
     assert len(warned) == 1 and "checksum" in warned[0]
+
+
+async def _forge(bus: Bus, change: Callable[[Checkpoint], None]) -> str:
+    """The newest snapshot, rewritten by ``change`` and stored with a checksum that matches: what anyone
+    who may write snapshots could do. The name it is stored under."""
+    c = await replay(bus, use_snapshots=False)
+    change(c)
+    blob = encode(c)
+    header = snapshots.header_for(blob, c.cursor, 10**18)
+    name = snapshots.object_name(header) + "-forged"
+    await bus.objects(subjects.SNAPSHOT_BUCKET).put(name, blob, msgspec.json.encode(header).decode())
+    return name
+
+
+EVIL = "http://203.0.113.9:8000"  # TEST-NET-3: nothing of ours, never dialled
+
+
+def _endpoint(c: Checkpoint) -> None:
+    (rid,) = [r.replica_id for r in c.state.replicas.values() if r.endpoint]
+    c.state.replicas[rid].endpoint = c.pool.replicas[rid].endpoint = EVIL
+
+
+def _ghost(c: Checkpoint) -> None:
+    # A replica nobody placed, holding a GPU, with the sequence of a real placement.
+    real = next(iter(c.state.replicas.values()))
+    c.state.replicas["ghost-r1"] = dataclasses.replace(real, replica_id="ghost-r1", endpoint="")
+
+
+def _moved(c: Checkpoint) -> None:
+    # A real placement's GPUs swapped for others: the stored ReplicaPlaced says otherwise.
+    real = next(iter(c.state.replicas.values()))
+    real.gpus = tuple(msgspec.structs.replace(g, index=g.index + 1) for g in real.gpus)
+
+
+def _unsourced(c: Checkpoint) -> None:
+    for r in c.pool.replicas.values():
+        r.endpoint, r.endpoint_seq = EVIL, 0
+
+
+@pytest.mark.parametrize("change, why", [
+    (_endpoint, "endpoint http://203.0.113.9:8000"),
+    (_ghost, "replica ghost-r1's placement is not what"),
+    (_moved, "placement is not what"),
+    (_unsourced, "names no control message"),
+])
+async def test_a_snapshot_cannot_say_what_the_streams_do_not(
+    bus: Bus, change: Callable[[Checkpoint], None], why: str,
+) -> None:
+    """A lying snapshot with a valid checksum: refused with one line, and no reader routes or places on it."""
+    from llmgw.endpoints import EndpointSink
+
+    await fresh_streams(bus)
+    await publish(bus, small_fleet()[:17])  # a replica healthy, with its endpoint
+    forged = await _forge(bus, change)
+    warned: list[str] = []
+    c = await replay(bus, warn=warned.append)
+    assert len(warned) == 1 and forged in warned[0] and why in warned[0], warned
+    assert c == await replay(bus, use_snapshots=False)
+    # The router's pool, as a restarted router builds it: never the forged endpoint.
+    sink = EndpointSink(bus)
+    task = asyncio.create_task(sink.run())
+    try:
+        await until(sink.caught_up.is_set, "the router's pool caught up")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert sink.started_from != forged
+    endpoints = {r.endpoint for r in sink.pool.replicas.values()}
+    assert EVIL not in endpoints and any(r.in_pool for r in sink.pool.replicas.values())
 
 
 def test_retention_keeps_the_newest_then_hourly_for_a_week_then_daily() -> None:

@@ -362,6 +362,19 @@ class Bus:
         created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
         return int(info.state.last_seq), created
 
+    async def stored_message(self, stream: str, seq: int) -> tuple[str, bytes]:
+        """The subject and payload ``stream`` stores at ``seq`` (a direct get); BusError when it holds none."""
+        try:
+            raw = await self._guarded(subjects.js_api("DIRECT.GET", stream),
+                                      self.js.get_msg(stream, seq, direct=True))
+        except nats.js.errors.NotFoundError as e:
+            raise BusError(f"{stream} holds no message at sequence {seq}") from e
+        except nats.js.errors.APIError as e:
+            raise BusError(f"cannot read {stream}:{seq}: {e.description} (code {e.err_code})") from e
+        except _RETRYABLE as e:
+            raise BusError(f"JetStream did not answer for {stream}:{seq}") from e
+        return raw.subject or "", raw.data or b""
+
     async def key_value(self, bucket: str, ttl_s: float, replicas: int | None = None) -> KeyValue:
         """A KV bucket (the scheduler's lease), created with ``ttl_s`` if missing and this user may
         (admin; anyone on an open bus); an existing one is used as it was declared."""

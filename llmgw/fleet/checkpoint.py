@@ -70,7 +70,7 @@ def fold_event(c: Checkpoint, seq: int, subject: str, event: m.Event) -> bool:
     if refusal(c.state, subject, event) is not None:
         return False
     observe(c, seq, subject, event)
-    apply(c.state, event)
+    apply(c.state, event, seq)
     return True
 
 
@@ -88,7 +88,7 @@ def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
         if kind is m.ReplicaStateChanged:
             planner.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
         if kind in _CONTROL:
-            c.pool.apply(event, 0.0)  # type: ignore[arg-type]
+            c.pool.apply(event, 0.0, seq)  # type: ignore[arg-type]
 
 
 _IDLE_MAP, _HEALTH = m.IdleMapPublished, m.GpuHealthChanged

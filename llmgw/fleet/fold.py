@@ -29,7 +29,7 @@ from llmgw import subjects
 # snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
 # it is folded again. 2: the models' history, the scheduler's and the planner's memory travel
 # in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too.
-FOLD_VERSION = 4
+FOLD_VERSION = 5
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -92,6 +92,10 @@ class ReplicaView:
     head_address: str = ""
     # GPU memory its engine's processes hold, per node, as each node's agent last observed it (MiB).
     observed_memory_mib: dict[str, int] = field(default_factory=dict)
+    # Where the control stream holds the placement and the report that set the endpoint: a reader
+    # that starts from a snapshot checks both against the stream (llmgw.fleet.snapshots).
+    placed_seq: int = 0
+    endpoint_seq: int = 0
 
 
 @dataclass
@@ -177,8 +181,8 @@ class FleetState:
         return max(candidates) if candidates else None
 
 
-def apply(state: FleetState, event: m.Event) -> FleetState:
-    """Fold one event into the state and return it."""
+def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
+    """Fold one event into the state and return it; ``seq`` is where its stream stores it."""
     at = event.at
     if state.as_of is None or at > state.as_of:
         state.as_of = at
@@ -198,6 +202,8 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 else:
                     replica.state, replica.state_at = event.state, event.at
                     replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
+                if event.node == replica.nodes[0]:
+                    replica.endpoint_seq = seq  # only the head (or only node) sets the endpoint
                 if event.observed_kv_tokens > 0:
                     replica.observed_kv_tokens = event.observed_kv_tokens
                 if 0 < event.observed_memory_mib <= OBSERVED_MIB_MAX:
@@ -212,6 +218,7 @@ def apply(state: FleetState, event: m.Event) -> FleetState:
                 spec=event.spec,
                 placed_at=event.at,
                 state_at=event.at,
+                placed_seq=seq,
             )
             model = state.models.get(event.model)
             if model is not None:

@@ -32,6 +32,9 @@ class Replica:
     # Over several nodes: each node's part; routable only when every part is healthy.
     nodes: tuple[str, ...] = ()
     parts: dict[str, str] = field(default_factory=dict)
+    # Control-stream sequences of its placement and of the report that set its endpoint (snapshot checks).
+    placed_seq: int = 0
+    endpoint_seq: int = 0
 
 
 @dataclass
@@ -102,8 +105,8 @@ class Pool:
             if not reps:
                 self.healthy.pop(rep.model, None)
 
-    def apply(self, event: m.ControlEvent, now: float) -> bool:
-        """Fold one control event; True when the pool changed. ``now`` is the router's wall clock."""
+    def apply(self, event: m.ControlEvent, now: float, seq: int = 0) -> bool:
+        """Fold one control event stored at ``seq``; True when the pool changed. ``now`` is the router's wall clock."""
         match event:
             case m.ModelDeclared(spec=spec):
                 self.known_models[spec.name] = None
@@ -129,7 +132,7 @@ class Pool:
                 if (d := self.declared.get(model)) is not None:
                     d.unplaceable = None
                 if rid not in self.replicas:
-                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes)
+                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes, placed_seq=seq)
                 return True
             case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
                 rep = self.replicas.get(rid)
@@ -151,7 +154,7 @@ class Pool:
                         endpoint = ""  # only the head serves; a worker's report never moves the endpoint
                 rep.state = whole
                 if endpoint:
-                    rep.endpoint = endpoint.rstrip("/")
+                    rep.endpoint, rep.endpoint_seq = endpoint.rstrip("/"), seq
                 if whole == "healthy" and rep.endpoint:
                     if rep.in_pool and was[1] != rep.endpoint:
                         self._leave(rep)  # moved: count it as new from now

@@ -14,12 +14,21 @@ version, a position past its stream's end, or a stream created at another time
 (deleted and declared again) is skipped with one line on stderr, and the next
 older one is tried, down to sequence 1.
 
+Nor does a snapshot say anything the streams do not: whoever can write one (the
+projector) could otherwise point a model's traffic anywhere, or hold GPUs for
+replicas nobody placed. Every fact that sends traffic or holds GPUs carries the
+control-stream sequence it came from (a replica's placement, the report that set
+its endpoint, in the fold and in the routers' pool), and a reader that follows the
+control stream fetches those messages (one direct get each) and compares them
+before it uses the snapshot; one that disagrees is skipped like a bad checksum.
+
 Retention (applied by the projector after each write): the newest ``KEEP_NEWEST``,
 then the newest of each hour for a week, then the newest of each day for 90 days.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Callable
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import BusError
 from llmgw.fleet.checkpoint import Checkpoint, decode_state
@@ -163,6 +173,73 @@ def _why_not(header: Header, blob: bytes | None, heads: dict[str, tuple[int, str
     return ""
 
 
+CHECKS_AT_ONCE = 32  # direct gets in flight while a snapshot's facts are checked
+# A claim: the control sequence it names, what it is (for the one line that refuses it), and whether
+# the event stored there says it.
+Claim = tuple[int, str, Callable[[m.Event], bool]]
+
+
+def claims(c: Checkpoint) -> list[Claim]:
+    """Every placement and endpoint a snapshot asserts, with the control message it says it came from."""
+    out: list[Claim] = []
+    for r in c.state.replicas.values():
+        out.append((r.placed_seq, f"replica {r.replica_id}'s placement",
+                    _placed((r.replica_id, r.model, r.nodes, r.gpus, r.fabric, r.spec), whole=True)))
+        if r.endpoint:
+            out.append((r.endpoint_seq, f"replica {r.replica_id}'s endpoint {r.endpoint}",
+                        _reported(r.replica_id, r.endpoint, r.nodes)))
+    for p in c.pool.replicas.values():
+        out.append((p.placed_seq, f"the routers' replica {p.replica_id}",
+                    _placed((p.replica_id, p.model, p.nodes), whole=False)))
+        if p.endpoint:
+            out.append((p.endpoint_seq, f"the routers' endpoint {p.endpoint} for {p.replica_id}",
+                        _reported(p.replica_id, p.endpoint, p.nodes)))
+    return out
+
+
+def _placed(facts: tuple[object, ...], *, whole: bool) -> Callable[[m.Event], bool]:
+    """Whether an event is this placement: id, model, nodes (and, ``whole``, GPUs, fabric and spec)."""
+    def says(e: m.Event) -> bool:
+        if not isinstance(e, m.ReplicaPlaced):
+            return False
+        stored = (e.replica_id, e.model, e.nodes, e.gpus, e.fabric, e.spec) if whole else (e.replica_id, e.model, e.nodes)
+        return stored == facts
+    return says
+
+
+def _reported(rid: str, endpoint: str, nodes: tuple[str, ...]) -> Callable[[m.Event], bool]:
+    """Whether an event is the replica's head (or only node) reporting this endpoint."""
+    def says(e: m.Event) -> bool:
+        return (isinstance(e, m.ReplicaStateChanged) and e.replica_id == rid and bool(nodes)
+                and e.node == nodes[0] and e.endpoint.rstrip("/") == endpoint.rstrip("/"))
+    return says
+
+
+async def unfounded(bus: Bus, c: Checkpoint, control_last: int) -> str:
+    """Why a snapshot's placements and endpoints are not what the control stream holds, or ""."""
+    checks = claims(c)
+    for seq, what, _ in checks:
+        if not 0 < seq <= min(control_last, c.cursor.positions.get(subjects.STREAM_CONTROL, 0)):
+            return f"{what} names no control message it came from (sequence {seq})"
+    gate = asyncio.Semaphore(CHECKS_AT_ONCE)
+
+    async def fetch(seq: int) -> m.Event | None:
+        async with gate:
+            try:
+                _, data = await bus.stored_message(subjects.STREAM_CONTROL, seq)
+                return m.CONTROL_DECODER.decode(data)
+            except (BusError, msgspec.DecodeError, msgspec.ValidationError):
+                return None
+
+    seqs = sorted({seq for seq, _, _ in checks})
+    stored = dict(zip(seqs, await asyncio.gather(*(fetch(q) for q in seqs)), strict=True))
+    for seq, what, says in checks:
+        event = stored[seq]
+        if event is None or not says(event):
+            return f"{what} is not what {subjects.STREAM_CONTROL}:{seq} says"
+    return ""
+
+
 async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
                warn: Warn) -> tuple[Checkpoint, str] | None:
     """The newest snapshot that fits ``target`` and checks out, decoded, and its name; None: fold from 1."""
@@ -198,7 +275,12 @@ async def load(bus: Bus, target: Target, heads: dict[str, tuple[int, str]],
             else:
                 if checkpoint.cursor.positions != header.positions:
                     why = "its state and its header disagree"
-                else:
+                elif subjects.STREAM_CONTROL in heads:  # what a reader of control would route or place on
+                    try:
+                        why = await unfounded(bus, checkpoint, heads[subjects.STREAM_CONTROL][0])
+                    except BusError as e:
+                        why = f"its placements could not be checked ({e})"
+                if not why:
                     return checkpoint, name
         warn(f"snapshot {name} skipped: {why}")
     return None
