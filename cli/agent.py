@@ -137,7 +137,7 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.group("agent", invoke_without_command=True)
 @click.option("--node", callback=checked_name,
               help="This node's name [default: the host name; with --simulate: every node of the file].")
-@click.option("--fabric", help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
+@click.option("--fabric", callback=checked_name, help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
 @click.option("--simulate", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), help="Simulate the node(s) of this fleet file instead of reading NVML.")
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
 @click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")

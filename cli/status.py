@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import click
@@ -17,7 +17,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.cli.models import gpu_ranges
 from llmgw.cli.options import json_option, nats_options, run
-from llmgw.cli.progress import human_duration, parse_duration, parse_time, progress
+from llmgw.cli.progress import human_duration, now_or, parse_duration, parse_time, progress
 from llmgw.config import Settings
 
 BAR_WIDTH = 20
@@ -40,6 +40,27 @@ def parse_at_seq(text: str) -> tuple[str, int]:
     if not sep or not seq.isdigit() or int(seq) < 1:
         raise click.BadParameter(f"{text!r} is not STREAM:SEQ, e.g. fleet:1200 or control:42", param_hint="--at-seq")
     return parse_stream(stream, "--at-seq"), int(seq)
+
+
+EARLIEST_AT = datetime(2000, 1, 1, tzinfo=UTC)  # before any llmgw history: a typo, not a question
+
+
+def check_at(at: datetime, text: str, now: datetime | None = None) -> datetime:
+    """``--at`` a moment the history can answer: not in the future (give or take the clock skew events
+    may have, fold.MAX_AHEAD), not before 2000. The streams' own start is checked where they are read."""
+    from llmgw.fleet.fold import MAX_AHEAD
+
+    now = now_or(now)
+    if at > now + MAX_AHEAD:
+        raise click.ClickException(
+            f"--at {text} is {human_duration((at - now).total_seconds())} in the future (now is "
+            f"{now:%Y-%m-%d %H:%M:%S} UTC); status shows what was, not what will be: give a past time like "
+            "2026-03-02T10:42 or 2h (two hours ago), or leave --at out for the fleet now")
+    if at < EARLIEST_AT:
+        raise click.ClickException(
+            f"--at {text} is before 2000, long before any llmgw history; give a time since the first event "
+            "(`llmgw replay --stream fleet` lists them from the first) or a duration ago like 2h")
+    return at
 
 
 def usage_bar(c: m.ClassCapacity, width: int = BAR_WIDTH) -> str:
@@ -201,7 +222,7 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
     if at_text and at_seq_text:
         raise click.UsageError("give --at or --at-seq, not both")
     threshold_s = parse_duration(idle_threshold, "--idle-threshold")
-    at = parse_time(at_text, "--at") if at_text else None
+    at = check_at(parse_time(at_text, "--at"), at_text) if at_text else None
     at_seq = parse_at_seq(at_seq_text) if at_seq_text else None
     replay = use_replay or at is not None or at_seq is not None
     from llmgw import ctl

@@ -87,7 +87,33 @@ async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None 
     from llmgw.fleet.status import report
 
     c = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots, warn=notice)
+    if at is not None and not c.cursor.positions:  # nothing stored by then: before the history, or none yet
+        first = await first_stored(bus)
+        if first is not None and at < first:
+            from llmgw.errors import ProjectionError
+
+            raise ProjectionError(
+                f"--at {at:%Y-%m-%d %H:%M:%S} UTC is before the first event stored ({first:%Y-%m-%d %H:%M:%S} UTC), "
+                "when the fleet had no history; give a time from then to now, or leave --at out for the fleet now")
     return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model)
+
+
+async def first_stored(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> datetime | None:
+    """When the server stored the oldest message the history streams still hold; None when they hold none."""
+    from llmgw.fleet.fold import stored_at
+
+    firsts: list[int] = []
+    for stream in streams:
+        last = await bus.stream_last_seq(stream)
+        if not last:
+            continue
+        reader = bus.reader(stream, 1, batch=1, stop_at=last, purpose="first stored")
+        async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+            async for msgs in batches:
+                if msgs:
+                    firsts.append(msgs[0].ts_ns)
+                    break
+    return stored_at(min(firsts)) if firsts else None
 
 
 # --- models ------------------------------------------------------------------------------------------
@@ -292,7 +318,7 @@ def local_model(model: str, models_dir: str | None, params: int | None) -> m.Mod
     from llmgw import modelinfo
 
     md = modelinfo.models_dir(models_dir)
-    if Path(model).expanduser().is_dir() or (md is not None and (md / model.replace("/", "__") / "config.json").is_file()):
+    if modelinfo.local_dir(model, md) is not None:  # a name too long for a path is no folder, not a crash
         return modelinfo.load(model, models_dir_=md, params=params)
     return None
 

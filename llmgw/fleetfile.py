@@ -17,8 +17,7 @@ from typing import Any
 from llmgw import messages as m
 from llmgw.errors import FleetFileError
 
-_NAME = re.compile(m.NAME_PATTERN)
-_CLASS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}-\d{1,6}GB\Z")
+_CLASS = re.compile(m.GPU_CLASS_PATTERN)  # as the inventory decoder takes it: what this file writes, agents publish
 # A fleet file is read whole by every command that takes one: bounded, so that a
 # wrong file (a log, a disk image) is refused at once instead of parsed for minutes.
 MAX_BYTES = 8 * 1024 * 1024  # about 60,000 nodes written as in examples/fleet.toml
@@ -59,6 +58,11 @@ class Fleet:
                 return n
         names = ", ".join(n.name for n in self.nodes[:5])
         raise FleetFileError(self.path, "", f"has no node named {name!r} (nodes: {names}{', …' if len(self.nodes) > 5 else ''})")
+
+
+def _shown(value: str) -> str:
+    """A value as an error line shows it: whole when short, else its start and its length."""
+    return repr(value) if len(value) <= 60 else f"{value[:40]!r}… ({len(value):,} characters)"
 
 
 def _field(path: str, where: str, value: Any, kind: type, problem: str) -> Any:
@@ -108,11 +112,11 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
             raise FleetFileError(path, f"{at}.name", f"repeats node {name!r}")
         seen.add(name)
         fabric = _field(path, f"{at}.fabric", raw["fabric"], str, "must be a string")
-        if len(fabric) > m.NAME_MAX or not _NAME.match(fabric):
-            raise FleetFileError(path, f"{at}.fabric", f"must be a name of letters, digits, '.', '-' or '_' (got {fabric!r})")
+        if m.name_problem(fabric) is not None:  # the decoders' rule (messages.Fabric): agents publish it
+            raise FleetFileError(path, f"{at}.fabric", f"must be {m.NAME_RULE} (got {_shown(fabric)})")
         gpu_class = _field(path, f"{at}.gpu_class", raw["gpu_class"], str, "must be a string")
         if not _CLASS.match(gpu_class):
-            raise FleetFileError(path, f"{at}.gpu_class", f"must look like H100-80GB (model, '-', memory in GB) (got {gpu_class!r})")
+            raise FleetFileError(path, f"{at}.gpu_class", f"must look like H100-80GB (model, '-', memory in GB) (got {_shown(gpu_class)})")
         count = _field(path, f"{at}.gpu_count", raw["gpu_count"], int, "must be a positive integer")
         if not 1 <= count <= 64:
             raise FleetFileError(path, f"{at}.gpu_count", f"must be a positive integer of at most 64 (got {count!r})")

@@ -58,7 +58,19 @@ ReplicaId = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24, 
 # router's map), so a reference outside it matches nothing and is ignored; a pattern per reference
 # would cost the hot events (replica states, health changes) half their decoding time.
 Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX + 24)]
-Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, classes, fabrics, versions, addresses
+# A GPU class where a node reports it (an inventory): a model, '-', its memory in GB (H100-80GB),
+# as nvml.gpu_class derives it and a fleet file must write it. Where a declaration names a class,
+# the names rule is enough: a class no GPU reports matches nothing. A fabric follows the names
+# rule, as all detection makes (nvl-<NVLink cluster uuid>-<clique>, ib-<InfiniBand subnet prefix>,
+# the node's name) does; a placement on one node has none (""). Bounded here because both are
+# shown as they came (status tables, the dashboard) and key the planner's pools.
+GPU_CLASS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}-\d{1,6}GB\Z"
+GPU_CLASS_MAX = 130  # what the pattern admits
+GpuClass = Annotated[str, msgspec.Meta(max_length=GPU_CLASS_MAX, pattern=GPU_CLASS_PATTERN)]
+GpuClassRef = Annotated[str, msgspec.Meta(min_length=1, max_length=GPU_CLASS_MAX, pattern=NAME_PATTERN)]
+Fabric = Name
+FabricRef = Annotated[str, msgspec.Meta(max_length=NAME_MAX, pattern=r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")]
+Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, versions, addresses
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # reasons and details for people; paths
 Reasons = Annotated[tuple[Text, ...], msgspec.Meta(max_length=64)]
 # An aware time: a naive one cannot be compared with the others, and the fold compares them all.
@@ -97,7 +109,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     index: GpuIndex
     uuid: Label
     name: Label
-    gpu_class: Label
+    gpu_class: GpuClass
     memory_mib: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]  # up to 1 PiB
     pci_bus_id: Label = ""
     mig_enabled: bool = False
@@ -111,7 +123,7 @@ class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_
     """A full snapshot of a node's GPUs, health included; replaces what was known."""
 
     node: Name
-    fabric: Label
+    fabric: Fabric
     fabric_source: Label  # flag | nvml-fabric | infiniband | fleet-file | default
     boot_id: Label
     gpus: Annotated[tuple[GpuInfo, ...], msgspec.Meta(max_length=MAX_GPUS)]
@@ -256,7 +268,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     source: Text
     precision: Label
     engine: Engine
-    gpu_class: Label
+    gpu_class: GpuClassRef
     context: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
     tp: Split = 1
     pp: Split = 1
@@ -346,7 +358,7 @@ class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
     nodes: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=MAX_GPUS)]
     gpus: Annotated[tuple[GpuRef, ...], msgspec.Meta(max_length=MAX_GPUS * 16)]
     spec: ModelSpec
-    fabric: Label = ""
+    fabric: FabricRef = ""
     reason: Text = ""
 
 

@@ -424,25 +424,63 @@ def models_dir(explicit: str | Path | None = None) -> Path | None:
     return Path(d) if d else None
 
 
-def load(model: str, *, models_dir_: str | Path | None = None, params: int | None = None) -> ModelInfo:
-    """A model by local directory, ``Org/Name`` under a models directory, or Hugging Face repo id."""
+def _shown(model: str) -> str:
+    return repr(model) if len(model) <= 80 else f"{model[:60]!r}… ({len(model):,} characters)"
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for this file system (ENAMETOOLONG), a NUL byte
+        return False
+
+
+def local_dir(model: str, models_dir_: Path | None) -> Path | None:
+    """The directory ``model`` is read from here: itself, or ``Org__Name`` under ``models_dir_``; None: not here.
+
+    A ``model`` that cannot be a path at all (too long, a NUL byte) is a ModelError.
+    """
     local = Path(model).expanduser()
     try:
-        is_dir = local.is_dir()
+        if local.is_dir():
+            return local
     except (OSError, ValueError) as e:  # a name too long (ENAMETOOLONG), a NUL byte
-        shown = model if len(model) <= 80 else f"{model[:60]}… ({len(model):,} characters)"
-        raise ModelError(f"{shown!r} cannot be a model directory ({getattr(e, 'strerror', None) or e}); "
+        raise ModelError(f"{_shown(model)} cannot be a model directory ({getattr(e, 'strerror', None) or e}); "
                          "give a shorter path or a Hugging Face repo id (Org/Name)") from None
-    if is_dir:
-        return load_dir(local, params=params)
+    if models_dir_ is not None and _REPO_ID.match(model):
+        candidate = models_dir_ / model.replace("/", "__")
+        if _is_file(candidate / "config.json"):
+            return candidate
+    return None
+
+
+def hub_problem(model: str) -> str | None:
+    """Why the Hugging Face Hub would refuse ``model`` as a repo id (huggingface_hub's own rule), or None."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return (f"{_shown(model)} is not a name the Hugging Face Hub accepts: Org/Name, each part 1 to 96 letters, "
+                "digits, '_', '-' or '.', neither starting nor ending with '-' or '.', without '--' or '..', not "
+                "ending in '.git'; check the name, or pass a local directory holding its config.json")
+    return None
+
+
+def load(model: str, *, models_dir_: str | Path | None = None, params: int | None = None) -> ModelInfo:
+    """A model by local directory, ``Org/Name`` under a models directory, or Hugging Face repo id."""
     md = models_dir(models_dir_)
-    if md is not None and _REPO_ID.match(model):
-        candidate = md / model.replace("/", "__")
-        if (candidate / "config.json").is_file():
-            return load_dir(candidate, name=model, source=model, params=params)
+    found = local_dir(model, md)
+    if found is not None:
+        # Org__Name under the models directory stands for the repo Org/Name; a path, for itself.
+        repo = model if found != Path(model).expanduser() else None
+        return load_dir(found, name=repo, source=repo, params=params)
     if not _REPO_ID.match(model):
-        raise ModelError(f"{model!r} is neither a directory with a config.json nor a Hugging Face repo id "
+        raise ModelError(f"{_shown(model)} is neither a directory with a config.json nor a Hugging Face repo id "
                          "(Org/Name); check the path or the name")
+    if (why := hub_problem(model)) is not None:
+        raise ModelError(why)
     if (why := _missed(model)) is not None:
         raise ModelError(why)
     offline = _offline() or not hub_reachable()

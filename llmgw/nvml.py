@@ -152,7 +152,8 @@ def gpu_class(name: str, memory_mib: int) -> str:
     bare = re.sub(r"^(NVIDIA|Tesla|GeForce|Quadro)\s+", "", name.strip(), flags=re.I)
     bare = re.sub(r"^(NVIDIA|Tesla|GeForce|Quadro)\s+", "", bare, flags=re.I)
     model = re.split(r"[\s-]+", bare)[0] or "GPU"
-    model = re.sub(r"[^A-Za-z0-9._]", "", model) or "GPU"
+    # What every reader's decoder admits (messages.GPU_CLASS_PATTERN), whatever the driver calls it.
+    model = re.sub(r"[^A-Za-z0-9._]", "", model).lstrip("._")[:121] or "GPU"
     named = re.search(r"(\d+)\s*GB\b", bare, flags=re.I)
     if named:
         gb = int(named.group(1))
@@ -160,7 +161,7 @@ def gpu_class(name: str, memory_mib: int) -> str:
         gib = memory_mib / 1024
         nearest = min(_STANDARD_GB, key=lambda s: abs(s - gib))
         gb = nearest if abs(nearest - gib) <= 0.1 * nearest else round(gib)
-    return f"{model}-{gb}GB"
+    return f"{model}-{min(gb, 999_999)}GB"
 
 
 class RealNvml:

@@ -147,11 +147,15 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
             memory._forget(name)
         case m.ReplicaPlaced(model=model):
             memory.placed[model] = memory.placed.get(model, 0) + 1
-        case m.ReplicaStateChanged(model=model, state="healthy"):
-            memory.failures.pop(model, None)
-            memory.failed_at.pop(model, None)
+        case m.ReplicaStateChanged(replica_id=rid, model=model, node=node, state="healthy"):
+            # Only the model's own replica, from a node it was placed on, says the model runs again:
+            # any other report (another model's replica, one nobody placed) would lift its back-off.
+            replica = state.replicas.get(rid)
+            if replica is not None and replica.model == model and node in replica.nodes:
+                memory.failures.pop(model, None)
+                memory.failed_at.pop(model, None)
         case m.ReplicaStopped(replica_id=rid, model=model, reason=reason):
-            if rid in state.replicas:
+            if (replica := state.replicas.get(rid)) is not None and replica.model == model:
                 if reason.startswith("idle"):
                     memory.last_idle_stop[model] = max(memory.last_idle_stop.get(model, 0), seq)
                     wish = memory.wished.get(model)

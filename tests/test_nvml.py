@@ -7,6 +7,7 @@ not driver) and replaces every function the adapter calls with one backed by
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 from llmgw.cli.main import cli
 from llmgw.errors import NvmlError
 from llmgw.fleetfile import load
+from llmgw.messages import GPU_CLASS_PATTERN
 from llmgw.nvml import GPU_LOST, GpuUse, RealNvml, assess, gpu_class, xid_finding
 from llmgw.simnvml import SimNvml
 
@@ -213,6 +215,15 @@ def _gpu(i: int, **kw: Any) -> FakeGpu:
 )
 def test_gpu_class_from_name_and_memory(name: str, mib: int, expected: str) -> None:
     assert gpu_class(name, mib) == expected
+
+
+@pytest.mark.parametrize(("name", "mib"), [
+    ("NVIDIA _X 80GB", 81920), ("NVIDIA " + "Z" * 200, 81920), ("NVIDIA Foo 1234567GB", 81920), ("", 0),
+    ("<script>", 1024),
+])
+def test_any_driver_name_makes_a_class_every_reader_accepts(name: str, mib: int) -> None:
+    # The readers refuse an inventory whose class is not of this shape: the node would silently not show.
+    assert re.match(GPU_CLASS_PATTERN, gpu_class(name, mib)), gpu_class(name, mib)
 
 
 def test_simulated_gpu_class_round_trips_the_fleet_file(fleet_file: Any) -> None:

@@ -249,3 +249,45 @@ def test_redeploy_on_a_full_fleet_makes_room() -> None:
     assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "spec changed: making room for the new spec"
     (r2,) = w.step()
     assert isinstance(r2, m.ReplicaPlaced) and r2.gpus == r1.gpus and r2.spec.context == 2048
+
+
+def _failed_b() -> World:
+    """Models a (one replica) and b (two), one of b's failed and stopped: b backs off."""
+    w = World(node("n1", "ib-a", 2), node("n2", "ib-a", 2))
+    w.feed(m.ModelDeclared(at=T0, spec=spec("a")))
+    w.feed(m.ModelDeclared(at=T0, spec=spec("b", replicas=2)))
+    assert sorted(p.replica_id for p in placed(w.step())) == ["a-r1", "b-r1", "b-r2"]
+    w.feed(m.ReplicaStateChanged(at=T0, replica_id="b-r1", model="b", node=w.state.replicas["b-r1"].nodes[0],
+                                 state="failed", detail="CUDA out of memory"))
+    (stopped,) = w.step(T0 + timedelta(seconds=1))
+    assert isinstance(stopped, m.ReplicaStopped) and stopped.replica_id == "b-r1"
+    assert w.memory.failures == {"b": 1}
+    return w
+
+
+def _node_of(w: World, rid: str, *, other: bool = False) -> str:
+    mine = w.state.replicas[rid].nodes[0]
+    return next(n for n in w.state.nodes if n != mine) if other else mine
+
+
+@pytest.mark.parametrize(("replica", "node_of", "other_node", "cleared"), [
+    ("b-r2", "b-r2", False, True),  # b's own replica, from its node: b is healthy again
+    ("a-r1", "a-r1", False, False),  # a's replica named under model b (before: cleared b's back-off)
+    ("b-r9", "b-r2", False, False),  # a replica nobody placed
+    ("b-r2", "b-r2", True, False),  # b's replica, from a node it was not placed on
+])
+def test_only_a_models_own_replica_clears_its_back_off(replica: str, node_of: str, other_node: bool, cleared: bool) -> None:
+    w = _failed_b()
+    w.feed(m.ReplicaStateChanged(at=T0, replica_id=replica, model="b", node=_node_of(w, node_of, other=other_node),
+                                 state="healthy", endpoint="http://x:1"))
+    assert w.memory.failures == ({} if cleared else {"b": 1})
+    assert ("b" in w.memory.failed_at) is not cleared
+    # Within the back-off, b's missing replica waits; a cleared back-off places it at once.
+    assert len(placed(w.step(T0 + timedelta(seconds=1 + s.BACKOFF_BASE_S / 2)))) == (1 if cleared else 0)
+
+
+def test_a_failed_stop_counts_against_the_replicas_own_model_only() -> None:
+    """A ReplicaStopped naming a's replica under model b must not back b off (nor a: it does not agree)."""
+    w = _failed_b()
+    w.feed(m.ReplicaStopped(at=T0, replica_id="a-r1", model="b", reason="failed: CUDA out of memory"))
+    assert w.memory.failures == {"b": 1}
