@@ -46,7 +46,7 @@ def commands() -> dict[str, list[str]]:
 
 def start_up(root: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([*LLMGW, "up", "--port", "0", "--router-listen", "127.0.0.1:0", "--no-example",
-                             "--data-dir", str(root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             "--data-dir", str(root), "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

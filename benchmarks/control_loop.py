@@ -72,7 +72,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-loop-"))
     (tmp / "fleet.toml").write_text(FLEET)
     up = subprocess.Popen([LLMGW, "up", "--simulate", str(tmp / "fleet.toml"), "--data-dir", str(tmp / "data"), "--port", "0",
-                           "--router-listen", "127.0.0.1:0", "--heartbeat-s", "1", "--no-example"],
+                           "--router-listen", "127.0.0.1:0", "--heartbeat-s", "1", "--no-example", "--insecure"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     figures: dict[str, list[float]] = {"declared → placed": [], "placed → healthy": [], "XID → stopped": [],
                                        "XID → replacement healthy": []}

@@ -269,7 +269,7 @@ def real(args: argparse.Namespace, tmp: Path) -> None:
     up = subprocess.Popen([LLMGW, "up", "--data-dir", str(tmp / "data"), "--port", "0", "--router-listen", "127.0.0.1:0",
                            "--router-tick", f"{TICK_S:g}", "--simulate", str(ROOT / "examples" / "cpu.toml"),
                            "--engines", "real", "--engine-cmd", f"llama.cpp={binary} -t 1", "--heartbeat-s", "1",
-                           "--dashboard-listen", "off"],
+                           "--dashboard-listen", "off", "--insecure"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         url, base = _urls(up)
@@ -306,7 +306,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-demand-"))
     (tmp / "fleet.toml").write_text(FLEET)
     up = subprocess.Popen([LLMGW, "up", "--data-dir", str(tmp / "data"), "--port", "0", "--router-listen", "127.0.0.1:0",
-                           "--router-tick", f"{TICK_S:g}", "--no-example"],
+                           "--router-tick", f"{TICK_S:g}", "--no-example", "--insecure"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     agent = None
     try:

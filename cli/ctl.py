@@ -31,3 +31,8 @@ def ctl() -> None:
 )
 def model() -> None:
     """Plan, deploy, scale, list, show and remove models."""
+
+
+@ctl.group(cls=LazyGroup, lazy={"retire": "llmgw.cli.nodes:retire"})
+def node() -> None:
+    """Take a node that is gone for good out of the fleet."""

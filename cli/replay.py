@@ -33,6 +33,8 @@ def describe(event: m.Event) -> str:
             return f"node {event.node} LOST (no heartbeat for {event.timeout_s:.0f}s)"
         case m.NodeReturned():
             return f"node {event.node} returned"
+        case m.NodeRetired():
+            return f"node {event.node} retired by an operator" + (f": {event.reason}" if event.reason else "")
         case m.ModelDeclared(spec=s):
             return (f"model {s.name} declared: {s.replicas} × {s.gpu_class} tp{s.tp} pp{s.pp} "
                     f"{s.precision} ({s.engine})")

@@ -24,7 +24,13 @@ from typing import IO
 import click
 
 from llmgw.cli.options import run
-from llmgw.config import DEFAULT_NATS_URL, Settings
+from llmgw.config import (
+    DEFAULT_NATS_URL,
+    Settings,
+    credentials_path,
+    read_credentials,
+    write_credentials,
+)
 from llmgw.enginecmd import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
 from llmgw.natsserver import EmbeddedServer
@@ -131,6 +137,62 @@ class NatsChild:
         click.echo(f"nats-server is back on {self.server.url}", err=True)
 
 
+# Each part of `up` logs in as its role; the simulated agents as one user for the fleet file's nodes.
+ROLES = {"project": "projector", "planner": "planner", "scheduler": "scheduler", "router": "router",
+         "dashboard": "cli", "agents": "agent"}
+ROUTER_NAME = "router-up"
+AGENTS_USER = "agents-up"
+
+
+@dataclass
+class ClosedBus:
+    """The embedded NATS's logins: nats.conf (one user per part), their passwords, who gets which."""
+
+    conf: Path
+    passwords: dict[str, str]  # user → password
+    creds: Path
+
+    @property
+    def server_env(self) -> dict[str, str]:
+        """What nats.conf reads the passwords from ($LLMGW_PW_…), the system user's included."""
+        from llmgw import natsconf
+
+        return {natsconf.password_env(u): pw for u, pw in self.passwords.items()}
+
+    def login(self, user: str) -> dict[str, str]:
+        return {"user": user, "password": self.passwords[user]}
+
+    @property
+    def child_env(self) -> dict[str, dict[str, str]]:
+        from llmgw import natsconf
+
+        out = {}
+        for part, role in ROLES.items():
+            user = (AGENTS_USER if role == "agent" else
+                    natsconf.user_name("router", ROUTER_NAME) if role == "router" else role)
+            out[part] = {"LLMGW_NATS_USER": user, "LLMGW_NATS_PASSWORD": self.passwords[user]}
+        return out
+
+    def save(self, nats_url: str) -> None:
+        write_credentials(self.creds, nats_url, {u: pw for u, pw in self.passwords.items() if u != "sys"})
+
+
+def closed_bus(store: Path, nodes: list[str]) -> ClosedBus:
+    """nats.conf for `up` (no monitoring port, store in ``store``) and a password per user, kept from
+    the last `up` on this directory where there was one (so shells holding them keep working)."""
+    from llmgw import natsconf
+
+    users = [u for u, _, _ in natsconf.users(nodes, [ROUTER_NAME])] + [AGENTS_USER, "sys"]
+    known = read_credentials(credentials_path(store.parent))
+    old = known[1] if known else {}
+    passwords = {u: old.get(u) or natsconf.new_password() for u in users}
+    store.mkdir(parents=True, exist_ok=True)
+    conf = store / "nats.conf"
+    conf.write_text(natsconf.render(nodes, routers=[ROUTER_NAME], store_dir=str(store), http_port=None,
+                                    agent_group=(AGENTS_USER, nodes) if nodes else None))
+    return ClosedBus(conf, passwords, credentials_path(store.parent))
+
+
 def _default_models_dir() -> str | None:
     env = os.environ.get("LLMGW_MODELS_DIR")
     if env:
@@ -162,12 +224,14 @@ def _default_models_dir() -> str | None:
               help="With --simulate: fake engines, or the real ones --engine-cmd names, on the simulated GPUs.")
 @click.option("--engine-cmd", "engine_cmds", multiple=True, metavar="ENGINE=CMD",
               help="With --engines real: the program for an engine, repeatable (e.g. 'llama.cpp=/path/to/llama-server').")
+@click.option("--insecure", is_flag=True,
+              help="Run the embedded NATS without logins, as before: any local process may publish as any part.")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Key file (sha256 hex digests, one per line) for the router and the dashboard; off when absent.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool,
        engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
-       api_keys: Path | None) -> None:
+       insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
     Example:
@@ -202,16 +266,31 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    logins: dict[str, dict[str, str]] = {}  # part → the environment that logs it in
+    admin = Settings.from_env(nats_url=nats_url) if nats_url is not None else None
     try:
         if nats_url is None:
-            server = EmbeddedServer(root / "nats", port=port).start()
+            nodes = [n.name for n in load_fleet(fleet_path).nodes] if fleet_path is not None else []
+            auth = None if insecure else closed_bus(root / "nats", nodes)
+            server = EmbeddedServer(root / "nats", port=port, config_file=auth.conf if auth else None,
+                                    env=auth.server_env if auth else None).start()
             nats_url = server.url
             nats = NatsChild(server)
-        click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'})" if server else f"nats: {nats_url}")
+            if auth is not None:
+                auth.save(nats_url)
+                logins = auth.child_env
+            admin = Settings.from_env(nats_url=nats_url, **auth.login("admin")) if auth else Settings.from_env(
+                nats_url=nats_url)
+            click.echo(f"nats: {nats_url} (JetStream store {root / 'nats'}; "
+                       + (f"closed: one login per part, in {credentials_path(root)})" if auth else
+                          "OPEN: --insecure, any local process may publish as any part)"))
+        else:
+            click.echo(f"nats: {nats_url}")
         click.echo(f"data: {root}  (llmgw.duckdb, logs/{', nats/' if server else ''}; --data-dir or LLMGW_DATA_DIR moves it)")
         from llmgw import ctl
 
-        note = run(ctl.prepare_up(Settings.from_env(nats_url=nats_url),
+        assert admin is not None
+        note = run(ctl.prepare_up(admin,
                                   # The example is a vLLM model: a real engine would fail on it, over and over.
                                   fleet_path if not (no_example or engines == "real") else None,
                                   models_dir, name=EXAMPLE_NAME, model=EXAMPLE_MODEL))
@@ -236,7 +315,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                                      *(a for c in engine_cmds for a in ("--engine-cmd", c)),
                                      "--log-dir", str(logs / "engines")]))
         for name, args in parts:
-            child = Child(name, [*exe, *args], logs / f"{name}.log", env, optional=name == "dashboard")
+            child = Child(name, [*exe, *args], logs / f"{name}.log", {**env, **logins.get(name, {})},
+                          optional=name == "dashboard")
             child.start()
             children.append(child)
         if note:
@@ -249,8 +329,12 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             click.echo(f"dashboard: {board_url}" if board_url else
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
         click.echo(f"logs: {logs}/" + ("  (engines: engines/<replica>.log)" if fleet_path is not None else ""))
-        if nats_url != DEFAULT_NATS_URL:
-            click.echo(f"export LLMGW_NATS_URL={nats_url}   # so the commands below find this NATS")
+        exports = [f"LLMGW_NATS_URL={nats_url}"] if nats_url != DEFAULT_NATS_URL else []
+        if logins and root != default_data_dir().resolve():
+            exports.append(f"LLMGW_DATA_DIR={root}")
+        if exports:
+            click.echo(f"export {' '.join(exports)}   # so the commands below find this NATS"
+                       + (" and its logins" if logins else ""))
         click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):

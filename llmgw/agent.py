@@ -159,7 +159,8 @@ class Agent:
         self.faults = tuple(f for f in faults if f.node == node)
         self.boot_id = boot_id or uuid.uuid4().hex[:16]
         self._now = now
-        self.outbox = bus.outbox(outbox_max)
+        # An agent speaks only for its node: refused, it cannot do its job (another node's login, or none).
+        self.outbox = bus.outbox(outbox_max, refusal_is_fatal=True)
         self.inventory: m.NodeInventoryReported | None = None
         self.started = asyncio.Event()
         self._stop = asyncio.Event()

@@ -7,6 +7,7 @@ as is), then defaults.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,41 @@ def data_dir() -> Path:
     return Path(base) / "llmgw"
 
 
+def credentials_path(root: Path | None = None) -> Path:
+    """Where ``llmgw up`` keeps the logins of its NATS (0600): ``<data dir>/nats/credentials.json``."""
+    return (root or data_dir()) / "nats" / "credentials.json"
+
+
+def write_credentials(path: Path, nats_url: str, passwords: dict[str, str]) -> None:
+    """Write ``up``'s logins (user → password) for ``nats_url``, readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"url": nats_url, "users": passwords}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def read_credentials(path: Path) -> tuple[str, dict[str, str]] | None:
+    """(NATS URL, user → password) from a file ``write_credentials`` wrote; None when there is none."""
+    try:
+        data = json.loads(path.read_text())
+        url, users = data["url"], data["users"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(url, str) or not isinstance(users, dict):
+        return None
+    return url, {k: v for k, v in users.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def local_login(nats_url: str, role: str = "cli") -> tuple[str, str] | None:
+    """The login ``llmgw up`` made for ``role`` on its NATS, when that is the NATS asked for."""
+    found = read_credentials(credentials_path())
+    if found is None or found[0] != nats_url or role not in found[1]:
+        return None
+    return role, found[1][role]
+
+
 @dataclass(frozen=True)
 class Settings:
     """How to reach NATS; everything optional but the URL."""
@@ -40,6 +76,7 @@ class Settings:
     stream_replicas: int = 1
     connect_timeout_s: float = 3.0
     request_timeout_s: float = 5.0
+    local: bool = False  # the login came from `llmgw up`'s data directory (``with_local_login``)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
@@ -62,8 +99,19 @@ class Settings:
             stream_replicas=replicas,
         )
         settings = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        settings = settings.with_local_login()
         settings.validate()
         return settings
+
+    def with_local_login(self, role: str = "cli") -> Settings:
+        """With no login of its own, the one ``llmgw up`` wrote into the data directory for ``role``
+        (its NATS is closed by default); as it is otherwise. An up login already chosen is swapped."""
+        if self.creds_file or self.nkey_seed_file or (self.user and not self.local):
+            return self
+        login = local_login(self.nats_url, role)
+        if login is None:
+            return self
+        return replace(self, user=login[0], password=login[1], local=True)
 
     def validate(self) -> None:
         if self.stream_replicas not in (1, 3, 5):

@@ -432,6 +432,33 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
         await bus.close()
 
 
+# --- nodes ------------------------------------------------------------------------------------------------
+
+
+async def retire_node(settings: Settings, node: str, reason: str, *, force: bool = False) -> int:
+    """Publish NodeRetired for a node that is gone (admin's); its fleet sequence.
+
+    Refused for a node no agent ever reported, and (unless ``force``) for one that is not lost:
+    a live node's next inventory would only bring it back. Its last heartbeat is purged too, so
+    that no liveness monitor started later judges it lost again.
+    """
+    bus = await _connect(settings.with_local_login("admin"), "llmgw-ctl-node")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_FLEET,))
+        view = state.nodes.get(node)
+        if view is None:
+            names = ", ".join(sorted(state.nodes)) or "none"
+            raise LlmgwError(f"no node named {node!r} is in the fleet (nodes: {names}); see `llmgw ctl status`")
+        if not view.lost and not force:
+            raise LlmgwError(f"node {node} is not lost: its agent still reports, and its next inventory would bring it "
+                             "back; stop its agent and wait until `llmgw ctl status` shows it lost, or pass --force")
+        seq = (await bus.publish(m.NodeRetired(at=m.utcnow(), node=node, reason=reason))).seq
+        await bus.purge_subject(subjects.STREAM_HEARTBEAT, subjects.heartbeat(node))
+        return seq
+    finally:
+        await bus.close()
+
+
 # --- the agents and llmgw up ---------------------------------------------------------------------------
 
 

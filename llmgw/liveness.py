@@ -92,13 +92,14 @@ class HeartbeatMonitor:
                 return
         # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
         follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, start, stop_at=last, idle_expires_s=2.0,
-                                   who="liveness", keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned"),
+                                   who="liveness",
+                                   keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned", "retired"),
                                    on_skip=self._skipped)
         async for batch in follower.batches():
             for d in batch:
                 if isinstance(d.event, m.NodeLost):
                     self.lost[d.event.node] = _Lost(key="", stream_seq=d.raw.seq)
-                elif isinstance(d.event, m.NodeReturned):
+                elif isinstance(d.event, (m.NodeReturned, m.NodeRetired)):
                     self.lost.pop(d.event.node, None)
 
     # --- following heartbeats -------------------------------------------------------------

@@ -157,7 +157,14 @@ class NodeReturned(Event, tag="NodeReturned", frozen=True, kw_only=True):
     boot_id: Label = ""
 
 
-FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned
+class NodeRetired(Event, tag="NodeRetired", frozen=True, kw_only=True):
+    """An operator removed a node that is gone for good (admin only); if it reports again, it is back."""
+
+    node: Ref
+    reason: Text = ""
+
+
+FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned | NodeRetired
 
 
 # --- heartbeat stream: llmgw.heartbeat.<node> (latest only, never replayed) --

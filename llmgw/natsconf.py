@@ -185,6 +185,21 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
     return out
 
 
+def group_permissions(nodes: Sequence[str], user: str) -> dict[str, object]:
+    """One login that speaks for several agent nodes, each only as far as its own user would: the
+    simulated agents ``llmgw up`` runs in one process (a real node runs its own agent, as its own user)."""
+    pub: list[str] = []
+    deny: list[str] = []
+    sub: list[str] = []
+    for node in nodes:
+        one = permissions("agent", node, user)
+        pub += one["publish"]["allow"]  # type: ignore[index]
+        deny += one["publish"]["deny"]  # type: ignore[index]
+        sub += one["subscribe"]["allow"]  # type: ignore[index]
+    return {"publish": {"allow": _unique(pub), "deny": _unique(deny)}, "subscribe": {"allow": _unique(sub)},
+            "allow_responses": {"max": 1, "expires": "1m"}}
+
+
 def user_name(role: str, node: str | None = None) -> str:
     return f"{role}-{s.token(node)}" if role in ("agent", "router") and node else role
 
@@ -335,9 +350,17 @@ CLUSTER_BLOCK = """\
 """
 
 
-def render(nodes: Sequence[str], *, routers: Sequence[str] = (), store_dir: str = "/data/jetstream", port: int = 4222) -> str:
-    """The whole nats.conf for a fleet with these agent nodes (and named routers)."""
-    out = [HEADER, f"port: {port}", "http: 8222  # monitoring: /healthz, /jsz", ""]
+def render(nodes: Sequence[str], *, routers: Sequence[str] = (), store_dir: str = "/data/jetstream", port: int = 4222,
+           http_port: int | None = 8222, agent_group: tuple[str, Sequence[str]] | None = None) -> str:
+    """The whole nats.conf for a fleet with these agent nodes (and named routers).
+
+    ``http_port`` None: no monitoring port. ``agent_group`` (user, nodes): one more login that
+    speaks for those nodes together (``group_permissions``), as ``llmgw up``'s simulated agents do.
+    """
+    out = [HEADER, f"port: {port}"]
+    if http_port is not None:
+        out.append(f"http: {http_port}  # monitoring: /healthz, /jsz")
+    out.append("")
     out += [
         "jetstream {",
         f"  store_dir: {_q(store_dir)}",
@@ -368,6 +391,11 @@ def render(nodes: Sequence[str], *, routers: Sequence[str] = (), store_dir: str 
         out.append(f"        password: ${password_env(user)}")
         out.append(_perm_block(permissions(role, node, user), "        "))
         out.append("      }")
+    if agent_group is not None:
+        group_user, group_nodes = agent_group
+        out += [f"      # agents of nodes {', '.join(group_nodes)}, in one process", "      {",
+                f"        user: {_q(group_user)}", f"        password: ${password_env(group_user)}",
+                _perm_block(group_permissions(group_nodes, group_user), "        "), "      }"]
     out += ["    ]", "  }", "}", ""]
     return "\n".join(out)
 

@@ -107,7 +107,7 @@ def inbox_prefix(user: str) -> str:
 
 # Events that name the node they speak for, and their kind of fleet subject.
 _FLEET_KINDS: dict[type, str] = {m.NodeInventoryReported: "inventory", m.GpuHealthChanged: "health",
-                                 m.NodeLost: "lost", m.NodeReturned: "returned"}
+                                 m.NodeLost: "lost", m.NodeReturned: "returned", m.NodeRetired: "retired"}
 
 
 def disagrees(subject: str, event: m.Event) -> str | None:
@@ -159,6 +159,8 @@ def subject_for(event: m.Event) -> str:
             return fleet(node, "lost")
         case m.NodeReturned(node=node):
             return fleet(node, "returned")
+        case m.NodeRetired(node=node):
+            return fleet(node, "retired")
         case m.HeartbeatSent(node=node):
             return heartbeat(node)
         case m.IdleMapPublished(router=router):

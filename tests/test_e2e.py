@@ -22,6 +22,8 @@ from typing import Any
 import openai
 import pytest
 
+from llmgw.config import Settings, credentials_path, read_credentials
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"
 LLMGW = str(Path(sys.executable).parent / "llmgw")
@@ -50,8 +52,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def llmgw(nats_url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+# Each `up` a test started, by its NATS URL: its data directory, where the CLI finds its logins.
+DATA_DIRS: dict[str, Path] = {}
+
+
+def cli_env(nats_url: str) -> dict[str, str]:
+    """The environment a user's shell has after `up`'s export line: the URL and the data directory."""
     env = dict(os.environ, LLMGW_NATS_URL=nats_url, LLMGW_MODELS_DIR=str(MODELS))
+    if nats_url in DATA_DIRS:
+        env["LLMGW_DATA_DIR"] = str(DATA_DIRS[nats_url])
+    return env
+
+
+def login(nats_url: str, user: str) -> Settings:
+    """Settings that log in to an `up`'s NATS as one of its users (admin, cli, router, …)."""
+    found = read_credentials(credentials_path(DATA_DIRS[nats_url]))
+    assert found is not None and found[0] == nats_url
+    return Settings(nats_url=nats_url, user=user, password=found[1][user], connect_timeout_s=2, request_timeout_s=5)
+
+
+def llmgw(nats_url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = cli_env(nats_url)
     return subprocess.run([LLMGW, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
@@ -110,6 +131,7 @@ def start_up(tmp_path: Path, fleet: Path, *extra: str, router_port: int = 0) -> 
     assert proc.stdout is not None
     match = re.match(r"nats: (nats://\S+)", proc.stdout.readline())
     assert match
+    DATA_DIRS[match.group(1)] = tmp_path / "data"
     return proc, match.group(1)
 
 

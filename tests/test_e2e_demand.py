@@ -20,8 +20,10 @@ from test_e2e import (
     LLMGW,
     MODEL,
     MODELS,
+    cli_env,
     control_events,
     free_port,
+    login,
     ok,
     start_up,
     stop_up,
@@ -58,8 +60,11 @@ def test_parked_models_wake_on_requests_and_autoscale_with_load(tmp_path: Path) 
     port_a, port_b = free_port(), free_port()
     up, url = start_up(tmp_path, fleet, "--router-tick", "0.2", "--no-example", "--engine-startup-s", "1",
                        "--wake-timeout", "60", router_port=port_a)
+    router = login(url, "router")  # the shared router login: it may speak for any router's name
     second = subprocess.Popen([LLMGW, "router", "--listen", f"127.0.0.1:{port_b}", "--name", "gw-2", "--tick", "0.2",
                                "--wake-timeout", "60", "--nats-url", url],
+                              env={**cli_env(url), "LLMGW_NATS_USER": "router",
+                                   "LLMGW_NATS_PASSWORD": router.password or ""},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     clients = [openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="-", max_retries=0, timeout=60)
                for p in (port_a, port_b)]

@@ -76,6 +76,10 @@ def _describe_connect_error(settings: Settings, err: BaseException | None) -> st
     text = str(err) if err else ""
     url = settings.nats_url
     if isinstance(err, nats.errors.AuthorizationError) or "authorization" in text.lower():
+        if not (settings.user or settings.creds_file or settings.nkey_seed_file):
+            return (f"NATS at {url} wants a login and none was given; for `llmgw up`'s NATS set LLMGW_DATA_DIR to "
+                    "its data directory (it keeps the logins in nats/credentials.json), else give "
+                    "--nats-user/--nats-password or --nats-creds (LLMGW_NATS_USER, LLMGW_NATS_CREDS)")
         return f"NATS at {url} refused the credentials; check --nats-creds/--nats-user (LLMGW_NATS_CREDS, LLMGW_NATS_USER)"
     if isinstance(err, ssl.SSLError) or "ssl" in text.lower() or "certificate" in text.lower():
         return f"TLS to NATS at {url} failed ({text}); check --tls-ca/--tls-cert/--tls-key"
@@ -362,6 +366,15 @@ class Bus:
         created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
         return int(info.state.last_seq), created
 
+    async def purge_subject(self, stream: str, subject: str) -> None:
+        """Drop every message of ``subject`` from ``stream`` (admin's: only admin may purge)."""
+        try:
+            await self._guarded(subjects.js_stream("PURGE", stream), self.js.purge_stream(stream, subject=subject))
+        except nats.js.errors.APIError as e:
+            raise BusError(f"cannot purge {subject} from {stream}: {e.description} (code {e.err_code})") from e
+        except _RETRYABLE as e:
+            raise BusError(f"JetStream did not answer the purge of {subject} from {stream}") from e
+
     async def stored_message(self, stream: str, seq: int) -> tuple[str, bytes]:
         """The subject and payload ``stream`` stores at ``seq`` (a direct get); BusError when it holds none."""
         try:
@@ -551,8 +564,8 @@ class Bus:
                             filter_subjects=filter_subjects, idle_expires_s=idle_expires_s,
                             max_bytes_in_flight=max_bytes_in_flight, purpose=purpose)
 
-    def outbox(self, maxlen: int = 10_000) -> Outbox:
-        return Outbox(self, maxlen)
+    def outbox(self, maxlen: int = 10_000, *, refusal_is_fatal: bool = False) -> Outbox:
+        return Outbox(self, maxlen, refusal_is_fatal=refusal_is_fatal)
 
     def follow(self, stream: str, decoder: msgspec.json.Decoder[T], start: int = 1, **kw: Any) -> Follower[T]:
         """Read ``stream`` decoded, bad messages logged, counted and skipped (see ``Follower``)."""

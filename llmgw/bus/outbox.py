@@ -38,9 +38,13 @@ class Outbox:
     raises OutboxFullError: the caller decides, nothing is dropped silently.
     """
 
-    def __init__(self, bus: Bus, maxlen: int) -> None:
+    def __init__(self, bus: Bus, maxlen: int, *, refusal_is_fatal: bool = False) -> None:
         self.bus = bus
         self.maxlen = maxlen
+        # A publisher that speaks only for itself (an agent for its node) cannot do its job once
+        # NATS refuses it: ``run`` and ``flush`` raise the refusal instead of dropping the event.
+        self.refusal_is_fatal = refusal_is_fatal
+        self.failed: PermissionDeniedError | None = None
         self._queue: deque[_Pending] = deque()
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
@@ -74,6 +78,10 @@ class Outbox:
             try:
                 ack = await self.bus.publish_bytes(item.subject, item.payload, item.msg_id, timeout=None)
             except PermissionDeniedError as e:
+                if self.refusal_is_fatal:
+                    self.failed = e
+                    self._idle.set()  # a flush waits no longer: it raises
+                    raise
                 # It can never succeed, and retrying would block everything behind it.
                 log.error("outbox: %s; dropping that event", e)
                 self._queue.popleft()
@@ -94,3 +102,5 @@ class Outbox:
                 await self._idle.wait()
         except TimeoutError as e:
             raise PublishError(f"{len(self._queue)} events still undelivered after {timeout:.0f}s") from e
+        if self.failed is not None:
+            raise self.failed

@@ -81,7 +81,7 @@ def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
         scheduler.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
     elif kind is m.NodeLost:
         c.lost_at_seq[event.node] = seq  # type: ignore[attr-defined]
-    elif kind is m.NodeReturned:
+    elif kind is m.NodeReturned or kind is m.NodeRetired:
         c.lost_at_seq.pop(event.node, None)  # type: ignore[attr-defined]
     elif kind is not _HEALTH:  # the most frequent fleet event: no memory reads it
         scheduler.observe(c.demand, event, c.state, seq, subject)

@@ -282,6 +282,8 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
             node = state.nodes.get(event.node)
             if node is not None:
                 node.lost, node.lost_at, node.updated_at = False, None, event.at
+        case m.NodeRetired():
+            state.nodes.pop(event.node, None)  # its next inventory, if ever, brings it back
         case m.ModelDeclared(spec=spec):
             state.models[spec.name] = ModelView(spec=spec, replicas_wanted=spec.replicas, declared_at=event.at)
         case m.ModelScaled() | m.ModelAutoscaled():

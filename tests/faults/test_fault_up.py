@@ -19,7 +19,7 @@ from streams import stored
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
-from llmgw.config import Settings
+from llmgw.config import Settings, credentials_path, read_credentials
 from llmgw.errors import BusError, LlmgwError
 from llmgw.natsserver import free_port
 
@@ -68,7 +68,10 @@ async def test_up_restarts_a_killed_nats_server_and_nothing_else_notices(tmp_pat
     reading = asyncio.create_task(read_all())
     match = re.match(r"nats: (nats://\S+)", first)
     assert match, first
-    bus = await Bus.connect(Settings(nats_url=match.group(1), connect_timeout_s=2, request_timeout_s=2), "up-watch")
+    logins = read_credentials(credentials_path(tmp_path / "data"))  # up's NATS is closed: watch as its admin
+    assert logins is not None
+    bus = await Bus.connect(Settings(nats_url=match.group(1), user="admin", password=logins[1]["admin"],
+                                     connect_timeout_s=2, request_timeout_s=2), "up-watch")
     try:
         async def both_beating() -> bool:
             try:
