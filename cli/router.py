@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 
 import click
@@ -10,7 +11,7 @@ from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
-from llmgw.router import serve_router
+from llmgw.router import DEFAULT_MAX_BODY, serve_router
 from llmgw.upstream import Timeouts
 
 
@@ -21,6 +22,20 @@ def _listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """``32MiB``, ``512KiB``, ``1048576``: a size in bytes, binary units (K, M, G are KiB, MiB, GiB)."""
+    if value is None:
+        return None
+    got = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", value.lower())
+    n = int(float(got[1]) * _UNITS[got[2]]) if got and got[2] in _UNITS else 0
+    if n < 1:
+        raise click.BadParameter(f"{value!r} is not a size of at least 1 byte; e.g. 32MiB, 512KiB or 1048576 (bytes)")
+    return n
+
+
 @click.command("router")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to serve the OpenAI API on.")
 @click.option("--name", default=socket.gethostname, show_default="hostname", callback=checked_name,
@@ -29,8 +44,10 @@ def _listen(value: str) -> tuple[str, int]:
               help="Seconds between idle maps.")
 @click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False),
               help="File of sha256 hex digests of accepted keys, one per line (# comments); off when absent.")
-@click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=32.0, show_default=True,
-              help="Largest request body accepted; larger gets 413.")
+@click.option("--max-body", metavar="SIZE", callback=_size, show_default=f"{DEFAULT_MAX_BODY >> 20}MiB",
+              help="Largest request body the router takes (e.g. 512KiB, 64MiB); larger gets 413 and is not forwarded.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0.001), hidden=True,
+              help="The same limit in MiB (older spelling of --max-body).")
 @click.option("--connect-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="Seconds to connect to a replica before trying another.")
 @click.option("--read-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
@@ -44,7 +61,7 @@ def _listen(value: str) -> tuple[str, int]:
               help="Seconds to hold a request for a parked model while it wakes; then 503 with Retry-After.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
-def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body_mb: float,
+def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
            wake_timeout: float, no_idle_tracking: bool, settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
@@ -59,13 +76,16 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
         llmgw router --listen 0.0.0.0:8080 --api-keys keys.sha256 --tick 10
     """
     host, port = _listen(listen)
+    if max_body is not None and max_body_mb is not None:
+        raise click.UsageError("give --max-body or its older spelling --max-body-mb, not both")
+    limit = max_body or (int(max_body_mb * 1024 * 1024) if max_body_mb is not None else DEFAULT_MAX_BODY)
     keys = load_api_keys(api_keys) if api_keys else frozenset()
 
     async def main() -> None:
         bus = await Bus.connect(settings, f"llmgw-router-{name}")
         try:
             await serve_router(bus, name, host, port, tick_s=tick_s, api_keys=keys,
-                               max_body_bytes=int(max_body_mb * 1024 * 1024),
+                               max_body_bytes=limit,
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
                                wake_timeout_s=wake_timeout, header_timeout_s=header_timeout)

@@ -10,6 +10,11 @@
   request since this router started is absent from ``last_request``: unknown
   is not idle.
 * Bodies pass through untouched; streams are written on chunk by chunk.
+* The body limit (``--max-body``) is the router's own, checked before anything is
+  forwarded: against Content-Length when there is one, and while reading otherwise
+  (chunked, or decompressed from gzip). A body the router cannot read (not the
+  gzip it claims, broken chunked framing) is a 400 and one log line, never a
+  traceback a client could repeat at will.
 * A client that leaves before its answer is written is ``client_closed``
   (status 499, as nginx logs it): its doing, not the router's, and no traceback.
 """
@@ -26,10 +31,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from llmgw import messages as m
 from llmgw import openai_api as api
@@ -47,6 +53,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 METHODS = {**dict.fromkeys(ROUTES, "POST"), "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 RETRY_AFTER_S = 5
 USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the engine's `usage` in
+DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
 
 
 class _Head(msgspec.Struct):
@@ -68,6 +75,48 @@ CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the
 _HEAD = msgspec.json.Decoder(_Head)
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
+# Non-HTTP bytes (TLS to the HTTP port, scanners): aiohttp logs those at debug only, and so do we.
+_NOT_HTTP: tuple[type[BaseException], ...] = (
+    (http_exceptions.BadHttpMethod,) if hasattr(http_exceptions, "BadHttpMethod") else ()
+)
+
+
+def _size_text(n: int) -> str:
+    """``33554432 bytes (32 MiB)``: the exact number, and one a person reads."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n} bytes ({n / scale:g} {unit})"
+    return f"{n} bytes"
+
+
+def _reason(exc: BaseException | None, message: str | None = None) -> str:
+    """What aiohttp's parser said about a request, on one bounded line (it quotes the client's bytes)."""
+    cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
+    text = message or getattr(cause, "message", "") or str(cause or "") or type(cause).__name__
+    return " ".join(str(text).split())[:200]
+
+
+class _Connection(web.RequestHandler):
+    """aiohttp's connection, but a request its parser refuses is answered the router's way.
+
+    aiohttp answers one (a broken chunk that arrived with its headers, say) in text/plain
+    before any handler runs, and logs a traceback for each: a client could fill the log at will.
+    """
+
+    def __init__(self, manager: web.Server, refused: Callable[[str, str, bool], None], **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._refused = refused
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:  # the router's own failure: aiohttp's answer and its traceback
+            return super().handle_error(request, status, exc, message)
+        reason = _reason(exc, message)
+        self._refused(request.remote or "?", reason, isinstance(exc, _NOT_HTTP))
+        resp = api.error(status, f"the request could not be read: {reason}", "invalid_request_error",
+                         "malformed_request")
+        resp.force_close()  # the parser has lost its place in the stream
+        return resp
 
 
 # --- the router -------------------------------------------------------------------
@@ -83,7 +132,7 @@ class Router:
         *,
         tick_s: float = 10.0,
         api_keys: Iterable[str] = (),
-        max_body_bytes: int = 32 * 1024 * 1024,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
         timeouts: Timeouts | None = None,
         idle_tracking: bool = True,
         body_timeout_s: float = 30.0,
@@ -96,6 +145,8 @@ class Router:
             raise ConfigError(f"--wake-timeout must be 0 or more (got {wake_timeout_s})")
         if header_timeout_s <= 0:
             raise ConfigError(f"--header-timeout must be positive (got {header_timeout_s})")
+        if max_body_bytes <= 0:
+            raise ConfigError(f"--max-body must be positive (got {max_body_bytes} bytes)")
         self.bus = bus
         self.name = name
         self.boot_id = uuid.uuid4().hex
@@ -121,6 +172,7 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._wish_tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self.url = ""
 
     # --- acquire / release ------------------------------------------------------
@@ -176,20 +228,25 @@ class Router:
             async with asyncio.timeout(wait_caught_up):
                 await self.sink.caught_up.wait()
         # handler_cancellation: a client that goes away cancels the upstream request.
-        # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
-        # head this long after it opened (or after its last answer), so headers sent a line
-        # every few seconds (slow-loris) cannot hold sockets for aiohttp's default hour.
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                     keepalive_timeout=self.header_timeout_s)
+        self._runner = web.AppRunner(self.app(), handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+
+        def connection() -> _Connection:
+            # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
+            # head this long after it opened (or after its last answer), so headers sent a line
+            # every few seconds (slow-loris) cannot hold sockets for aiohttp's default hour.
+            return _Connection(server, self._refused, loop=loop, access_log=None,
+                               keepalive_timeout=self.header_timeout_s)
+
         try:
-            await site.start()
+            self._listener = await loop.create_server(connection, host, port, backlog=1024)
         except OSError as e:
             await self.stop()
             raise ConfigError(f"router cannot listen on {host}:{port} ({e.strerror}); pick another --listen") from e
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        bound = sock.getsockname()[1]
+        bound = self._listener.sockets[0].getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
         return self.url
@@ -218,6 +275,9 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the runner's cleanup closes the open ones
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -343,16 +403,12 @@ class Router:
             if request.content_length is not None and request.content_length > self.max_body_bytes:
                 # Refuse before reading: the announced size is already too large.
                 status = 413
-                self.metrics.error("", "too_large")
-                big = api.error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
-                                  "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
-                big.force_close()
-                return big
+                return self._too_large()
             try:
                 # A client that stops halfway through its body (slow-loris) must not hold a
                 # connection and a handler forever.
                 async with asyncio.timeout(self.body_timeout_s):
-                    body = await request.read()
+                    body = await self._read_body(request)
             except TimeoutError:
                 status = 408
                 self.metrics.error("", "body_timeout")
@@ -360,11 +416,19 @@ class Router:
                               "invalid_request_error", "request_timeout")
                 late.force_close()  # what is left of that body must not be read as a request
                 return late
-            except web.HTTPRequestEntityTooLarge:
+            except web.RequestPayloadError as e:  # not the gzip it claims; framing aiohttp's parser refused
+                status = 400
+                reason = _reason(e)
+                self._refused(request.remote or "?", reason, False)
+                # aiohttp would read the rest after the answer and log the same error again, as a traceback.
+                request.content.feed_eof()
+                bad = api.error(400, f"the request body could not be read: {reason}", "invalid_request_error",
+                                "malformed_request")
+                bad.force_close()
+                return bad
+            if body is None:
                 status = 413
-                self.metrics.error("", "too_large")
-                return api.error(413, f"request body is larger than the router's limit of {self.max_body_bytes} bytes; "
-                                   "send less or raise --max-body-mb", "invalid_request_error", "request_too_large")
+                return self._too_large()
             try:
                 head = _HEAD.decode(body)
             except m.DECODE_ERRORS as e:
@@ -394,6 +458,30 @@ class Router:
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
+
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The body as the engine will get it (decompressed), or None once it passes the limit."""
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _too_large(self) -> web.Response:
+        self.metrics.error("", "too_large")
+        big = api.error(413, f"request body is larger than this router's limit of {_size_text(self.max_body_bytes)}; "
+                             "send less, or start the router with a larger --max-body (e.g. --max-body 64MiB)",
+                        "invalid_request_error", "request_too_large")
+        big.force_close()  # what is left of that body must not be read as a request
+        return big
+
+    def _refused(self, remote: str, reason: str, quiet: bool) -> None:
+        """A request the router could not read: counted, and one line in the log."""
+        self.metrics.error("", "bad_request")
+        (log.debug if quiet else log.warning)("router %s: unreadable request from %s: %s", self.name, remote, reason)
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
                        body: bytes, t0: float) -> web.StreamResponse:
@@ -446,6 +534,15 @@ class Router:
                                   "server_error", "upstream_broken")
                 if up.status == 200 and (usage := usage_of(data)) is not None:
                     self.metrics.tokens(model, usage)
+                if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
+                    # An engine whose own limit is below the router's (aiohttp's 1 MiB, a proxy's)
+                    # answers in plain text; the client still gets an error it can read.
+                    self.metrics.error(model, "too_large")
+                    return api.error(413, f"replica {rep.replica_id} of {model} refused a body of "
+                                          f"{_size_text(len(body))}: its engine takes less than this router's limit "
+                                          f"of {_size_text(self.max_body_bytes)}; send less, or set the router's "
+                                          "--max-body to the engine's limit so that the router refuses such bodies",
+                                     "invalid_request_error", "request_too_large")
                 return web.Response(status=up.status, body=data, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"),
                     "x-llmgw-replica": rep.replica_id,
