@@ -25,7 +25,7 @@ from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PlanError, ServiceError
-from llmgw.fleet import snapshots
+from llmgw.fleet import observed, snapshots
 from llmgw.fleet.fold import FleetState, apply, clamp_times, refusal
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class PlannerService:
         self._progress = asyncio.Event()
         self._pools: dict[str, planner.ClassPool] | None = None  # pools of the fold, until it changes
         # What healthy engines reserved, per spec; and reports refused as implausible or foreign.
-        self.observed: dict[str, int] = {}  # KV tokens by planner.observation_key
+        self.observed: dict[str, int] = {}  # KV tokens by fleet.observed.observation_key
         self.refused_observations = 0
         self.refused = 0  # events every fold refuses (fold.refusal)
         self.use_snapshots = use_snapshots
@@ -104,7 +104,7 @@ class PlannerService:
                     self.refused += 1
                     continue
                 if isinstance(event, m.ReplicaStateChanged) and \
-                        planner.record_observation(self.observed, self.state, event) is False:
+                        observed.record_observation(self.observed, self.state, event) is False:
                     self.refused_observations += 1
                     log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
                                 "or not its replica's node)", stream, d.raw.seq, event.observed_kv_tokens,

@@ -29,6 +29,7 @@ from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet import snapshots
 from llmgw.fleet.checkpoint import Checkpoint, fold_event
+from llmgw.fleet.demand import SchedulerMemory
 from llmgw.fleet.fold import FleetState, clamp_times
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class SchedulerService:
         return self.checkpoint.state
 
     @property
-    def memory(self) -> scheduler.SchedulerMemory:
+    def memory(self) -> SchedulerMemory:
         return self.checkpoint.demand
 
     def _skipped(self, raw: RawMsg, error: Exception) -> None:

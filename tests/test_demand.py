@@ -10,6 +10,7 @@ import pytest
 from llmgw import messages as m
 from llmgw import scheduler as s
 from llmgw import subjects
+from llmgw.fleet import demand
 from llmgw.fleet.fold import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
 
@@ -28,7 +29,7 @@ class World:
     def __init__(self, gpus: int = 8) -> None:
         self.log: list[tuple[str, int, str, m.Event]] = []  # (stream, seq, subject, event)
         self.seqs = {x: 0 for x in STREAM_OF.values()}
-        self.state, self.memory = FleetState(), s.SchedulerMemory()
+        self.state, self.memory = FleetState(), demand.SchedulerMemory()
         self.tick = 0
         self.feed(inventory(FleetNode(name="n1", fabric="ib", gpu_class="H100-80GB", gpu_count=gpus,
                                       gpu_memory_mib=81559), T0))
@@ -42,7 +43,7 @@ class World:
 
     def feed(self, event: m.Event, subject: str | None = None) -> int:
         seq = self.store(event, subject)
-        s.observe(self.memory, event, self.state, seq, self.log[-1][2])
+        demand.observe(self.memory, event, self.state, seq, self.log[-1][2])
         apply(self.state, event)
         return seq
 
@@ -127,11 +128,11 @@ def test_forged_and_unknown_wishes_are_counted_and_change_nothing() -> None:
 
 def replay_decisions(log: list[tuple[str, int, str, m.Event]], order: list[str], now: datetime) -> list[m.Event]:
     """A fresh scheduler folding ``log`` with the streams interleaved as ``order`` says, then deciding."""
-    state, memory = FleetState(), s.SchedulerMemory()
+    state, memory = FleetState(), demand.SchedulerMemory()
     queues = {x: [e for e in log if e[0] == x] for x in STREAM_OF.values()}
     for stream in order:
         _, seq, subject, event = queues[stream].pop(0)
-        s.observe(memory, event, state, seq, subject)
+        demand.observe(memory, event, state, seq, subject)
         apply(state, event)
     return [d.event for d in s.decide(state, memory, now)]
 
@@ -209,7 +210,7 @@ def test_steady_load_never_flaps_and_quiet_scales_down_to_min_sparing_busy_repli
         decisions += w.step()
     assert decisions == []
     # Quiet, but m-r1 still has a request in flight: the scale-down spares it.
-    for _ in range(s.DOWN_SAMPLES - 1):
+    for _ in range(demand.DOWN_SAMPLES - 1):
         w.load("m", 0, busy={"m-r1": 1})
         assert w.step() == []
     w.load("m", 0, busy={"m-r1": 1})
@@ -226,7 +227,7 @@ def test_a_scale_down_never_stops_a_busy_replica_and_waits_for_one_to_go_quiet()
         w.load("m", 8)
     w.healthy(w.step())
     assert w.running() == ["m-r1", "m-r2"]
-    for _ in range(s.DOWN_SAMPLES):
+    for _ in range(demand.DOWN_SAMPLES):
         w.load("m", 2, busy={"m-r1": 1, "m-r2": 1})  # 2 in flight asks for 1 replica; both mid-request
     got = w.step()
     assert [e.replicas for e in got if isinstance(e, m.ModelAutoscaled)] == [1]
@@ -237,7 +238,7 @@ def test_a_scale_down_never_stops_a_busy_replica_and_waits_for_one_to_go_quiet()
 
 def test_scale_to_zero_then_a_request_wakes_it() -> None:
     w = autoscaled_world(min_replicas=0)
-    for _ in range(s.DOWN_SAMPLES):
+    for _ in range(demand.DOWN_SAMPLES):
         w.load("m", 0)
     got = w.step()
     assert [e.replicas for e in got if isinstance(e, m.ModelAutoscaled)] == [0]
@@ -250,7 +251,7 @@ def test_scale_to_zero_then_a_request_wakes_it() -> None:
     w.healthy(got)
     # The thirty quiet maps before the wake say nothing about the new count: no flap back to zero.
     assert w.step() == []
-    for _ in range(s.UP_SAMPLES):
+    for _ in range(demand.UP_SAMPLES):
         w.load("m", 0, queued=7)  # maps that saw the wake, with requests still waiting: up to two
     assert [e.replicas for e in w.step() if isinstance(e, m.ModelAutoscaled)] == [2]
 
@@ -279,7 +280,7 @@ def test_two_routers_and_a_restarted_one_wishing_at_once_make_one_placement() ->
 
 
 def test_a_flood_of_wishes_for_made_up_models_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(s, "MAX_WISHES", 50)
+    monkeypatch.setattr(demand, "MAX_WISHES", 50)
     w = parked_world()
     for i in range(200):
         w.wish(f"made-up-{i}")

@@ -15,6 +15,7 @@ from llmgw import memory as M
 from llmgw import messages as m
 from llmgw import planner as P
 from llmgw.errors import PlanError
+from llmgw.fleet import observed as O
 from llmgw.fleet.fold import FleetState, fold
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -498,7 +499,7 @@ def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> N
     observed: dict[str, int] = {}
     reserved = before.kv_tokens * 3 // 4
     ok = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=reserved)
-    assert P.record_observation(observed, state, ok) is True
+    assert O.record_observation(observed, state, ok) is True
     after = P.plan(info, state, req).candidates[0]
     assert after.kv_tokens == before.kv_tokens  # without the observations, the estimate
     after = P.plan(info, state, req, observed=observed).candidates[0]
@@ -510,7 +511,7 @@ def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> N
     assert other.observed_kv_tokens is None
     # A reservation too small for the context asked turns the verdict.
     tiny = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=4096)
-    assert P.record_observation(observed, state, tiny) is True
+    assert O.record_observation(observed, state, tiny) is True
     refused = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192, all=True),
                      observed=observed).candidates[0]
     assert not refused.fits and refused.max_context < 8192
@@ -527,9 +528,9 @@ def test_llama_cpps_reservation_is_what_it_was_asked_never_the_cards_capacity() 
     _ran_here(state, spec)
     observed: dict[str, int] = {}
     echo = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy", observed_kv_tokens=512)
-    assert P.record_observation(observed, state, echo) is None and observed == {}
+    assert O.record_observation(observed, state, echo) is None and observed == {}
     # Even an older fold that kept one does not turn the verdict.
-    poisoned = {P.observation_key(info.source, "q8_0", 1, 1, "H100-80GB", 0.9, "auto"): 512}
+    poisoned = {O.observation_key(info.source, "q8_0", 1, 1, "H100-80GB", 0.9, "auto"): 512}
     assert P.plan(info, state, req, observed=poisoned).candidates[0] == P.plan(info, state, req).candidates[0]
 
 
@@ -560,7 +561,7 @@ def test_implausible_or_foreign_reservations_are_refused() -> None:
     observed: dict[str, int] = {}
 
     def report(node: str, tokens: int, rid: str = "x-r1") -> bool | None:
-        return P.record_observation(observed, state, m.ReplicaStateChanged(
+        return O.record_observation(observed, state, m.ReplicaStateChanged(
             at=AT, replica_id=rid, model="x", node=node, state="healthy", observed_kv_tokens=tokens))
 
     assert report("n1", 0) is None  # nothing reported

@@ -15,6 +15,7 @@ from projection_events import inventory, small_fleet, spec, t
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus
+from llmgw.fleet import demand
 from llmgw.fleet import status as status_report
 from llmgw.fleet.checkpoint import Checkpoint, encode_state
 from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, apply, clamp_times, fold, stored_at
@@ -258,13 +259,13 @@ def test_the_scheduler_says_unplaceable_again_under_a_new_id_after_a_scale() -> 
     dropped by the server as a duplicate of the first (the same Nats-Msg-Id within its window)."""
     now = t(10)
     events: list[m.Event] = [inventory("n1", "ib-a", 1, t(0)), m.ModelDeclared(at=t(1), spec=spec("m", replicas=3))]
-    state, memory = FleetState(), scheduler.SchedulerMemory()
+    state, memory = FleetState(), demand.SchedulerMemory()
     seq = [0]
 
     def feed(evs: list[m.Event]) -> None:
         for e in evs:
             seq[0] += 1
-            scheduler.observe(memory, e, state, seq=seq[0])
+            demand.observe(memory, e, state, seq=seq[0])
             apply(state, e)
 
     feed(events)

@@ -8,6 +8,7 @@ import pytest
 
 from llmgw import messages as m
 from llmgw import scheduler as s
+from llmgw.fleet import demand
 from llmgw.fleet.fold import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
 
@@ -29,12 +30,12 @@ class World:
 
     def __init__(self, *nodes: FleetNode) -> None:
         self.state = FleetState()
-        self.memory = s.SchedulerMemory()
+        self.memory = demand.SchedulerMemory()
         for n in nodes:
             self.feed(inventory(n, T0))
 
     def feed(self, event: m.Event) -> None:
-        s.observe(self.memory, event, self.state)
+        demand.observe(self.memory, event, self.state)
         apply(self.state, event)
 
     def step(self, now: datetime = T0) -> list[m.Event]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw import messages as m
-from llmgw import planner, scheduler
+from llmgw.fleet import demand, observed
 from llmgw.fleet.fold import FOLD_VERSION, Cursor, FleetState, apply, refusal
 from llmgw.fleet.history import ModelHistory
 from llmgw.fleet.pool import Pool
@@ -34,7 +34,7 @@ class Checkpoint:
     state: FleetState = field(default_factory=FleetState)
     cursor: Cursor = field(default_factory=Cursor)
     history: ModelHistory = field(default_factory=ModelHistory)
-    demand: scheduler.SchedulerMemory = field(default_factory=scheduler.SchedulerMemory)
+    demand: demand.SchedulerMemory = field(default_factory=demand.SchedulerMemory)
     observed: dict[str, int] = field(default_factory=dict)  # KV tokens by planner.observation_key
     pool: Pool = field(default_factory=Pool)  # the routers' (pooled_at 0: a router stamps its own start)
     # The liveness monitor's: each node lost and not returned, and where its NodeLost is stored in the
@@ -78,15 +78,15 @@ def observe(c: Checkpoint, seq: int, subject: str, event: m.Event) -> None:
     """The services' memory of an event not refused, before ``apply`` folds it into the state."""
     kind = type(event)
     if kind is _IDLE_MAP:  # most of the usage stream, so the most frequent: straight to its case
-        scheduler.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
+        demand.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
     elif kind is m.NodeLost:
         c.lost_at_seq[event.node] = seq  # type: ignore[attr-defined]
     elif kind is m.NodeReturned or kind is m.NodeRetired:
         c.lost_at_seq.pop(event.node, None)  # type: ignore[attr-defined]
     elif kind is not _HEALTH:  # the most frequent fleet event: no memory reads it
-        scheduler.observe(c.demand, event, c.state, seq, subject)
+        demand.observe(c.demand, event, c.state, seq, subject)
         if kind is m.ReplicaStateChanged:
-            planner.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
+            observed.record_observation(c.observed, c.state, event)  # type: ignore[arg-type]
         if kind in _CONTROL:
             c.pool.apply(event, 0.0, seq)  # type: ignore[arg-type]
 
