@@ -20,11 +20,15 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet import snapshots
+from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
 from llmgw.fleet.pool import Declared, Pool, Replica
 
 __all__ = ["Declared", "EndpointSink", "Pool", "Replica"]
 
 log = logging.getLogger(__name__)
+
+# A router folds the control stream and remembers only its pool.
+ROUTER_KEEPS = Memories(history=False, demand=False, observed=False, pool=True, lost=False)
 
 
 class EndpointSink:
@@ -34,6 +38,9 @@ class EndpointSink:
                  on_change: Callable[[], None] | None = None, *, use_snapshots: bool = True) -> None:
         self.bus = bus
         self.pool = pool or Pool()
+        # The fold of control this router keeps: the replicas (what refuses a stranger's report) and its pool.
+        self.checkpoint = Checkpoint(pool=self.pool)
+        self.refused = 0  # control events every fold refuses (fold.refusal)
         self.on_change = on_change
         self.use_snapshots = use_snapshots
         self.started_from = ""  # the fold snapshot the pool started from, or "" (sequence 1)
@@ -45,7 +52,7 @@ class EndpointSink:
     @property
     def bad_events(self) -> int:
         """Control events skipped: undecodable, a subject its payload disagrees with, or state from a stranger."""
-        return self.skipped + self.pool.refused
+        return self.skipped + self.refused + self.pool.refused
 
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
         self.skipped += 1  # recorded and skipped: one bad event must not stop routing
@@ -62,6 +69,7 @@ class EndpointSink:
                 rep.pooled_at = now  # as a fold from sequence 1 at start-up: pooled by this router now
         for f in dataclasses.fields(Pool):  # the router holds self.pool: filled in place, every field
             setattr(self.pool, f.name, getattr(seeded, f.name))
+        self.checkpoint = Checkpoint(state=c.state, cursor=c.cursor, pool=self.pool)
         self.applied_seq = c.cursor.positions.get(subjects.STREAM_CONTROL, 0)
         if self.on_change is not None:
             self.on_change()
@@ -79,10 +87,11 @@ class EndpointSink:
         follower = self.bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, self.applied_seq + 1, who="router",
                                    on_skip=self._skipped)
         async for batch in follower.batches():
-            changed = False
-            now = time.time()
-            for d in batch:  # (a subject its payload disagrees with was refused by the follower)
-                changed |= self.pool.apply(d.event, now, d.raw.seq)
+            why = fold_batch(self.checkpoint, subjects.STREAM_CONTROL, [d.raw for d in batch],
+                             [d.event for d in batch], keep=ROUTER_KEEPS, now=time.time())
+            refused = sum(w is not None for w in why)
+            self.refused += refused
+            changed = refused < len(batch)
             self.applied_seq = follower.last_seq
             if self.applied_seq >= target:
                 self.caught_up.set()

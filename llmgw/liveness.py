@@ -23,8 +23,12 @@ from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError
 from llmgw.fleet import snapshots
+from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
 
 log = logging.getLogger(__name__)
+
+# The monitor folds the fleet stream's lost, returned and retired events and remembers who is lost.
+LIVENESS_KEEPS = Memories(history=False, demand=False, observed=False, pool=False, lost=True)
 
 
 @dataclass
@@ -82,25 +86,21 @@ class HeartbeatMonitor:
         last = await self.bus.stream_last_seq(subjects.STREAM_FLEET)
         if last == 0:
             return
-        start = 1
+        c = Checkpoint()
         found = await snapshots.newest(self.bus, "liveness", (subjects.STREAM_FLEET,)) if self.use_snapshots else None
         if found is not None:
             c, self.started_from = found
-            self.lost = {node: _Lost(key="", stream_seq=seq) for node, seq in c.lost_at_seq.items()}
-            start = c.cursor.positions.get(subjects.STREAM_FLEET, 0) + 1
-            if start > last:
-                return
-        # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
-        follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, start, stop_at=last, idle_expires_s=2.0,
-                                   who="liveness",
-                                   keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned", "retired"),
-                                   on_skip=self._skipped)
-        async for batch in follower.batches():
-            for d in batch:
-                if isinstance(d.event, m.NodeLost):
-                    self.lost[d.event.node] = _Lost(key="", stream_seq=d.raw.seq)
-                elif isinstance(d.event, (m.NodeReturned, m.NodeRetired)):
-                    self.lost.pop(d.event.node, None)
+        start = c.cursor.positions.get(subjects.STREAM_FLEET, 0) + 1
+        if start <= last:
+            # Unfiltered: a filtered reader never reaches stop_at when the last event is not one of ours.
+            follower = self.bus.follow(subjects.STREAM_FLEET, m.FLEET_DECODER, start, stop_at=last,
+                                       idle_expires_s=2.0, who="liveness",
+                                       keep=lambda raw: raw.subject.rsplit(".", 1)[-1] in ("lost", "returned", "retired"),
+                                       on_skip=self._skipped)
+            async for batch in follower.batches():
+                fold_batch(c, subjects.STREAM_FLEET, [d.raw for d in batch], [d.event for d in batch],
+                           keep=LIVENESS_KEEPS)
+        self.lost = {node: _Lost(key="", stream_seq=seq) for node, seq in c.lost_at_seq.items()}
 
     # --- following heartbeats -------------------------------------------------------------
 

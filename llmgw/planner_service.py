@@ -25,11 +25,14 @@ from llmgw import messages as m
 from llmgw import modelinfo, planner, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.errors import PlanError, ServiceError
-from llmgw.fleet import observed, snapshots
-from llmgw.fleet.fold import FleetState, apply, clamp_times, refusal
+from llmgw.fleet import snapshots
+from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
+from llmgw.fleet.fold import FleetState
 
 log = logging.getLogger(__name__)
 
+# The planner folds the fleet and control streams and remembers only what engines reserved.
+PLANNER_KEEPS = Memories(history=False, demand=False, observed=True, pool=False, lost=False)
 _FOLLOWED = ((subjects.STREAM_FLEET, m.FLEET_DECODER), (subjects.STREAM_CONTROL, m.CONTROL_DECODER))
 
 
@@ -40,7 +43,8 @@ class PlannerService:
                  use_snapshots: bool = True) -> None:
         self.bus = bus
         self.models_dir = models_dir
-        self.state = FleetState()
+        # The fleet fold and the one memory the planner keeps: what engines of a spec reserved.
+        self.checkpoint = Checkpoint()
         self.positions: dict[str, int] = {}
         self.skipped = 0
         self.clamped = 0  # events folded at their store time (see fold.clamp_times)
@@ -50,12 +54,23 @@ class PlannerService:
         self._cache_size = cache_size
         self._progress = asyncio.Event()
         self._pools: dict[str, planner.ClassPool] | None = None  # pools of the fold, until it changes
-        # What healthy engines reserved, per spec; and reports refused as implausible or foreign.
-        self.observed: dict[str, int] = {}  # KV tokens by fleet.observed.observation_key
-        self.refused_observations = 0
         self.refused = 0  # events every fold refuses (fold.refusal)
         self.use_snapshots = use_snapshots
         self.started_from = ""  # the fold snapshot the fold started from, or "" (sequence 1)
+
+    @property
+    def state(self) -> FleetState:
+        return self.checkpoint.state
+
+    @property
+    def observed(self) -> dict[str, int]:
+        """What healthy engines reserved, per spec: KV tokens by fleet.observed.observation_key."""
+        return self.checkpoint.observed
+
+    @property
+    def refused_observations(self) -> int:
+        """Reservations refused as implausible or not from the replica's own node."""
+        return self.checkpoint.refused_observations
 
     # --- requests ---------------------------------------------------------------------
 
@@ -90,27 +105,19 @@ class PlannerService:
         found = await snapshots.newest(self.bus, "planner", tuple(s for s, _ in _FOLLOWED))
         if found is not None:
             c, self.started_from = found
-            self.state, self.observed = c.state, c.observed
+            self.checkpoint = Checkpoint(state=c.state, cursor=c.cursor, observed=c.observed)
             self.positions = {s: c.cursor.positions.get(s, 0) for s, _ in _FOLLOWED}
 
     async def _follow(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
         follower = self.bus.follow(stream, decoder, self.positions.get(stream, 0) + 1, idle_expires_s=2.0,
                                    who="planner", on_skip=self._skipped)
         async for batch in follower.batches():
-            events = [d.event for d in batch]
-            self.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
-            for d, event in zip(batch, events, strict=True):
-                if refusal(self.state, d.raw.subject, event) is not None:
-                    self.refused += 1
-                    continue
-                if isinstance(event, m.ReplicaStateChanged) and \
-                        observed.record_observation(self.observed, self.state, event) is False:
-                    self.refused_observations += 1
-                    log.warning("planner: %s seq %d: KV reservation %d from %s for %s refused (implausible, "
-                                "or not its replica's node)", stream, d.raw.seq, event.observed_kv_tokens,
-                                event.node, event.replica_id)
-                apply(self.state, event, d.raw.seq)
-                self._pools = None
+            c = self.checkpoint
+            clamped = c.cursor.clamped
+            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch], keep=PLANNER_KEEPS)
+            self.clamped += c.cursor.clamped - clamped
+            self.refused += sum(w is not None for w in why)
+            self._pools = None
             self.positions[stream] = follower.last_seq
             self._progress.set()
 

@@ -28,9 +28,9 @@ from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import Checkpoint, fold_event
+from llmgw.fleet.checkpoint import Checkpoint, fold_batch
 from llmgw.fleet.demand import SchedulerMemory
-from llmgw.fleet.fold import FleetState, clamp_times
+from llmgw.fleet.fold import FleetState
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,11 @@ class SchedulerService:
         follower = self.bus.follow(stream, m.ANY_DECODER, self.stats.applied[stream] + 1, who="scheduler",
                                    on_skip=self._skipped)
         async for batch in follower.batches():
-            events = [d.event for d in batch]
-            self.stats.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])  # as every fold does
             c = self.checkpoint
-            for d, event in zip(batch, events, strict=True):
-                if not fold_event(c, d.raw.seq, d.raw.subject, event):
-                    self.stats.refused += 1
+            clamped = c.cursor.clamped
+            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch])
+            self.stats.clamped += c.cursor.clamped - clamped
+            self.stats.refused += sum(w is not None for w in why)
             self.stats.applied[stream] = follower.last_seq
             self._changed.set()
 

@@ -28,9 +28,9 @@ from llmgw.bus import Bus, RawMsg
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
-from llmgw.fleet.checkpoint import Checkpoint, encode, observe
-from llmgw.fleet.fold import FOLD_VERSION, Cursor, apply, clamp_times, refusal
-from llmgw.fleet.history import ModelHistory, note_batch
+from llmgw.fleet.checkpoint import Checkpoint, encode, fold_batch
+from llmgw.fleet.fold import FOLD_VERSION, Cursor, RouterView
+from llmgw.fleet.history import ModelHistory
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -175,91 +175,61 @@ class Projector:
         except m.DECODE_ERRORS:  # ValidationError is a DecodeError; deep nesting a RecursionError
             self._ingest_one_by_one(stream, msgs)
             return
-        if stream != subjects.STREAM_USAGE and self._any_refused(msgs, decoded):
-            self._ingest_one_by_one(stream, msgs, decoded)
+        self._fold(stream, msgs, decoded)
+        self._folded(stream, msgs)
+
+    def _fold(self, stream: str, msgs: list[RawMsg], decoded: list[Any]) -> None:
+        """The one fold every reader runs (``fold_batch``), and the rows it makes: a batch folded whole
+        goes in as columns (the common case, kept lean), one with a refusal event by event."""
+        state, store = self.state, self.store
+        payloads = [x.data for x in msgs]  # idle maps' replaced by what changed in them
+        prevs: dict[int, RouterView | None] = {}
+        idle = m.IdleMapPublished
+
+        def before(i: int, event: m.Event) -> None:
+            if type(event) is idle:
+                prevs[i] = prev = state.routers.get(event.router)
+                payloads[i] = idle_payload(event, prev)
+
+        clamped = self.cursor.clamped
+        why = fold_batch(self.checkpoint, stream, msgs, decoded, before=before if store is not None else None)
+        if self.cursor.clamped > clamped:
+            self._clamped(stream, self.cursor.clamped - clamped)
+        refused = [i for i, w in enumerate(why) if w is not None]
+        for i in refused:
+            raw = msgs[i]
+            log.warning("%s:%d (%s) refused, kept in unprojected_events: %s", stream, raw.seq, raw.subject, why[i])
+        if store is None:
             return
-        # The common case, kept lean: every event decoded, history handed over as columns.
-        state = self.state
-        stored = [x.ts_ns for x in msgs]
-        if clamped := clamp_times(decoded, stored):
-            self._clamped(stream, clamped)
-        if stream == subjects.STREAM_CONTROL:
-            note_batch(self.history, [x.seq for x in msgs], decoded)
-        c = self.checkpoint
-        if self.store is not None:
-            payloads = datas  # idle maps' replaced by what changed in them, below
-            idle = m.IdleMapPublished
-            for i, event in enumerate(decoded):
-                if type(event) is idle:
-                    payloads[i] = idle_payload(event, state.routers.get(event.router))
-                observe(c, msgs[i].seq, msgs[i].subject, event)
-                apply(state, event, msgs[i].seq)
-            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], stored, payloads)
-        else:
-            for x, event in zip(msgs, decoded, strict=True):
-                observe(c, x.seq, x.subject, event)
-                apply(state, event, x.seq)
-        self.folded += len(msgs)
-        self._advance(stream, msgs[-1])
-        if self.progress is not None:
-            self.progress(self.folded, self._total)
-
-    def _any_refused(self, msgs: list[RawMsg], decoded: list[Any]) -> bool:
-        """Whether this batch may hold an event to refuse; those batches are folded event by event.
-
-        A quick scan ahead of the fold: a subject that disagrees with its payload, or a
-        state report from a node its replica (placed before or in this batch) is not on.
-        """
-        replicas, placed = self.state.replicas, {}
-        for x, event in zip(msgs, decoded, strict=True):
-            kind = type(event)
-            if kind is m.ReplicaPlaced:
-                placed[event.replica_id] = event.nodes
-            elif kind is m.ReplicaStateChanged:
-                nodes = placed.get(event.replica_id) or getattr(replicas.get(event.replica_id), "nodes", None)
-                if nodes is not None and event.node not in nodes:
-                    return True
-            if subjects.disagrees(x.subject, event) is not None:
-                return True
-        return False
-
-    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg], decoded: list[Any] | None = None) -> None:
-        """A batch with an event that cannot be decoded or may be refused: event by event."""
-        if decoded is None:
-            decoded = []
-            for x in msgs:
-                try:
-                    decoded.append(DECODERS[stream].decode(x.data))
-                except m.DECODE_ERRORS as e:
-                    decoded.append(e)
-        state, batch = self.state, self.batch
-        control = stream == subjects.STREAM_CONTROL
-        for raw, event in zip(msgs, decoded, strict=True):
-            why = None
-            if not isinstance(event, Exception):
-                # As every reader (bus.follow): a subject its payload disagrees with is refused
-                # first; anything else is clamped and noted, then asked whether its node speaks for it.
-                why = subjects.disagrees(raw.subject, event)
-                if why is None:
-                    one = [event]
-                    if clamp_times(one, [raw.ts_ns]):
-                        self._clamped(stream, 1)
-                        event = one[0]
-                    if control:
-                        self.history.note(raw.seq, event)
-                    why = refusal(state, raw.subject, event)
-            if isinstance(event, Exception) or why is not None:
-                what = "cannot be decoded" if why is None else "refused"
-                log.warning("%s:%d (%s) %s, kept in unprojected_events: %s", stream, raw.seq, raw.subject, what, why or event)
-                add_unprojected(batch, stream, raw.seq, raw.subject, raw.data, why or str(event))
-                self.cursor.unprojected += 1
+        if not refused:
+            self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs],
+                               payloads)
+            return
+        for i, (raw, event) in enumerate(zip(msgs, decoded, strict=True)):
+            if why[i] is None:
+                add_event_rows(self.batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prevs.get(i))
             else:
-                if self.store is not None:
-                    prev = state.routers.get(event.router) if type(event) is m.IdleMapPublished else None
-                    add_event_rows(batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prev)
-                observe(self.checkpoint, raw.seq, raw.subject, event)
-                apply(state, event, raw.seq)
-            self.folded += 1
+                add_unprojected(self.batch, stream, raw.seq, raw.subject, raw.data, why[i] or "")
+
+    def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg]) -> None:
+        """A batch with an event that cannot be decoded: those are kept raw, the rest folded as ever."""
+        good: list[RawMsg] = []
+        decoded: list[Any] = []
+        for raw in msgs:
+            try:
+                decoded.append(DECODERS[stream].decode(raw.data))
+                good.append(raw)
+            except m.DECODE_ERRORS as e:
+                log.warning("%s:%d (%s) cannot be decoded, kept in unprojected_events: %s", stream, raw.seq,
+                            raw.subject, e)
+                add_unprojected(self.batch, stream, raw.seq, raw.subject, raw.data, str(e))
+                self.cursor.unprojected += 1
+        if good:
+            self._fold(stream, good, decoded)
+        self._folded(stream, msgs)
+
+    def _folded(self, stream: str, msgs: list[RawMsg]) -> None:
+        self.folded += len(msgs)
         self._advance(stream, msgs[-1])
         if self.progress is not None:
             self.progress(self.folded, self._total)
@@ -273,7 +243,6 @@ class Projector:
         self._progress.set()
 
     def _clamped(self, stream: str, n: int) -> None:
-        self.cursor.clamped += n
         log.warning("%s: %d event(s) dated too far from when the stream stored them, folded at the stored time "
                     "(%d so far)", stream, n, self.cursor.clamped)
 

@@ -12,8 +12,17 @@ from hypothesis import strategies as st
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.fleet.checkpoint import Checkpoint, decode_state, encode_state
+from llmgw.bus.frames import RawMsg
+from llmgw.fleet.checkpoint import (
+    EVERY,
+    Checkpoint,
+    Memories,
+    decode_state,
+    encode_state,
+    fold_batch,
+)
 from llmgw.fleet.fold import Cursor, FleetState, fold
+from llmgw.subjects import stream_for_subject
 
 QWEN = spec("qwen-8b")
 LLAMA = spec("llama-70b", tp=4, pp=2)
@@ -285,6 +294,40 @@ def test_an_event_is_refused_when_its_subject_or_placement_disagrees(subject: st
                   QWEN_ON_N1])
     why = refusal(state, subject, event)
     assert (why is not None) is refused, why
+
+
+def _keeps() -> dict[str, Memories]:
+    from llmgw.endpoints import ROUTER_KEEPS
+    from llmgw.liveness import LIVENESS_KEEPS
+    from llmgw.planner_service import PLANNER_KEEPS
+
+    return {"every": EVERY, "planner": PLANNER_KEEPS, "router": ROUTER_KEEPS, "liveness": LIVENESS_KEEPS,
+            "none": Memories(history=False, demand=False, observed=False, pool=False, lost=False)}
+
+
+@pytest.mark.parametrize("reader", ["planner", "router", "liveness", "none"])
+def test_every_reader_refuses_clamps_and_applies_alike_whatever_it_remembers(reader: str) -> None:
+    """The one fold rule: a reader that keeps fewer memories refuses, clamps and folds the same events."""
+    setup: list[tuple[str, m.Event]] = [("llmgw.fleet.n1.inventory", inventory("n1", "ib-a", 1, t(0))),
+                                        ("llmgw.fleet.n2.inventory", inventory("n2", "ib-a", 1, t(0))),
+                                        ("llmgw.control.model.qwen-8b.declared", m.ModelDeclared(at=t(0), spec=QWEN)),
+                                        ("llmgw.control.replica.r-q.placed", QWEN_ON_N1)]
+    # Every case above, one after another, and one dated a year away from when it was stored (clamped).
+    far = m.ModelScaled(at=datetime(2027, 1, 1, tzinfo=t(0).tzinfo), name="qwen-8b", replicas=2)
+    events = [*setup, *((subject, event) for _, subject, event, _ in REFUSALS),
+              ("llmgw.control.model.qwen-8b.scaled", far)]
+
+    def folded(keep: Memories) -> tuple[list[str | None], Checkpoint]:
+        c = Checkpoint()
+        why: list[str | None] = []
+        for seq, (subject, event) in enumerate(events, 1):
+            stored = RawMsg(seq=seq, subject=subject, data=b"", ts_ns=int(t(2).timestamp() * 1e9))
+            why += fold_batch(c, stream_for_subject(subject), [stored], [event], keep=keep)
+        return why, c
+
+    (every_why, every), (why, c) = folded(EVERY), folded(_keeps()[reader])
+    assert why == every_why and sum(w is not None for w in why) == sum(r for *_, r in REFUSALS)
+    assert (c.state, c.cursor) == (every.state, every.cursor) and c.cursor.clamped >= 1
 
 
 def test_a_replica_takes_state_only_from_its_own_node() -> None:

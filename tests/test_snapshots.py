@@ -378,10 +378,13 @@ def test_a_checkpoints_bytes_do_not_depend_on_the_process_that_folded_it() -> No
         "import hashlib, sys; sys.path.insert(0, 'tests')\n"
         "from projection_events import small_fleet\n"
         "from llmgw import subjects\n"
-        "from llmgw.fleet.checkpoint import Checkpoint, encode, fold_event\n"
+        "from llmgw.fleet.checkpoint import Checkpoint, encode, fold_batch\n"
+        "from llmgw.bus.frames import RawMsg\n"
         "c = Checkpoint()\n"
         "for i, e in enumerate(small_fleet()):\n"
-        "    fold_event(c, i + 1, subjects.subject_for(e), e)\n"
+        "    subject = subjects.subject_for(e)\n"
+        "    stored = RawMsg(subject=subject, seq=i + 1, ts_ns=int(e.at.timestamp() * 1e9), data=b'')\n"
+        "    fold_batch(c, subjects.stream_for_subject(subject), [stored], [e])\n"
         "print(hashlib.sha256(encode(c)).hexdigest())\n"
     )
     root = Path(__file__).resolve().parent.parent

@@ -357,7 +357,7 @@ def speaks_for(nodes: tuple[str, ...], event: m.ReplicaStateChanged) -> str | No
             f"which it was not placed on (placed on {', '.join(nodes) or 'no node'})")
 
 
-def refusal(state: FleetState, subject: str, event: m.Event) -> str | None:
+def refusal(state: FleetState, subject: str, event: m.Event, *, subject_checked: bool = False) -> str | None:
     """Why a reader records an event as refused instead of folding it, or None.
 
     Its subject names another node than its payload (``subjects.disagrees``), or
@@ -365,7 +365,7 @@ def refusal(state: FleetState, subject: str, event: m.Event) -> str | None:
     before ``apply`` on the state so far, so a live projector and a replay refuse
     the same events (each stream's order alone decides).
     """
-    why = subjects.disagrees(subject, event)
+    why = None if subject_checked else subjects.disagrees(subject, event)
     if why is None and type(event) is m.ReplicaStateChanged:
         replica = state.replicas.get(event.replica_id)
         if replica is not None:

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import Checkpoint, fold_event
-from llmgw.fleet.fold import Cursor, clamp_times
-from llmgw.fleet.history import note_batch
+from llmgw.fleet.checkpoint import Checkpoint, fold_batch
+from llmgw.fleet.fold import Cursor
 from llmgw.fleet.snapshots import Warn
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                                      warn or (lambda line: log.warning("%s", line)))
         if found is not None:
             checkpoint = found[0]
-    cursor, history = checkpoint.cursor, checkpoint.history
+    cursor = checkpoint.cursor
     for stream, (_, created) in heads.items():
         if created:
             cursor.stream_created[stream] = created
@@ -72,7 +71,6 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
             continue
         cut = cuts.get(stream)
         past = False
-        control = stream == subjects.STREAM_CONTROL
 
         def skipped(raw: RawMsg, _: Exception, stream: str = stream, cut: int | None = cut) -> None:
             if cut is None or raw.ts_ns <= cut:  # an undecodable message is folded past, as the projector does
@@ -86,16 +84,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
                 if cut is not None and batch and batch[-1].raw.ts_ns > cut:
                     k = next(i for i, d in enumerate(batch) if d.raw.ts_ns > cut)
                     batch, past = batch[:k], True
-                # As the projector: an event dated far from its store time is folded at that time,
-                # and a refused one is unprojected.
-                events = [d.event for d in batch]
-                cursor.clamped += clamp_times(events, [d.raw.ts_ns for d in batch])
-                if control:
-                    note_batch(history, [d.raw.seq for d in batch], events)
-                for d, event in zip(batch, events, strict=True):
-                    if not fold_event(checkpoint, d.raw.seq, d.raw.subject, event):
-                        cursor.unprojected += 1
-                    _advance(cursor, stream, d.raw)
+                fold_batch(checkpoint, stream, [d.raw for d in batch], [d.event for d in batch])
                 done += len(batch)
                 if progress is not None:
                     progress(done, total)

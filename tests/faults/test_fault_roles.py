@@ -145,7 +145,7 @@ async def test_an_agent_cannot_speak_for_another_node(tmp_path: Path, record: Ca
     assert not victim_view.lost and len(victim_view.gpus) == FLEET.node(VICTIM).gpu_count
     assert scheduler_view.replicas["qwen-r1"].endpoint == REAL
     assert [r.endpoint for r in sink.pool.healthy["qwen"]] == [REAL]
-    assert sink.pool.refused == 2 and sink.skipped == 1  # from a node it is not on; payload vs subject
+    assert sink.refused == 2 and sink.skipped == 1  # from a node it is not on (the fold refuses it); payload vs subject
     assert sink.bad_events == 3  # what /metrics counts (llmgw_router_bad_events_total)
     assert lost_refused, "the agent may not publish NodeLost, even on its own subject"
 
