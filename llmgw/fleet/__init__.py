@@ -1,7 +1,9 @@
 """The fleet core: the one fold of the history streams and the pure queries over it.
 
-The planner, the scheduler, the router and the projector all fold the same
-events with the same ``apply``; ``projections/`` only writes DuckDB.
+Every reader (the projector, a replay, the scheduler, the planner, the routers'
+pool, the liveness monitor) folds by one function, ``checkpoint.fold_batch``, and
+differs only in which of the memories beside the fold it keeps (``history``,
+``demand``, ``observed``, ``pool``); ``projections/`` only writes DuckDB.
 """
 
 from llmgw.fleet.fold import (
