@@ -179,25 +179,22 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "engine_env": _engine_env(engine_env), "engines": engines,
                             "log_dir": log_dir.resolve() if log_dir else None}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
+    if fleet_path is not None:
+        fleet = load(fleet_path)
+        opts["faults"] = faults(fleet)
+        for n in [fleet.node(node)] if node else list(fleet.nodes):
+            ports.append((n.name, SimNvml(n), fabric or n.fabric, "flag" if fabric else "fleet-file"))
+    else:
+        ports.append((node or socket.gethostname(), RealNvml(), fabric, "flag"))
+    opened: list[NvmlPort] = []
     try:
-        if fleet_path is not None:
-            fleet = load(fleet_path)
-            opts["faults"] = faults(fleet)
-            for n in [fleet.node(node)] if node else list(fleet.nodes):
-                ports.append((n.name, SimNvml(n), fabric or n.fabric, "flag" if fabric else "fleet-file"))
-        else:
-            ports.append((node or socket.gethostname(), RealNvml(), fabric, "flag"))
-        opened: list[NvmlPort] = []
-        try:
-            for _, port, _, _ in ports:
-                port.open()  # before NATS: no driver is the first thing to say
-                opened.append(port)
-            run(_run_agents(ports, settings, opts))
-        finally:
-            for port in opened:
-                port.close()
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+        for _, port, _, _ in ports:
+            port.open()  # before NATS: no driver is the first thing to say
+            opened.append(port)
+        run(_run_agents(ports, settings, opts))
+    finally:
+        for port in opened:
+            port.close()
 
 
 @agent.command("fault")

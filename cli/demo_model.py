@@ -7,8 +7,6 @@ from pathlib import Path
 
 import click
 
-from llmgw.errors import LlmgwError
-
 
 def _size(n: int) -> str:
     return f"{n / 1024**2:.1f} MiB" if n >= 1024**2 else f"{n / 1024:.0f} KiB"
@@ -45,8 +43,6 @@ def demo_model(directory: Path, context: int, layers: int, embd: int, heads: int
     try:
         made = write_demo_model(directory, context=context, layers=layers, embd=embd, heads=heads,
                                 kv_heads=kv_heads, seed=seed)
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
     except OSError as e:
         raise click.ClickException(f"cannot write into {directory} ({e.strerror or e}); pick a writable DIR") from e
     click.echo(f"wrote {made.gguf} ({_size(made.file_bytes)}, Q8_0): llama, {_count(made.params)} parameters, "

@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from llmgw.config import data_dir
-from llmgw.errors import LlmgwError
 
 
 @click.command("export")
@@ -32,10 +31,7 @@ def export(dest: Path, db: Path | None) -> None:
     from llmgw.projections.export import export_parquet
 
     db = db or data_dir() / "llmgw.duckdb"
-    try:
-        done = export_parquet(db, dest)
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+    done = export_parquet(db, dest)
     if done.from_snapshot:
         click.echo(f"{db} is held by a running projector: exported its snapshot {done.source}", file=sys.stderr)
     as_of = done.as_of.isoformat() if done.as_of else "no events"

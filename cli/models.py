@@ -19,7 +19,6 @@ from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_o
 from llmgw.cli.plan import parallel_option
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
-from llmgw.errors import LlmgwError
 
 
 def _describe(spec: m.ModelSpec) -> str:
@@ -98,14 +97,11 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
                             kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
     from llmgw import ctl
 
-    try:
-        reply = run(ctl.plan(settings, model, request, fleet=fleet, models_dir=models_dir))
-        if pp is None and tp is not None and candidate is None:
-            pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
-        chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
-        file = ctl.gguf_file(chosen, gguf) if gguf is not None else chosen.file
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+    reply = run(ctl.plan(settings, model, request, fleet=fleet, models_dir=models_dir))
+    if pp is None and tp is not None and candidate is None:
+        pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
+    chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
+    file = ctl.gguf_file(chosen, gguf) if gguf is not None else chosen.file
     spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args,
                                    min_replicas=min_replicas, max_replicas=max_replicas,
                                    target_in_flight=target_in_flight, file=file)

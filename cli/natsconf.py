@@ -13,7 +13,6 @@ import click
 from llmgw import fleetfile, natsconf
 from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
-from llmgw.errors import LlmgwError
 
 
 def _prepare(path: Path, text: str, mode: int | None = None) -> Path:
@@ -66,15 +65,12 @@ def nats_conf(fleet_path: Path | None, nodes: tuple[str, ...], routers: tuple[st
         llmgw nats-conf --fleet examples/fleet.toml -o nats.conf --env-file creds.env
         set -a; . ./creds.env; nats-server -c nats.conf
     """
-    try:
-        names = [n.name for n in fleetfile.load(fleet_path).nodes] if fleet_path else []
-        names += [n for n in nodes if n not in names]
-        if not names:
-            raise click.UsageError("name the agent nodes: --fleet FILE or --node NAME (repeatable)")
-        text = natsconf.render(names, routers=routers, store_dir=store_dir)
-        passwords = natsconf.env_file(natsconf.make_passwords(names, routers)) if env_file is not None else ""
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+    names = [n.name for n in fleetfile.load(fleet_path).nodes] if fleet_path else []
+    names += [n for n in nodes if n not in names]
+    if not names:
+        raise click.UsageError("name the agent nodes: --fleet FILE or --node NAME (repeatable)")
+    text = natsconf.render(names, routers=routers, store_dir=store_dir)
+    passwords = natsconf.env_file(natsconf.make_passwords(names, routers)) if env_file is not None else ""
     files: list[tuple[Path, str, int | None]] = [(out, text, None)] if out is not None else []
     if env_file is not None:
         files.append((env_file, passwords, 0o600))

@@ -99,26 +99,21 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         runner = asyncio.run
     try:
         return runner(coro)
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
     except KeyboardInterrupt:
         sys.exit(130)
 
 
 def settings_from(kwargs: dict[str, Any]) -> Settings:
     """Pop the NATS options out of a command's kwargs and build Settings."""
-    try:
-        return Settings.from_env(
-            nats_url=kwargs.pop("nats_url", None),
-            creds_file=kwargs.pop("nats_creds", None),
-            user=kwargs.pop("nats_user", None),
-            password=kwargs.pop("nats_password", None),
-            tls_ca=kwargs.pop("tls_ca", None),
-            tls_cert=kwargs.pop("tls_cert", None),
-            tls_key=kwargs.pop("tls_key", None),
-        )
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+    return Settings.from_env(
+        nats_url=kwargs.pop("nats_url", None),
+        creds_file=kwargs.pop("nats_creds", None),
+        user=kwargs.pop("nats_user", None),
+        password=kwargs.pop("nats_password", None),
+        tls_ca=kwargs.pop("tls_ca", None),
+        tls_cert=kwargs.pop("tls_cert", None),
+        tls_key=kwargs.pop("tls_key", None),
+    )
 
 
 def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:

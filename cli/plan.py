@@ -124,10 +124,7 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
                             kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
     from llmgw import ctl
 
-    try:
-        reply = run(ctl.plan(settings, model, request, fleet=fleet_path, models_dir=models_dir))
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
+    reply = run(ctl.plan(settings, model, request, fleet=fleet_path, models_dir=models_dir))
     if as_json:
         data: dict[str, Any] = msgspec.to_builtins(reply)
         echo_json(data)

@@ -357,8 +357,6 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                 child.stop()
                 time.sleep(min(2 ** child.restarts * 0.25, 5))
                 child.start()
-    except LlmgwError as e:
-        raise click.ClickException(str(e)) from e
     finally:
         # Agents first (they stop their engines), then the readers, NATS last so nothing loses its bus.
         for child in reversed(children):

@@ -129,13 +129,12 @@ class HeartbeatMonitor:
 
     def _bus_back(self) -> bool:
         """True once after each return of the bus (noticed down, or by its reconnect count)."""
-        nc = self.bus.nc
-        if not nc.is_connected:
+        if not self.bus.connected:
             if not self._down:
                 log.warning("liveness: the bus is down; judging no node until it is back")
             self._down = self._deaf = True
             return False
-        reconnects = int(nc.stats.get("reconnects", 0))
+        reconnects = self.bus.reconnects
         if reconnects == self._reconnects and not self._down:
             return False
         self._reconnects, self._down = reconnects, False
@@ -148,7 +147,7 @@ class HeartbeatMonitor:
 
     async def check(self) -> list[m.NodeLost | m.NodeReturned]:
         """Publish what changed since the last check; returns the events published."""
-        if not self.bus.nc.is_connected:
+        if not self.bus.connected:
             return []  # a NodeLost judged now would reach the stream, late, after the bus returns
         now = self._now()
         out: list[m.NodeLost | m.NodeReturned] = []
@@ -175,7 +174,7 @@ class HeartbeatMonitor:
     async def run(self) -> None:
         """Follow and judge until cancelled."""
         self.started = self._now()
-        self._reconnects = int(self.bus.nc.stats.get("reconnects", 0))
+        self._reconnects = self.bus.reconnects
         self._next_seq = 1
         await self._load_lost()
         follower = asyncio.create_task(self._follow(1), name="heartbeats")

@@ -253,7 +253,7 @@ class Router:
 
     async def stop(self) -> None:
         """Stop serving; a last idle map carries the requests since the last tick."""
-        if self.idle_tracking and self.url and not self.bus.nc.is_closed:
+        if self.idle_tracking and self.url and not self.bus.closed:
             try:
                 event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
                                     self.sink.applied_seq)
@@ -667,7 +667,7 @@ class Router:
         """Readiness: 503 until caught up. Without NATS it still serves what it knew (200), but
         says ``degraded``: it can neither see replicas come and go nor publish idle maps."""
         ready = self.sink.caught_up.is_set()
-        bus_up = self.bus.nc.is_connected
+        bus_up = self.bus.connected
         body = {"status": ("ok" if bus_up else "degraded") if ready else "starting", "router": self.name,
                 "boot_id": self.boot_id, "bus": "up" if bus_up else "down",
                 "healthy_replicas": sum(len(r) for r in self.pool.healthy.values()),

@@ -22,11 +22,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus, RawMsg
+from llmgw.bus.keyvalue import KeyValueBucket
+from llmgw.errors import BusError
 from llmgw.fleet import snapshots
 from llmgw.fleet.checkpoint import Checkpoint, fold_batch
 from llmgw.fleet.demand import SchedulerMemory
@@ -48,13 +49,13 @@ class Lease:
         self.holder = holder
         self.ttl_s = ttl_s
         self.revision: int | None = None
-        self._kv: Any = None
+        self._kv: KeyValueBucket | None = None
 
-    async def _bucket(self) -> Any:
+    async def _bucket(self) -> KeyValueBucket:
         if self._kv is None:
             kv = await self.bus.key_value(subjects.SCHEDULER_LEASE_BUCKET, self.ttl_s)
             # The bucket's TTL is what expires a lease, and admin declared it: say when it is not ours.
-            declared = (await kv.status()).ttl
+            declared = await kv.ttl_s()
             if declared and abs(declared - self.ttl_s) > 1e-3:
                 log.warning("scheduler %s: the lease bucket %s expires a lease after %gs, as declared "
                             "(`llmgw declare-streams --lease-ttl`); --lease-ttl %gs does not change that",
@@ -71,8 +72,8 @@ class Lease:
         """Take the lease if nobody holds it; any refusal or error means "not now"."""
         try:
             kv = await self._bucket()
-            self.revision = int(await kv.create(LEASE_KEY, self.holder.encode()))
-        except Exception as e:  # noqa: BLE001 - key exists, or the bus is away: either way, not leader
+            self.revision = await kv.create(LEASE_KEY, self.holder.encode())
+        except BusError as e:  # the key exists, or the bus is away: either way, not leader
             log.debug("lease not acquired: %s", e)
             self.revision = None
         return self.held
@@ -83,8 +84,8 @@ class Lease:
             return False
         try:
             kv = await self._bucket()
-            self.revision = int(await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision))
-        except Exception as e:  # noqa: BLE001 - wrong revision or no answer: stop deciding
+            self.revision = await kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
+        except BusError as e:  # wrong revision or no answer: stop deciding
             log.warning("scheduler %s lost the lease: %s", self.holder, e)
             self.revision = None
         return self.held
@@ -93,7 +94,7 @@ class Lease:
         """Give the lease up at once so another scheduler need not wait for the TTL."""
         if self.revision is None:
             return
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(BusError):
             kv = await self._bucket()
             await kv.delete(LEASE_KEY, last=self.revision)
         self.revision = None

@@ -11,7 +11,7 @@ from nats.protocol.parser import Parser
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus, Frame, _FrameParser
+from llmgw.bus import Bus, Frame, FrameParser
 from llmgw.config import Settings
 
 T0 = datetime(2026, 11, 1, 10, 0, tzinfo=UTC)
@@ -65,7 +65,7 @@ async def test_deliveries_cut_at_any_byte_arrive_whole_and_in_order(bus: Bus) ->
     try:
         for cut in range(len(STREAM) + 1):
             got.clear()
-            parser = _FrameParser(bus.nc, {b"%d" % SID: on_frames}, Parser(bus.nc))
+            parser = FrameParser(bus.nc, {b"%d" % SID: on_frames}, Parser(bus.nc))
             await parser.parse(STREAM[:cut])
             await parser.parse(STREAM[cut:])
             assert got == EXPECTED, f"cut at byte {cut}"
@@ -75,7 +75,7 @@ async def test_deliveries_cut_at_any_byte_arrive_whole_and_in_order(bus: Bus) ->
 
 
 async def test_a_size_that_is_not_a_number_is_a_protocol_error(bus: Bus) -> None:
-    parser = _FrameParser(bus.nc, {b"%d" % SID: lambda frames: None}, Parser(bus.nc))
+    parser = FrameParser(bus.nc, {b"%d" % SID: lambda frames: None}, Parser(bus.nc))
     with pytest.raises(ProtocolError):
         await parser.parse(b"HMSG s %d $JS.ACK.S.C.1.1.1.1.0 x y\r\n" % SID)
 
@@ -86,7 +86,7 @@ async def test_a_reader_that_fails_does_not_stop_the_others(bus: Bus) -> None:
     def broken(frames: list[Frame]) -> None:
         raise RuntimeError("a bug in one reader")
 
-    parser = _FrameParser(bus.nc, {b"%d" % SID: broken, b"%d" % OTHER: lambda fs: seen.extend(d for _, _, d in fs)},
+    parser = FrameParser(bus.nc, {b"%d" % SID: broken, b"%d" % OTHER: lambda fs: seen.extend(d for _, _, d in fs)},
                           Parser(bus.nc))
     await parser.parse(delivery(SID, 1, b"lost") + delivery(OTHER, 1, b"kept"))
     assert seen == [b"kept"]
@@ -102,7 +102,7 @@ async def test_fast_and_ordinary_paths_read_the_same_messages(bus: Bus, settings
             _read_all(b, subjects.STREAM_FLEET) for b in (bus, plain)))
     finally:
         await plain.close()
-    assert type(bus.nc._ps) is _FrameParser
+    assert type(bus.nc._ps) is FrameParser
     assert [x[0] for x in fast] == list(range(1, 301))
     assert fast == slow
 
@@ -144,13 +144,13 @@ def test_the_parser_internals_frames_py_uses_are_still_there(bus: Bus) -> None:
     assert inspect.iscoroutinefunction(Parser.parse), loud + "Parser.parse is no longer a coroutine"
     p = Parser(bus.nc)
     for attr in ("buf", "state", "needed", "header_needed", "msg_arg"):
-        assert hasattr(p, attr), loud + f"Parser.{attr} is gone (_FrameParser copies it from the old parser)"
+        assert hasattr(p, attr), loud + f"Parser.{attr} is gone (FrameParser copies it from the old parser)"
     assert p.state == nats_parser.AWAITING_CONTROL_LINE, loud + "a new parser no longer awaits a control line"
     process = getattr(type(bus.nc), "_process_msg", None)
     assert process is not None and inspect.iscoroutinefunction(process), loud + "Client._process_msg is gone"
     assert list(inspect.signature(process).parameters)[1:] == ["sid", "subject", "reply", "data", "headers"], \
         loud + "Client._process_msg(sid, subject, reply, data, headers) changed"
-    assert type(bus.nc._ps) is _FrameParser, loud + "the Bus no longer installs its parser (it fell back silently)"
+    assert type(bus.nc._ps) is FrameParser, loud + "the Bus no longer installs its parser (it fell back silently)"
 
 
 def test_the_transport_still_imports_aiohttp_optionally() -> None:

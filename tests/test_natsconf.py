@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from llmgw import fleetfile, natsconf, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
-from llmgw.cli.natsconf import nats_conf
+from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ConfigError, ConnectError, PermissionDeniedError
 from llmgw.natsserver import EmbeddedServer
@@ -175,8 +175,10 @@ async def test_scheduler_places_but_cannot_report_inventory(secured: Secured, ad
         await sched.publish(m.ModelUnplaceable(at=AT, name="x", reason="no room"))
         await denied(sched, inventory("h100-b-01"))
         kv = await sched.key_value(subjects.SCHEDULER_LEASE_BUCKET, ttl_s=10)
-        await kv.put("leader", b"sched-1")
-        assert (await kv.get("leader")).value == b"sched-1"
+        revision = await kv.create("natsconf-probe", b"sched-1")
+        assert await kv.get("natsconf-probe") == (b"sched-1", revision)
+        await kv.delete("natsconf-probe", last=revision)
+        assert await kv.get("natsconf-probe") is None
     finally:
         await sched.close()
 
@@ -219,13 +221,13 @@ async def test_projector_reads_every_stream_and_planner_answers_cli(secured: Sec
 
 def test_gen_conf_command_writes_conf_and_credentials(tmp_path: Path) -> None:
     out, env = tmp_path / "nats.conf", tmp_path / "creds.env"
-    result = CliRunner().invoke(nats_conf, ["--node", "gpu-1.example.com", "-o", str(out), "--env-file", str(env)])
+    result = CliRunner().invoke(cli, ["nats-conf", "--node", "gpu-1.example.com", "-o", str(out), "--env-file", str(env)])
     assert result.exit_code == 0, result.output
     text = out.read_text()
     assert '"llmgw.fleet.gpu-1~2eexample~2ecom.inventory"' in text
     names = {line.split("=")[0] for line in env.read_text().splitlines()}
     assert natsconf.password_env("agent-gpu-1~2eexample~2ecom") in names and "LLMGW_PW_SYS" in names
-    bad = CliRunner().invoke(nats_conf, [])
+    bad = CliRunner().invoke(cli, ["nats-conf"])
     assert bad.exit_code == 2 and "--fleet FILE or --node NAME" in bad.output
 
 
@@ -451,7 +453,7 @@ def test_node_names_that_read_alike_get_their_own_password_variables() -> None:
     (["--node", "gpu-1", "--env-file", "/nonexistent/creds.env"], "cannot write /nonexistent/creds.env"),
 ])
 def test_nats_conf_mistakes_are_one_error_line(args: list[str], message: str) -> None:
-    result = CliRunner().invoke(nats_conf, args)
+    result = CliRunner().invoke(cli, ["nats-conf", *args])
     assert result.exit_code == 1, result.output
     assert result.output.startswith("Error: ") and message in result.output
     assert result.output.count("\n") == 1 and "Traceback" not in result.output
@@ -460,9 +462,9 @@ def test_nats_conf_mistakes_are_one_error_line(args: list[str], message: str) ->
 def test_nats_conf_never_leaves_a_half_written_conf(tmp_path: Path) -> None:
     out = tmp_path / "nats.conf"
     out.write_text("# the operator's conf\n")
-    result = CliRunner().invoke(nats_conf, ["--node", "gpu-1", "-o", str(out), "--env-file", str(tmp_path / "no" / "c.env")])
+    result = CliRunner().invoke(cli, ["nats-conf", "--node", "gpu-1", "-o", str(out), "--env-file", str(tmp_path / "no" / "c.env")])
     assert result.exit_code == 1 and "cannot write" in result.output
     assert out.read_text() == "# the operator's conf\n"  # neither replaced nor truncated
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nats.conf"]  # no temporary file left
-    ok = CliRunner().invoke(nats_conf, ["--node", "gpu-1", "-o", str(out)])
+    ok = CliRunner().invoke(cli, ["nats-conf", "--node", "gpu-1", "-o", str(out)])
     assert ok.exit_code == 0 and out.read_text() == natsconf.render(["gpu-1"])

@@ -10,16 +10,16 @@
   client-driven pull loop on ``$JS.API.CONSUMER.MSG.NEXT`` (nats-py's
   ``fetch()`` costs a round trip and a Future per batch and tops out near
   30k msgs/s here; this reaches several times that). Its deliveries skip
-  nats-py's per-message work: ``_FrameParser`` cuts them out of the socket's
+  nats-py's per-message work: ``FrameParser`` cuts them out of the socket's
   bytes in one pass and hands each reader a chunk's worth at once.
 """
 
 from llmgw.bus import deferred  # noqa: F401 - first, before anything imports nats (see its docstring)
 from llmgw.bus.connection import Bus
 from llmgw.bus.follow import Decoded, Follower
-from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, RawMsg, _FrameParser
+from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, FrameParser, RawMsg
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
 
 __all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "Follower", "Frame", "FrameHandler", "Outbox", "RawMsg",
-           "StreamReader", "_FrameParser"]
+           "StreamReader", "FrameParser"]

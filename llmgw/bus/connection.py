@@ -18,7 +18,6 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
-from nats.js.kv import KeyValue
 from nats.protocol.parser import Parser
 
 from llmgw import messages as m
@@ -29,10 +28,11 @@ from llmgw.bus.frames import (
     READER_BYTES_IN_FLIGHT,
     Ack,
     FrameHandler,
+    FrameParser,
     Handler,
     RawHandler,
-    _FrameParser,
 )
+from llmgw.bus.keyvalue import KeyValueBucket
 from llmgw.bus.objects import ObjectBucket
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
@@ -129,7 +129,7 @@ class Bus:
         protocol parser calls ``Client._process_msg`` for each message; that is
         wrapped here so that subscriptions registered in ``_raw_handlers`` get
         (subject, reply, data, headers) directly and all others go on as before.
-        The parser itself is replaced by ``_FrameParser``, whose fast lane hands
+        The parser itself is replaced by ``FrameParser``, whose fast lane hands
         readers in ``_frame_handlers`` whole chunks of deliveries; what it passes
         on to nats-py's parser still arrives here. If a future nats-py lacks
         these internals, readers use the ordinary path.
@@ -149,7 +149,7 @@ class Bus:
         self.nc._process_msg = process_msg  # type: ignore[method-assign]
         old = getattr(self.nc, "_ps", None)
         if isinstance(old, Parser) and type(old) is Parser:
-            self.nc._ps = _FrameParser(self.nc, self._frame_handlers, old)
+            self.nc._ps = FrameParser(self.nc, self._frame_handlers, old)
 
     # --- connection ------------------------------------------------------------
 
@@ -219,6 +219,21 @@ class Bus:
         holder.append(bus)
         return bus
 
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to NATS is up now (a reconnect in progress is not)."""
+        return bool(self.nc.is_connected)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ended it (or it failed for good)."""
+        return bool(self.nc.is_closed)
+
+    @property
+    def reconnects(self) -> int:
+        """How often the connection came back since it was opened."""
+        return int(self.nc.stats.get("reconnects", 0))
+
     async def close(self) -> None:
         self._closing = True
         if not self.nc.is_closed:
@@ -262,7 +277,7 @@ class Bus:
             if not waiters:
                 del self._denied[subject]
 
-    async def _guarded(self, subject: str, op: Awaitable[Any]) -> Any:
+    async def guarded(self, subject: str, op: Awaitable[Any]) -> Any:
         """Run a request to ``subject``; a permission violation raises at once, not a timeout."""
         denied = self._watch_denied(subject)
         task = asyncio.ensure_future(op)
@@ -309,7 +324,7 @@ class Bus:
                 try:
                     info = await self.js.stream_info(spec.name)
                 except nats.js.errors.NotFoundError:
-                    await self._guarded(subjects.js_stream("CREATE", spec.name), self.js.add_stream(config))
+                    await self.guarded(subjects.js_stream("CREATE", spec.name), self.js.add_stream(config))
                     continue
                 current = info.config
                 if (
@@ -321,7 +336,7 @@ class Bus:
                 ):
                     # Replicas are left as the operator set them on a running cluster.
                     config.num_replicas = current.num_replicas
-                    await self._guarded(subjects.js_stream("UPDATE", spec.name), self.js.update_stream(config))
+                    await self.guarded(subjects.js_stream("UPDATE", spec.name), self.js.update_stream(config))
             except PermissionDeniedError as e:
                 raise PermissionDeniedError(
                     f"stream {spec.name} is missing or differs from what this llmgw declares, and user "
@@ -358,7 +373,7 @@ class Bus:
         would then follow its stream forever.
         """
         try:
-            info = await self._guarded(subjects.js_stream("INFO", stream), self.js.stream_info(stream))
+            info = await self.guarded(subjects.js_stream("INFO", stream), self.js.stream_info(stream))
         except nats.js.errors.NotFoundError as e:
             raise BusError(f"stream {stream} does not exist; start the control plane once (`llmgw up`) to declare it") from e
         except _RETRYABLE as e:
@@ -369,7 +384,7 @@ class Bus:
     async def purge_subject(self, stream: str, subject: str) -> None:
         """Drop every message of ``subject`` from ``stream`` (admin's: only admin may purge)."""
         try:
-            await self._guarded(subjects.js_stream("PURGE", stream), self.js.purge_stream(stream, subject=subject))
+            await self.guarded(subjects.js_stream("PURGE", stream), self.js.purge_stream(stream, subject=subject))
         except nats.js.errors.APIError as e:
             raise BusError(f"cannot purge {subject} from {stream}: {e.description} (code {e.err_code})") from e
         except _RETRYABLE as e:
@@ -378,7 +393,7 @@ class Bus:
     async def stored_message(self, stream: str, seq: int) -> tuple[str, bytes]:
         """The subject and payload ``stream`` stores at ``seq`` (a direct get); BusError when it holds none."""
         try:
-            raw = await self._guarded(subjects.js_api("DIRECT.GET", stream),
+            raw = await self.guarded(subjects.js_api("DIRECT.GET", stream),
                                       self.js.get_msg(stream, seq, direct=True))
         except nats.js.errors.NotFoundError as e:
             raise BusError(f"{stream} holds no message at sequence {seq}") from e
@@ -388,17 +403,18 @@ class Bus:
             raise BusError(f"JetStream did not answer for {stream}:{seq}") from e
         return raw.subject or "", raw.data or b""
 
-    async def key_value(self, bucket: str, ttl_s: float, replicas: int | None = None) -> KeyValue:
+    async def key_value(self, bucket: str, ttl_s: float, replicas: int | None = None) -> KeyValueBucket:
         """A KV bucket (the scheduler's lease), created with ``ttl_s`` if missing and this user may
         (admin; anyone on an open bus); an existing one is used as it was declared."""
         stream = f"KV_{bucket}"
         try:
             try:
-                return await self._guarded(subjects.js_stream("INFO", stream), self.js.key_value(bucket))
+                kv = await self.guarded(subjects.js_stream("INFO", stream), self.js.key_value(bucket))
             except nats.js.errors.BucketNotFoundError:
                 config = KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s,
                                         replicas=replicas or self.settings.stream_replicas)
-                return await self._guarded(subjects.js_stream("CREATE", stream), self.js.create_key_value(config))
+                kv = await self.guarded(subjects.js_stream("CREATE", stream), self.js.create_key_value(config))
+            return KeyValueBucket(self, bucket, kv)
         except PermissionDeniedError as e:
             raise PermissionDeniedError(
                 f"the key-value bucket {bucket} is missing, and user {self.settings.user or '(none)'} may not "
@@ -426,7 +442,7 @@ class Bus:
             if self.nc.is_closed:
                 raise PublishError(f"the NATS connection is closed; {subject} was not published")
             try:
-                ack = await self._guarded(
+                ack = await self.guarded(
                     subject,
                     self.js.publish(subject, payload, timeout=attempt_timeout, headers={"Nats-Msg-Id": msg_id}),
                 )
@@ -492,7 +508,7 @@ class Bus:
         timeout = timeout or self.settings.request_timeout_s
         who = service or subject
         try:
-            msg = await self._guarded(subject, self.nc.request(subject, payload, timeout=timeout))
+            msg = await self.guarded(subject, self.nc.request(subject, payload, timeout=timeout))
         except nats.errors.NoRespondersError as e:
             raise NoServiceError(f"no {who} is running on {self.settings.nats_url}; start one (`llmgw up` starts them all)") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:

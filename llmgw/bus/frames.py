@@ -63,7 +63,7 @@ def _ack_fields(t: Sequence[AnyStr]) -> tuple[AnyStr, AnyStr, AnyStr, AnyStr, An
     return None
 
 
-class _FrameParser(Parser):
+class FrameParser(Parser):
     """nats-py's protocol parser with one fast lane: deliveries to stream readers.
 
     A replay is hundreds of thousands of JetStream deliveries in a row. For

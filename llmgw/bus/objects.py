@@ -57,13 +57,13 @@ class ObjectBucket:
     async def _guarded(self, op: Awaitable[Any]) -> Any:
         """A write refused by permissions (its meta lookup, or its chunks) raises at once, not a timeout."""
         stream = f"OBJ_{self.bucket}"
-        return await self.bus._guarded(js_stream("MSG.GET", stream), self.bus._guarded(f"$O.{self.bucket}.>", op))
+        return await self.bus.guarded(js_stream("MSG.GET", stream), self.bus.guarded(f"$O.{self.bucket}.>", op))
 
     async def _open(self) -> ObjectStore | None:
         """The bucket, or None when nobody declared it (an older fleet: nothing to read)."""
         if self._store is None:
             try:
-                self._store = await self.bus._guarded(js_stream("INFO", f"OBJ_{self.bucket}"),
+                self._store = await self.bus.guarded(js_stream("INFO", f"OBJ_{self.bucket}"),
                                                       self.bus.js.object_store(self.bucket))
             except nats.js.errors.BucketNotFoundError:
                 return None

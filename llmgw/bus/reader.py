@@ -124,7 +124,7 @@ class StreamReader:
         while True:
             problem = ""
             try:
-                msg = await self.bus._guarded(subject, self.bus.nc.request(subject, req, timeout=self.bus.settings.request_timeout_s))
+                msg = await self.bus.guarded(subject, self.bus.nc.request(subject, req, timeout=self.bus.settings.request_timeout_s))
             except nats.errors.NoRespondersError as e:
                 raise BusError(f"JetStream is not available on {self.bus.settings.nats_url}") from e
             except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError,
