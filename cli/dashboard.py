@@ -12,7 +12,7 @@ from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.cli.router import _listen
 from llmgw.config import Settings
-from llmgw.dashboard import Dashboard
+from llmgw.dashboard import Dashboard, Limits
 
 
 @click.command("dashboard")
@@ -23,8 +23,14 @@ from llmgw.dashboard import Dashboard
               help="Seconds between status requests while a page is open and no event arrives (an event asks at once).")
 @click.option("--events", type=click.IntRange(1, 1000), default=50, show_default=True,
               help="Recent events in the timeline.")
+@click.option("--max-pages", type=click.IntRange(min=1), default=Limits().pages, show_default=True,
+              help="Open pages (live event streams) at once; past it a page is refused (503).")
+@click.option("--max-pages-per-client", type=click.IntRange(min=1), default=Limits().pages_per_client,
+              show_default=True, help="Open pages from one address (an IPv6 /64); past it 429. Behind a proxy "
+                                      "every page comes from the proxy's address: raise it to --max-pages.")
 @nats_options
-def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int, settings: Settings) -> None:
+def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int, max_pages: int,
+              max_pages_per_client: int, settings: Settings) -> None:
     """Serve a live, read-only web page of the fleet; prints its URL on the first line.
 
     Capacity per GPU class, free whole nodes per fabric, models and replicas,
@@ -42,7 +48,8 @@ def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int,
 
     async def main() -> None:
         bus = await Bus.connect(settings, "llmgw-dashboard")
-        board = Dashboard(bus, api_keys=keys, interval_s=interval_s, events=events)
+        limits = Limits(pages=max_pages, pages_per_client=max_pages_per_client)
+        board = Dashboard(bus, api_keys=keys, interval_s=interval_s, events=events, limits=limits)
         try:
             url = await board.start(host, port)
             click.echo(url)

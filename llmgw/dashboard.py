@@ -8,6 +8,11 @@ GPU use and idle times. So twenty open pages cost the projector what one does. E
 here, with every value escaped; the page's script only swaps in the sections
 that changed. When the projector does not answer, the page says
 "reconnecting" and shows what it said last, until it answers again.
+
+No client can hold it for the others (``Limits``): only live event streams
+count as pages, one address may hold only its share of them, and a socket
+that sends nothing, sends a request too slowly or reads nothing is closed
+after a bound. The login cookie holds a random session id, never the key.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import contextlib
 import hashlib
 import hmac
 import html
+import ipaddress
 import json
 import logging
+import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from importlib import resources
@@ -36,8 +43,8 @@ from llmgw.errors import BusError, ConfigError, LlmgwError, NoServiceError
 
 log = logging.getLogger(__name__)
 
-COOKIE = "llmgw_key"
-MAX_CLIENTS = 256  # open pages at once; past it a page is refused (503), not served slowly
+COOKIE = "llmgw_session"
+OLD_COOKIE = "llmgw_key"  # held the key itself before sessions; cleared wherever it still is
 MIN_GAP_S = 0.5  # between two status requests, however many events arrive
 FIRST_EVENTS_WAIT_S = 2.0  # the first page waits at most this long for the latest events to be read
 SECTIONS = ("conn", "summary", "capacity", "fabrics", "models", "gpus", "events")
@@ -50,6 +57,73 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one dashboard gives its clients: past a limit a client is refused or dropped, never waited on.
+
+    ``idle_s`` is aiohttp's keep-alive timeout, which it arms when a connection
+    opens and re-arms only after an answer: it closes a socket that has not sent
+    a whole request within ``idle_s`` of connecting (however slowly it trickles
+    bytes) or of its last answer. A request body (the login form) gets the same
+    bound. ``write_s`` bounds each write: a page that does not take an update
+    (or the page itself) within it is dropped, and its slot freed.
+    """
+
+    pages: int = 256  # live event streams at once, all addresses together; past it 503
+    pages_per_client: int = 32  # live event streams from one address (an IPv6 /64); past it 429
+    idle_s: float = 10.0
+    write_s: float = 10.0
+    sessions: int = 1024  # logged-in sessions kept; past it the oldest is forgotten (it logs in again)
+    session_ttl_s: float = 12 * 3600.0
+
+
+def client_of(remote: str | None) -> str:
+    """Whom a page counts against: its IPv4 address, or its IPv6 /64 (one host is given a whole /64)."""
+    if not remote:
+        return "unknown"
+    try:
+        addr = ipaddress.ip_address(remote)
+    except ValueError:
+        return remote
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+class Sessions:
+    """Logged-in browsers: random ids, each until it expires; past ``size`` the oldest is forgotten."""
+
+    def __init__(self, size: int, ttl_s: float) -> None:
+        self.size = max(1, size)
+        self.ttl_s = ttl_s
+        self._expires: OrderedDict[str, float] = OrderedDict()  # oldest first, and so soonest to expire
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def open(self, now: float) -> str:
+        while self._expires and next(iter(self._expires.values())) <= now:
+            self._expires.popitem(last=False)
+        sid = secrets.token_urlsafe(32)
+        self._expires[sid] = now + self.ttl_s
+        while len(self._expires) > self.size:
+            self._expires.popitem(last=False)
+        return sid
+
+    def valid(self, sid: str, now: float) -> bool:
+        expires = self._expires.get(sid)
+        if expires is None:
+            return False
+        if expires <= now:
+            del self._expires[sid]
+            return False
+        return True
+
+    def close(self, sid: str) -> None:
+        self._expires.pop(sid, None)
 
 
 # --- HTML, escaped by default ---------------------------------------------------------------
@@ -223,6 +297,8 @@ def describe(event: m.Event) -> tuple[str, str, str]:
             return "bad", node, f"lost: no heartbeat for {timeout:g}s"
         case m.NodeReturned(node=node):
             return "good", node, "returned"
+        case m.NodeRetired(node=node):
+            return "info", node, "retired by an operator"
         case m.ModelDeclared(spec=s):
             return ("info", s.name, f"declared: {s.source} {s.precision}, tp {s.tp} × pp {s.pp} on {s.gpu_class}, "
                                     f"{plural(s.replicas, 'replica')}")
@@ -288,17 +364,18 @@ PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole node
                "models": "Models and replicas", "gpus": "GPU utilization per node", "events": "Recent events"}
 
 
-def page(sections: dict[str, str]) -> str:
+def page(sections: dict[str, str], *, logout: bool = False) -> str:
     """The whole page, server-rendered: it reads right before (and without) its script."""
     blocks = [el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
               for k in ("capacity", "fabrics", "models", "gpus", "events")]
+    leave = el("form", Safe('<button type="submit">log out</button>'), method="post", action="logout") if logout else ""
     return "<!doctype html>" + el(
         "html",
         el("head", Safe('<meta charset="utf-8">'), Safe('<meta name="viewport" content="width=device-width">'),
            el("title", "llmgw dashboard"), Safe('<link rel="stylesheet" href="static/dashboard.css">'),
            Safe('<script src="static/dashboard.js" defer></script>')),
         el("body", el("header", el("h1", "llmgw"), el("div", Safe(sections["conn"]), id="conn"),
-                      el("div", Safe(sections["summary"]), id="summary")),
+                      el("div", Safe(sections["summary"]), id="summary"), leave),
            el("main", *blocks)),
         lang="en")
 
@@ -319,9 +396,12 @@ class Dashboard:
     """The dashboard's view of the fleet and its aiohttp app; ``start`` serves it, ``stop`` ends it."""
 
     def __init__(self, bus: Bus, *, api_keys: Iterable[str] = (), interval_s: float = 5.0, events: int = 50,
-                 request_timeout_s: float = 5.0) -> None:
+                 request_timeout_s: float = 5.0, limits: Limits | None = None) -> None:
         if interval_s <= 0:
             raise ConfigError(f"--interval must be positive (got {interval_s})")
+        self.limits = limits or Limits()
+        if bad := [f"{k}={v:g}" for k, v in msgspec.structs.asdict(self.limits).items() if v <= 0]:
+            raise ConfigError(f"the dashboard's limits must be positive (got {', '.join(bad)})")
         self.bus = bus
         self.keys = tuple(api_keys)
         self.interval_s = interval_s
@@ -335,7 +415,9 @@ class Dashboard:
         self.events: list[m.Event] = []
         self.sections: dict[str, str] = render(None, (), ok=False, why=self.why, at=None)
         self.version = 0
-        self.clients = 0
+        self.clients = 0  # live event streams: the pages being served
+        self.per_client: Counter[str] = Counter()
+        self.sessions = Sessions(self.limits.sessions, self.limits.session_ttl_s)
         self.url = ""
         self._changed = asyncio.Condition()
         self._refresh_lock = asyncio.Lock()
@@ -429,13 +511,18 @@ class Dashboard:
 
     # --- HTTP -------------------------------------------------------------------------------------------
 
+    def _session(self, request: web.Request) -> str | None:
+        """The request's session id, if this dashboard gave it out and it has not expired."""
+        sid = request.cookies.get(COOKIE, "")
+        return sid if sid and self.sessions.valid(sid, time.monotonic()) else None
+
     def _authorized(self, request: web.Request) -> bool:
         if not self.keys:
             return True
         scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer":
-            key = request.cookies.get(COOKIE, "")
-        return self._valid(key.strip())
+        if scheme.lower() == "bearer":
+            return self._valid(key.strip())
+        return self._session(request) is not None
 
     def _valid(self, key: str) -> bool:
         if not key:
@@ -449,10 +536,12 @@ class Dashboard:
     @web.middleware
     async def _guard(self, request: web.Request,
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        public = request.path.startswith("/static/") or request.path == "/login"
+        public = request.path.startswith("/static/") or request.path in ("/login", "/logout")
         if not public and not self._authorized(request):
             if request.path == "/":
                 resp: web.StreamResponse = web.Response(status=401, text=login_page(), content_type="text/html")
+                if OLD_COOKIE in request.cookies:  # the key itself, from before sessions: no longer sent
+                    resp.del_cookie(OLD_COOKIE, path="/")
             else:
                 resp = web.json_response({"error": "missing or invalid API key; send `Authorization: Bearer <key>`"},
                                          status=401)
@@ -460,7 +549,21 @@ class Dashboard:
             resp = await handler(request)
         if not resp.prepared:  # an event stream sent its own
             resp.headers.update(SECURITY_HEADERS)
+            try:
+                async with asyncio.timeout(self.limits.write_s):
+                    await resp.prepare(request)
+                    await resp.write_eof()
+            except TimeoutError:
+                self._drop(request, "its answer")
+            except ConnectionError:
+                pass  # it went away: aiohttp finds so too, and says nothing
         return resp
+
+    def _drop(self, request: web.Request, what: str) -> None:
+        """Close a client that did not take ``what`` within ``write_s``; what it was sent is thrown away."""
+        log.debug("dashboard: %s did not take %s within %gs; dropped", request.remote, what, self.limits.write_s)
+        if request.transport is not None:
+            request.transport.abort()
 
     async def _index(self, request: web.Request) -> web.Response:
         # The first page right after a start: not "no events yet" while the latest are being read.
@@ -470,15 +573,39 @@ class Dashboard:
         self._tailed.set()  # only the first page ever waits (a bus away at start must not slow every page)
         if not self.clients:  # nobody polls while no page is open: ask now
             await self.refresh()
-        return web.Response(text=page(self.sections), content_type="text/html", headers={"Cache-Control": "no-store"})
+        body = page(self.sections, logout=bool(self.keys) and self._session(request) is not None)
+        return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def _login(self, request: web.Request) -> web.Response:
-        form = await request.post()
+        try:
+            async with asyncio.timeout(self.limits.idle_s):
+                form = await request.post()
+        except TimeoutError:
+            late = web.Response(status=408, text=f"the login form did not arrive within {self.limits.idle_s:g}s; "
+                                                 "send it again")
+            late.force_close()
+            return late
         key = str(form.get("key", "")).strip()
         if not self._valid(key):
             return web.Response(status=401, text=login_page("that key is not accepted"), content_type="text/html")
         resp = web.Response(status=303, headers={"Location": "./"})
-        resp.set_cookie(COOKIE, key, httponly=True, samesite="Strict", secure=request.secure, path="/")
+        # The browser keeps a random id; the server alone knows it stands for a good key.
+        resp.set_cookie(COOKIE, self.sessions.open(time.monotonic()), httponly=True, samesite="Strict",
+                        secure=request.secure, path="/", max_age=int(self.limits.session_ttl_s))
+        if OLD_COOKIE in request.cookies:
+            resp.del_cookie(OLD_COOKIE, path="/")
+        return resp
+
+    async def _logout(self, request: web.Request) -> web.Response:
+        sid = request.cookies.get(COOKIE, "")
+        if sid:
+            self.sessions.close(sid)
+            async with self._changed:
+                self._changed.notify_all()  # its open pages are told now, not at their next keep-alive
+        resp = web.Response(status=303, headers={"Location": "./"})
+        resp.del_cookie(COOKIE, path="/")
+        if OLD_COOKIE in request.cookies:
+            resp.del_cookie(OLD_COOKIE, path="/")
         return resp
 
     async def _static(self, request: web.Request) -> web.Response:
@@ -496,47 +623,82 @@ class Dashboard:
                 "events": [msgspec.to_builtins(e) for e in reversed(self.events)]}
         return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
 
+    def _refusal(self, client: str) -> web.Response | None:
+        """Why a new page is not served now, if it is not: one address's share first, then the whole cap."""
+        if self.per_client[client] >= self.limits.pages_per_client:
+            return web.Response(status=429, text=f"{self.limits.pages_per_client} pages are open from {client} "
+                                                 "already, the most one address may have; close one")
+        if self.clients >= self.limits.pages:
+            return web.Response(status=503, text=f"{self.limits.pages} pages are open already, the most this "
+                                                 "dashboard serves; close one")
+        return None
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One write of an event stream; a page that does not take it within ``write_s`` is dropped."""
+        try:
+            async with asyncio.timeout(self.limits.write_s):
+                if not resp.prepared:
+                    await resp.prepare(request)
+                await resp.write(data)
+        except TimeoutError:
+            self._drop(request, "an update")
+            raise ConnectionResetError("dropped: it reads too slowly") from None
+
     async def _events(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: the sections that changed, whenever something did."""
-        if self.clients >= MAX_CLIENTS:
-            raise web.HTTPServiceUnavailable(text=f"{MAX_CLIENTS} pages are open already; close one")
+        client = client_of(request.remote)
+        refused = self._refusal(client)
+        if refused is not None:
+            return refused
+        # Counted before the first await, so streams opening at once cannot all pass the check.
+        self.clients += 1
+        self.per_client[client] += 1
+        sid = self._session(request) if self.keys else None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no"})
         resp.headers.update(SECURITY_HEADERS)
-        await resp.prepare(request)
-        self.clients += 1
         sent: dict[str, str] = {}
         seen = -1
         try:
-            await resp.write(b"retry: 2000\n\n")  # the browser's wait before it reconnects
+            await self._write(request, resp, b"retry: 2000\n\n")  # the browser's wait before it reconnects
             if time.monotonic() - self._last_refresh >= self.interval_s:
                 self._poke.set()
             while True:
+                if sid is not None and not self.sessions.valid(sid, time.monotonic()):
+                    await self._write(request, resp, b"event: logout\ndata: {}\n\n")  # the page asks for the key
+                    break
                 changed = {k: v for k, v in self.sections.items() if sent.get(k) != v}
                 seen = self.version
                 if changed:
                     data = json.dumps({"v": seen, "sections": changed})
-                    await resp.write(f"event: update\ndata: {data}\n\n".encode())
+                    await self._write(request, resp, f"event: update\ndata: {data}\n\n".encode())
                     sent.update(changed)
                 async with self._changed:
                     try:
                         async with asyncio.timeout(15):
-                            await self._changed.wait_for(self._newer_than(seen))
+                            await self._changed.wait_for(self._woken(seen, sid))
+                        quiet = False
                     except TimeoutError:
-                        await resp.write(b": keep-alive\n\n")
-        except (ConnectionResetError, ConnectionError):
-            pass  # the page went away
+                        quiet = True
+                if quiet:  # written outside the lock: a page that reads nothing must not hold up the others
+                    await self._write(request, resp, b": keep-alive\n\n")
+        except ConnectionError:
+            pass  # the page went away, or was dropped
         finally:
             self.clients -= 1
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
         return resp
 
-    def _newer_than(self, version: int) -> Callable[[], bool]:
-        return lambda: self.version != version
+    def _woken(self, version: int, sid: str | None) -> Callable[[], bool]:
+        return lambda: self.version != version or (sid is not None and not self.sessions.valid(sid, time.monotonic()))
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard])
+        app = web.Application(middlewares=[self._guard], client_max_size=16 * 1024)  # a login form at most
         app.router.add_get("/", self._index)
         app.router.add_post("/login", self._login)
+        app.router.add_post("/logout", self._logout)
         app.router.add_get("/events", self._events)
         app.router.add_get("/api/status", self._status)
         app.router.add_get("/static/{name}", self._static)
@@ -549,8 +711,11 @@ class Dashboard:
                        asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
                        asyncio.create_task(self._poll(), name="dash-poll")]
         # handler_cancellation: a page that closes ends its event stream at once, not at the next write.
+        # keepalive_timeout: armed when a socket opens, so one that never finishes a request is closed too;
+        # lingering_time: an unread request body is waited for no longer than that.
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                     shutdown_timeout=1)
+                                     shutdown_timeout=1, keepalive_timeout=self.limits.idle_s,
+                                     lingering_time=self.limits.idle_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         try:

@@ -24,13 +24,24 @@
     note.textContent = "reconnecting to the dashboard…";
     conn.appendChild(note);
     if (source && source.readyState === EventSource.CLOSED) {
-      setTimeout(open, 2000);
+      // Refused: a session that ended (the dashboard restarted, expired) shows the key form; else try again.
+      fetch("api/status", {method: "HEAD", credentials: "same-origin", cache: "no-store"}).then(function (r) {
+        if (r.status === 401) {
+          window.location.reload();
+        } else {
+          setTimeout(open, 2000);
+        }
+      }, function () { setTimeout(open, 2000); });
     }
   }
 
   function open() {
     source = new EventSource("events");
     source.addEventListener("update", apply);
+    source.addEventListener("logout", function () {
+      source.close();
+      window.location.reload(); // the server ended this session: it shows the key form
+    });
     source.onerror = lost;
   }
 
