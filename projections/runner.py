@@ -24,7 +24,7 @@ import msgspec
 
 from llmgw import gpuuse, subjects
 from llmgw import messages as m
-from llmgw.bus import Bus, RawMsg
+from llmgw.bus import Bus, RawMsg, windows
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import snapshots
 from llmgw.fleet import status as status_report
@@ -428,6 +428,42 @@ class Projector:
         self.checkpoint = again
         self._incomplete = False
 
+    async def _catch_up(self, stops: dict[str, int]) -> None:
+        """Fold what the streams hold up to ``stops`` in windows of the server's stored time, retried
+        from what was folded when the server is busy or restarting.
+
+        Each window is folded whole before anything is committed or snapshotted, so every fold
+        snapshot written during a rebuild stands at a moment that existed, and serves
+        ``ctl status --at`` for any moment after it.
+        """
+        delay = 0.5
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                await self._catch_up_once(stops)
+                return
+            except (TimeoutError, BusError) as e:
+                if attempt == READ_ATTEMPTS:
+                    at = ", ".join(f"{s}:{self.cursor.positions.get(s, 0)}" for s in self.streams)
+                    raise ProjectionError(f"catching up failed {attempt} times, last: {e or type(e).__name__}; "
+                                          f"folded up to {at} (committed work is kept)") from e
+                log.warning("catching up: %s; retrying in %.1fs", e or type(e).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _catch_up_once(self, stops: dict[str, int]) -> None:
+        readers = {}
+        for stream in self.streams:
+            await self._check_same_stream(stream)
+            start, stop = self.cursor.positions.get(stream, 0) + 1, stops.get(stream, 0)
+            if start <= stop:
+                readers[stream] = self.bus.reader(stream, start, batch=self.read_batch, stop_at=stop)
+        if not readers:
+            return
+        async for window in windows(readers):
+            for stream, msgs in window:
+                self.ingest(stream, msgs)
+            await self._maybe_commit()
+
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)
         start = self.cursor.positions.get(stream, 0) + 1
@@ -449,7 +485,7 @@ class Projector:
         try:
             await self._complete()
             with fewer_gc_passes():
-                await _all_or_none(self._read(stream, stops.get(stream)) for stream in self.streams)
+                await self._catch_up(stops)
             await self.flush()
         finally:
             # After a failed read, commits still queued finish (each a whole prefix). The read's
@@ -468,6 +504,8 @@ class Projector:
         try:
             await self._complete()
             with fewer_gc_passes():
+                # What is stored already, in time order; then each stream as it comes (live, that is time order).
+                await self._catch_up({s: await self.bus.stream_last_seq(s) for s in self.streams})
                 await _all_or_none(self._read(stream, None) for stream in self.streams)
         finally:
             await gpuuse.stop(samples)

@@ -225,6 +225,37 @@ async def test_a_snapshot_cannot_say_what_the_streams_do_not(
     assert EVIL not in endpoints and any(r.in_pool for r in sink.pool.replicas.values())
 
 
+async def _stored_ns(bus: Bus, stream: str, seq: int) -> int | None:
+    """When ``stream`` stored message ``seq``; None past its end."""
+    if seq > await bus.stream_last_seq(stream):
+        return None
+    async for msgs in bus.reader(stream, seq, batch=1, stop_at=seq).batches():
+        return msgs[0].ts_ns
+    return None
+
+
+async def test_snapshots_written_while_catching_up_are_moments_that_existed(bus: Bus, tmp_path: Path) -> None:
+    """A rebuild reads the streams in windows of stored time: each snapshot holds every message stored
+    up to its newest one, from every stream, and none after (before, each stream was read on its own
+    and a snapshot could hold control from today with usage from last week)."""
+    await fresh_streams(bus)
+    events = small_fleet()
+    # Interleaved in stored time: usage between fleet and control events, in rounds.
+    for i in range(0, len(events), 3):
+        await publish(bus, events[i:i + 3])
+        await publish(bus, [m.IdleMapPublished(at=events[i].at, router="rt-x", boot_id="x1", tick=i + 1)])
+    assert await project(bus, tmp_path / "p.duckdb", 2) >= 3
+    headers = await snapshots.list_headers(bus)
+    for name, h in headers.items():
+        moment = h.newest_ns
+        for stream in subjects.HISTORY_STREAMS:
+            position = h.positions.get(stream, 0)
+            if position:
+                assert h.stored_ns[stream] <= moment
+            after = await _stored_ns(bus, stream, position + 1)
+            assert after is None or after > moment, (name, stream, position)
+
+
 def test_retention_keeps_the_newest_then_hourly_for_a_week_then_daily() -> None:
     now = 400 * snapshots.DAY_NS
     hour, day = snapshots.HOUR_NS, snapshots.DAY_NS

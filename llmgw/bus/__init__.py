@@ -18,8 +18,9 @@ from llmgw.bus import deferred  # noqa: F401 - first, before anything imports na
 from llmgw.bus.connection import Bus
 from llmgw.bus.follow import Decoded, Follower
 from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, FrameParser, RawMsg
+from llmgw.bus.merge import windows
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
 
 __all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "Follower", "Frame", "FrameHandler", "Outbox", "RawMsg",
-           "StreamReader", "FrameParser"]
+           "StreamReader", "FrameParser", "windows"]
