@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 READER_BYTES_IN_FLIGHT = 8 << 20
 # Per delivered message beyond its payload: the HMSG line with subject and $JS.ACK
 # reply, and the Nats-Msg-Id header.
-_FRAME_OVERHEAD = 256
+FRAME_OVERHEAD = 256
 
 
 Handler = Callable[[bytes], Awaitable[bytes]]
@@ -50,7 +50,7 @@ class RawMsg(NamedTuple):
     ts_ns: int
 
 
-def _ack_fields(t: Sequence[AnyStr]) -> tuple[AnyStr, AnyStr, AnyStr, AnyStr, AnyStr] | None:
+def ack_fields(t: Sequence[AnyStr]) -> tuple[AnyStr, AnyStr, AnyStr, AnyStr, AnyStr] | None:
     """(consumer, stream seq, delivery seq, stored ns, pending) of a JetStream reply split at the dots.
 
     $JS.ACK.<stream>.<consumer>.<dlv>.<sseq>.<dseq>.<ts>.<pending>, or with

@@ -19,7 +19,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 
 from llmgw import subjects
-from llmgw.bus.frames import _FRAME_OVERHEAD, READER_BYTES_IN_FLIGHT, Frame, RawMsg, _ack_fields
+from llmgw.bus.frames import FRAME_OVERHEAD, READER_BYTES_IN_FLIGHT, Frame, RawMsg, ack_fields
 from llmgw.errors import BusError
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class StreamReader:
                 self._wake.set()
             return
         for t, subject, data in frames:
-            fields = _ack_fields(t)
+            fields = ack_fields(t)
             if fields is None:
                 continue  # not a delivery this reader can place
             consumer, sseq, dseq, ts, pending = fields
@@ -201,7 +201,7 @@ class StreamReader:
         """The same through nats-py's ordinary path, when the fast one is not installed."""
         reply = msg.reply
         if reply.startswith("$JS.ACK."):
-            fields = _ack_fields(reply.split("."))
+            fields = ack_fields(reply.split("."))
             if fields is not None:
                 consumer, sseq, dseq, ts, pending = fields
                 self._stored(consumer, int(sseq), int(dseq), int(ts), pending == "0", msg.subject, msg.data)
@@ -227,7 +227,7 @@ class StreamReader:
 
     def _sized(self, payload: int) -> None:
         """Follow the size of this stream's messages: up at once, down slowly."""
-        seen = payload + _FRAME_OVERHEAD
+        seen = payload + FRAME_OVERHEAD
         self._msg_bytes = max(seen, self._msg_bytes - (self._msg_bytes >> 4)) if self._msg_bytes else seen
 
     def _status(self, status: str, description: str, pending: str | None) -> None:
@@ -245,7 +245,7 @@ class StreamReader:
         # idle maps (2 KB each in a 48-replica fleet, 20 KB at 500) can pass that
         # whenever the reader stalls for a moment, so the window is in bytes too.
         # Before the first message, assume the largest the server allows (a few messages).
-        size = self._msg_bytes or (getattr(self.bus.nc, "max_payload", 0) or 1 << 20) + _FRAME_OVERHEAD
+        size = self._msg_bytes or (getattr(self.bus.nc, "max_payload", 0) or 1 << 20) + FRAME_OVERHEAD
         window = max(1, min(self.batch * 2, self.max_bytes_in_flight // size))
         self._wake_at = max(1, min(self.batch, window // 2))
         want = window - self._credit
