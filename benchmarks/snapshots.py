@@ -11,6 +11,7 @@ alternating with and without, ``--rounds`` times each.
     .venv/bin/python benchmarks/snapshots.py                  # 1M events
     .venv/bin/python benchmarks/snapshots.py --events 200000  # quicker
     .venv/bin/python benchmarks/snapshots.py --store /tmp/week # keep the week there; a second run reuses it
+    .venv/bin/python benchmarks/snapshots.py --store /tmp/week --rebuild --parts ctl   # time travel after a rebuild
 
 Prints figures; asserts nothing (timing belongs here, not in tests).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
@@ -119,6 +121,8 @@ async def main(args: argparse.Namespace) -> None:
         await bus.ensure_streams()
         if not reuse:
             await publish_and_project(bus, work, args)
+        if args.rebuild:
+            await rebuild(bus, work, args)
         await measure(bus, url, work, args)
         await bus.close()
     finally:
@@ -146,6 +150,17 @@ async def publish_and_project(bus: Bus, work: Path, args: argparse.Namespace) ->
         written, proj_s = written + w, proj_s + secs
     print(f"published {n:,} events in {pub_s:.1f}s, projected as they came in {proj_s:.1f}s; "
           f"{written} fold snapshots written (one every {args.every:,} events)")
+
+
+async def rebuild(bus: Bus, work: Path, args: argparse.Namespace) -> None:
+    """As after a lost DuckDB file or a FOLD_VERSION bump: no snapshot left, the whole history projected
+    from zero in one catch-up, writing fold snapshots on the way (what --at then has to start from)."""
+    with contextlib.suppress(Exception):
+        await bus.js.delete_object_store(subjects.SNAPSHOT_BUCKET)
+    await bus.ensure_streams()
+    secs, folded, written = await project(bus, work / "rebuilt.duckdb", args.every)
+    print(f"rebuilt: projected {folded:,} events from zero in {secs:.1f}s = {folded / secs:,.0f} events/s, "
+          f"writing {written} fold snapshots")
 
 
 async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> None:
@@ -244,5 +259,7 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir")
     p.add_argument("--parts", default="ctl,startup,projector", help="what to measure (comma-separated)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="drop the fold snapshots and project the whole history from zero first (a rebuild)")
     p.add_argument("--store", help="keep the server's store here; when it exists, measure on it without publishing")
     asyncio.run(main(p.parse_args()))
