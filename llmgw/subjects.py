@@ -113,28 +113,31 @@ _FLEET_KINDS: dict[type, str] = {m.NodeInventoryReported: "inventory", m.GpuHeal
 def disagrees(subject: str, event: m.Event) -> str | None:
     """Why a stored event does not say what its subject claims, or None when it agrees.
 
-    nats.conf lets an agent publish only on its own node's subjects; the payload
-    could still name another node. An event that names a node must have been
-    published on exactly the subject ``subject_for`` gives it, or nobody may
-    believe it (the fold's readers record and count it, like an undecodable one).
+    nats.conf lets each role publish only on its own subjects (an agent on its own
+    node's, the CLI on model declarations, the scheduler on placements); the payload
+    could still say something else: an agent's ``ReplicaPlaced`` on its own state
+    subject, another node's inventory on its own. An event is believed only on exactly
+    the subject ``subject_for`` gives it, or nobody may believe it (the fold's readers
+    record and count it, like an undecodable one).
     """
     kind = type(event)
     try:
-        if kind is m.ReplicaStateChanged:
+        if kind is m.ReplicaStateChanged:  # the most frequent with a node: built here, not matched
             expected = replica(event.replica_id, "state", event.node)  # type: ignore[attr-defined]
-        elif kind in _FLEET_KINDS:
-            expected = fleet(event.node, _FLEET_KINDS[kind])  # type: ignore[attr-defined]
-        elif kind is m.HeartbeatSent:
-            expected = heartbeat(event.node)  # type: ignore[attr-defined]
+        elif kind is m.IdleMapPublished:  # the most frequent of all
+            expected = usage_idle(event.router)  # type: ignore[attr-defined]
         else:
-            return None
-    except ValueError:
-        expected = ""  # an empty node or replica name: no subject could carry it
+            expected = subject_for(event)
+    except (ValueError, TypeError):
+        expected = ""  # an empty name: no subject could carry it; a kind with no subject: none does
     if subject == expected:
         return None
-    rid = f" for replica {event.replica_id!r}" if isinstance(event, m.ReplicaStateChanged) else ""
-    return (f"{type(event).__name__} names node {event.node!r}{rid} but was published on {subject!r}: "  # type: ignore[attr-defined]
-            "the subject's node and the payload's must agree")
+    if kind in _FLEET_KINDS or kind is m.HeartbeatSent or kind is m.ReplicaStateChanged:
+        rid = f" for replica {event.replica_id!r}" if kind is m.ReplicaStateChanged else ""  # type: ignore[attr-defined]
+        return (f"{kind.__name__} names node {event.node!r}{rid} but was published on {subject!r}: "  # type: ignore[attr-defined]
+                "the subject's node and the payload's must agree")
+    return (f"{kind.__name__} belongs on {expected or 'no subject'!r} but was published on {subject!r}: "
+            "an event is believed only on its own subject")
 
 
 def model(name: str, kind: str) -> str:

@@ -281,8 +281,17 @@ REFUSALS: list[tuple[str, str, m.Event, bool]] = [
     ("a replica never placed (or stopped): nothing to believe, nothing refused", "llmgw.control.replica.gone.state.n2",
      state_of("gone", "n2"), False),
     ("a payload with no node at all", "llmgw.fleet.n1.lost", m.NodeLost(at=t(2), node=""), True),
-    ("events that name no node are not this rule's", "llmgw.control.model.qwen-8b.declared",
+    ("a declaration on its own subject", "llmgw.control.model.qwen-8b.declared",
      m.ModelDeclared(at=t(2), spec=QWEN), False),
+    # Round 3: every event only on its own subject, not only those that name a node.
+    ("a placement an agent publishes on its own state subject (an engine started on another node)",
+     "llmgw.control.replica.evil-r1.state.n2", placed("evil-r1", QWEN, [("n1", 0)], t(2)), True),
+    ("a placement the CLI publishes on its `ctl idle --stop` subject", "llmgw.control.replica.evil-r1.stopped",
+     placed("evil-r1", QWEN, [("n1", 0)], t(2)), True),
+    ("a declaration under another model's name", "llmgw.control.model.other.declared",
+     m.ModelDeclared(at=t(2), spec=QWEN), True),
+    ("an idle map on another router's subject", "llmgw.usage.rt-b.idle",
+     m.IdleMapPublished(at=t(2), router="rt-a", boot_id="a", tick=1), True),
 ]
 
 
