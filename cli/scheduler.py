@@ -15,7 +15,8 @@ from llmgw.liveness import HeartbeatMonitor
 from llmgw.scheduler_service import SchedulerService
 
 
-async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float) -> None:
+async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float,
+                          *, from_snapshot: bool = False) -> None:
     """Run one scheduler and the liveness monitor until SIGINT/SIGTERM."""
     bus = await Bus.connect(settings, name or "llmgw-scheduler")
     stop = asyncio.Event()
@@ -28,7 +29,8 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
 
     try:
         await bus.ensure_streams(lease_ttl_s=lease_ttl_s)  # declares what is missing where it may (an open bus)
-        sched = SchedulerService(bus, name=name, lease_ttl_s=lease_ttl_s, tick_s=tick_s, services=(liveness,))
+        sched = SchedulerService(bus, name=name, lease_ttl_s=lease_ttl_s, tick_s=tick_s, services=(liveness,),
+                                 use_snapshots=from_snapshot)
         click.echo(f"scheduler {sched.name} on {settings.nats_url}: waiting for the lease (ttl {lease_ttl_s:g}s)", err=True)
         await sched.run(stop)
     finally:
@@ -40,8 +42,12 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
 @click.option("--name", default="", help="This scheduler's name in the lease [default: a random one].")
 @click.option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(0.5), default=10.0, show_default=True, help="Seconds before a dead leader's lease passes to another scheduler.")
 @click.option("--tick", "tick_s", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Seconds between decision passes when nothing happens.")
+@click.option("--from-snapshot", "from_snapshot", is_flag=True,
+              help="Start from the newest fold snapshot instead of sequence 1: faster on a long history, but it "
+                   "trusts whoever writes snapshots (the projector) with the models, nodes and demand it places by.")
 @click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(0.5, 86400), default=60.0, show_default=True, help="Seconds of silence before a node is declared lost.")
-def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float) -> None:
+def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, from_snapshot: bool,
+              heartbeat_timeout_s: float) -> None:
     """Place declared models on free healthy GPUs; re-place after faults (one leader at a time).
 
     Example:
@@ -50,4 +56,4 @@ def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, 
     """
     if logging.getLogger().level > logging.INFO:
         logging.getLogger("llmgw.scheduler_service").setLevel(logging.INFO)
-    run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s))
+    run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s, from_snapshot=from_snapshot))

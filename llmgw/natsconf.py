@@ -76,7 +76,7 @@ def _lease() -> list[str]:
 def _snapshots_read() -> list[str]:
     """Reading fold snapshots: a stream read of the object store's stream (``ObjectBucket``), and direct
     gets of the control messages a snapshot's placements and endpoints came from, to check them."""
-    return [*_read(SNAPSHOT_STREAM), s.js_api("DIRECT.GET", CONTROL)]
+    return [*_read(SNAPSHOT_STREAM), s.js_api("DIRECT.GET", CONTROL), s.js_api("DIRECT.GET", CONTROL, ">")]
 
 
 def _snapshots_write() -> list[str]:

@@ -8,9 +8,13 @@ holder dies. A leader also decides only once its fold has caught up to every
 stream's last sequence, and after publishing waits until its own decisions
 come back through the fold, so it never decides twice on a stale view.
 
-At start-up the fold and the demand memory come from the newest fold snapshot
-the projector wrote (``llmgw/fleet/snapshots.py``), so a restart reads only the
-events after it; with none (or ``use_snapshots=False``), from sequence 1.
+At start-up it folds the streams from sequence 1: its decisions hold GPUs and start
+engines, and a fold snapshot is checked against the streams only for placements and
+endpoints, not for the models, nodes and demand it decides from (whoever can write
+snapshots could otherwise declare a model with engine arguments of its choosing). With
+``use_snapshots=True`` (``llmgw scheduler --from-snapshot``: when the snapshot writer is
+trusted as much as the scheduler) it starts from the newest snapshot and reads only
+what came after.
 """
 
 from __future__ import annotations
@@ -124,7 +128,7 @@ class SchedulerService:
         tick_s: float = 1.0,
         clock: Callable[[], datetime] = m.utcnow,
         services: tuple[Service, ...] = (),
-        use_snapshots: bool = True,
+        use_snapshots: bool = False,
     ) -> None:
         self.bus = bus
         self.name = name or f"scheduler-{uuid.uuid4().hex[:8]}"

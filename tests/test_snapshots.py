@@ -256,6 +256,83 @@ async def test_snapshots_written_while_catching_up_are_moments_that_existed(bus:
             assert after is None or after > moment, (name, stream, position)
 
 
+async def test_a_pool_entry_beside_the_replicas_is_never_routed_to(bus: Bus) -> None:
+    """A forged snapshot whose routers' pool lists a replica in ``healthy`` but not in ``replicas`` (no
+    claim to check): the pool is rebuilt from its replicas, so the forged endpoint is never in it."""
+    from llmgw.endpoints import EndpointSink
+    from llmgw.fleet.pool import Replica
+
+    await fresh_streams(bus)
+    await publish(bus, small_fleet()[:17])
+
+    def slip_in(c: Checkpoint) -> None:
+        c.pool.replicas = {}  # nothing left to check: before, `healthy` then survived the decode as written
+        c.pool.healthy["qwen-8b"] = [Replica(replica_id="ghost", model="qwen-8b", state="healthy", endpoint=EVIL,
+                                             in_pool=True, nodes=("n1",))]
+
+    await _forge(bus, slip_in)
+    sink = EndpointSink(bus)
+    task = asyncio.create_task(sink.run())
+    try:
+        await until(sink.caught_up.is_set, "the router's pool caught up")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert all(r.endpoint != EVIL for reps in sink.pool.healthy.values() for r in reps)
+    assert "ghost" not in {r.replica_id for reps in sink.pool.healthy.values() for r in reps}
+
+
+async def test_a_snapshot_that_leaves_out_a_stop_is_refused(bus: Bus) -> None:
+    """A replica the control stream stopped after its placement, kept alive in a snapshot whose cursor
+    is past the stop: refused, so no router sends traffic to the old endpoint."""
+    await fresh_streams(bus)
+    events = small_fleet()[:18]  # r-qwen healthy on n1
+    await publish(bus, events)
+    kept = await replay(bus, use_snapshots=False)
+    (rid,) = [r.replica_id for r in kept.state.replicas.values() if r.endpoint and len(r.nodes) == 1]
+    model = kept.state.replicas[rid].model
+    await bus.publish(m.ReplicaStopped(at=events[-1].at, replica_id=rid, model=model, reason="idle: test"))
+    truth = await replay(bus, use_snapshots=False)
+    kept.cursor = truth.cursor  # it claims to have read the stop
+    blob = encode(kept)
+    header = snapshots.header_for(blob, kept.cursor, 10**18)
+    await bus.objects(subjects.SNAPSHOT_BUCKET).put(snapshots.object_name(header) + "-forged", blob,
+                                                    msgspec.json.encode(header).decode())
+    warned: list[str] = []
+    assert await replay(bus, warn=warned.append) == truth
+    assert len(warned) == 1 and f"replica {rid} was stopped at" in warned[0], warned
+
+
+async def test_the_scheduler_places_by_the_streams_never_by_a_snapshot(bus: Bus) -> None:
+    """A snapshot is checked for placements and endpoints, not for the models, nodes and demand the
+    scheduler decides from: a forged model with engine arguments must never be placed, so by default
+    the scheduler folds from sequence 1 (``--from-snapshot`` trusts the snapshot writer)."""
+    from llmgw.fleet.fold import ModelView
+    from llmgw.scheduler_service import FOLLOWED, SchedulerService
+
+    await fresh_streams(bus)
+    events = small_fleet()
+    await publish(bus, events)
+    evil = msgspec.structs.replace(events[8].spec, name="evil", engine_args=("--trust-remote-code",))  # type: ignore[attr-defined]
+
+    def declare(c: Checkpoint) -> None:
+        c.state.models["evil"] = ModelView(spec=evil, replicas_wanted=4, declared_at=events[-1].at)
+
+    await _forge(bus, declare)
+    svc = SchedulerService(bus)
+    assert not svc.use_snapshots
+    tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
+    try:
+        await until(svc._caught_up, "the scheduler's fold caught up")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert "evil" not in svc.state.models and not svc.stats.started_from
+    decided = scheduler.decide(svc.state, svc.memory, events[-1].at)
+    assert all(getattr(d.event, "model", "") != "evil" for d in decided)
+
+
 def test_retention_keeps_the_newest_then_hourly_for_a_week_then_daily() -> None:
     now = 400 * snapshots.DAY_NS
     hour, day = snapshots.HOUR_NS, snapshots.DAY_NS

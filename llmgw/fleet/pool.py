@@ -182,9 +182,9 @@ class Pool:
         return reps, healthy, self.known_models, self.declared, self.refused
 
     def __post_init__(self) -> None:
-        # Decoded from a snapshot: ``healthy`` must hold the very Replica objects of ``replicas``.
-        if self.replicas and any(r.in_pool for r in self.replicas.values()):
-            self.healthy = {}
-            for rep in self.replicas.values():
-                if rep.in_pool:
-                    self.healthy.setdefault(rep.model, []).append(rep)
+        # Decoded from a snapshot: ``healthy`` is rebuilt from ``replicas``, whatever it said (the very
+        # Replica objects, and nothing a snapshot could slip in beside them unchecked).
+        self.healthy = {}
+        for rep in self.replicas.values():
+            if rep.in_pool:
+                self.healthy.setdefault(rep.model, []).append(rep)

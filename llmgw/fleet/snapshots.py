@@ -179,6 +179,18 @@ CHECKS_AT_ONCE = 32  # direct gets in flight while a snapshot's facts are checke
 Claim = tuple[int, str, Callable[[m.Event], bool]]
 
 
+def inconsistent(c: Checkpoint) -> str:
+    """What a snapshot says that no fold could have made, or ""."""
+    for kind, table in (("replica", c.state.replicas), ("routers' replica", c.pool.replicas)):
+        for rid, r in table.items():
+            if r.replica_id != rid:
+                return f"its {kind} {rid!r} is filed under another id ({r.replica_id!r})"
+    for p in c.pool.replicas.values():
+        if p.in_pool and (p.state != "healthy" or not p.endpoint):
+            return f"the routers' pool sends traffic to {p.replica_id}, which is {p.state} at {p.endpoint or 'no endpoint'}"
+    return ""
+
+
 def claims(c: Checkpoint) -> list[Claim]:
     """Every placement and endpoint a snapshot asserts, with the control message it says it came from."""
     out: list[Claim] = []
@@ -217,26 +229,47 @@ def _reported(rid: str, endpoint: str, nodes: tuple[str, ...]) -> Callable[[m.Ev
 
 async def unfounded(bus: Bus, c: Checkpoint, control_last: int) -> str:
     """Why a snapshot's placements and endpoints are not what the control stream holds, or ""."""
+    if why := inconsistent(c):
+        return why
     checks = claims(c)
+    cursor = min(control_last, c.cursor.positions.get(subjects.STREAM_CONTROL, 0))
     for seq, what, _ in checks:
-        if not 0 < seq <= min(control_last, c.cursor.positions.get(subjects.STREAM_CONTROL, 0)):
+        if not 0 < seq <= cursor:
             return f"{what} names no control message it came from (sequence {seq})"
     gate = asyncio.Semaphore(CHECKS_AT_ONCE)
 
-    async def fetch(seq: int) -> m.Event | None:
+    async def fetch(seq: int) -> m.Event | str:
         async with gate:
             try:
-                _, data = await bus.stored_message(subjects.STREAM_CONTROL, seq)
-                return m.CONTROL_DECODER.decode(data)
-            except (BusError, msgspec.DecodeError, msgspec.ValidationError):
-                return None
+                subject, data = await bus.stored_message(subjects.STREAM_CONTROL, seq)
+                event = m.CONTROL_DECODER.decode(data)
+            except BusError as e:
+                return f"could not be read ({e})"
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                return f"does not decode ({e})"
+            # As every fold: an event is believed only on its own subject.
+            return event if subjects.disagrees(subject, event) is None else f"was published on {subject!r}"
+
+    async def stopped_after(rid: str) -> int:
+        """Where control holds the latest stop of this replica id (0: never stopped)."""
+        async with gate:
+            return await bus.last_stored_seq(subjects.STREAM_CONTROL, subjects.replica(rid, "stopped"))
 
     seqs = sorted({seq for seq, _, _ in checks})
     stored = dict(zip(seqs, await asyncio.gather(*(fetch(q) for q in seqs)), strict=True))
     for seq, what, says in checks:
         event = stored[seq]
-        if event is None or not says(event):
+        if isinstance(event, str):
+            return f"{what}: {subjects.STREAM_CONTROL}:{seq} {event}"
+        if not says(event):
             return f"{what} is not what {subjects.STREAM_CONTROL}:{seq} says"
+    # A replica stopped after its placement, by the snapshot's own position, is no longer there.
+    placed = {r.replica_id: r.placed_seq for r in c.state.replicas.values()}
+    placed.update({p.replica_id: p.placed_seq for p in c.pool.replicas.values()})
+    stops = await asyncio.gather(*(stopped_after(rid) for rid in placed))
+    for (rid, at), stop in zip(placed.items(), stops, strict=True):
+        if at < stop <= cursor:
+            return f"replica {rid} was stopped at {subjects.STREAM_CONTROL}:{stop}, after its placement at {at}"
     return ""
 
 
