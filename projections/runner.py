@@ -459,10 +459,11 @@ class Projector:
                 readers[stream] = self.bus.reader(stream, start, batch=self.read_batch, stop_at=stop)
         if not readers:
             return
-        async for window in windows(readers):
-            for stream, msgs in window:
-                self.ingest(stream, msgs)
-            await self._maybe_commit()
+        async with contextlib.aclosing(windows(readers)) as merged:  # type: ignore[type-var]
+            async for window in merged:
+                for stream, msgs in window:
+                    self.ingest(stream, msgs)
+                await self._maybe_commit()
 
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from running import until
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus
+from llmgw.bus import Bus, RawMsg, windows
 from llmgw.bus.reader import StreamReader
 from llmgw.config import Settings
 from llmgw.errors import ConnectError, ServiceError
@@ -175,3 +176,30 @@ async def test_outbox_delivers_every_event_exactly_once_across_a_server_restart(
         await bus.close()
     finally:
         server.stop()
+
+
+class _Batches:
+    """A stand-in for a StreamReader: its batches, as given."""
+
+    def __init__(self, *batches: list[tuple[int, int]]) -> None:
+        self._batches = [[RawMsg(seq=seq, subject="s", data=b"", ts_ns=ts) for seq, ts in b] for b in batches]
+
+    async def batches(self) -> AsyncIterator[list[RawMsg]]:
+        for b in self._batches:
+            yield b
+
+
+async def test_windows_merge_streams_by_stored_time_even_when_a_clock_steps_back() -> None:
+    # b's second message was stored "before" its first (a server clock stepped back): it must come out
+    # after it, in stream order, and the merge must not stop making progress (it looped for ever).
+    readers = {"a": _Batches([(1, 10), (2, 30)], [(3, 60)]), "b": _Batches([(1, 20), (2, 15)], [(3, 50)])}
+    out = []
+    async with asyncio.timeout(5):
+        async for window in windows(readers):  # type: ignore[arg-type]
+            assert window, "an empty window makes no progress"
+            out.extend((stream, [x.seq for x in run]) for stream, run in window)
+    seen = {s: [seq for stream, run in out if stream == s for seq in run] for s in readers}
+    assert seen == {"a": [1, 2, 3], "b": [1, 2, 3]}
+    # Nothing stored later comes before anything stored earlier (by each stream's time so far).
+    order = [(stream, seq) for stream, run in out for seq in run]
+    assert order.index(("b", 2)) < order.index(("a", 2)) and order.index(("b", 3)) < order.index(("a", 3))

@@ -23,7 +23,10 @@ async def windows(readers: Mapping[str, StreamReader]) -> AsyncIterator[list[tup
     """Each window: per stream (in the order of ``readers``), its messages stored up to the window's
     end, in stream order. A window ends at the earliest stored time any unfinished stream has read
     up to, so no stream can still bring a message stored before it."""
-    buffered: dict[str, deque[RawMsg]] = {s: deque() for s in readers}
+    # Each message with its stream's time so far: a server clock stepped back (NTP, a new R3
+    # leader with another clock) must not hold a message back for ever behind a later one.
+    buffered: dict[str, deque[tuple[int, RawMsg]]] = {s: deque() for s in readers}
+    latest = dict.fromkeys(readers, 0)
     finished: set[str] = set()
     async with contextlib.AsyncExitStack() as stack:
         batches = {s: await stack.enter_async_context(contextlib.aclosing(r.batches()))  # type: ignore[type-var]
@@ -32,18 +35,23 @@ async def windows(readers: Mapping[str, StreamReader]) -> AsyncIterator[list[tup
             for stream, it in batches.items():
                 if stream not in finished and not buffered[stream]:
                     try:
-                        buffered[stream].extend(await anext(it))
+                        batch = await anext(it)
                     except StopAsyncIteration:
                         finished.add(stream)
+                        continue
+                    for msg in batch:
+                        latest[stream] = max(latest[stream], msg.ts_ns)
+                        buffered[stream].append((latest[stream], msg))
             open_ = [s for s in readers if s not in finished]
             if not open_ and not any(buffered.values()):
                 return
-            end = min((buffered[s][-1].ts_ns for s in open_), default=None)
+            end = min((buffered[s][-1][0] for s in open_), default=None)
             window: list[tuple[str, list[RawMsg]]] = []
             for stream, queue in buffered.items():
                 run: list[RawMsg] = []
-                while queue and (end is None or queue[0].ts_ns <= end):
-                    run.append(queue.popleft())
+                while queue and (end is None or queue[0][0] <= end):
+                    run.append(queue.popleft()[1])
                 if run:
                     window.append((stream, run))
+            # Never empty: the stream whose buffer ends at ``end`` drains whole (times only grow).
             yield window
