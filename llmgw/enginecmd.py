@@ -57,7 +57,7 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
 
 
 def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "",
-                startup_s: float = 0.0) -> list[str]:
+                startup_s: float = 0.0, models_dir: Path | None = None) -> list[str]:
     """The command line for one replica's engine."""
     if simulate:
         return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
@@ -82,17 +82,19 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
         ]
         return [*argv, *spec.engine_args]
     # llama.cpp's -c is the KV pool its -np slots share: each slot gets the declared context.
-    argv = [*cmds["llama.cpp"], *gguf_location(spec), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
+    argv = [*cmds["llama.cpp"], *gguf_location(spec, models_dir), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
             "-ngl", "999", "--host", host, "--port", str(port), "--alias", spec.name]
     return [*argv, *spec.engine_args]
 
 
-def gguf_location(spec: m.ModelSpec) -> list[str]:
+def gguf_location(spec: m.ModelSpec, models_dir: Path | None = None) -> list[str]:
     """Where llama-server finds a spec's GGUF: ``-m PATH``, or ``--hf-repo/--hf-file`` to download it.
 
     A file path is taken as it is; a bare file name lives in the model's directory when the
     source is one (the planner records the file's name, and the agent runs in another
-    directory than the one the operator planned in); only a repository id is downloaded.
+    directory than the one the operator planned in), or in ``Org__Name`` under the agent's
+    models directory when the source is a repository id; only what is in neither is downloaded
+    (which needs a llama-server built with curl: scripts/llama-server.sh builds one without).
     """
     source = Path(spec.source).expanduser()
     if spec.file is None:
@@ -102,6 +104,8 @@ def gguf_location(spec: m.ModelSpec) -> list[str]:
         return ["-m", str(file)]
     if source.is_absolute() or not is_repo_id(spec.source):
         return ["-m", str(source / file)]
+    if models_dir is not None and (local := models_dir / spec.source.replace("/", "__") / file).is_file():
+        return ["-m", str(local)]
     return ["--hf-repo", spec.source, "--hf-file", spec.file]
 
 

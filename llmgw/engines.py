@@ -141,6 +141,8 @@ class EngineConfig:
     fake_startup_s: float = 0.0  # simulation: each fake engine's start-up time
     # Set for every engine process: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, Ray's port range (--engine-env).
     env: dict[str, str] = field(default_factory=dict)
+    # Org__Name model folders here (LLMGW_MODELS_DIR): a GGUF of a repository id found there is not downloaded.
+    models_dir: Path | None = None
 
 
     def __post_init__(self) -> None:
@@ -148,6 +150,8 @@ class EngineConfig:
         self.host = self.host or env.get("LLMGW_ENGINE_HOST") or ("127.0.0.1" if self.simulate else "0.0.0.0")
         default_advertise = socket.gethostname() if self.host == "0.0.0.0" else self.host
         self.advertise_host = self.advertise_host or env.get("LLMGW_ADVERTISE_HOST") or default_advertise
+        if self.models_dir is None and env.get("LLMGW_MODELS_DIR"):
+            self.models_dir = Path(env["LLMGW_MODELS_DIR"])
 
     @property
     def check_host(self) -> str:
@@ -227,7 +231,8 @@ class EngineRun:
         self.port = free_port(host)
         if not self.multi:
             return [engine_argv(spec, self.port, host, self.config.cmds, simulate=self.config.simulate,
-                                name=self.replica_id, startup_s=self.config.fake_startup_s)], {}
+                                name=self.replica_id, startup_s=self.config.fake_startup_s,
+                                models_dir=self.config.models_dir)], {}
         rendezvous = free_port(host) if self.rank == 0 else 0
         if self.rank == 0:
             self.head_address = f"{self.config.advertise_host}:{rendezvous}"
@@ -362,7 +367,7 @@ class EngineRun:
             # Soon at first: a small model (or a wake) is up in well under a second, and every
             # poll missed is latency added to the request that woke it; vLLM's minutes get the full interval.
             await asyncio.sleep(min(self.config.health_interval_s, 0.02 * 2 ** tries))
-            tries += 1
+            tries = min(tries + 1, 30)  # 0.02 x 2**30 is past any interval; 2**1024 would overflow
         self.tail.append(f"not healthy within {self.config.health_timeout_s:g}s; last: {self.check_problem}")
         return False
 

@@ -311,6 +311,14 @@ def test_a_gguf_is_found_in_the_models_directory(source: str, file: str | None, 
     assert gguf_location(s) == where
 
 
+def test_a_repositorys_gguf_in_the_agents_models_directory_is_not_downloaded(tmp_path: Path) -> None:
+    s = spec(engine="llama.cpp", source="Org/Tiny", file="Tiny-Q8_0.gguf", precision="q8_0", tp=1, context=512)
+    assert gguf_location(s, tmp_path)[0] == "--hf-repo"  # not there: llama-server downloads it (curl builds only)
+    (tmp_path / "Org__Tiny").mkdir()
+    (tmp_path / "Org__Tiny" / "Tiny-Q8_0.gguf").write_bytes(b"GGUF")
+    assert gguf_location(s, tmp_path) == ["-m", str(tmp_path / "Org__Tiny" / "Tiny-Q8_0.gguf")]
+
+
 def test_llama_cpp_slots_each_get_the_declared_context() -> None:
     s = spec(engine="llama.cpp", source="/m", file="t.gguf", precision="q8_0", tp=1, context=4096, parallel=8)
     argv = engine_argv(s, 9, "h", default_commands(), simulate=False)
