@@ -26,6 +26,13 @@ from llmgw.nvml import NvmlPort, RealNvml
 from llmgw.simnvml import SimNvml
 
 
+def checked_fabric(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A fabric every reader accepts, or a usage error (an agent's inventories would all be refused)."""
+    if value is not None and (why := m.fabric_problem(value)) is not None:
+        raise click.BadParameter(why, ctx=ctx, param=param)
+    return value
+
+
 def _engine_cmds(values: tuple[str, ...]) -> dict[str, list[str]]:
     try:
         return parse_engine_cmds(values)
@@ -137,7 +144,7 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.group("agent", invoke_without_command=True)
 @click.option("--node", callback=checked_name,
               help="This node's name [default: the host name; with --simulate: every node of the file].")
-@click.option("--fabric", callback=checked_name, help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
+@click.option("--fabric", callback=checked_fabric, help="Fabric name (wins over detection: NVLink fabric, InfiniBand subnet, else the node name).")
 @click.option("--simulate", "fleet_path", type=click.Path(dir_okay=False, path_type=Path), help="Simulate the node(s) of this fleet file instead of reading NVML.")
 @click.option("--heartbeat-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True, help="Seconds between heartbeats.")
 @click.option("--poll-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True, help="Seconds between NVML health polls (XIDs arrive as events at once).")

@@ -101,7 +101,8 @@ def declare_streams(settings: Settings, lease_ttl_s: float) -> None:
     from llmgw.bus import Bus
 
     async def main() -> None:
-        bus = await Bus.connect(settings, "llmgw-declare-streams", reconnect=False)
+        # Admin's job: under `llmgw up`, the data directory's admin login (when no other is given).
+        bus = await Bus.connect(settings.with_local_login("admin"), "llmgw-declare-streams", reconnect=False)
         try:
             await bus.ensure_streams(lease_ttl_s=lease_ttl_s)
         finally:

@@ -27,4 +27,6 @@ def retire(name: str, reason: str, force: bool, as_json: bool, settings: Setting
     if as_json:
         echo_json({"retired": name, "seq": seq})
     else:
-        click.echo(f"retired {name}: no longer in `llmgw ctl status`; its next inventory, if any, brings it back")
+        back = ("; its agent still runs and reports an inventory only at start or when its GPUs change: restart it "
+                "to bring the node back" if force else "; if its agent ever reports again, the node is back")
+        click.echo(f"retired {name}: no longer in `llmgw ctl status`, and nothing is placed on it{back}")

@@ -112,8 +112,8 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
             raise FleetFileError(path, f"{at}.name", f"repeats node {name!r}")
         seen.add(name)
         fabric = _field(path, f"{at}.fabric", raw["fabric"], str, "must be a string")
-        if m.name_problem(fabric) is not None:  # the decoders' rule (messages.Fabric): agents publish it
-            raise FleetFileError(path, f"{at}.fabric", f"must be {m.NAME_RULE} (got {_shown(fabric)})")
+        if m.fabric_problem(fabric) is not None:  # the decoders' rule (messages.Fabric): agents publish it
+            raise FleetFileError(path, f"{at}.fabric", f"must be {m.FABRIC_RULE} (got {_shown(fabric)})")
         gpu_class = _field(path, f"{at}.gpu_class", raw["gpu_class"], str, "must be a string")
         if not _CLASS.match(gpu_class):
             raise FleetFileError(path, f"{at}.gpu_class", f"must look like H100-80GB (model, '-', memory in GB) (got {_shown(gpu_class)})")

@@ -68,8 +68,21 @@ GPU_CLASS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,120}-\d{1,6}GB\Z"
 GPU_CLASS_MAX = 130  # what the pattern admits
 GpuClass = Annotated[str, msgspec.Meta(max_length=GPU_CLASS_MAX, pattern=GPU_CLASS_PATTERN)]
 GpuClassRef = Annotated[str, msgspec.Meta(min_length=1, max_length=GPU_CLASS_MAX, pattern=NAME_PATTERN)]
-Fabric = Name
-FabricRef = Annotated[str, msgspec.Meta(max_length=NAME_MAX, pattern=r"^(?:[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")]
+# A fabric as the names rule has it, and ':' '/' '@' '+' besides, which operators' own fabric names
+# (--fabric, a fleet file) used before it was bounded ("rack1:ib"); nothing a page could run.
+FABRIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*\Z"
+FABRIC_RULE = f"1 to {NAME_MAX} of letters, digits, '.', '_', '-', ':', '/', '@', '+', starting with a letter or digit"
+_FABRIC = re.compile(FABRIC_PATTERN)
+Fabric = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX, pattern=FABRIC_PATTERN)]
+FabricRef = Annotated[str, msgspec.Meta(max_length=NAME_MAX, pattern=r"^(?:[A-Za-z0-9][A-Za-z0-9._:/@+-]*)?\Z")]
+
+
+def fabric_problem(fabric: str) -> str | None:
+    """Why ``fabric`` cannot name a fabric (for an error message), or None."""
+    if len(fabric) <= NAME_MAX and _FABRIC.match(fabric):
+        return None
+    shown = repr(fabric) if len(fabric) <= 60 else f"{fabric[:40]!r}… ({len(fabric):,} characters)"
+    return f"a fabric must be {FABRIC_RULE} (got {shown})"
 Label = Annotated[str, msgspec.Meta(max_length=256)]  # ids, versions, addresses
 Text = Annotated[str, msgspec.Meta(max_length=4096)]  # reasons and details for people; paths
 Reasons = Annotated[tuple[Text, ...], msgspec.Meta(max_length=64)]

@@ -247,6 +247,14 @@ def test_every_gpu_class_a_fleet_file_takes_is_decoded_and_the_rule_is_one() -> 
     assert m.decode_event(_with(DECLARED, ("spec", "gpu_class"), "H100-80GB")).spec.gpu_class == "H100-80GB"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("fabric", ["rack1:ib", "dc/row-3", "ib@fe80", "a+b"])
+def test_the_fabric_names_operators_wrote_before_the_bound_still_decode(fabric: str) -> None:
+    # A node reported with `--fabric rack1:ib` before fabrics were bounded stays in the fleet on replay.
+    assert m.fabric_problem(fabric) is None
+    inv = m.NodeInventoryReported(at=m.utcnow(), node="n1", fabric=fabric, fabric_source="flag", boot_id="b", gpus=())
+    assert m.decode_event(m.encode(inv)).fabric == fabric  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("fabric", "shown"), [
     ("<script>", "(got '<script>')"),
     ("f" * 200, "(200 characters)"),
@@ -258,7 +266,7 @@ def test_a_fleet_file_with_a_bad_fabric_is_one_line(tmp_path: Path, fabric: str,
                  'gpu_memory_mib = 81559\n')
     with pytest.raises(FleetFileError) as e:
         fleetfile.load(f)
-    assert str(e.value).startswith(f"{f}: nodes[0].fabric must be 1 to {m.NAME_MAX} letters, digits")
+    assert str(e.value).startswith(f"{f}: nodes[0].fabric must be 1 to {m.NAME_MAX} of letters, digits")
     assert shown in str(e.value) and "\n" not in str(e.value)
 
 
