@@ -24,6 +24,7 @@ from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
+from llmgw.endpoints import EndpointSink
 from llmgw.fleet import snapshots
 from llmgw.fleet.checkpoint import Checkpoint, encode, encode_state
 from llmgw.fleet.fold import FOLD_VERSION
@@ -168,6 +169,18 @@ async def _forge(bus: Bus, change: Callable[[Checkpoint], None]) -> str:
     return name
 
 
+async def restarted_router(bus: Bus) -> EndpointSink:
+    """A router's pool as a router starting now builds it (from the newest snapshot that checks out)."""
+    sink = EndpointSink(bus)
+    task = asyncio.create_task(sink.run())
+    try:
+        await until(sink.caught_up.is_set, "the router's pool caught up")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return sink
+
+
 EVIL = "http://203.0.113.9:8000"  # TEST-NET-3: nothing of ours, never dialled
 
 
@@ -203,8 +216,6 @@ async def test_a_snapshot_cannot_say_what_the_streams_do_not(
     bus: Bus, change: Callable[[Checkpoint], None], why: str,
 ) -> None:
     """A lying snapshot with a valid checksum: refused with one line, and no reader routes or places on it."""
-    from llmgw.endpoints import EndpointSink
-
     await fresh_streams(bus)
     await publish(bus, small_fleet()[:17])  # a replica healthy, with its endpoint
     forged = await _forge(bus, change)
@@ -213,13 +224,7 @@ async def test_a_snapshot_cannot_say_what_the_streams_do_not(
     assert len(warned) == 1 and forged in warned[0] and why in warned[0], warned
     assert c == await replay(bus, use_snapshots=False)
     # The router's pool, as a restarted router builds it: never the forged endpoint.
-    sink = EndpointSink(bus)
-    task = asyncio.create_task(sink.run())
-    try:
-        await until(sink.caught_up.is_set, "the router's pool caught up")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    sink = await restarted_router(bus)
     assert sink.started_from != forged
     endpoints = {r.endpoint for r in sink.pool.replicas.values()}
     assert EVIL not in endpoints and any(r.in_pool for r in sink.pool.replicas.values())
@@ -259,7 +264,6 @@ async def test_snapshots_written_while_catching_up_are_moments_that_existed(bus:
 async def test_a_pool_entry_beside_the_replicas_is_never_routed_to(bus: Bus) -> None:
     """A forged snapshot whose routers' pool lists a replica in ``healthy`` but not in ``replicas`` (no
     claim to check): the pool is rebuilt from its replicas, so the forged endpoint is never in it."""
-    from llmgw.endpoints import EndpointSink
     from llmgw.fleet.pool import Replica
 
     await fresh_streams(bus)
@@ -271,13 +275,7 @@ async def test_a_pool_entry_beside_the_replicas_is_never_routed_to(bus: Bus) -> 
                                              in_pool=True, nodes=("n1",))]
 
     await _forge(bus, slip_in)
-    sink = EndpointSink(bus)
-    task = asyncio.create_task(sink.run())
-    try:
-        await until(sink.caught_up.is_set, "the router's pool caught up")
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    sink = await restarted_router(bus)
     assert all(r.endpoint != EVIL for reps in sink.pool.healthy.values() for r in reps)
     assert "ghost" not in {r.replica_id for reps in sink.pool.healthy.values() for r in reps}
 
@@ -436,8 +434,6 @@ async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_o
 async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_from_sequence_1(
     bus: Bus, tmp_path: Path,
 ) -> None:
-    from llmgw.endpoints import EndpointSink
-
     events = small_fleet()
     await snapshot_then_more(bus, tmp_path, events[:16], events[16:])  # a replica healthy before the snapshot
     seen = []
