@@ -139,7 +139,7 @@ class NatsChild:
 
 # Each part of `up` logs in as its role; the simulated agents as one user for the fleet file's nodes.
 ROLES = {"project": "projector", "planner": "planner", "scheduler": "scheduler", "router": "router",
-         "dashboard": "cli", "agents": "agent"}
+         "dashboard": "viewer", "agents": "agent"}
 ROUTER_NAME = "router-up"
 AGENTS_USER = "agents-up"
 

@@ -7,8 +7,10 @@ as is), then defaults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,18 @@ def credentials_path(root: Path | None = None) -> Path:
 def write_credentials(path: Path, nats_url: str, passwords: dict[str, str]) -> None:
     """Write ``up``'s logins (user → password) for ``nats_url``, readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"url": nats_url, "users": passwords}, f, indent=2)
-    os.replace(tmp, path)
+    # A fresh file of our own (0600), never a name someone could have planted a link under.
+    fd, tmp = tempfile.mkstemp(prefix=".credentials-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": nats_url, "users": passwords}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_credentials(path: Path) -> tuple[str, dict[str, str]] | None:

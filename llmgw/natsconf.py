@@ -20,7 +20,7 @@ from llmgw.errors import ConfigError
 
 ACCOUNT = "LLMGW"
 SYSTEM_ACCOUNT = "SYS"
-ROLES = ("admin", "projector", "planner", "scheduler", "router", "cli")
+ROLES = ("admin", "projector", "planner", "scheduler", "router", "cli", "viewer")
 MIN_SERVER_VERSION = (2, 12, 3)
 
 P = s.PREFIX
@@ -170,6 +170,10 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         ]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.*.state.>",
                      f"{P}.control.replica.*.placed"]
+    elif role == "viewer":
+        # Looks and asks, changes nothing: the dashboard, a read-only operator (no declarations, no stops).
+        pub += [s.STATUS, s.PLAN, *_read(*s.HISTORY_STREAMS)]
+        deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>", f"{P}.agent.>"]
     else:
         raise ConfigError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
     if role != "projector":

@@ -167,6 +167,18 @@ async def test_cli_cannot_publish_fleet_events_or_delete_streams(secured: Secure
     assert await admin.stream_last_seq(subjects.STREAM_CONTROL) >= 1  # still there
 
 
+async def test_the_viewer_reads_and_asks_but_changes_nothing(secured: Secured, admin: Bus) -> None:
+    """The dashboard's role under `llmgw up`: it was the CLI's, which may declare, scale and stop models."""
+    viewer = await secured.connect("viewer")
+    try:
+        assert await read_to_end(viewer, subjects.STREAM_FLEET) >= 0
+        await denied(viewer, m.ModelScaled(at=AT, name="qwen", replicas=0))
+        await denied(viewer, m.ReplicaStopped(at=AT, replica_id="qwen-r1", model="qwen", reason="idle"))
+        await denied(viewer, inventory("h100-a-01"))
+    finally:
+        await viewer.close()
+
+
 async def test_scheduler_places_but_cannot_report_inventory(secured: Secured, admin: Bus) -> None:
     sched = await secured.connect("scheduler")
     try:
@@ -233,7 +245,7 @@ def test_gen_conf_command_writes_conf_and_credentials(tmp_path: Path) -> None:
 
 # --- only admin changes streams; each role gets exactly the JetStream API it calls -------------
 
-NON_ADMIN = ("projector", "planner", "scheduler", "router", "cli", "agent-h100-a-01", "router-gw-1")
+NON_ADMIN = ("projector", "planner", "scheduler", "router", "cli", "viewer", "agent-h100-a-01", "router-gw-1")
 
 
 async def stream_config(admin: Bus, stream: str) -> dict[str, object]:
