@@ -339,6 +339,21 @@ def test_every_reader_refuses_clamps_and_applies_alike_whatever_it_remembers(rea
     assert (c.state, c.cursor) == (every.state, every.cursor) and c.cursor.clamped >= 1
 
 
+def test_a_refused_report_is_no_part_of_a_models_history() -> None:
+    """`ctl model show` lists a model's latest events: a stranger's report, refused, is not one of them."""
+    c = Checkpoint()
+    events = [("llmgw.control.model.qwen-8b.declared", m.ModelDeclared(at=t(0), spec=QWEN)),
+              ("llmgw.control.replica.r-q.placed", QWEN_ON_N1),
+              ("llmgw.control.replica.r-q.state.n2", state_of("r-q", "n2", endpoint="http://evil:1")),
+              ("llmgw.control.replica.r-q.state.n1", state_of("r-q", "n1", endpoint="http://n1:8000"))]
+    for seq, (subject, event) in enumerate(events, 1):
+        fold_batch(c, "LLMGW_CONTROL", [RawMsg(seq=seq, subject=subject, data=b"", ts_ns=int(t(2).timestamp() * 1e9))],
+                   [event])
+    noted = [e.event for e in c.history.recent["qwen-8b"]]
+    assert [type(e).__name__ for e in noted] == ["ModelDeclared", "ReplicaPlaced", "ReplicaStateChanged"]
+    assert all(getattr(e, "node", "n1") == "n1" for e in noted) and c.cursor.unprojected == 1
+
+
 def test_a_replica_takes_state_only_from_its_own_node() -> None:
     events: list[m.Event] = [inventory("n1", "ib-a", 1, t(0)), inventory("n2", "ib-a", 1, t(0)),
                              m.ModelDeclared(at=t(0), spec=QWEN), QWEN_ON_N1]

@@ -100,10 +100,10 @@ def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], even
     """Fold a batch of one stream's decoded events, in stream order, by the one rule every reader folds by.
 
     For each event: a subject its payload disagrees with is refused; its time is clamped to
-    when the stream stored it (``clamp_times``, in place in ``events``); a control event is
-    noted in the models' history; a state report from a node its replica is not on is refused;
-    then the memories kept see it on the state before it, ``before(i, event)`` is called (a
-    writer's hook), and ``apply`` folds it. The cursor moves past each. Returns, per event,
+    when the stream stored it (``clamp_times``, in place in ``events``); a state report from a
+    node its replica is not on is refused; then a control event is noted in the models'
+    history, the memories kept see it on the state before it, ``before(i, event)`` is called
+    (a writer's hook), and ``apply`` folds it. The cursor moves past each. Returns, per event,
     why it was refused, or None when it was folded. ``now`` is the wall clock a router's pool
     stamps on a replica it takes in (0: a reader's fold, the same in every process).
     """
@@ -123,10 +123,10 @@ def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], even
     for i in range(n):
         x, event = stored[i], events[i]
         if why[i] is None:
-            if note is not None:
-                note(x.seq, event)
             why[i] = refusal(state, x.subject, event, subject_checked=True)
         if why[i] is None:
+            if note is not None:  # a refused report is no part of a model's history (`ctl model show`)
+                note(x.seq, event)
             _observe(c, keep, x.seq, x.subject, event, now)
             if before is not None:
                 before(i, event)
