@@ -19,10 +19,16 @@ from llmgw.bus.frames import RawMsg
 from llmgw.bus.reader import StreamReader
 
 
-async def windows(readers: Mapping[str, StreamReader]) -> AsyncIterator[list[tuple[str, list[RawMsg]]]]:
+async def windows(readers: Mapping[str, StreamReader], cut_ns: Mapping[str, int] | None = None,
+                  ) -> AsyncIterator[list[tuple[str, list[RawMsg]]]]:
     """Each window: per stream (in the order of ``readers``), its messages stored up to the window's
     end, in stream order. A window ends at the earliest stored time any unfinished stream has read
-    up to, so no stream can still bring a message stored before it."""
+    up to, so no stream can still bring a message stored before it.
+
+    ``cut_ns`` (stream → stored time): a stream ends at its first message stored after that moment
+    (a fold up to a moment), and is read no further.
+    """
+    cuts = cut_ns or {}
     # Each message with its stream's time so far: a server clock stepped back (NTP, a new R3
     # leader with another clock) must not hold a message back for ever behind a later one.
     buffered: dict[str, deque[tuple[int, RawMsg]]] = {s: deque() for s in readers}
@@ -39,7 +45,12 @@ async def windows(readers: Mapping[str, StreamReader]) -> AsyncIterator[list[tup
                     except StopAsyncIteration:
                         finished.add(stream)
                         continue
+                    cut = cuts.get(stream)
                     for msg in batch:
+                        if cut is not None and msg.ts_ns > cut:
+                            finished.add(stream)  # past the moment: nothing more of this stream
+                            await it.aclose()  # type: ignore[attr-defined]
+                            break
                         latest[stream] = max(latest[stream], msg.ts_ns)
                         buffered[stream].append((latest[stream], msg))
             open_ = [s for s in readers if s not in finished]

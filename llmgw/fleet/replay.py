@@ -12,8 +12,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
@@ -65,32 +66,42 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
             cursor.stream_created[stream] = created
     total = sum(max(0, stop - cursor.positions.get(stream, 0)) for stream, stop in stops.items())
     done = 0
+    readers = {}
     for stream, stop in stops.items():
         start = cursor.positions.get(stream, 0) + 1
-        if stop < start:
-            continue
-        cut = cuts.get(stream)
-        past = False
+        if start <= stop:
+            readers[stream] = bus.reader(stream, start, stop_at=stop, idle_expires_s=2.0, purpose="replay")
+    from llmgw.bus import windows
 
-        def skipped(raw: RawMsg, _: Exception, stream: str = stream, cut: int | None = cut) -> None:
-            if cut is None or raw.ts_ns <= cut:  # an undecodable message is folded past, as the projector does
-                cursor.unprojected += 1
-                _advance(cursor, stream, raw)
-
-        follower = bus.follow(stream, subjects.DECODERS[stream], start, stop_at=stop, idle_expires_s=2.0,
-                              who="replay", on_skip=skipped)
-        async with contextlib.aclosing(follower.batches()) as batches:  # type: ignore[type-var]
-            async for batch in batches:
-                if cut is not None and batch and batch[-1].raw.ts_ns > cut:
-                    k = next(i for i, d in enumerate(batch) if d.raw.ts_ns > cut)
-                    batch, past = batch[:k], True
-                fold_batch(checkpoint, stream, [d.raw for d in batch], [d.event for d in batch])
-                done += len(batch)
-                if progress is not None:
-                    progress(done, total)
-                if past:
-                    break
+    # The streams as one history, in windows of stored time, as the projector catches up; with a
+    # moment, each stream ends at its first message stored after it.
+    async with contextlib.aclosing(windows(readers, cuts)) as merged:  # type: ignore[type-var]
+        async for window in merged:
+            for stream, msgs in window:
+                stored, events = _decoded(cursor, stream, msgs)
+                if events:
+                    fold_batch(checkpoint, stream, stored, events)
+                done += len(msgs)
+            if progress is not None:
+                progress(done, total)
     return checkpoint
+
+
+def _decoded(cursor: Cursor, stream: str, msgs: list[RawMsg]) -> tuple[list[RawMsg], list[Any]]:
+    """The messages that decode, and their events; one that does not is folded past, as the projector does."""
+    decode = subjects.DECODERS[stream].decode
+    stored: list[RawMsg] = []
+    events: list[Any] = []
+    for x in msgs:
+        try:
+            events.append(decode(x.data))
+        except m.DECODE_ERRORS as e:
+            log.warning("replay: %s seq %d (%s) cannot be decoded, skipped: %s", stream, x.seq, x.subject, e)
+            cursor.unprojected += 1
+            _advance(cursor, stream, x)
+            continue
+        stored.append(x)
+    return stored, events
 
 
 def _advance(cursor: Cursor, stream: str, raw: RawMsg) -> None:
