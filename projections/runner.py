@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -368,19 +368,22 @@ class Projector:
 
     async def _read(self, stream: str, stop_at: int | None) -> None:
         """Read one stream from the folded position; a busy or restarting server is waited out."""
+        await self._retrying(f"reading {stream}", lambda: self._read_from_position(stream, stop_at), (stream,))
+
+    async def _retrying(self, what: str, read: Callable[[], Awaitable[None]], streams: Iterable[str]) -> None:
+        """Run ``read`` until it succeeds, waiting out a busy or restarting server with back-off; it
+        restarts after what was folded, so nothing is read twice."""
         delay = 0.5
         for attempt in range(1, READ_ATTEMPTS + 1):
             try:
-                await self._read_from_position(stream, stop_at)
+                await read()
                 return
             except (TimeoutError, BusError) as e:
-                # The reader restarts after what was folded, so nothing is read twice.
                 if attempt == READ_ATTEMPTS:
-                    raise ProjectionError(
-                        f"reading {stream} failed {attempt} times, last: {e or type(e).__name__}; "
-                        f"folded up to {stream}:{self.cursor.positions.get(stream, 0)} (committed work is kept)"
-                    ) from e
-                log.warning("reading %s: %s; retrying in %.1fs", stream, e or type(e).__name__, delay)
+                    at = ", ".join(f"{s}:{self.cursor.positions.get(s, 0)}" for s in streams)
+                    raise ProjectionError(f"{what} failed {attempt} times, last: {e or type(e).__name__}; "
+                                          f"folded up to {at} (committed work is kept)") from e
+                log.warning("%s: %s; retrying in %.1fs", what, e or type(e).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -436,19 +439,7 @@ class Projector:
         snapshot written during a rebuild stands at a moment that existed, and serves
         ``ctl status --at`` for any moment after it.
         """
-        delay = 0.5
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                await self._catch_up_once(stops)
-                return
-            except (TimeoutError, BusError) as e:
-                if attempt == READ_ATTEMPTS:
-                    at = ", ".join(f"{s}:{self.cursor.positions.get(s, 0)}" for s in self.streams)
-                    raise ProjectionError(f"catching up failed {attempt} times, last: {e or type(e).__name__}; "
-                                          f"folded up to {at} (committed work is kept)") from e
-                log.warning("catching up: %s; retrying in %.1fs", e or type(e).__name__, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        await self._retrying("catching up", lambda: self._catch_up_once(stops), self.streams)
 
     async def _catch_up_once(self, stops: dict[str, int]) -> None:
         readers = {}
