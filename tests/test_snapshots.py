@@ -33,6 +33,7 @@ from llmgw.fleet.replay import replay
 from llmgw.fleet.status import idle_rows, report
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
+from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 T_NONE = datetime(2026, 1, 1, tzinfo=UTC)  # "now" for a fold with no event yet
@@ -181,6 +182,22 @@ async def restarted_router(bus: Bus) -> EndpointSink:
     return sink
 
 
+async def caught_up_scheduler(bus: Bus, *, use_snapshots: bool | None = None) -> SchedulerService:
+    """A scheduler (as it starts by default, or told whether to start from a snapshot) that has folded
+    every followed stream as stored now; it decides nothing."""
+    svc = SchedulerService(bus) if use_snapshots is None else SchedulerService(bus, use_snapshots=use_snapshots)
+    if svc.use_snapshots:
+        await svc.start_from_snapshot()
+    tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
+    try:
+        await until(svc._caught_up, "the scheduler's fold caught up")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return svc
+
+
 EVIL = "http://203.0.113.9:8000"  # TEST-NET-3: nothing of ours, never dialled
 
 
@@ -306,7 +323,6 @@ async def test_the_scheduler_places_by_the_streams_never_by_a_snapshot(bus: Bus)
     scheduler decides from: a forged model with engine arguments must never be placed, so by default
     the scheduler folds from sequence 1 (``--from-snapshot`` trusts the snapshot writer)."""
     from llmgw.fleet.fold import ModelView
-    from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
     await fresh_streams(bus)
     events = small_fleet()
@@ -317,15 +333,8 @@ async def test_the_scheduler_places_by_the_streams_never_by_a_snapshot(bus: Bus)
         c.state.models["evil"] = ModelView(spec=evil, replicas_wanted=4, declared_at=events[-1].at)
 
     await _forge(bus, declare)
-    svc = SchedulerService(bus)
+    svc = await caught_up_scheduler(bus)
     assert not svc.use_snapshots
-    tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
-    try:
-        await until(svc._caught_up, "the scheduler's fold caught up")
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
     assert "evil" not in svc.state.models and not svc.stats.started_from
     decided = scheduler.decide(svc.state, svc.memory, events[-1].at)
     assert all(getattr(d.event, "model", "") != "evil" for d in decided)
@@ -381,25 +390,11 @@ async def test_a_scheduler_starts_from_the_newest_snapshot_and_decides_as_one_fr
     bus: Bus, tmp_path: Path,
 ) -> None:
     """Its fold and demand memory come from the snapshot; it reads only what came after."""
-    from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
     events = small_fleet()
     await snapshot_then_more(bus, tmp_path, events[:15], events[15:])
 
-    async def folded(use_snapshots: bool) -> SchedulerService:
-        svc = SchedulerService(bus, use_snapshots=use_snapshots)
-        if use_snapshots:
-            await svc.start_from_snapshot()
-        tasks = [asyncio.create_task(svc._follow(s)) for s in FOLLOWED]
-        try:
-            await until(svc._caught_up, "the scheduler's fold caught up")
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return svc
-
-    from_snapshot, from_one = await folded(True), await folded(False)
+    from_snapshot, from_one = await caught_up_scheduler(bus, use_snapshots=True), await caught_up_scheduler(bus)
     assert from_snapshot.stats.started_from and not from_one.stats.started_from
     assert from_snapshot.checkpoint.cursor.positions[subjects.STREAM_CONTROL] > 0  # it did skip events
     now = events[-1].at
