@@ -14,12 +14,12 @@ from llmgw.config import data_dir
 @click.option("--parquet", "dest", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory to create: one Parquet file per table, the history tables one folder per day.")
 @click.option("--db", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The projector's DuckDB file, or a snapshot or private copy of it "
+              help="The projector's DuckDB file, or its analysts' copy or a private copy "
                    "[default: <data dir>/llmgw.duckdb].")
 def export(dest: Path, db: Path | None) -> None:
     """Write the projection's tables as Parquet (pandas, Spark, Polars, any DuckDB).
 
-    A running projector holds its file, so its snapshot (<db stem>.snapshot.duckdb)
+    A running projector holds its file, so its analysts' copy (<db stem>.analysts.duckdb)
     is exported instead, and the time it reaches is printed.
 
     \b
@@ -32,8 +32,8 @@ def export(dest: Path, db: Path | None) -> None:
 
     db = db or data_dir() / "llmgw.duckdb"
     done = export_parquet(db, dest)
-    if done.from_snapshot:
-        click.echo(f"{db} is held by a running projector: exported its snapshot {done.source}", file=sys.stderr)
+    if done.from_copy:
+        click.echo(f"{db} is held by a running projector: exported its analysts' copy {done.source}", file=sys.stderr)
     as_of = done.as_of.isoformat() if done.as_of else "no events"
     click.echo(f"{dest}: {len(done.rows)} tables, {sum(done.rows.values()):,} rows, as of {as_of} "
                f"(from {done.source})")

@@ -1,6 +1,6 @@
 """The node agent: GPU inventory and health from an NVML port, published as events.
 
-* An inventory (a full snapshot, health included) at start and whenever the
+* An inventory (every GPU, health included) at start and whenever the
   GPUs themselves change; a restarted agent has a new boot id and publishes a
   fresh one, which replaces the node downstream.
 * ``GpuHealthChanged`` only when a GPU's (healthy, reasons) changes.
@@ -256,7 +256,7 @@ class Agent:
     def _recall(self, event: m.Event) -> None:
         match event:
             case m.NodeInventoryReported(node=node) if node == self.node:
-                self._remembered = {g.uuid: g.reasons for g in event.gpus}  # a full snapshot
+                self._remembered = {g.uuid: g.reasons for g in event.gpus}  # a full account
             case m.GpuHealthChanged(node=node) if node == self.node:
                 self._remembered[event.gpu_uuid] = event.reasons
             case _:

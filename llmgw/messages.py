@@ -133,7 +133,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_only=True):
-    """A full snapshot of a node's GPUs, health included; replaces what was known."""
+    """A full account of a node's GPUs, health included; replaces what was known."""
 
     node: Name
     fabric: Fabric

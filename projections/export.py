@@ -1,7 +1,7 @@
 """``llmgw export --parquet``: the projection as Parquet files, for tools that do not read DuckDB.
 
 A running projector holds its file (DuckDB allows no reader beside a writer
-process), so the export reads the analysts' snapshot next to it, and says
+process), so the export reads the analysts' copy next to it, and says
 how old that is; a file nobody holds (a stopped projector, ``project --once``)
 is read directly.
 """
@@ -22,21 +22,26 @@ from llmgw.projections.store import HISTORY_TABLES, DatabaseHeldError, copy_to_p
 BY_DAY = tuple(t for t in HISTORY_TABLES if t != "unprojected_events")
 
 
-def snapshot_of(db: Path) -> Path:
-    """Where ``llmgw project`` puts the snapshot of ``db`` by default."""
+def analysts_copy_of(db: Path) -> Path:
+    """Where ``llmgw project`` puts the analysts' copy of ``db`` by default."""
+    return db.with_name(db.stem + ".analysts.duckdb")
+
+
+def legacy_copy_of(db: Path) -> Path:
+    """Where projectors before schema 5 put it (``<db stem>.snapshot.duckdb``): still read, for one release."""
     return db.with_name(db.stem + ".snapshot.duckdb")
 
 
 @dataclass(frozen=True)
 class Exported:
-    source: Path  # the file read: the database, or its snapshot
-    from_snapshot: bool
+    source: Path  # the file read: the database, or its analysts' copy
+    from_copy: bool
     rows: dict[str, int]  # per table
     as_of: datetime | None  # the newest event in it
 
 
 def export_parquet(db: Path, dest: Path) -> Exported:
-    """Write every table of ``db`` (or, while a projector holds it, of its snapshot) as Parquet under ``dest``.
+    """Write every table of ``db`` (or, while a projector holds it, of its analysts' copy) as Parquet under ``dest``.
 
     ``dest`` must not exist or be empty; it appears whole or not at all (written
     beside it, then renamed).
@@ -48,21 +53,23 @@ def export_parquet(db: Path, dest: Path) -> Exported:
                               "writes a whole tree)")
     partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    source, from_snapshot = db, False
+    source, from_copy = db, False
     try:
         try:
             rows, as_of = copy_to_parquet(db, partial, BY_DAY)
         except DatabaseHeldError:
-            source, from_snapshot = snapshot_of(db), True
+            source, from_copy = analysts_copy_of(db), True
+            if not source.exists() and legacy_copy_of(db).exists():
+                source = legacy_copy_of(db)
             if not source.exists():
                 raise ProjectionError(
-                    f"{db} is held by a running projector and has no snapshot ({source}); export a private "
+                    f"{db} is held by a running projector and has no analysts' copy ({source}); export a private "
                     f"copy: `llmgw project --once --db mine.duckdb && llmgw export --parquet {dest} --db "
-                    "mine.duckdb`, or start the projector with snapshots (--snapshot-interval)") from None
+                    "mine.duckdb`, or start the projector with one (--analysts-copy-interval)") from None
             rows, as_of = copy_to_parquet(source, partial, BY_DAY)
         if dest.exists():
             dest.rmdir()  # empty, checked above
         partial.rename(dest)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return Exported(source, from_snapshot, rows, as_of)
+    return Exported(source, from_copy, rows, as_of)

@@ -116,8 +116,8 @@ class Projector:
         streams: Sequence[str] = subjects.HISTORY_STREAMS,
         commit_every: int = 100_000,
         commit_interval_s: float = 1.0,
-        snapshot_path: str | Path | None = None,
-        snapshot_interval_s: float = 60.0,
+        copy_path: str | Path | None = None,
+        copy_interval_s: float = 60.0,
         batch: int = 8192,
         progress: Progress | None = None,
         writer_process: bool = False,
@@ -135,8 +135,8 @@ class Projector:
         self.fold_snapshots_written = 0
         self.commit_every = commit_every
         self.commit_interval_s = commit_interval_s
-        self.snapshot_path = Path(snapshot_path) if snapshot_path else None
-        self.snapshot_interval_s = snapshot_interval_s
+        self.copy_path = Path(copy_path) if copy_path else None  # the analysts' copy
+        self.copy_interval_s = copy_interval_s
         self.read_batch = batch
         self.progress = progress
         checkpoint = store.load() if store is not None else Checkpoint()
@@ -154,14 +154,14 @@ class Projector:
         self._inflight: deque[asyncio.Future[None]] = deque()
         self._write_failed: str | None = None
         self._last_commit = time.monotonic()
-        self._last_snapshot = 0.0
+        self._last_copy = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-duckdb") if store else None
         self.gpu_samples: gpuuse.GpuSamples | None = None  # followed while serving status
         self._process: ProcessWriter | None = None
         if store is not None and writer_process and store.path != ":memory:":
             # The child owns the file from here on; this process only reads NATS and folds.
             store.close()
-            self._process = ProcessWriter(store.path, self.snapshot_path, snapshot_interval_s)
+            self._process = ProcessWriter(store.path, self.copy_path, copy_interval_s)
 
     # --- folding -------------------------------------------------------------------
 
@@ -248,27 +248,27 @@ class Projector:
 
     # --- committing -----------------------------------------------------------------
 
-    def _write(self, batch: Batch, snapshot: bytes) -> None:
+    def _write(self, batch: Batch, checkpoint: bytes) -> None:
         """One commit, on the writer thread; after a failed one, none (its rows would be missing)."""
         if self._write_failed is not None:
             raise ProjectionError(f"not committed: an earlier commit failed ({self._write_failed})")
         try:
-            self._write_one(batch, snapshot)
+            self._write_one(batch, checkpoint)
         except Exception as e:
             self._write_failed = str(e) or type(e).__name__
             raise
 
-    def _write_one(self, batch: Batch, snapshot: bytes) -> None:
+    def _write_one(self, batch: Batch, checkpoint: bytes) -> None:
         assert self.store is not None
         if self._process is not None:
-            self._process.commit(batch, snapshot)
+            self._process.commit(batch, checkpoint)
             self.committed += batch.events
             return
-        self.store.commit(batch, snapshot)
+        self.store.commit(batch, checkpoint)
         self.committed += batch.events
-        if self.snapshot_path is not None and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
-            self.store.export_snapshot(self.snapshot_path)
-            self._last_snapshot = time.monotonic()
+        if self.copy_path is not None and time.monotonic() - self._last_copy >= self.copy_interval_s:
+            self.store.export_copy(self.copy_path)
+            self._last_copy = time.monotonic()
 
     async def commit(self, *, force: bool = False) -> None:
         """Hand the rows folded so far, with the state and positions they lead to, to the writer."""
@@ -285,11 +285,11 @@ class Projector:
             self.cursor.positions = dict(sorted(self.cursor.positions.items()))
             self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
             self.cursor.stored_ns = dict(sorted(self.cursor.stored_ns.items()))
-            snapshot = encode(self.checkpoint)
-            self._maybe_fold_snapshot(snapshot)
+            blob = encode(self.checkpoint)
+            self._maybe_fold_snapshot(blob)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
-            self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, snapshot))
+            self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, blob))
 
     def _fold_snapshot_due(self) -> bool:
         """Whether a fold snapshot is due (so many events, or so long with any) and none is being written."""

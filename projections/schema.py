@@ -41,8 +41,8 @@ _COMMON = {
 
 # table -> (what one row is, [(column, type, comment or None for _COMMON's)])
 TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
-    "checkpoint": ("Bookkeeping: the last sequence of each stream this file holds, written in the same "
-                   "transaction as the rows.", [
+    "positions": ("Bookkeeping: the last sequence of each stream this file holds, written in the same "
+                  "transaction as the rows.", [
         ("stream", "VARCHAR PRIMARY KEY", None),
         ("seq", "BIGINT NOT NULL", "the last sequence of the stream folded into this file"),
     ]),
@@ -53,8 +53,8 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("as_of", "TIMESTAMPTZ", "the newest event time folded"),
         ("events", "BIGINT", "rows in events plus rows in unprojected_events"),
         ("unprojected", "BIGINT", "messages that could not be decoded or were refused (ctl status counts them)"),
-        ("snapshot", "BLOB", "the folded state and its cursor, msgpack {state, cursor} "
-                             "(llmgw.fleet.checkpoint.Checkpoint)"),
+        ("checkpoint", "BLOB", "the folded state, its cursor, the models' history and the services' memory, "
+                               "msgpack (llmgw.fleet.checkpoint.Checkpoint)"),
     ]),
     "events": ("History: one row per event folded.", [
         ("stream", "VARCHAR", None),

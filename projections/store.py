@@ -37,11 +37,19 @@ log = logging.getLogger(__name__)
 # by schema 1 would not resume into what a clean replay gives. 3: the reader's bookkeeping
 # moved into the cursor. 4: the analysts' names (projections/schema.py: node, model,
 # gpu_count, lists for nodes and reasons, NULL for an unknown idle time) and the views.
-SCHEMA_VERSION = 4
+# 5: one meaning per word: the table ``checkpoint`` is ``positions`` and the column
+# ``projector_state.snapshot`` is ``checkpoint`` (a schema-4 file is renamed in place).
+SCHEMA_VERSION = 5
+# Older schemas a projector brings up to this one in place (renames only, no data changes).
+MIGRATIONS = {
+    4: ["ALTER TABLE checkpoint RENAME TO positions",
+        "ALTER TABLE projector_state RENAME COLUMN snapshot TO checkpoint",
+        "UPDATE projector_state SET schema_version = 5 WHERE id = 1"],
+}
 
 HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "unprojected_events")
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
-TABLES = ("checkpoint", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
+TABLES = ("positions", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
 # Python hands DuckDB as little as it can: per stream and commit, the raw
 # messages of the decoded events as four strings (sequences, subjects, stored
@@ -288,14 +296,14 @@ def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
     }
 
 
-# A copy of the live file taken with ``cp`` holds what its last checkpoint wrote (the rest is
-# in the WAL); past DuckDB's threshold it checkpoints by size only, which a quiet fleet takes
-# hours to reach. Checkpointing at least this often keeps such a copy at most this old.
-CHECKPOINT_INTERVAL_S = 60.0
+# A copy of the live file taken with ``cp`` holds what DuckDB last flushed from its WAL into the
+# file (its CHECKPOINT statement); past DuckDB's threshold it flushes by size only, which a quiet
+# fleet takes hours to reach. Flushing at least this often keeps such a copy at most this old.
+WAL_FLUSH_INTERVAL_S = 60.0
 
-# The analysts' snapshot is written in this storage version, so that the DuckDB CLI people
+# The analysts' copy is written in this storage version, so that the DuckDB CLI people
 # install (duckdb-cli 1.5.x from PyPI) opens it; the live file is in the library's own.
-SNAPSHOT_STORAGE_VERSION = "v1.5.0"
+COPY_STORAGE_VERSION = "v1.5.0"
 
 
 def _other_schema(path: str, version: int) -> ProjectionError:
@@ -307,16 +315,16 @@ class Store:
     """One DuckDB database (a file, or ``:memory:``) owned by one projector."""
 
     def __init__(self, path: str | Path, *, lock_wait_s: float = 3.0,
-                 checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S) -> None:
+                 flush_interval_s: float = WAL_FLUSH_INTERVAL_S) -> None:
         self.path = str(path)
-        self.checkpoint_interval_s = checkpoint_interval_s
-        self._checkpointed = time.monotonic()
+        self.flush_interval_s = flush_interval_s
+        self._flushed = time.monotonic()
         try:
             self.con = self._connect(lock_wait_s)
         except duckdb.IOException as e:
             raise ProjectionError(
                 f"cannot open {self.path}: {e}; another projector may hold it (DuckDB allows one writer per "
-                "file); query its snapshot (<db>.snapshot.duckdb) or build a private copy with "
+                "file); query its analysts' copy (<db>.analysts.duckdb) or build a private copy with "
                 "`llmgw project --once --db mine.duckdb`"
             ) from e
         self.con.execute("SET TimeZone = 'UTC'")
@@ -339,7 +347,9 @@ class Store:
                             "AND schema_name = 'main' AND table_name = 'projector_state'").fetchone()
         if found and found[0]:
             row = con.execute("SELECT schema_version FROM projector_state WHERE id = 1").fetchone()
-            if row is not None and row[0] != SCHEMA_VERSION:
+            if row is not None and row[0] in MIGRATIONS:
+                self._migrate(row[0])
+            elif row is not None and row[0] != SCHEMA_VERSION:
                 self.close()
                 raise _other_schema(self.path, row[0])
         try:
@@ -352,6 +362,22 @@ class Store:
                                   "version, or is not llmgw's: project into a new file (history replays from "
                                   "the streams)") from e
 
+    def _migrate(self, version: int) -> None:
+        """Bring a file of an older schema up to this one, in one transaction."""
+        con = self.con
+        try:
+            con.execute("BEGIN TRANSACTION")
+            for sql in MIGRATIONS[version]:
+                con.execute(sql)
+            con.execute("COMMIT")
+        except duckdb.Error as e:
+            with contextlib.suppress(duckdb.Error):
+                con.execute("ROLLBACK")
+            self.close()
+            raise ProjectionError(f"cannot bring {self.path} from projector schema {version} to {SCHEMA_VERSION}: "
+                                  f"{e}; project into a new file (history replays from the streams)") from e
+        log.info("%s: projector schema %d brought to %d in place", self.path, version, SCHEMA_VERSION)
+
     def _connect(self, lock_wait_s: float) -> duckdb.DuckDBPyConnection:
         """Open the file, waiting a little for a lock held by a projector that is still dying.
 
@@ -363,7 +389,7 @@ class Store:
             try:
                 con = duckdb.connect(self.path)
                 # No progress bar: DuckDB draws one on the terminal for a statement that runs over
-                # 2 s (a large commit, the analysts' snapshot copy), in the projector's logs.
+                # 2 s (a large commit, the analysts' copy), in the projector's logs.
                 con.execute("SET enable_progress_bar = false")
                 return con
             except duckdb.IOException as e:
@@ -376,21 +402,21 @@ class Store:
 
     def load(self) -> Checkpoint:
         """The state and cursor of the last commit, or empty ones."""
-        row = self.con.execute("SELECT schema_version, snapshot FROM projector_state WHERE id = 1").fetchone()
+        row = self.con.execute("SELECT schema_version, checkpoint FROM projector_state WHERE id = 1").fetchone()
         if row is None:
             return Checkpoint()
         version, blob = row
         if version != SCHEMA_VERSION:
             raise _other_schema(self.path, version)
         checkpoint = decode_state(blob)
-        positions = dict(self.con.execute("SELECT stream, seq FROM checkpoint").fetchall())
+        positions = dict(self.con.execute("SELECT stream, seq FROM positions").fetchall())
         if positions != checkpoint.cursor.positions:
-            raise ProjectionError(f"{self.path}: checkpoint {positions} disagrees with its state "
+            raise ProjectionError(f"{self.path}: positions {positions} disagree with its state "
                                   f"{checkpoint.cursor.positions}")
         return checkpoint
 
-    def commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None = None) -> None:
-        """Write a batch, the views of ``snapshot`` and its positions in one transaction.
+    def commit(self, batch: Batch, checkpoint: bytes, before_commit: Callable[[], None] | None = None) -> None:
+        """Write a batch, the views of ``checkpoint`` (encoded) and its positions in one transaction.
 
         A message whose history rows DuckDB refuses (a value its columns cannot
         hold) must not stop the projection at every restart: the batch is tried
@@ -399,7 +425,7 @@ class Store:
         """
         batch.pack()
         try:
-            self._commit(batch, snapshot, before_commit)
+            self._commit(batch, checkpoint, before_commit)
         except ProjectionError as e:
             if not isinstance(e.__cause__, _DATA_ERRORS) or not batch.chunks:
                 raise
@@ -408,21 +434,21 @@ class Store:
                 raise  # not a message's rows (the views, the disk): nothing to set aside
             batch.chunks = _without(batch.chunks, {(r[0], r[1]) for r in refused})
             batch.rows["unprojected_events"].extend(refused)
-            self._commit(batch, snapshot, before_commit)
-        if time.monotonic() - self._checkpointed >= self.checkpoint_interval_s:
+            self._commit(batch, checkpoint, before_commit)
+        if time.monotonic() - self._flushed >= self.flush_interval_s:
             try:
-                self.checkpoint()
+                self.flush_wal()
             except ProjectionError as e:  # the commit is safe in the WAL; only a copy of the file is staler
                 log.warning("%s", e)
-                self._checkpointed = time.monotonic()
+                self._flushed = time.monotonic()
 
-    def checkpoint(self) -> None:
+    def flush_wal(self) -> None:
         """Write what the WAL holds into the file itself, so that a plain copy of it has every commit."""
         try:
             self.con.execute("CHECKPOINT")
         except duckdb.Error as e:
-            raise ProjectionError(f"cannot checkpoint {self.path}: {e}") from e
-        self._checkpointed = time.monotonic()
+            raise ProjectionError(f"cannot flush the WAL of {self.path} into it: {e}") from e
+        self._flushed = time.monotonic()
 
     def _unwritable(self, chunks: list[Chunk]) -> list[tuple[Any, ...]]:
         """The messages of ``chunks`` whose rows DuckDB refuses, as unprojected rows; found by halving."""
@@ -455,9 +481,9 @@ class Store:
                 search(msgs, stream, e)
         return out
 
-    def _commit(self, batch: Batch, snapshot: bytes, before_commit: Callable[[], None] | None) -> None:
+    def _commit(self, batch: Batch, checkpoint: bytes, before_commit: Callable[[], None] | None) -> None:
         # The reader folds on while this commits, so the state arrives as bytes: a copy nobody mutates.
-        state, cursor = (c := decode_state(snapshot)).state, c.cursor
+        state, cursor = (c := decode_state(checkpoint)).state, c.cursor
         con = self.con
         con.execute("BEGIN TRANSACTION")
         try:
@@ -475,13 +501,13 @@ class Store:
                     app = con.appender(table)
                     app.append_rows(rows)
                     app.flush()
-            con.execute("DELETE FROM checkpoint")
+            con.execute("DELETE FROM positions")
             if cursor.positions:
-                con.executemany("INSERT INTO checkpoint VALUES (?, ?)", sorted(cursor.positions.items()))
+                con.executemany("INSERT INTO positions VALUES (?, ?)", sorted(cursor.positions.items()))
             con.execute(
                 "INSERT OR REPLACE INTO projector_state VALUES (1, ?, ?, "
                 "(SELECT count(*) FROM events) + (SELECT count(*) FROM unprojected_events), ?, ?)",
-                [SCHEMA_VERSION, state.as_of, cursor.unprojected, snapshot],
+                [SCHEMA_VERSION, state.as_of, cursor.unprojected, checkpoint],
             )
             if before_commit is not None:
                 before_commit()
@@ -493,17 +519,17 @@ class Store:
                 con.execute("ROLLBACK")
             raise ProjectionError(f"cannot commit to {self.path}: {e}; nothing of this batch was written") from e
 
-    def export_snapshot(self, dest: str | Path) -> Path:
+    def export_copy(self, dest: str | Path) -> Path:
         """Copy the database to ``dest`` atomically, for analysts to open read-only (in the DuckDB CLI too)."""
         dest = Path(dest)
         tmp = dest.with_name(dest.name + ".tmp")
         tmp.unlink(missing_ok=True)
         name = self.con.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
-        self.con.execute(f"ATTACH '{tmp}' AS llmgw_snapshot (STORAGE_VERSION '{SNAPSHOT_STORAGE_VERSION}')")
+        self.con.execute(f"ATTACH '{tmp}' AS llmgw_copy (STORAGE_VERSION '{COPY_STORAGE_VERSION}')")
         try:
-            self.con.execute(f'COPY FROM DATABASE "{name}" TO llmgw_snapshot')
+            self.con.execute(f'COPY FROM DATABASE "{name}" TO llmgw_copy')
         finally:
-            self.con.execute("DETACH llmgw_snapshot")
+            self.con.execute("DETACH llmgw_copy")
         os.replace(tmp, dest)
         return dest
 

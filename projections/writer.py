@@ -38,7 +38,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_interval_s: float) -> None:
+def _main(path: str, conn: Connection, copy_path: str | None, copy_interval_s: float) -> None:
     _die_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop
@@ -48,7 +48,7 @@ def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_inter
         conn.send(str(e))
         return
     conn.send(None)
-    last_snapshot = 0.0
+    last_copy = 0.0
     try:
         while True:
             try:
@@ -57,12 +57,12 @@ def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_inter
                 return
             if not data:
                 return
-            rows, chunks, events, snapshot = _DECODER.decode(data)
+            rows, chunks, events, checkpoint = _DECODER.decode(data)
             try:
-                store.commit(Batch(rows=rows, chunks=chunks, events=events), snapshot)
-                if snapshot_path and time.monotonic() - last_snapshot >= snapshot_interval_s:
-                    store.export_snapshot(snapshot_path)
-                    last_snapshot = time.monotonic()
+                store.commit(Batch(rows=rows, chunks=chunks, events=events), checkpoint)
+                if copy_path and time.monotonic() - last_copy >= copy_interval_s:
+                    store.export_copy(copy_path)
+                    last_copy = time.monotonic()
             except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
                 conn.send(f"{e}")
             else:
@@ -74,11 +74,11 @@ def _main(path: str, conn: Connection, snapshot_path: str | None, snapshot_inter
 class ProcessWriter:
     """Commits batches in a child process that owns the DuckDB file."""
 
-    def __init__(self, path: str | Path, snapshot_path: str | Path | None, snapshot_interval_s: float) -> None:
+    def __init__(self, path: str | Path, copy_path: str | Path | None, copy_interval_s: float) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_main, args=(str(path), child, str(snapshot_path) if snapshot_path else None, snapshot_interval_s),
+            target=_main, args=(str(path), child, str(copy_path) if copy_path else None, copy_interval_s),
             name="llmgw-duckdb-writer", daemon=True,
         )
         self._proc.start()
@@ -100,11 +100,11 @@ class ProcessWriter:
         return ProjectionError(f"the DuckDB writer process died (exit {self._proc.exitcode}); "
                                "the last commit is intact, restart the projector")
 
-    def commit(self, batch: Batch, snapshot: bytes) -> None:
+    def commit(self, batch: Batch, checkpoint: bytes) -> None:
         """Send one batch and wait for its commit (called from the projector's writer thread)."""
         batch.pack()
         try:
-            self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, snapshot)))
+            self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.chunks, batch.events, checkpoint)))
         except OSError as e:  # BrokenPipeError, ConnectionResetError: nobody reads the pipe any more
             raise self._died() from e
         self._check()

@@ -38,7 +38,7 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     where = tmp_path_factory.mktemp("analyst")
     store = project(where / "llmgw.duckdb")
     try:
-        yield store.export_snapshot(where / "llmgw.snapshot.duckdb")
+        yield store.export_copy(where / "llmgw.analysts.duckdb")
     finally:
         store.close()
 

@@ -229,3 +229,10 @@ def test_up_with_a_bad_fleet_file_fails_at_once(tmp_path: Path) -> None:
 def test_values_that_would_go_into_every_event_of_a_service_are_bounded(args: tuple[str, ...], words: tuple[str, ...]) -> None:
     """Before: accepted, and then every NodeLost, idle map or command they made was refused by its readers."""
     usage_error(invoke(*args, "--nats-url", "nats://127.0.0.1:1"), *words)
+
+
+def test_the_analysts_copy_under_its_old_and_new_name_at_once_is_a_usage_error() -> None:
+    """``--snapshot-interval`` (before schema 5) is ``--analysts-copy-interval``: one of them, not both."""
+    usage_error(invoke("project", "--once", "--snapshot-interval", "0", "--analysts-copy-interval", "5"),
+                "--snapshot-interval is the old name of --analysts-copy-interval")
+    usage_error(invoke("project", "--once", "--analysts-copy-interval", "-1"), "must be 0")

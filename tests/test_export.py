@@ -1,4 +1,4 @@
-"""``llmgw export --parquet``: every table as Parquet, read back with DuckDB; a live projector's file via its snapshot."""
+"""``llmgw export --parquet``: every table as Parquet, read back with DuckDB; a live projector's file via its analysts' copy."""
 
 from __future__ import annotations
 
@@ -87,22 +87,23 @@ def held(db: Path) -> Iterator[None]:
         proc.communicate("", timeout=30)
 
 
-def test_a_file_a_projector_holds_is_exported_from_its_snapshot(db: Path, tmp_path: Path) -> None:
-    project(tmp_path / "other.duckdb", small_fleet()[:5]).export_snapshot(tmp_path / "llmgw.snapshot.duckdb")
-    with_snapshot = tmp_path / "a"
+@pytest.mark.parametrize("name", ["llmgw.analysts.duckdb", "llmgw.snapshot.duckdb"])  # and the name before schema 5
+def test_a_file_a_projector_holds_is_exported_from_its_analysts_copy(db: Path, tmp_path: Path, name: str) -> None:
+    project(tmp_path / "other.duckdb", small_fleet()[:5]).export_copy(tmp_path / name)
+    with_copy = tmp_path / "a"
     with held(db):
-        code, stdout, stderr = export("--parquet", str(with_snapshot), "--db", str(db))
+        code, stdout, stderr = export("--parquet", str(with_copy), "--db", str(db))
         assert code == 0
-        assert stderr == (f"{db} is held by a running projector: exported its snapshot "
-                          f"{tmp_path / 'llmgw.snapshot.duckdb'}\n")
+        assert stderr == (f"{db} is held by a running projector: exported its analysts' copy "
+                          f"{tmp_path / name}\n")
     con = duckdb.connect()
-    assert con.execute(f"SELECT count(*) FROM read_parquet('{with_snapshot}/events/*/*.parquet')").fetchone() == (5,)
+    assert con.execute(f"SELECT count(*) FROM read_parquet('{with_copy}/events/*/*.parquet')").fetchone() == (5,)
 
 
-def test_a_held_file_without_a_snapshot_is_an_error_with_the_next_step(db: Path, tmp_path: Path) -> None:
+def test_a_held_file_without_an_analysts_copy_is_an_error_with_the_next_step(db: Path, tmp_path: Path) -> None:
     with held(db):
         code, stdout, stderr = export("--parquet", str(tmp_path / "b"), "--db", str(db))
     assert (code, stdout) == (1, "")
-    assert stderr.startswith(f"Error: {db} is held by a running projector and has no snapshot")
+    assert stderr.startswith(f"Error: {db} is held by a running projector and has no analysts' copy")
     assert "llmgw project --once --db mine.duckdb && llmgw export --parquet" in stderr
     assert not (tmp_path / "b").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -187,7 +187,7 @@ def test_a_message_the_store_cannot_write_is_set_aside_with_the_reason(duckdb_pa
         rows = store.query("SELECT stream, seq, subject, raw, error FROM unprojected_events")
         assert [(r[0], r[1], r[2], bytes(r[3])) for r in rows] == [(subjects.STREAM_FLEET, 2, subject, bad)]
         assert rows[0][4].startswith("the store cannot write it: ") and "INT" in rows[0][4]
-        assert store.query("SELECT stream, seq FROM checkpoint") == [(subjects.STREAM_FLEET, 3)]
+        assert store.query("SELECT stream, seq FROM positions") == [(subjects.STREAM_FLEET, 3)]
     finally:
         store.close()
 

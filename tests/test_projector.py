@@ -73,7 +73,7 @@ async def test_once_writes_history_views_checkpoint_and_keeps_bad_events(bus: Bu
     last = await publish(bus, events)
     await project_once(bus, duckdb_path, commit_every=5)
     rows = tables(duckdb_path)
-    assert dict(rows["checkpoint"]) == last
+    assert dict(rows["positions"]) == last
     assert len(rows["events"]) == len(small_fleet())
     assert [(r[0], r[2], r[3]) for r in rows["unprojected_events"]] == [
         (subjects.STREAM_FLEET, subjects.fleet("n1", "inventory"), BAD)]
@@ -100,11 +100,11 @@ async def test_once_writes_history_views_checkpoint_and_keeps_bad_events(bus: Bu
 async def test_second_once_run_adds_only_new_events(bus: Bus, duckdb_path: Path) -> None:
     first = await publish(bus, small_fleet()[:10])
     await project_once(bus, duckdb_path)
-    assert dict(tables(duckdb_path)["checkpoint"]) == first
+    assert dict(tables(duckdb_path)["positions"]) == first
     last = {**first, **await publish(bus, small_fleet()[10:])}
     await project_once(bus, duckdb_path)
     rows = tables(duckdb_path)
-    assert dict(rows["checkpoint"]) == last
+    assert dict(rows["positions"]) == last
     assert sorted(r[1] for r in rows["events"] if r[0] == subjects.STREAM_CONTROL) == list(range(1, last[subjects.STREAM_CONTROL] + 1))
 
 
@@ -118,7 +118,7 @@ async def _caught_up(projector: Projector, last: dict[str, int]) -> None:
 
 async def _live_status(bus: Bus, path: Path, last: dict[str, int], snapshot: Path | None = None) -> bytes:
     store = Store(path)
-    projector = Projector(bus, store, commit_interval_s=0.05, snapshot_path=snapshot, snapshot_interval_s=0)
+    projector = Projector(bus, store, commit_interval_s=0.05, copy_path=snapshot, copy_interval_s=0)
     task = asyncio.create_task(projector.run_forever())
     try:
         await _caught_up(projector, last)
@@ -148,9 +148,9 @@ async def test_live_replay_and_resumed_status_are_identical(
 
 async def test_analyst_can_read_the_snapshot_while_the_projector_runs(bus: Bus, tmp_path: Path) -> None:
     last = await publish(bus, small_fleet())
-    snapshot = tmp_path / "llmgw.snapshot.duckdb"
+    snapshot = tmp_path / "llmgw.analysts.duckdb"
     store = Store(tmp_path / "llmgw.duckdb")
-    projector = Projector(bus, store, commit_interval_s=0.05, snapshot_path=snapshot, snapshot_interval_s=0)
+    projector = Projector(bus, store, commit_interval_s=0.05, copy_path=snapshot, copy_interval_s=0)
     task = asyncio.create_task(projector.run_forever())
     try:
         await _caught_up(projector, last)
@@ -271,7 +271,7 @@ async def test_a_stream_declared_again_is_refused_not_read_past(bus: Bus, tmp_pa
         await project_once(bus, path)
     fresh = tmp_path / "new.duckdb"
     await project_once(bus, fresh)  # the next step the error gives: a new file
-    assert dict(tables(fresh)["checkpoint"]) == {k: v for k, v in (await _heads(bus)).items() if v}
+    assert dict(tables(fresh)["positions"]) == {k: v for k, v in (await _heads(bus)).items() if v}
 
 
 async def _heads(bus: Bus) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""The DuckDB store on real files: one transaction per commit, resume state, snapshots, bad input."""
+"""The DuckDB store on real files: one transaction per commit, resume state, the analysts' copy, bad input."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_a_failed_commit_writes_nothing(duckdb_path: Path) -> None:
     cp = Checkpoint()
     events = small_fleet()
     store.commit(batch_of(events[:5], cp), encode_state(cp.state, cp.cursor))
-    before = {name: store.table_rows(name) for name in ("events", "checkpoint", "projector_state", "nodes")}
+    before = {name: store.table_rows(name) for name in ("events", "positions", "projector_state", "nodes")}
 
     def boom() -> None:
         raise duckdb.IOException("disk full")
@@ -124,9 +124,9 @@ def test_snapshot_is_a_complete_read_only_copy(tmp_path: Path) -> None:
     store = Store(tmp_path / "live.duckdb")
     cp = Checkpoint()
     store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
-    snap = store.export_snapshot(tmp_path / "live.snapshot.duckdb")
-    store.export_snapshot(snap)  # replacing an existing snapshot works too
-    assert not (tmp_path / "live.snapshot.duckdb.tmp").exists()
+    snap = store.export_copy(tmp_path / "live.analysts.duckdb")
+    store.export_copy(snap)  # replacing an existing snapshot works too
+    assert not (tmp_path / "live.analysts.duckdb.tmp").exists()
     con = duckdb.connect(str(snap), read_only=True)
     try:
         assert con.execute("SELECT count(*) FROM events").fetchone() == (len(small_fleet()),)
@@ -139,7 +139,7 @@ def test_snapshot_is_a_complete_read_only_copy(tmp_path: Path) -> None:
 def test_a_plain_copy_of_the_live_file_holds_what_was_committed(tmp_path: Path) -> None:
     """Checkpointed on a schedule, the file itself has the commits, not only its WAL (which a copy leaves behind)."""
     live = tmp_path / "live.duckdb"
-    store = Store(live, checkpoint_interval_s=0)  # at every commit, as a long-running one does every minute
+    store = Store(live, flush_interval_s=0)  # at every commit, as a long-running one does every minute
     cp = Checkpoint()
     store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
     shutil.copyfile(live, tmp_path / "copy.duckdb")  # while the projector holds it, without the WAL
@@ -160,13 +160,33 @@ def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path
     con.execute("CREATE TABLE nodes (name VARCHAR, gpus INTEGER)")
     con.execute("INSERT INTO projector_state VALUES (1, 3, NULL, 0, 0, NULL)")
     con.close()
-    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 4; project into a new file"):
+    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 5; project into a new file"):
         Store(old)
     con = duckdb.connect(str(old), read_only=True)  # closed again, and untouched
     try:
         assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchone() == (0,)
     finally:
         con.close()
+
+
+def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> None:
+    """Schema 5 only renamed (``checkpoint`` → ``positions``, ``snapshot`` → ``checkpoint``): no rebuild."""
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
+    events = store.query("SELECT count(*) FROM events")
+    store.con.execute("ALTER TABLE positions RENAME TO checkpoint")  # the file as schema 4 left it
+    store.con.execute("ALTER TABLE projector_state RENAME COLUMN checkpoint TO snapshot")
+    store.con.execute("UPDATE projector_state SET schema_version = 4")
+    store.close()
+    again = Store(duckdb_path)
+    try:
+        assert again.load() == cp
+        assert again.query("SELECT schema_version FROM projector_state") == [(5,)]
+        assert again.query("SELECT count(*) FROM events") == events
+        assert again.query("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'checkpoint'") == [(0,)]
+    finally:
+        again.close()
 
 
 def test_unknown_table_is_an_error(duckdb_path: Path) -> None:

@@ -206,7 +206,7 @@ async def test_burst_larger_than_a_batch_never_makes_the_projector_slow(
     n = 60_000
     db = tmp_path / "live.duckdb"
     slow_before = int(server.varz().get("slow_consumers", 0))
-    proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--snapshot-interval", "0",
+    proc = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--analysts-copy-interval", "0",
                                                 env=env(bus), stdout=asyncio.subprocess.DEVNULL,
                                                 stderr=asyncio.subprocess.PIPE)
     try:
@@ -313,7 +313,7 @@ async def test_file_held_by_another_projector_is_refused_then_resumes(bus: Bus, 
     await bus.publish_many(history(n))
     db, clean = tmp_path / "held.duckdb", tmp_path / "clean.duckdb"
     assert (await project(bus, clean))[0] == 0
-    holder = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--snapshot-interval", "0",
+    holder = await asyncio.create_subprocess_exec(LLMGW, "project", "--db", str(db), "--analysts-copy-interval", "0",
                                                   env=env(bus), stdout=asyncio.subprocess.DEVNULL,
                                                   stderr=asyncio.subprocess.DEVNULL)
     try:

@@ -96,7 +96,7 @@ async def test_server_sigkill_under_agent_router_projector(tmp_path: Path, recor
         # Admin declares the streams (compose.yaml's `streams` service); the roles only find them.
         rc, out = await plane.run("admin", "declare-streams")
         assert rc == 0, out
-        await plane.spawn("projector", "projector", "project", "--db", str(live), "--snapshot-interval", "0",
+        await plane.spawn("projector", "projector", "project", "--db", str(live), "--analysts-copy-interval", "0",
                           "--commit-interval", "0.2")
         await plane.spawn("agent", f"agent-{NODE}", "agent", "--simulate", str(FLEET_FILE), "--node", NODE,
                           "--heartbeat-s", "0.5", "--poll-s", "0.5")
