@@ -41,9 +41,13 @@ from llmgw.enginecmd import (
     kv_tokens_from_props,
     part_argvs,
 )
+from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
 from llmgw.upstream import Timeouts, Upstream
 
 log = logging.getLogger(__name__)
+
+# The engine supervisor folds the control stream for this node's placements: no memory beyond the state.
+ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
 
 CHECK_S = 10.0  # one health check or reading, all of it
 
@@ -434,6 +438,8 @@ class EngineSupervisor:
     def __init__(self, node: str, config: EngineConfig | None = None) -> None:
         self.node = node
         self.config = config or EngineConfig()
+        # The fold of the control stream (no memories beyond it) and, from its hook, this node's share.
+        self.checkpoint = Checkpoint()
         self.placed: dict[str, m.ReplicaPlaced] = {}
         self.runs: dict[str, EngineRun] = {}
         self.heads: dict[str, str] = {}  # replica → its head's address, for this node's worker parts
@@ -455,7 +461,8 @@ class EngineSupervisor:
                 out.append((proc.pid, run.gpu_indexes, round(run.placed.spec.gib_per_gpu * 1024)))
         return out
 
-    def _fold(self, event: m.Event) -> None:
+    def _note(self, _: int, event: m.Event) -> None:
+        """What this node's engines need of a control event the one fold took (``fold_batch``'s hook)."""
         match event:
             case m.ReplicaPlaced() if self.node in event.nodes:
                 # Over several nodes, every node runs its part; the first node's is the head.
@@ -513,8 +520,13 @@ class EngineSupervisor:
             if target == 0:
                 self.caught_up.set()
             async for batch in follower.batches():
-                for d in batch:
-                    self._fold(d.event)
+                # The one fold every reader folds by: a placement on another subject than its own,
+                # or a head's address from a node its replica is not on, never starts anything here.
+                why = fold_batch(self.checkpoint, subjects.STREAM_CONTROL, [d.raw for d in batch],
+                                 [d.event for d in batch], keep=ENGINES_KEEP, before=self._note)
+                for d, refused in zip(batch, why, strict=True):
+                    if refused is not None:
+                        log.warning("control seq %d refused: %s", d.raw.seq, refused)
                 # Reconcile only on what the whole history says, never on a prefix of it.
                 if follower.last_seq >= target:
                     self.caught_up.set()

@@ -376,3 +376,18 @@ async def test_an_engine_that_refuses_the_health_check_fails_soon_with_the_reaso
     assert [s.state for s in got] == ["starting", "failed"]
     assert "the engine is up but refuses the health check for 0.5s" in got[-1].detail
     assert "answered 404" in got[-1].detail and "does not exist" in got[-1].detail
+
+
+async def test_a_placement_on_another_subject_starts_nothing(
+    bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]
+) -> None:
+    """What every reader refuses (here: a payload naming another replica than its subject), it never starts."""
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    forged = placed("qwen-r9")
+    await bus.publish_bytes(subjects.replica("qwen-r1", "placed"), m.encode(forged), "forged-placement")
+    await bus.publish(placed("qwen-r2"))
+    _, start = agent
+    sup = start(EngineConfig(simulate=True, health_timeout_s=20))
+    got = await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
+    assert {s.replica_id for s in got} == {"qwen-r2"}
+    assert "qwen-r9" not in sup.placed and set(sup.checkpoint.state.replicas) == {"qwen-r2"}

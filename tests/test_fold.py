@@ -307,14 +307,15 @@ def test_an_event_is_refused_when_its_subject_or_placement_disagrees(subject: st
 
 def _keeps() -> dict[str, Memories]:
     from llmgw.endpoints import ROUTER_KEEPS
+    from llmgw.engines import ENGINES_KEEP
     from llmgw.liveness import LIVENESS_KEEPS
     from llmgw.planner_service import PLANNER_KEEPS
 
     return {"every": EVERY, "planner": PLANNER_KEEPS, "router": ROUTER_KEEPS, "liveness": LIVENESS_KEEPS,
-            "none": Memories(history=False, demand=False, observed=False, pool=False, lost=False)}
+            "engines": ENGINES_KEEP, "none": Memories(history=False, demand=False, observed=False, pool=False, lost=False)}
 
 
-@pytest.mark.parametrize("reader", ["planner", "router", "liveness", "none"])
+@pytest.mark.parametrize("reader", ["planner", "router", "liveness", "engines", "none"])
 def test_every_reader_refuses_clamps_and_applies_alike_whatever_it_remembers(reader: str) -> None:
     """The one fold rule: a reader that keeps fewer memories refuses, clamps and folds the same events."""
     setup: list[tuple[str, m.Event]] = [("llmgw.fleet.n1.inventory", inventory("n1", "ib-a", 1, t(0))),
