@@ -60,6 +60,11 @@ def describe(event: m.Event) -> str:
             return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
         case m.ReplicaStopped():
             return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
+        case m.WakeAnswered():
+            held = (event.released_at - event.held_since).total_seconds()
+            return (f"router {event.router} sent {event.requests} held request{'s' if event.requests != 1 else ''} "
+                    f"for {event.model} on to {event.replica_id} (held {held:.2f}s; first byte "
+                    f"{(event.at - event.released_at).total_seconds():.2f}s later)")
         case m.IdleMapPublished():
             return (f"router {event.router} tick {event.tick}: {len(event.last_request)} replicas with requests, "
                     f"{len(event.serving_since)} without since routing began")

@@ -214,11 +214,13 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     # The autoscaler's changes count at once, so a wake places in the same pass.
     target: dict[str, int] = {}
     why: dict[str, str] = {}
+    cause: dict[str, str] = {}  # the ledger's code for the placements an autoscale causes
     for event_a, msg_id in autoscale(state, memory, now):
         out.append(Decision(event_a, msg_id))
         target[event_a.name] = event_a.replicas
-        if event_a.replicas > state.models[event_a.name].replicas_wanted:
+        if event_a.replicas > (before := state.models[event_a.name].replicas_wanted):
             why[event_a.name] = event_a.reason
+            cause[event_a.name] = "wake" if before == 0 else "scale-up"
     held = {(g.node, g.index) for r in state.replicas.values() for g in r.gpus}
     live: dict[str, list[ReplicaView]] = defaultdict(list)
     # Stops decided in this pass count as if already folded: an idle stop parks
@@ -314,9 +316,11 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
                     del free[node]
             n += 1
             rid = replica_id(name, n)
-            reason = why.get(name) or _woken(memory, name, running) or f"{len(running) + placed_now} of {wanted} running"
+            woken = "" if name in why else _woken(memory, name, running)
+            reason = why.get(name) or woken or f"{len(running) + placed_now} of {wanted} running"
             event = m.ReplicaPlaced(
                 at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
+                cause=cause.get(name, "wake" if woken else ""),
             )
             out.append(Decision(event, f"ReplicaPlaced:{rid}"))
             held.update((g.node, g.index) for g in gpus)

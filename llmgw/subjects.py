@@ -90,7 +90,8 @@ def usage_idle(router: str) -> str:
 
 
 def usage_wanted(router: str) -> str:
-    """``llmgw.usage.<router>.wanted``: a router holds requests for a model with no healthy replica."""
+    """``llmgw.usage.<router>.wanted``: a router holds requests for a model with no healthy replica (and
+    says when it sent them on: ``WakeAnswered``)."""
     return f"{PREFIX}.usage.{token(router)}.wanted"
 
 
@@ -168,7 +169,7 @@ def subject_for(event: m.Event) -> str:
             return heartbeat(node)
         case m.IdleMapPublished(router=router):
             return usage_idle(router)
-        case m.ModelWanted(router=router):
+        case m.ModelWanted(router=router) | m.WakeAnswered(router=router):
             return usage_wanted(router)
         case m.ModelDeclared(spec=spec):
             return model(spec.name, "declared")

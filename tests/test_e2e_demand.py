@@ -44,6 +44,23 @@ def replicas_of(url: str, name: str) -> tuple[list[dict[str, Any]], list[dict[st
     return placed, stopped, scaled
 
 
+PHASES = ("wanted_at", "placed_at", "started_at", "healthy_at", "released_at", "first_byte_at")
+
+
+def woken_phases(url: str, name: str, replica_id: str) -> dict[str, Any]:
+    """The ledger's wake of ``replica_id`` once every phase is there (the router says with its next map)."""
+    def done() -> dict[str, Any] | None:
+        shown = json.loads(ok(url, "ctl", "model", "show", name, "--replay", "--json"))
+        row = next((c for c in shown["cold_starts"] if c["replica_id"] == replica_id), None)
+        return row if row is not None and all(row[p] for p in PHASES) else None
+
+    row = wait_for(f"{replica_id}'s cold start in the ledger", done, within_s=30)
+    assert row["cause"] == "wake" and row["requests"] >= 1
+    times = [row[p] for p in PHASES]
+    assert times == sorted(times), row  # wanted → placed → started → healthy → released → first byte
+    return row
+
+
 def chat(client: openai.OpenAI, model: str, stream: bool) -> str:
     if stream:
         chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True)
@@ -92,6 +109,8 @@ def test_parked_models_wake_on_requests_and_autoscale_with_load(tmp_path: Path) 
         placed, stopped, _ = replicas_of(url, "fixed")
         assert [p["reason"] for p in placed] == ["0 of 1 running", "woken by router-up: 1 request waiting"]
         assert [s["reason"].split(":")[0] for s in stopped] == ["idle"]
+        woken_phases(url, "fixed", placed[-1]["replica_id"])
+        assert "Cold starts: 1 (1 wakes, 0 scale-ups)" in ok(url, "ctl", "model", "show", "fixed", "--replay")
         # The woken replica's engine said what it reserved; the plan it ran from is next to it.
         row = next(r for r in json.loads(ok(url, "ctl", "model", "list", "--json")) if r["name"] == "fixed")
         assert row["kv_tokens_planned"] > 0

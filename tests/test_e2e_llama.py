@@ -33,6 +33,7 @@ from test_e2e import (
     stop_up,
     wait_for,
 )
+from test_e2e_demand import woken_phases
 
 FLEET = ROOT / "examples" / "cpu.toml"
 CONTEXT, SLOTS = 512, 2
@@ -134,6 +135,7 @@ def test_a_real_llama_server_serves_wakes_and_restarts_under_llmgw(tmp_path: Pat
         assert woken.choices and "timings" in (woken.model_extra or {})
         second = wait_for("tiny-r2 healthy", lambda: healthy(url, "tiny-r2"))
         assert second["endpoint"] != first["endpoint"]
+        woken_phases(url, "tiny", "tiny-r2")  # the ledger, with a real engine's start-up in it
 
         # SIGKILL of the engine: the agent starts it again, and it serves.
         os.kill(engine_pid(int(second["endpoint"].rsplit(":", 1)[1])), signal.SIGKILL)

@@ -119,6 +119,8 @@ def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], even
         for i, event in zip(fresh, some, strict=True):
             events[i] = event
     note = c.history.note if keep.history and stream == subjects.STREAM_CONTROL else None
+    # The routers' part of the cold-start ledger comes on the usage stream.
+    answered = c.history.note_answered if keep.history and stream == subjects.STREAM_USAGE else None
     state, positions, stored_ns = c.state, cursor.positions, cursor.stored_ns
     for i in range(n):
         x, event = stored[i], events[i]
@@ -127,6 +129,8 @@ def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], even
         if why[i] is None:
             if note is not None:  # a refused report is no part of a model's history (`ctl model show`)
                 note(x.seq, event)
+            elif answered is not None and type(event) is _ANSWERED:
+                answered(event)
             _observe(c, keep, x.seq, x.subject, event, now)
             if before is not None:
                 before(i, event)
@@ -163,7 +167,7 @@ def _observe(c: Checkpoint, keep: Memories, seq: int, subject: str, event: m.Eve
 
 
 log = logging.getLogger(__name__)
-_IDLE_MAP, _HEALTH = m.IdleMapPublished, m.GpuHealthChanged
+_IDLE_MAP, _HEALTH, _ANSWERED = m.IdleMapPublished, m.GpuHealthChanged, m.WakeAnswered
 _CONTROL = frozenset(typing.get_args(m.ControlEvent))
 
 

@@ -28,8 +28,9 @@ from llmgw import subjects
 # Bumped whenever apply() folds any event differently, or a checkpoint carries more: a
 # snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
 # it is folded again. 2: the models' history, the scheduler's and the planner's memory travel
-# in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too.
-FOLD_VERSION = 5
+# in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
+# history carries the cold-start ledger, and the pool each model's routing policy.
+FOLD_VERSION = 6
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 

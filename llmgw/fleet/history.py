@@ -19,6 +19,9 @@ from datetime import UTC, date, datetime, timedelta
 from llmgw import messages as m
 
 RECENT_EVENTS = 20  # per model: what ``ctl model show`` lists
+COLD_STARTS_KEPT = 64  # per model: the ledger's latest wakes and scale-ups
+ANSWERED_KEPT = 4096  # the routers' side of the ledger, by replica: a bound, not a window
+WAITS_KEPT = 1024  # per cold start: held requests' waits
 
 
 @dataclass
@@ -27,6 +30,38 @@ class _Held:
     gpus: int
     nodes: tuple[str, ...]
     since: datetime
+
+
+@dataclass
+class _Start:
+    """A wake or scale-up as the control stream tells it (the ledger's placed, started, healthy)."""
+
+    replica_id: str
+    cause: str
+    placed_at: datetime
+    started_at: datetime | None = None
+    healthy_at: datetime | None = None
+
+
+@dataclass
+class _Answered:
+    """What the routers said of a woken replica (``WakeAnswered``), merged over routers."""
+
+    held_since: datetime
+    released_at: datetime
+    first_byte_at: datetime
+    requests: int
+    waits_s: list[float]
+
+
+def cause_of(event: m.ReplicaPlaced) -> str:
+    """The ledger's code for a placement: wake, scale-up, or "" (not a cold start). Events older than
+    ``ReplicaPlaced.cause`` say it only in their reason, which the scheduler has always begun so."""
+    if event.cause:
+        return event.cause
+    if event.reason.startswith("woken by"):
+        return "wake"
+    return "scale-up" if event.reason.startswith("scaled up") else ""
 
 
 @dataclass
@@ -39,6 +74,12 @@ class ModelHistory:
     # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan).
     observed_kv: dict[str, int] = field(default_factory=dict)
     placed: dict[str, _Held] = field(default_factory=dict)  # replicas placed and not yet stopped
+    # The cold-start ledger: each model's latest wakes and scale-ups (placement order), how many in
+    # all, and the routers' side by replica. The two sides are joined when asked (``cold_starts``),
+    # so the answer does not depend on how the control and usage streams interleave.
+    starts: dict[str, list[_Start]] = field(default_factory=dict)
+    start_count: dict[str, int] = field(default_factory=dict)
+    answered: dict[str, _Answered] = field(default_factory=dict)
 
     def note(self, seq: int, event: m.ControlEvent) -> None:
         """One control-stream event, at its sequence."""
@@ -54,12 +95,55 @@ class ModelHistory:
             case m.ReplicaPlaced():
                 self._close(event.replica_id, event.at)  # placed again under the same id: the first one ended
                 self.placed[event.replica_id] = _Held(event.model, len(event.gpus), event.nodes, event.at)
+                if cause := cause_of(event):
+                    starts = self.starts.setdefault(model, [])
+                    starts.append(_Start(event.replica_id, cause, event.at))
+                    self.start_count[model] = self.start_count.get(model, 0) + 1
+                    if len(starts) > COLD_STARTS_KEPT:
+                        del starts[0]
+            case m.ReplicaStateChanged(state="starting" | "healthy") if model in self.starts:
+                for start in reversed(self.starts[model]):
+                    if start.replica_id == event.replica_id:
+                        if event.state == "starting" and start.started_at is None:
+                            start.started_at = event.at
+                        elif event.state == "healthy" and start.healthy_at is None:
+                            start.healthy_at = event.at
+                        break
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
             case m.ReplicaStateChanged() if event.observed_kv_tokens > 0:
                 self.observed_kv[model] = event.observed_kv_tokens
             case m.ModelDeclared():
                 self.observed_kv.pop(model, None)
+
+    def note_answered(self, event: m.WakeAnswered) -> None:
+        """A router's ``WakeAnswered`` (usage stream): merged with other routers' for the same replica."""
+        known = self.answered.get(event.replica_id)
+        if known is None:
+            if len(self.answered) >= ANSWERED_KEPT:
+                del self.answered[next(iter(self.answered))]
+            self.answered[event.replica_id] = _Answered(event.held_since, event.released_at, event.at,
+                                                        event.requests, sorted(event.waits_s)[:WAITS_KEPT])
+            return
+        known.held_since = min(known.held_since, event.held_since)
+        known.released_at = min(known.released_at, event.released_at)
+        known.first_byte_at = min(known.first_byte_at, event.at)
+        known.requests += event.requests
+        known.waits_s = sorted([*known.waits_s, *event.waits_s])[:WAITS_KEPT]
+
+    def cold_starts(self, model: str) -> tuple[m.ColdStart, ...]:
+        """The model's latest wakes and scale-ups, oldest first, each with every phase known."""
+        out = []
+        for s in self.starts.get(model, ()):
+            a = self.answered.get(s.replica_id) if s.cause == "wake" else None
+            out.append(m.ColdStart(
+                replica_id=s.replica_id, model=model, cause=s.cause, placed_at=s.placed_at,
+                wanted_at=a.held_since if a is not None else (s.placed_at if s.cause == "scale-up" else None),
+                started_at=s.started_at, healthy_at=s.healthy_at,
+                released_at=a.released_at if a is not None else None,
+                first_byte_at=a.first_byte_at if a is not None else None,
+                requests=a.requests if a is not None else 0, waits_s=tuple(a.waits_s) if a is not None else ()))
+        return tuple(out)
 
     def events(self, model: str) -> tuple[m.ModelEvent, ...]:
         return tuple(self.recent.get(model, ()))
@@ -117,3 +201,12 @@ def note_batch(history: ModelHistory, seqs: list[int], events: list[m.ControlEve
     note = history.note
     for seq, event in zip(seqs, events, strict=True):
         note(seq, event)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0–100) of ``values`` by the nearest rank; None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil without floats going astray
+    return ordered[min(int(rank), len(ordered)) - 1]

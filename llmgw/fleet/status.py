@@ -185,6 +185,8 @@ def model_detail(state: FleetState, now: datetime | None, name: str, history: Mo
         now=_utc(now), positions=dict(sorted((cursor or Cursor()).positions.items())), summary=summary,
         spec=view.spec, replicas=replica_rows(state, now, name),
         events=history.events(name) if history is not None else (),
+        cold_starts=history.cold_starts(name) if history is not None else (),
+        cold_start_count=history.start_count.get(name, 0) if history is not None else 0,
     )
 
 
