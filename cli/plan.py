@@ -38,6 +38,11 @@ def render(reply: m.PlanReply, model: str) -> None:
     console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
     console.print(f"{reply.model}: {_fmt_params(reply.params)} parameters ({reply.params_source}); "
                   f"{reply.fleet_gpus} healthy GPUs in the fleet")
+    if reply.engine_version:
+        source = {"fleet": "the version the fleet's agents report", "--engine-version": "--engine-version",
+                  "newest profile": "no agent reports one: the newest profile"}.get(reply.engine_version_source,
+                                                                                      reply.engine_version_source)
+        console.print(f"engine: vLLM {reply.engine_version} (profile {reply.engine_profile}; {source})")
     for note in reply.notes:
         console.print(f"note: {note}")
     if not reply.candidates:
@@ -57,6 +62,8 @@ def render(reply: m.PlanReply, model: str) -> None:
                       f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
     console.print(table)
     for i, c in enumerate(reply.candidates, 1):
+        if c.graph_note:
+            console.print(f"candidate {i}: {c.graph_note}", soft_wrap=True)
         if c.observed_kv_tokens is not None:
             err = (c.estimated_kv_tokens - c.observed_kv_tokens) / c.observed_kv_tokens if c.observed_kv_tokens else 0.0
             console.print(f"candidate {i}: KV tokens observed on this fleet ({c.observed_kv_tokens:,} reserved by an "
@@ -94,8 +101,15 @@ parallel_option = click.option(
               help="bf16, fp16, fp8, awq, gptq, q8_0, q6_K, q5_K_M or q4_K_M, or what a pre-quantized checkpoint is (int8, int4, fp4, mxfp4, bnb-8bit, bnb-4bit); repeatable [default: all the repository allows].")
 @click.option("--tp", "tps", type=int, multiple=True, help="GPUs per node to split over; repeatable [default: 1, 2, 4, 8].")
 @click.option("--context", type=int, help="Context every candidate must hold [default: the model's full context, else the largest that fits].")
-@click.option("--gpu-memory-utilization", "util", type=float, default=0.9, show_default=True,
-              help="Fraction of each card's total memory the engine may use.")
+@click.option("--gpu-memory-utilization", "util", type=float, default=None,
+              help="Fraction of each card's total memory the engine may use [default: the engine version's, "
+                   "0.9, or 0.92 from vLLM 0.29].")
+@click.option("--engine-version", default="", metavar="VERSION",
+              help="The vLLM version to plan for, e.g. 0.17.1 [default: the one the fleet's agents report, else the "
+                   "newest profile].")
+@click.option("--max-num-seqs", type=click.IntRange(0, m.MAX_PARALLEL), default=0,
+              help="vLLM's --max-num-seqs, planned and passed to the engine [default: the engine version's default "
+                   "on each card, 256 or 1024].")
 @click.option("--params", callback=_params, help="Parameter count override, e.g. 70.6B (when the checkpoint does not say).")
 @click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="vLLM's KV cache dtype: fp8 halves it (auto: the model's, or the checkpoint's kv_cache_scheme).")
@@ -106,8 +120,8 @@ parallel_option = click.option(
 @json_option
 @nats_options
 def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: tuple[int, ...], context: int | None,
-         util: float, params: int | None, kv_dtype: str, parallel: int, show_all: bool, models_dir: str | None,
-         as_json: bool, settings: Settings) -> None:
+         util: float | None, engine_version: str, max_num_seqs: int, params: int | None, kv_dtype: str, parallel: int,
+         show_all: bool, models_dir: str | None, as_json: bool, settings: Settings) -> None:
     """Will MODEL fit on the fleet, and how to split it: every candidate, with its engine command.
 
     MODEL is a Hugging Face repo id (offline from the HF cache with HF_HUB_OFFLINE=1)
@@ -118,10 +132,12 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
     \b
         llmgw ctl model plan Qwen/Qwen2.5-Coder-32B-Instruct --precision bf16 --precision q4_K_M
         llmgw ctl model plan ./models/Llama-3.3-70B --fleet examples/fleet.toml --context 8192 --json
+        llmgw ctl model plan Qwen/Qwen3-8B --fleet examples/fleet.toml --engine-version 0.17.1 --max-num-seqs 64
     """
     request = m.PlanRequest(model=model, precisions=precisions, tp=tps, context=context,
                             gpu_memory_utilization=util, params=params, all=show_all,
-                            kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
+                            kv_cache_dtype=kv_dtype,  # type: ignore[arg-type]
+                            parallel=parallel, engine_version=engine_version, max_num_seqs=max_num_seqs)
     from llmgw import ctl
 
     reply = run(ctl.plan(settings, model, request, fleet=fleet_path, models_dir=models_dir))

@@ -329,9 +329,10 @@ def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_di
     from llmgw.fleet.fold import fold
 
     fleet = fleetfile.load(fleet_path)
-    state = fold(fleetfile.inventories(fleet, m.utcnow()))
+    reports = fleetfile.inventories(fleet, m.utcnow())
+    state = fold(reports)
     info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
-    return planner.plan(info, state, request)
+    return planner.plan(info, state, request, engine_versions={r.node: r.vllm_version for r in reports})
 
 
 async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:

@@ -34,6 +34,7 @@ class FleetNode:
     gpu_memory_mib: int
     unhealthy: tuple[int, ...] = ()
     gpu_name: str = ""
+    vllm_version: str = ""  # what `vllm --version` says on the node: the planner plans for it
 
     def gpu_uuid(self, index: int) -> str:
         """A stable, UUID-shaped id for a simulated GPU."""
@@ -92,7 +93,7 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
         raise FleetFileError(path, "nodes", "must be a non-empty array of tables ([[nodes]])")
     if len(nodes_raw) > MAX_NODES:
         raise FleetFileError(path, "nodes", f"lists {len(nodes_raw):,} nodes; a fleet file holds at most {MAX_NODES:,}")
-    known = {"name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib", "unhealthy", "gpu_name"}
+    known = {"name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib", "unhealthy", "gpu_name", "vllm_version"}
     nodes: list[FleetNode] = []
     seen: set[str] = set()
     for i, raw in enumerate(nodes_raw):
@@ -132,6 +133,9 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
         gpu_name = _field(path, f"{at}.gpu_name", raw.get("gpu_name", ""), str, "must be a string")
         if len(gpu_name) > 200:
             raise FleetFileError(path, f"{at}.gpu_name", f"must be at most 200 characters (got {len(gpu_name):,})")
+        vllm_version = _field(path, f"{at}.vllm_version", raw.get("vllm_version", ""), str, "must be a string, e.g. \"0.17.1\"")
+        if len(vllm_version) > 100 or (vllm_version and not re.search(r"\d", vllm_version)):
+            raise FleetFileError(path, f"{at}.vllm_version", f"must be a version such as \"0.17.1\" (got {_shown(vllm_version)})")
         nodes.append(
             FleetNode(
                 name=name,
@@ -141,6 +145,7 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
                 gpu_memory_mib=mem,
                 unhealthy=tuple(sorted(set(unhealthy_raw))),
                 gpu_name=gpu_name,
+                vllm_version=vllm_version,
             )
         )
     fleet = Fleet(path=path, nodes=tuple(nodes), raw=doc)
@@ -174,6 +179,7 @@ def inventory(node: FleetNode, at: datetime, boot_id: str = "fleet-file") -> m.N
         fabric_source="fleet-file",
         boot_id=boot_id,
         simulated=True,
+        vllm_version=node.vllm_version,
         gpus=tuple(
             m.GpuInfo(
                 index=i,

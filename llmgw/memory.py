@@ -22,20 +22,21 @@ spreads over, on one node):
   left in host memory unless they double as the output.
   The tensor breakdown comes from the architecture and is scaled to the
   parameter count read from the checkpoint, so both always agree on the total.
-* **Overhead per GPU**, from that rank's share, as vLLM (V1 engine, 0.11) accounts
-  for it when it sizes the KV cache (calibrated on published start-up logs:
-  ``tests/data/vllm_observed.jsonl``, table in the README):
+* **Overhead per GPU**, from that rank's share, as the engine version's profile counts it
+  when it sizes the KV cache (``llmgw.engineprofiles``; fitted per version range on published
+  start-up logs: ``tests/data/vllm_observed.jsonl``, figures in docs/benchmarks.md):
   - the activation peak of its profiling run, the larger of the forward pass
     (``max_num_batched_tokens`` x 2 bytes x (the rank's q/k/v width + 4 x hidden +
     3 x the rank's MLP width, top-k experts for MoE)) and the sampler's dummy pass
-    (``max_num_seqs`` x vocab x fp32, 9.7 times over: logits, probabilities, the
-    top-p/top-k sort and its indices; not split by tp). vLLM's defaults for the
-    OpenAI server: 8192 tokens and 1024 sequences on cards of 70 GiB or more
-    except the A100, else 2048 and 256.
-  - memory outside torch's allocator that it counts: 0.13 GiB, plus 0.42 GiB of
-    NCCL and custom all-reduce buffers when tp x pp > 1.
-  - The CUDA context (~0.5 GiB) and the CUDA graphs it captures after sizing the
-    cache (0.3-1.9 GiB in the logs) come out of the slack, not the budget.
+    (``max_num_seqs`` x vocab x fp32, the profile's copies over; not split by tp).
+    ``max_num_seqs`` is what the plan passes (``--max-num-seqs``), by default the
+    version's default on that card.
+  - memory outside torch's allocator that it counts, plus NCCL and custom all-reduce
+    buffers when tp x pp > 1.
+  - CUDA graphs (``cuda_graph_bytes_per_gpu``): from vLLM 0.21 profiled and taken from the
+    budget; before, captured after the cache is sized, out of the slack, which must then
+    hold them beside the CUDA context (~0.5 GiB). The planner (``llmgw.planner``) charges
+    them or proposes ``--enforce-eager`` where the slack cannot.
   llama.cpp: a CUDA context of 0.5 GiB and its compute buffer with its
   ``n_ubatch`` of 512 tokens in fp32.
 * **KV cache** = budget - weights - overhead. Per token per GPU: layers x 2 x
@@ -59,21 +60,24 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from llmgw import messages as m
+from llmgw.engineprofiles import NEWEST, EngineProfile
 from llmgw.errors import PlanError
 
 GIB = 1024**3
 MIB = 1024**2
 
 # --- constants of the memory model (see the module docstring for their sources) ---
-VLLM_BATCHED_TOKENS = 8192  # max_num_batched_tokens and max_num_seqs, on a large card
-VLLM_MAX_SEQS = 1024
-VLLM_SMALL_BATCHED_TOKENS = 2048  # … and elsewhere (A100s, cards under 70 GiB)
-VLLM_SMALL_MAX_SEQS = 256
-VLLM_LARGE_CARD_BYTES = 70 * 1024**3
-VLLM_SAMPLER_COPIES = 9.7  # fitted: the 0.11 logs' activation peak over max_num_seqs x vocab x 4 B
-VLLM_NON_TORCH_BYTES = int(0.13 * 1024**3)
-VLLM_ALLREDUCE_BYTES = int(0.42 * 1024**3)
+VLLM_BATCHED_TOKENS = 8192  # the KV window's tokens in flight (sliding layers), as on a large card
 LLAMACPP_UBATCH = 512
+# CUDA graphs, per rank (fitted on the logs' "Graph capturing finished … took X GiB" and "Estimated
+# CUDA graph memory"): a base, each captured layer's output buffers at the largest capture size
+# (min(512, 2 x max_num_seqs) tokens x hidden x 2 B), the fused-MoE workspaces of each MoE layer,
+# and the custom all-reduce's registered buffers when the replica is split.
+GRAPH_BASE_BYTES = int(0.1 * 1024**3)
+GRAPH_CAPTURE_MAX = 512
+GRAPH_BYTES_PER_ELEMENT = 2
+GRAPH_MOE_LAYER_BYTES = int(0.03 * 1024**3)
+GRAPH_ALLREDUCE_BYTES = int(0.25 * 1024**3)
 CUDA_CONTEXT_BYTES = GIB // 2
 KV_DTYPE_BYTES = 2
 MIN_CONTEXT = 2048
@@ -471,13 +475,10 @@ def _ffn_width(info: m.ModelInfo) -> int:
     return info.intermediate_size
 
 
-def large_card(gpu_class: str, memory_mib: int) -> bool:
-    """Whether vLLM gives this card its larger batch defaults (70 GiB or more, and not an A100)."""
-    return memory_mib * MIB >= VLLM_LARGE_CARD_BYTES and "a100" not in gpu_class.lower()
-
-
-def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, large: bool = True) -> float:
-    """Activation peak and the memory outside torch that vLLM counts, from this rank's share."""
+def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, *,
+                           profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None) -> float:
+    """Activation peak and the memory outside torch that vLLM counts, from this rank's share, as the
+    engine version's ``profile`` counts them; ``batch`` is (max_num_batched_tokens, max_num_seqs)."""
     if engine == "llama.cpp":
         compute = LLAMACPP_UBATCH * 4 * (info.vocab_size + 4 * info.hidden_size + 3 * _ffn_width(info))
         return CUDA_CONTEXT_BYTES + compute
@@ -486,20 +487,31 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
     else:
         qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
     width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
-    tokens, seqs = (VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS) if large else (VLLM_SMALL_BATCHED_TOKENS, VLLM_SMALL_MAX_SEQS)
-    activation = max(tokens * 2 * width, int(VLLM_SAMPLER_COPIES * seqs * info.vocab_size * 4))
-    allreduce = VLLM_ALLREDUCE_BYTES if tp * pp > 1 else 0
-    return activation + VLLM_NON_TORCH_BYTES + allreduce
+    tokens, seqs = batch or profile.large_batch
+    activation = max(tokens * 2 * width, int(profile.sampler_copies * seqs * info.vocab_size * 4))
+    allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
+    return activation + int(profile.non_torch_gib * GIB) + allreduce
+
+
+def cuda_graph_bytes_per_gpu(info: m.ModelInfo, tp: int, pp: int = 1, max_num_seqs: int = 256) -> float:
+    """What vLLM's CUDA graphs take on the worst rank (an estimate; see GRAPH_* above)."""
+    layers = stages(info.num_layers, pp)[0]
+    capture = min(GRAPH_CAPTURE_MAX, 2 * max(1, max_num_seqs))
+    moe_layers = sum(1 for i in layers if i >= info.first_dense_layers) if info.num_experts else 0
+    split = GRAPH_ALLREDUCE_BYTES if tp * pp > 1 else 0
+    return (GRAPH_BASE_BYTES + len(layers) * capture * info.hidden_size * GRAPH_BYTES_PER_ELEMENT
+            + moe_layers * GRAPH_MOE_LAYER_BYTES + split)
 
 
 def gib(b: float) -> float:
     return round(b / GIB, 2)
 
 @lru_cache(maxsize=4096)
-def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto",
-          large: bool = True, gpu_class: str = "") -> tuple[float, float, KvShape]:
-    """Weights, overhead and KV shape per GPU: they depend on the split and the card (its batch defaults,
-    and for mxfp4 experts the kernels vLLM picks on it)."""
+def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto", gpu_class: str = "", *,
+          profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None) -> tuple[float, float, KvShape]:
+    """Weights, overhead and KV shape per GPU: they depend on the split, the engine version's profile, its
+    batch (max_num_batched_tokens, max_num_seqs) and the card (for mxfp4 experts, the kernels vLLM picks on it)."""
     kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
-    return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class), overhead_bytes_per_gpu(info, p.engine, tp, pp, large),
+    return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class),
+            overhead_bytes_per_gpu(info, p.engine, tp, pp, profile=profile, batch=batch),
             kv_shape(info, p.engine, tp, pp, kv_bytes))

@@ -18,11 +18,19 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw import messages as m
+from llmgw.engineprofiles import (
+    EngineProfile,
+    fleet_version,
+    parse_version,
+    planned_version,
+    profile_for,
+)
 from llmgw.errors import PlanError
 from llmgw.fleet.fold import FleetState
 from llmgw.fleet.observed import observation_key
 from llmgw.memory import (
     BY_NAME,
+    CUDA_CONTEXT_BYTES,
     DEFAULT_CONTEXT_CAP,
     DEFAULT_TPS,
     GGUF_NAMES,
@@ -32,9 +40,10 @@ from llmgw.memory import (
     MIN_CONTEXT,
     RANK,
     VLLM_BLOCK,
+    KvShape,
     Precision,
+    cuda_graph_bytes_per_gpu,
     gib,
-    large_card,
     layout,
     precision,
     sizes,
@@ -49,7 +58,7 @@ def gguf_file(info: m.ModelInfo, p: Precision) -> str:
 
 
 def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float, kv_dtype: str = "auto",
-            parallel: int = 0) -> str:
+            parallel: int = 0, eager: bool = False) -> str:
     """The engine command line this candidate would run."""
     if p.engine == "llama.cpp":
         slots = max(1, parallel)  # -c is the pool the -np slots share
@@ -67,17 +76,19 @@ def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, uti
         parts.append(f"--kv-cache-dtype {kv_dtype}")
     if parallel:
         parts.append(f"--max-num-seqs {parallel}")
+    if eager:
+        parts.append("--enforce-eager")
     parts += [f"--max-model-len {context}", f"--gpu-memory-utilization {util:g}"]
     return " ".join(parts)
 
 
 def node_commands(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float,
-                  kv_dtype: str = "auto", parallel: int = 0) -> tuple[str, ...]:
+                  kv_dtype: str = "auto", parallel: int = 0, eager: bool = False) -> tuple[str, ...]:
     """A replica over ``pp`` nodes: one Ray cluster per replica, the head serving (as the agents run it)."""
     if pp <= 1 or p.engine != "vllm":
         return ()
     head = (f"node 1 (head): ray start --head --port 6379 --num-gpus {tp} --block & "
-            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype, parallel)}")
+            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype, parallel, eager)}")
     return (head, *(f"node {i + 1}: ray start --address HEAD:6379 --num-gpus {tp} --block" for i in range(1, pp)))
 
 
@@ -115,20 +126,72 @@ def default_context(info: m.ModelInfo) -> int:
     return min(info.max_position_embeddings, DEFAULT_CONTEXT_CAP)
 
 
-def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float,
-             replicas_now: int, kv_dtype: str = "auto", observed: int | None = None, parallel: int = 0) -> m.Candidate:
+EAGER_COST = ("--enforce-eager captures no CUDA graphs: each decode step launches its kernels one by one, "
+              "typically 1.5-3x slower at small batches; prefill is unchanged")
+
+
+def _graph_plan(info: m.ModelInfo, kv: KvShape, mem: float, util: float, weights: float, overhead: float,
+                graphs: float, want: int, profile: EngineProfile) -> tuple[str, float, float, str | None]:
+    """Where the CUDA graphs of a vLLM candidate go: (mode, utilization, bytes left for KV, note).
+
+    From 0.21 vLLM takes them from the budget itself. Before, it captures them after sizing the
+    cache, out of the slack beside the CUDA context; where the slack cannot hold them the engine
+    would die at start-up, so the plan lowers the utilization until it does (when the cache
+    still holds ``want`` tokens), or runs eagerly without graphs.
+    """
+    budget = util * mem
+    if profile.graphs_in_budget:
+        return "budget", util, budget - weights - overhead - graphs, None
+    slack = mem - budget - CUDA_CONTEXT_BYTES
+    if graphs <= slack:
+        return "slack", util, budget - weights - overhead, None
+    short = (f"the {gib(max(0.0, slack))} GiB of slack beside the CUDA context (1 - {util:g} of the card) cannot "
+             f"hold {profile.name}'s CUDA graphs (~{gib(graphs)} GiB per GPU), which it captures after sizing the cache")
+    charged_util = int((mem - graphs - CUDA_CONTEXT_BYTES) / mem * 100) / 100
+    charged = charged_util * mem - weights - overhead
+    if charged_util > 0 and kv.bytes_for(want) <= charged:
+        return "charged", charged_util, charged, (
+            f"{short}: planned at --gpu-memory-utilization {charged_util:g}, which leaves them room and costs "
+            f"{gib(budget - charged_util * mem)} GiB of KV cache per GPU; or keep {util:g} with {EAGER_COST}")
+    return "eager", util, budget - weights - overhead, (
+        f"{short}, and a utilization that leaves them room leaves too little KV cache for {want:,} tokens: "
+        f"the command runs {EAGER_COST}")
+
+
+def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float | None,
+             replicas_now: int, kv_dtype: str = "auto", observed: int | None = None, parallel: int = 0,
+             version: str = "", max_num_seqs: int = 0) -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
     holds less (but at least MIN_CONTEXT) still fits, at the most it holds. llama.cpp
     gives each of its ``parallel`` slots the whole context: its cache holds that many.
+    vLLM is planned as the profile of ``version`` counts its overhead (``util`` None: that
+    version's default), with ``max_num_seqs`` (0: the version's default on this card, or
+    ``parallel`` when that was given).
     """
     slots = max(1, parallel) if p.engine == "llama.cpp" else 1
     tp, pp = split.tp, split.pp
-    budget = util * split.memory_mib * MIB
+    profile = profile_for(p.engine, version)
+    asked_util = profile.default_util if util is None else util
+    mem = split.memory_mib * MIB
     kv_dtype = kv_dtype_for(info, p, kv_dtype)
-    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, large_card(split.gpu_class, split.memory_mib), split.gpu_class)
-    kv_budget = budget - weights - overhead
+    tokens, seqs = profile.batch(split.gpu_class, split.memory_mib)
+    if p.engine == "vllm" and (max_num_seqs or parallel):
+        seqs = max_num_seqs or parallel
+        tokens = max(tokens, seqs)  # vLLM refuses max_num_batched_tokens below max_num_seqs
+    weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, split.gpu_class, profile=profile, batch=(tokens, seqs))
+    graphs = cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if p.engine == "vllm" else 0.0
+    want = (context or default_context(info)) * slots
+    if p.engine == "vllm":
+        mode, util, kv_budget, graph_note = _graph_plan(info, kv, mem, asked_util, weights, overhead, graphs, want,
+                                                        profile)
+    else:
+        mode, util, kv_budget, graph_note = "", asked_util, asked_util * mem - weights - overhead, None
+    eager = mode == "eager"
+    if eager:
+        graphs = 0.0
+    budget = util * mem
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
     estimated = kv_tokens
@@ -140,8 +203,9 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
     reason: str | None = None
     if kv_budget <= 0:
-        reason = (f"weights {gib(weights)} GiB + overhead {gib(overhead)} GiB per GPU exceed the "
-                  f"{gib(budget)} GiB budget ({util:g} x {gib(split.memory_mib * MIB)} GiB)")
+        graph_part = f" + CUDA graphs {gib(graphs)} GiB" if mode == "budget" else ""
+        reason = (f"weights {gib(weights)} GiB + overhead {gib(overhead)} GiB{graph_part} per GPU exceed the "
+                  f"{gib(budget)} GiB budget ({util:g} x {gib(mem)} GiB)")
         chosen = context or info.max_position_embeddings
     elif context is not None:
         chosen = context
@@ -158,6 +222,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     if fits:
         max_context = max(max_context, chosen)  # a context that fits is never above the reported maximum
     file = gguf_file(info, p) if p.kind == "gguf" else None
+    vllm_seqs = seqs if p.engine == "vllm" else 0
+    shown_parallel = vllm_seqs or parallel
     return m.Candidate(
         gpu_class=split.gpu_class,
         fabric=split.fabric,
@@ -175,8 +241,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         kv_tokens=kv_tokens,
         max_context=max_context,
         replicas_now=replicas_now if fits else 0,
-        command=command(info, p, tp, pp, chosen, util, kv_dtype, parallel),
-        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype, parallel),
+        command=command(info, p, tp, pp, chosen, util, kv_dtype, shown_parallel, eager),
+        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype, shown_parallel, eager),
         parallel=parallel,
         kv_cache_dtype=kv_dtype,
         observed_kv_tokens=observed,
@@ -184,11 +250,18 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         source=info.source,
         context=chosen,
         gpus=tp * pp,
-        gpu_memory_gib=gib(split.memory_mib * MIB),
+        gpu_memory_gib=gib(mem),
         gpu_memory_utilization=util,
         overhead_gib_per_gpu=gib(overhead),
         file=file,
         file_gib=gib(layout(info, p).total) if file else None,
+        engine_version=planned_version("vllm", version) if p.engine == "vllm" else "",
+        engine_profile=profile.name if p.engine == "vllm" else "",
+        max_num_seqs=vllm_seqs,
+        cuda_graph_gib_per_gpu=gib(graphs),
+        cuda_graphs=mode,
+        graph_note=graph_note,
+        enforce_eager=eager,
     )
 
 
@@ -313,9 +386,11 @@ def validate(info: m.ModelInfo, request: m.PlanRequest) -> tuple[tuple[Precision
         raise PlanError(f"--params must be a positive parameter count (got {request.params})")
     _check_model(info)
     util = request.gpu_memory_utilization
-    if not 0 < util <= 1:
+    if util is not None and not 0 < util <= 1:
         raise PlanError(f"--gpu-memory-utilization is the fraction of each card the engine may use; "
                         f"it must be above 0 and at most 1 (got {util:g})")
+    if request.engine_version:
+        parse_version(request.engine_version)  # a PlanError that says what to write
     if request.context is not None and not 1 <= request.context <= info.max_position_embeddings:
         raise PlanError(f"--context {request.context} is outside what {info.name} supports "
                         f"(1 to {info.max_position_embeddings} tokens, its max_position_embeddings)")
@@ -354,21 +429,40 @@ def best_per_class(candidates: Iterable[m.Candidate]) -> list[m.Candidate]:
     return out
 
 
+def versioned_key(key: str, version: str) -> str:
+    """An observation's key for one engine version: what one version reserved says nothing of another."""
+    return f"{key}|{version}" if version else key
+
+
 def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
-         fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, int] | None = None) -> m.PlanReply:
+         fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, int] | None = None,
+         engine_versions: dict[str, str] | None = None) -> m.PlanReply:
     """Every way to run one replica of a model on the fleet; with ``all``, those that do not fit too.
 
     ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests; ``observed``
     what engines of a spec reserved on this fleet (``record_observation``), used in place of
-    the estimate for candidates of that very spec.
+    the estimate for candidates of that very spec and engine version; ``engine_versions`` the
+    vLLM version each node's agent reports, planned for when the request names none.
     """
     observed = observed or {}
+    reported = [v for node, v in (engine_versions or {}).items() if v and node in fleet.nodes and not fleet.nodes[node].lost]
+    if request.engine_version:
+        version, version_source = request.engine_version.strip().removeprefix("v"), "--engine-version"
+    elif (fleet_v := fleet_version(reported)):
+        version, version_source = fleet_v, "fleet"
+    else:
+        version, version_source = "", "newest profile"
+    profile = profile_for("vllm", version)
 
     def seen(p: Precision, tp: int, pp: int, cls: str) -> int | None:
         if not observed or p.engine == "llama.cpp":
             return None  # what an older fold kept of llama.cpp's -c is no capacity either
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)
-        return observed.get(observation_key(info.source, p.name, tp, pp, cls, request.gpu_memory_utilization, kv))
+        key = observation_key(info.source, p.name, tp, pp, cls, util or profile.default_util, kv)
+        found = observed.get(versioned_key(key, planned_version("vllm", version)))
+        if found is None and not request.engine_version:
+            found = observed.get(key)  # recorded before plans named their version: the fleet's own engines
+        return found
 
     info = model
     if request.params:
@@ -378,6 +472,9 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     util = request.gpu_memory_utilization
     out: list[m.Candidate] = []
     notes: list[str] = []
+    if len(set(reported)) > 1:
+        notes.append(f"the fleet's agents run vLLM {', '.join(sorted(set(reported)))}; planned for {version} "
+                     "(the most common); --engine-version plans for another")
     by_class = pools(fleet) if fleet_pools is None else fleet_pools
     gpus = sum(n.healthy for p in by_class.values() for n in p.nodes)
     target = request.context or default_context(info)
@@ -395,7 +492,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
                              replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)),
                              kv_dtype=request.kv_cache_dtype, observed=seen(p, tp, 1, cls),
-                             parallel=request.parallel)
+                             parallel=request.parallel, version=version, max_num_seqs=request.max_num_seqs)
                 single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -408,7 +505,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                     for pp in range(2, min(len(wide), MAX_PP, info.num_layers) + 1):
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
                                      util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype,
-                                     observed=seen(p, tp, pp, cls), parallel=request.parallel)
+                                     observed=seen(p, tp, pp, cls), parallel=request.parallel, version=version,
+                                     max_num_seqs=request.max_num_seqs)
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             if c.context >= target:
@@ -429,6 +527,9 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
         context=request.context,
         fleet_gpus=gpus,
         notes=tuple(notes),
+        engine_version=planned_version("vllm", version),
+        engine_profile=profile.name,
+        engine_version_source=version_source,
     )
 
 

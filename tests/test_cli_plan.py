@@ -56,7 +56,7 @@ def test_json_contract() -> None:
 
 def test_all_lists_what_does_not_fit_with_reasons() -> None:
     code, out = plan(str(MODELS / "meta-llama__Llama-3.3-70B-Instruct"), "--fleet", FLEET, "--precision", "bf16",
-                     "--context", "8192", "--all", "--json")
+                     "--context", "8192", "--all", "--json", "--engine-version", "0.11.0")
     assert code == 0, out
     cands = json.loads(out)["candidates"]
     misfits = [c for c in cands if not c["fits"]]
@@ -66,6 +66,11 @@ def test_all_lists_what_does_not_fit_with_reasons() -> None:
     # At 0.9, two H100s hold the bf16 weights but vLLM 0.11's profiling peak (~4.8 GiB for a
     # 128k vocabulary) leaves ~4,400 tokens of KV: 8,192 needs 0.95 (see the 0.95 test).
     assert h100 == {1: False, 2: False, 4: True, 8: True}
+    # vLLM 0.29's sampler pass is a third of that and its default utilization 0.92: two H100s hold 8,192.
+    code, out = plan(str(MODELS / "meta-llama__Llama-3.3-70B-Instruct"), "--fleet", FLEET, "--precision", "bf16",
+                     "--context", "8192", "--all", "--json", "--engine-version", "0.29.0")
+    newer = {c["tp"]: c["fits"] for c in json.loads(out)["candidates"] if c["gpu_class"] == "H100-80GB"}
+    assert code == 0 and newer == {1: False, 2: True, 4: True, 8: True}
 
 
 def test_table_for_people() -> None:
@@ -74,8 +79,10 @@ def test_table_for_people() -> None:
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0] == "google/gemma-2-9b-it: 9.24B parameters (safetensors-index); 63 healthy GPUs in the fleet"
+    assert lines[1] == "engine: vLLM 0.31.0 (profile vllm 0.29+; no agent reports one: the newest profile)"
     assert any("H100-80GB" in line and "bf16" in line and "vllm" in line for line in lines)
-    assert f"vllm serve {MODELS / 'google__gemma-2-9b-it'} --tensor-parallel-size 1 --max-model-len 8192" in out
+    assert (f"vllm serve {MODELS / 'google__gemma-2-9b-it'} --tensor-parallel-size 1 --max-num-seqs 1024 "
+            "--max-model-len 8192 --gpu-memory-utilization 0.92") in out
     assert "llama-server -m gemma-2-9b-it-Q8_0.gguf -c 8192 -np 1 -ngl 999   # download gemma-2-9b-it-Q8_0.gguf" in out
     assert "declaration for candidate 1" in out and '"engine":"vllm"' in out
 

@@ -52,7 +52,7 @@ def test_inventories_fold_into_a_fleet_with_the_bad_gpu(fleet_file: Path) -> Non
         (GOOD.replace('gpu_class = "H100-80GB"', 'gpu_class = "H100"'), "f.toml: nodes[0].gpu_class must look like H100-80GB (model, '-', memory in GB) (got 'H100')"),
         (GOOD.replace('fabric = "ib-a"\n', ""), "f.toml: nodes[0].fabric is missing"),
         (GOOD + 'unhealthy = [9]\n', "f.toml: nodes[0].unhealthy[0] must be a GPU index from 0 to 7 (got 9)"),
-        (GOOD + 'gpus = 8\n', "f.toml: nodes[0].gpus is not a known field (known: fabric, gpu_class, gpu_count, gpu_memory_mib, gpu_name, name, unhealthy)"),
+        (GOOD + 'gpus = 8\n', "f.toml: nodes[0].gpus is not a known field (known: fabric, gpu_class, gpu_count, gpu_memory_mib, gpu_name, name, unhealthy, vllm_version)"),
         (GOOD + GOOD, "f.toml: nodes[1].name repeats node 'n1'"),
         (GOOD.replace("81559", "12"), "f.toml: nodes[0].gpu_memory_mib must be between 1024 and 4194304 MiB (got 12)"),
         ("nodes = 3", "f.toml: nodes must be a non-empty array of tables ([[nodes]])"),

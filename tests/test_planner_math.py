@@ -14,6 +14,7 @@ from llmgw import fleetfile, modelinfo
 from llmgw import memory as M
 from llmgw import messages as m
 from llmgw import planner as P
+from llmgw.engineprofiles import profile_for
 from llmgw.errors import PlanError
 from llmgw.fleet import observed as O
 from llmgw.fleet.fold import FleetState, fold
@@ -26,6 +27,7 @@ AT = datetime(2026, 1, 1, tzinfo=UTC)
 GIB = 1024**3
 MIB = 1024**2
 H100_MIB = 81559
+V011 = "0.11.0"  # the tests that pin vLLM 0.11's arithmetic plan for it
 
 
 def model(dirname: str) -> m.ModelInfo:
@@ -210,19 +212,28 @@ def one(cands: tuple[m.Candidate, ...], **kw: object) -> m.Candidate:
 def test_llama70_bf16_fits_on_two_h100_at_8k_and_not_on_one() -> None:
     info = model(LLAMA70)
     two = fleet(node("n1", "ib-a", count=2))
-    req = m.PlanRequest(model=info.name, precisions=("bf16",), context=8192, gpu_memory_utilization=0.95, all=True)
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), context=8192, gpu_memory_utilization=0.95, all=True,
+                        engine_version=V011)
     reply = P.plan(info, two, req)
     tp2 = one(reply.candidates, tp=2, precision="bf16")
     tp1 = one(reply.candidates, tp=1, precision="bf16")
     assert tp2.fits and tp2.context == 8192 and tp2.max_context >= 8192
     assert not tp1.fits and "exceed" in (tp1.reason or "")
     # The slack is the unused 5% of the card, reserved once: the KV cache is exactly what is left.
+    # vLLM 0.11 captures its CUDA graphs after sizing the cache, out of that slack.
     weights = M.weight_bytes_per_gpu(info, M.BY_NAME["bf16"], 2)
-    overhead = M.overhead_bytes_per_gpu(info, "vllm", 2)
+    overhead = M.overhead_bytes_per_gpu(info, "vllm", 2, profile=profile_for("vllm", V011))
     assert tp2.kv_gib_per_gpu == round((0.95 * H100_MIB * MIB - weights - overhead) / GIB, 2)
     assert tp2.kv_tokens == int((0.95 * H100_MIB * MIB - weights - overhead) // 163_840) // 16 * 16
+    assert tp2.cuda_graphs == "slack" and tp2.engine_version == V011 and tp2.engine_profile == "vllm 0.11"
     assert tp2.command == ("vllm serve meta-llama/Llama-3.3-70B-Instruct --tensor-parallel-size 2 "
-                           "--max-model-len 8192 --gpu-memory-utilization 0.95")
+                           "--max-num-seqs 1024 --max-model-len 8192 --gpu-memory-utilization 0.95")
+    # From 0.21 vLLM takes its CUDA graphs from the budget: the same card holds less KV cache.
+    newer = one(P.plan(info, two, msgspec.structs.replace(req, engine_version="0.27.1")).candidates, tp=2, precision="bf16")
+    graphs = M.cuda_graph_bytes_per_gpu(info, 2, 1, 1024)
+    overhead = M.overhead_bytes_per_gpu(info, "vllm", 2, profile=profile_for("vllm", "0.27.1"), batch=(8192, 1024))
+    assert newer.cuda_graphs == "budget" and newer.cuda_graph_gib_per_gpu == round(graphs / GIB, 2)
+    assert newer.kv_gib_per_gpu == round((0.95 * H100_MIB * MIB - weights - overhead - graphs) / GIB, 2)
 
 
 def test_overhead_is_per_rank_from_the_ranks_share() -> None:
@@ -233,24 +244,33 @@ def test_overhead_is_per_rank_from_the_ranks_share() -> None:
     sampler = int(9.7 * 1024 * 128256 * 4)
     expected = max(forward, sampler) + int(0.13 * GIB) + int(0.42 * GIB)
     assert sampler > forward
-    assert M.overhead_bytes_per_gpu(info, "vllm", 2) == expected == 5_686_322_790
+    v011 = profile_for("vllm", V011)
+    assert M.overhead_bytes_per_gpu(info, "vllm", 2, profile=v011) == expected == 5_686_322_790
     # An A100 or a smaller card gets vLLM's smaller defaults (2048 tokens, 256 sequences).
     small = max(2048 * 2 * ((32 + 2 * 4) * 128 + 4 * 8192 + 3 * 28672 // 2), int(9.7 * 256 * 128256 * 4))
-    assert M.overhead_bytes_per_gpu(info, "vllm", 2, large=False) == small + int(0.13 * GIB) + int(0.42 * GIB)
-    assert not M.large_card("A100-80GB", 81920) and M.large_card("H100-80GB", 81559) and not M.large_card("L40S-48GB", 46068)
+    assert M.overhead_bytes_per_gpu(info, "vllm", 2, profile=v011, batch=(2048, 256)) == small + int(0.13 * GIB) + int(0.42 * GIB)
+    assert v011.batch("A100-80GB", 81920) == (2048, 256) and v011.batch("H100-80GB", 81559) == (8192, 1024)
+    assert v011.batch("L40S-48GB", 46068) == (2048, 256)
+    # From 0.29 the A100 80GB gets the larger defaults too (its 0.31 log: a 1.44 GiB sampler peak).
+    assert profile_for("vllm", "0.31.0").batch("A100-80GB", 81920) == (8192, 1024)
+    # Other versions warm the sampler with ~3 copies, not 0.11's 9.7: a third of the peak.
+    newer = M.overhead_bytes_per_gpu(info, "vllm", 2, profile=profile_for("vllm", "0.17.1"))
+    assert newer == max(forward, int(3.0 * 1024 * 128256 * 4)) + int(0.13 * GIB) + int(0.42 * GIB) < expected
     # The forward pass is the rank's share; the sampler's logits are the whole vocabulary on every rank.
     mixtral = model(MIXTRAL)  # a wide MoE MLP and a 32k vocabulary: there the forward pass is the peak at tp 1
-    assert M.overhead_bytes_per_gpu(mixtral, "vllm", 2) < M.overhead_bytes_per_gpu(mixtral, "vllm", 1)
-    assert M.overhead_bytes_per_gpu(info, "vllm", 8) == M.overhead_bytes_per_gpu(info, "vllm", 2)
+    assert M.overhead_bytes_per_gpu(mixtral, "vllm", 2, profile=v011) < M.overhead_bytes_per_gpu(mixtral, "vllm", 1, profile=v011)
+    assert M.overhead_bytes_per_gpu(info, "vllm", 8, profile=v011) == M.overhead_bytes_per_gpu(info, "vllm", 2, profile=v011)
     # Not a fraction of the whole model: a bigger parameter count leaves the overhead alone.
-    assert M.overhead_bytes_per_gpu(msgspec.structs.replace(info, params=info.params * 3), "vllm", 2) == expected
+    bigger = msgspec.structs.replace(info, params=info.params * 3)
+    assert M.overhead_bytes_per_gpu(bigger, "vllm", 2, profile=v011) == expected
 
 
 def test_full_context_falls_back_to_the_largest_that_fits() -> None:
     info = model(LLAMA70)
-    reply = P.plan(info, fleet(node("n1", "ib-a", count=2)), m.PlanRequest(model=info.name, precisions=("bf16",)))
+    reply = P.plan(info, fleet(node("n1", "ib-a", count=2)), m.PlanRequest(model=info.name, precisions=("bf16",),
+                                                                           engine_version=V011))
     c = one(reply.candidates, tp=2)
-    assert c.fits and 2048 <= c.max_context < 8192  # bf16 on two H100s at 0.9: fits, with a short context
+    assert c.fits and 2048 <= c.max_context < 8192  # bf16 on two H100s at 0.9 (vLLM 0.11): fits, with a short context
     assert c.context == c.max_context and c.max_context % 16 == 0
     assert f"--max-model-len {c.max_context}" in c.command
 
@@ -360,10 +380,13 @@ def test_replicas_multi_needs_distinct_nodes() -> None:
 
 
 def test_candidates_sorted_fewest_gpus_then_best_precision() -> None:
-    reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192))
+    reply = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192, engine_version=V011))
     keys = [(c.gpus, M.RANK[c.precision]) for c in reply.candidates]
     assert keys == sorted(keys) and all(c.fits for c in reply.candidates)
     assert reply.candidates[0].gpus == 1 and reply.candidates[0].precision == "q6_K"  # fp8 leaves 0.8 GiB of KV
+    # vLLM 0.29's smaller sampler peak and 0.92 utilization leave fp8 on one H100 room for 8k.
+    newest = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192)).candidates[0]
+    assert (newest.gpus, newest.precision, newest.gpu_memory_utilization) == (1, "fp8", 0.92)
 
 
 def test_candidate_builds_the_declaration() -> None:
@@ -439,9 +462,16 @@ def test_every_fit_adds_up_within_the_budget(dirname: str, util: float, context:
     assert reply.candidates
     for c in reply.candidates:
         p = M.BY_NAME[c.precision.lower()]
-        weights, overhead, kv = M.sizes(info, p, c.tp, c.pp, c.kv_cache_dtype, M.large_card("X-1GB", mem))
+        profile = profile_for(c.engine, c.engine_version)
+        weights, overhead, kv = M.sizes(info, p, c.tp, c.pp, c.kv_cache_dtype, "X-1GB", profile=profile,
+                                        batch=(max(profile.batch("X-1GB", mem)[0], c.max_num_seqs), c.max_num_seqs))
+        if c.engine == "llama.cpp":
+            weights, overhead, kv = M.sizes(info, p, c.tp, c.pp, c.kv_cache_dtype, "X-1GB")
         if c.fits:
-            assert weights + overhead + kv.bytes_for(c.context) <= util * mem * MIB
+            graphs = c.cuda_graph_gib_per_gpu * GIB if c.cuda_graphs == "budget" else 0
+            # The utilization may have been lowered to leave the CUDA graphs room in the slack.
+            assert c.gpu_memory_utilization <= util
+            assert weights + overhead + graphs + kv.bytes_for(c.context) <= c.gpu_memory_utilization * mem * MIB + 0.01 * GIB
             assert c.context <= c.max_context <= info.max_position_embeddings
             assert c.pp == 1 or c.fabric == "fa"  # only fabric fa has two nodes
             assert (c.fabric is None) == (c.pp == 1)

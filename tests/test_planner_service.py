@@ -80,7 +80,7 @@ async def test_local_model_directory_travels_with_the_request(service: PlannerSe
     assert result.exit_code == 0, result.output
     first = result.output.splitlines()[0]
     assert first.startswith("meta-llama/Llama-3.3-70B-Instruct: 70.55B parameters (safetensors-index)")
-    assert "--tensor-parallel-size 2 --max-model-len 8192 --gpu-memory-utilization 0.95" in result.output
+    assert "--tensor-parallel-size 2 --max-num-seqs 1024 --max-model-len 8192 --gpu-memory-utilization 0.95" in result.output
     assert "--tensor-parallel-size 1 " not in result.output  # it does not fit on one card
 
 

@@ -1,0 +1,124 @@
+"""Engine profiles: how each engine version counts the memory beside weights and KV cache. Pure: no I/O.
+
+vLLM sizes its KV cache from ``gpu_memory_utilization`` x the card, less the weights and
+what its profiling run measured; what it measures changed from version to version, so the
+planner plans for a version, never for "vLLM". Each profile covers a range of versions
+and was fitted on public start-up logs of that range (``tests/data/vllm_observed.jsonl``,
+the figures in docs/benchmarks.md):
+
+* the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
+  (0.11 warmed top-p/top-k too: 9.7 copies on its H100 logs; the others ~3);
+* memory outside torch that the profile counts (``non_torch_gib``);
+* the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
+  larger ones, and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
+* where CUDA graphs live: before 0.21 they are captured after the cache is sized, out of
+  the 1 - utilization slack; from 0.21 vLLM profiles them and takes them from the budget.
+
+llama.cpp has one profile: its compute buffer does not depend on the build.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from llmgw.errors import PlanError
+
+GIB = 1024**3
+MIB = 1024**2
+LARGE_CARD_BYTES = 70 * GIB
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """The overhead model of one engine over a range of its versions."""
+
+    engine: str  # vllm | llama.cpp
+    since: tuple[int, ...]  # the first version it covers
+    until: tuple[int, ...] | None  # the first version it no longer covers
+    version: str  # what a plan names when only the range is known: the newest version its logs ran
+    sampler_copies: float = 3.0
+    non_torch_gib: float = 0.13
+    allreduce_gib: float = 0.42
+    default_util: float = 0.9
+    graphs_in_budget: bool = False
+    large_batch: tuple[int, int] = (8192, 1024)  # max_num_batched_tokens, max_num_seqs on a large card
+    small_batch: tuple[int, int] = (2048, 256)
+    a100_is_small: bool = True  # the A100 80GB gets the small defaults even though it has 70 GiB or more
+
+    @property
+    def name(self) -> str:
+        first = ".".join(map(str, self.since))
+        if self.until is None:
+            return f"{self.engine} {first}+" if self.since != (0,) else self.engine
+        last = ".".join(map(str, self.until[:-1] + (self.until[-1] - 1,)))
+        return f"{self.engine} {first}" if first == last else f"{self.engine} {first}–{last}"
+
+    def covers(self, version: tuple[int, ...]) -> bool:
+        return version >= self.since and (self.until is None or version < self.until)
+
+    def batch(self, gpu_class: str, memory_mib: int) -> tuple[int, int]:
+        """vLLM's OpenAI-server defaults of max_num_batched_tokens and max_num_seqs on this card."""
+        large = memory_mib * MIB >= LARGE_CARD_BYTES and not (self.a100_is_small and "a100" in gpu_class.lower())
+        return self.large_batch if large else self.small_batch
+
+
+# Oldest first. The V0 engine (before 0.8) profiled max_model_len tokens: the oldest V1 profile is
+# the nearest there is, and the plan says which profile it used.
+VLLM_PROFILES: tuple[EngineProfile, ...] = (
+    EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=3.0),
+    EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=9.7),
+    EngineProfile("vllm", (0, 12), (0, 21), "0.20.2", sampler_copies=3.0),
+    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=3.0, non_torch_gib=0.2, graphs_in_budget=True),
+    EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.0, non_torch_gib=0.25, graphs_in_budget=True,
+                  default_util=0.92, a100_is_small=False),
+)
+LLAMACPP_PROFILE = EngineProfile("llama.cpp", (0,), None, "", default_util=0.9)
+NEWEST = VLLM_PROFILES[-1]
+
+_VERSION = re.compile(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``0.17.1``, ``v0.11.0``, ``0.20.2rc1.dev9+g01d4d1a``, ``vLLM 0.10.1.1`` or llama.cpp's
+    ``version: 4567 (abc123)`` as a comparable tuple; PlanError when there is no number in it."""
+    found = _VERSION.search(text)
+    if found is None:
+        raise PlanError(f"engine version {text!r} has no version number; write e.g. 0.17.1")
+    return tuple(int(g) for g in found.groups() if g is not None)
+
+
+def profile_for(engine: str, version: str) -> EngineProfile:
+    """The profile of an engine version; "" is the newest profile."""
+    if engine != "vllm":
+        return LLAMACPP_PROFILE
+    if not version:
+        return NEWEST
+    v = parse_version(version)
+    for p in VLLM_PROFILES:
+        if p.covers(v):
+            return p
+    return VLLM_PROFILES[0] if v < VLLM_PROFILES[0].since else NEWEST
+
+
+def planned_version(engine: str, version: str) -> str:
+    """The version a plan names: the one asked for (or reported), else the newest profile's."""
+    if version:
+        return version.strip().removeprefix("v")
+    return NEWEST.version if engine == "vllm" else ""
+
+
+def fleet_version(reported: list[str]) -> str:
+    """The version the fleet's agents run: the one most of them report (a tie: the oldest), "" when none does."""
+    counts: dict[str, int] = {}
+    keys: dict[str, tuple[int, ...]] = {}
+    for text in reported:
+        try:
+            keys[text] = parse_version(text)
+        except PlanError:
+            continue
+        counts[text] = counts.get(text, 0) + 1
+    if not counts:
+        return ""
+    best = min(counts, key=lambda t: (-counts[t], keys[t]))
+    return best.strip().removeprefix("v")

@@ -1,0 +1,234 @@
+"""The engine's version is part of the answer: profiles, defaults, --max-num-seqs, CUDA graphs and eager mode."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from llmgw import memory as M
+from llmgw import messages as m
+from llmgw import modelinfo
+from llmgw import planner as P
+from llmgw.enginecmd import parse_version_output, version_argv
+from llmgw.engineprofiles import NEWEST, VLLM_PROFILES, fleet_version, parse_version, profile_for
+from llmgw.errors import PlanError
+from llmgw.fleet import observed as O
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_planner_math import EXAMPLES, LLAMA8, MODELS, QWEN3, fleet, model, node  # noqa: E402
+
+GIB = 1024**3
+RTX3090_MIB = 24135  # what NVML reports for a 24 GB RTX 3090 (23.57 GiB)
+MOE = Path(__file__).resolve().parent / "data" / "calibration" / "Qwen__Qwen3-30B-A3B-FP8"
+
+
+def moe() -> m.ModelInfo:
+    return modelinfo.load_dir(MOE, name="Qwen/Qwen3-30B-A3B-FP8", source="Qwen/Qwen3-30B-A3B-FP8")
+
+
+# --- profiles ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "name"), [
+    ("0.7.3", "vllm 0.8–0.10"),  # the V0 engine: the oldest V1 profile is the nearest there is
+    ("0.10.1.1", "vllm 0.8–0.10"),
+    ("v0.11.0", "vllm 0.11"),
+    ("0.17.1", "vllm 0.12–0.20"),
+    ("0.20.2rc1.dev9+g01d4d1ad3", "vllm 0.12–0.20"),
+    ("0.21.0", "vllm 0.21–0.28"),
+    ("0.27.1", "vllm 0.21–0.28"),
+    ("0.29.0", "vllm 0.29+"),
+    ("1.2.0", "vllm 0.29+"),
+    ("", "vllm 0.29+"),
+])
+def test_each_version_has_its_profile(version: str, name: str) -> None:
+    assert profile_for("vllm", version).name == name
+
+
+def test_profiles_cover_every_version_once_and_say_what_changed() -> None:
+    for a, b in zip(VLLM_PROFILES, VLLM_PROFILES[1:], strict=False):
+        assert a.until == b.since  # no gap, no overlap
+    assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.92]
+    assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, True, True]
+    assert profile_for("llama.cpp", "4567").engine == "llama.cpp"
+    with pytest.raises(PlanError, match="no version number"):
+        parse_version("latest")
+
+
+def test_the_fleet_version_is_the_one_most_agents_report() -> None:
+    assert fleet_version(["0.17.1", "0.29.0", "0.17.1", "garbage"]) == "0.17.1"
+    assert fleet_version(["0.29.0", "0.17.1"]) == "0.17.1"  # a tie: the oldest
+    assert fleet_version(["", "garbage"]) == ""
+
+
+def test_agents_read_the_version_their_engines_print() -> None:
+    assert parse_version_output("INFO 05-28 08:00:24 [__init__.py:1] Automatically detected platform cuda.\n0.17.1\n") == "0.17.1"
+    assert parse_version_output("INFO 03-20 17:28:13 [api_server.py:977] vLLM API server version 0.8.1") == "0.8.1"
+    assert parse_version_output("version: 4567 (abc1234)\nbuilt with cc for x86_64") == "4567"
+    assert parse_version_output("usage: vllm [-h]") == ""
+    assert version_argv("vllm", {"vllm": ["/opt/vllm/bin/vllm", "serve"]}) == ["/opt/vllm/bin/vllm", "--version"]
+    assert version_argv("llama.cpp", {"llama.cpp": ["llama-server"]}) == ["llama-server", "--version"]
+
+
+# --- which version a plan is made for ------------------------------------------------------------------
+
+
+def test_a_plan_names_its_version_the_fleets_else_the_newest() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", count=2) + node("n2", "fa", count=2))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,))
+    newest = P.plan(info, state, req)
+    assert (newest.engine_version, newest.engine_profile, newest.engine_version_source) == (
+        NEWEST.version, "vllm 0.29+", "newest profile")
+    assert all(c.engine_version == NEWEST.version for c in newest.candidates)
+    reported = P.plan(info, state, req, engine_versions={"n1": "0.17.1", "n2": "0.17.1"})
+    assert (reported.engine_version, reported.engine_profile, reported.engine_version_source) == (
+        "0.17.1", "vllm 0.12–0.20", "fleet")
+    assert reported.candidates[0].spec("l8").engine_version == "0.17.1"  # the declaration carries it
+    asked = P.plan(info, state, msgspec.structs.replace(req, engine_version="v0.11.0"), engine_versions={"n1": "0.17.1"})
+    assert (asked.engine_version, asked.engine_version_source) == ("0.11.0", "--engine-version")
+    mixed = P.plan(info, state, req, engine_versions={"n1": "0.17.1", "n2": "0.29.0"})
+    assert any("run vLLM 0.17.1, 0.29.0" in n for n in mixed.notes)
+    with pytest.raises(PlanError, match="no version number"):
+        P.plan(info, state, msgspec.structs.replace(req, engine_version="nightly"))
+
+
+def test_the_default_utilization_is_the_versions() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", count=1))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",))
+    assert P.plan(info, state, req).candidates[0].gpu_memory_utilization == 0.92
+    old = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1")).candidates[0]
+    assert old.gpu_memory_utilization == 0.9 and old.command.endswith("--gpu-memory-utilization 0.9")
+    asked = P.plan(info, state, msgspec.structs.replace(req, gpu_memory_utilization=0.8)).candidates[0]
+    assert asked.gpu_memory_utilization == 0.8
+
+
+def test_a_24gb_card_under_newer_vllm_keeps_its_cache() -> None:
+    """vLLM 0.17 on a 24 GB card: 256 sequences x ~3 sampler copies, not 0.11's 9.7 (a third of the cache)."""
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=1, mem=RTX3090_MIB))
+    req = m.PlanRequest(model=info.name, precisions=("fp8",), gpu_memory_utilization=0.75)
+    new = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1")).candidates[0]
+    old = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.11.0")).candidates[0]
+    assert new.overhead_gib_per_gpu < 0.75 < old.overhead_gib_per_gpu
+    assert new.kv_gib_per_gpu - old.kv_gib_per_gpu > 0.6
+
+
+# --- max_num_seqs --------------------------------------------------------------------------------------
+
+
+def test_max_num_seqs_is_an_input_planned_and_passed() -> None:
+    info = model(QWEN3)
+    state = fleet(node("h", "fa", count=1) + node("l", "fb", cls="L40S-48GB", count=1, mem=46068))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), engine_version="0.29.0", all=True)
+    default = P.plan(info, state, req)
+    h100 = next(c for c in default.candidates if c.gpu_class == "H100-80GB")
+    l40s = next(c for c in default.candidates if c.gpu_class == "L40S-48GB")
+    assert (h100.max_num_seqs, l40s.max_num_seqs) == (1024, 256)  # the version's default on each card
+    assert "--max-num-seqs 1024" in h100.command and "--max-num-seqs 256" in l40s.command
+    few = next(c for c in P.plan(info, state, msgspec.structs.replace(req, max_num_seqs=64)).candidates
+               if c.gpu_class == "H100-80GB")
+    assert few.max_num_seqs == 64 and "--max-num-seqs 64" in few.command
+    # A smaller sampler pass leaves more KV cache; the declaration runs what was planned.
+    assert few.overhead_gib_per_gpu < h100.overhead_gib_per_gpu and few.kv_tokens > h100.kv_tokens
+    spec = few.spec("q")
+    assert spec.parallel == 64 and spec.engine_version == "0.29.0"
+
+
+# --- CUDA graphs and eager mode ------------------------------------------------------------------------
+
+
+def test_moe_graphs_the_slack_cannot_hold_are_charged_or_run_eagerly() -> None:
+    """A 30B-A3B MoE on 4 x 24 GB sized its cache fine and died capturing CUDA graphs (vLLM 0.17, 0.9)."""
+    info = moe()
+    state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=4, mem=RTX3090_MIB))
+    req = m.PlanRequest(model=info.name, tp=(4,), precisions=("fp8",), engine_version="0.17.1", context=32768,
+                        gpu_memory_utilization=0.9)
+    c = P.plan(info, state, req).candidates[0]
+    graphs = M.cuda_graph_bytes_per_gpu(info, 4, 1, 256)
+    slack = (1 - 0.9) * RTX3090_MIB * M.MIB - M.CUDA_CONTEXT_BYTES
+    assert graphs > slack  # what the old planner assumed fit
+    assert c.fits and c.cuda_graphs == "charged" and c.gpu_memory_utilization < 0.9
+    assert f"--gpu-memory-utilization {c.gpu_memory_utilization:g}" in c.command
+    assert c.graph_note and "--enforce-eager" in c.graph_note and "slower" in c.graph_note
+    assert (1 - c.gpu_memory_utilization) * RTX3090_MIB * M.MIB - M.CUDA_CONTEXT_BYTES >= graphs
+    # From 0.21 vLLM takes them from its budget itself: nothing to charge, nothing dies.
+    newer = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.27.1")).candidates[0]
+    assert newer.cuda_graphs == "budget" and not newer.enforce_eager and newer.graph_note is None
+    assert newer.cuda_graph_gib_per_gpu == round(graphs / GIB, 2)
+
+
+def test_where_charging_the_graphs_costs_the_context_it_runs_eagerly() -> None:
+    """An 8B model on a 24 GB card at 0.97: 0.2 GiB of slack, and every GiB of it holds ~8k tokens of cache."""
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=1, mem=RTX3090_MIB))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), engine_version="0.17.1", gpu_memory_utilization=0.97,
+                        context=32768)
+    short = P.plan(info, state, req).candidates[0]
+    assert short.fits and short.cuda_graphs == "charged" and short.gpu_memory_utilization == 0.96
+    long = P.plan(info, state, msgspec.structs.replace(req, context=short.max_context + 1024)).candidates[0]
+    assert long.fits and long.cuda_graphs == "eager" and long.enforce_eager and "--enforce-eager" in long.command
+    assert long.cuda_graph_gib_per_gpu == 0 and long.gpu_memory_utilization == 0.97
+    assert long.graph_note and "slower" in long.graph_note
+    assert long.spec("l8").engine_args == ("--enforce-eager",)
+
+
+def test_graphs_the_slack_holds_change_nothing() -> None:
+    info = model(LLAMA8)
+    c = P.plan(info, fleet(node("n1", "fa", count=1)), m.PlanRequest(model=info.name, precisions=("bf16",),
+                                                                    engine_version="0.17.1")).candidates[0]
+    assert c.cuda_graphs == "slack" and c.graph_note is None and c.gpu_memory_utilization == 0.9
+    assert 0.1 < c.cuda_graph_gib_per_gpu < 0.5  # ~0.23 GiB in the logs of an 8B model
+
+
+# --- what the fleet observed never crosses versions ---------------------------------------------------
+
+
+def test_an_observed_reservation_counts_only_for_its_engine_version() -> None:
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", count=1))
+    key = O.observation_key(info.source, "bf16", 1, 1, "H100-80GB", 0.9, "auto")
+    observed = {P.versioned_key(key, "0.17.1"): 123_456}
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), gpu_memory_utilization=0.9, tp=(1,))
+    same = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1"), observed=observed).candidates[0]
+    other = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.29.0"), observed=observed).candidates[0]
+    fleets = P.plan(info, state, req, observed=observed, engine_versions={"n1": "0.17.1"}).candidates[0]
+    assert same.observed_kv_tokens == 123_456 == same.kv_tokens
+    assert other.observed_kv_tokens is None and other.kv_tokens == other.estimated_kv_tokens != 123_456
+    assert fleets.observed_kv_tokens == 123_456  # the fleet runs 0.17.1: planned for it, its observation counts
+    # One recorded before plans named a version counts only for the fleet's own engines, never for one asked for.
+    legacy = {key: 99_000}
+    assert P.plan(info, state, req, observed=legacy).candidates[0].observed_kv_tokens == 99_000
+    asked = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1"), observed=legacy).candidates[0]
+    assert asked.observed_kv_tokens is None
+
+
+# --- the CLI --------------------------------------------------------------------------------------------
+
+
+def test_ctl_model_plan_prints_the_profile_it_used(tmp_path: Path) -> None:
+    from llmgw.cli.main import cli
+
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(node("n1", "fa", count=2) + 'vllm_version = "0.17.1"\n')
+    runner = CliRunner()
+    args = ["ctl", "model", "plan", "meta-llama/Llama-3.1-8B-Instruct", "--models-dir", str(MODELS), "--fleet",
+            str(fleet_file), "--precision", "bf16", "--tp", "1"]
+    out = runner.invoke(cli, args)
+    assert out.exit_code == 0, out.output
+    assert "engine: vLLM 0.17.1 (profile vllm 0.12–0.20; the version the fleet's agents report)" in out.output
+    assert "--max-num-seqs 1024 --max-model-len 32768 --gpu-memory-utilization 0.9" in out.output
+    asked = runner.invoke(cli, [*args, "--engine-version", "0.29.1", "--max-num-seqs", "128", "--json"])
+    assert asked.exit_code == 0, asked.output
+    data = msgspec.json.decode(asked.output)
+    assert (data["engine_version"], data["engine_profile"], data["engine_version_source"]) == (
+        "0.29.1", "vllm 0.29+", "--engine-version")
+    assert data["candidates"][0]["max_num_seqs"] == 128 and data["candidates"][0]["gpu_memory_utilization"] == 0.92
+    bad = runner.invoke(cli, [*args, "--engine-version", "nightly"])
+    assert bad.exit_code == 1 and "Error: engine version 'nightly' has no version number" in bad.output
+    assert EXAMPLES.is_dir()
