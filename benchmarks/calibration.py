@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ROWS = ROOT / "tests" / "data" / "vllm_observed.jsonl"
 CONFIG_DIRS = (ROOT / "examples" / "models", ROOT / "tests" / "data" / "calibration")
 GIB = 1024**3
+KV_FLOOR_GIB = 0.75  # a KV figure is right within max(10 %, this)
 
 
 @dataclass
@@ -42,7 +43,20 @@ class Result:
     def kv_ok(self) -> bool | None:
         if self.kv is None or self.observed_kv is None:
             return None
-        return abs(self.kv - self.observed_kv) <= max(0.1 * abs(self.observed_kv), 1.5)
+        return abs(self.kv - self.observed_kv) <= max(0.1 * abs(self.observed_kv), KV_FLOOR_GIB)
+
+    @property
+    def weights_ok(self) -> bool | None:
+        obs = self.row.get("weights_gib")
+        if obs is None or self.weights is None:
+            return None
+        return abs(self.weights - obs) <= 0.05 * obs
+
+    @property
+    def profile(self) -> str:
+        from llmgw.engineprofiles import profile_for
+
+        return profile_for("vllm", str(self.row.get("vllm_version") or "")).name if self.row.get("vllm_version") else "-"
 
 
 def rows() -> list[dict[str, Any]]:
@@ -79,11 +93,21 @@ def evaluate(row: dict[str, Any]) -> Result:
     if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
         r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu) / GIB
         return r
+    from llmgw.engineprofiles import profile_for
+
     mem_gib = float(row["gpu_memory_gib"])
-    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, M.large_card(gpu, int(mem_gib * 1024)), gpu)
+    profile = profile_for("vllm", str(row.get("vllm_version") or ""))
+    tokens, seqs = profile.batch(gpu, int(mem_gib * 1024))
+    if row.get("max_num_seqs"):
+        seqs = int(row["max_num_seqs"])
+        tokens = max(tokens, seqs)
+    if row.get("max_num_batched_tokens"):
+        tokens = int(row["max_num_batched_tokens"])
+    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs))
+    graphs = M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if profile.graphs_in_budget and not row.get("enforce_eager") else 0.0
     budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
     r.weights = weights / GIB
-    r.kv = (budget - weights - overhead) / GIB
+    r.kv = (budget - weights - overhead - graphs) / GIB
     per_token = kv.bytes_per_token
     if row.get("kv_cache_gib") is not None:
         r.observed_kv = float(row["kv_cache_gib"])
@@ -97,13 +121,39 @@ def evaluate(row: dict[str, Any]) -> Result:
     return r
 
 
+def by_profile(results: list[Result]) -> dict[str, list[Result]]:
+    """The rows of each vLLM version range (its engine profile), oldest first."""
+    from llmgw.engineprofiles import VLLM_PROFILES
+
+    order = {p.name: i for i, p in enumerate(VLLM_PROFILES)}
+    out: dict[str, list[Result]] = {}
+    for r in sorted(results, key=lambda r: order.get(r.profile, -1)):
+        out.setdefault(r.profile, []).append(r)
+    return out
+
+
+def summary(used: list[Result]) -> str:
+    """The goal's figures: verdicts, KV within max(10 %, 0.75 GiB), weights within 5 %."""
+    kv_rows = [r for r in used if r.kv_ok is not None]
+    errs = [abs(r.kv - r.observed_kv) for r in kv_rows]  # type: ignore[operator]
+    w = [r for r in used if r.weights_ok is not None]
+    v = [r for r in used if r.fits is not None]
+    gpus = {str(r.row.get("gpu_class") or "") for r in used if r.row.get("gpu_class")}
+    return (f"{len(used)} rows in the set, {len(by_profile(used))} vLLM version ranges, {len(gpus)} GPU classes; "
+            f"KV within max(10%, {KV_FLOOR_GIB} GiB): {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)} "
+            f"({sum(bool(r.kv_ok) for r in kv_rows) / max(1, len(kv_rows)):.0%}); KV error mean "
+            f"{statistics.mean(errs) if errs else 0:.2f} GiB, worst {max(errs, default=0):.2f} GiB; weights within 5%: "
+            f"{sum(bool(r.weights_ok) for r in w)} of {len(w)}; verdicts right: "
+            f"{sum(r.fits == r.observed_fits for r in v)} of {len(v)}.")
+
+
 def evaluate_all() -> list[Result]:
     return [evaluate(row) for row in rows()]
 
 
 def table(results: list[Result]) -> str:
     """Markdown: every row in the set with its errors, then the excluded ones, then the summary."""
-    out = ["| model | GPU | tp | util | vLLM | weights GiB pred / obs | KV GiB pred / obs | KV error | fits pred / obs |",
+    out = ["| model | GPU | tp | util | vLLM (profile) | weights GiB pred / obs | KV GiB pred / obs | KV error | fits pred / obs |",
            "|---|---|---|---|---|---|---|---|---|"]
     used = [r for r in results if not r.excluded]
     for r in used:
@@ -116,18 +166,21 @@ def table(results: list[Result]) -> str:
         obs_kv = f"{r.observed_kv:.2f}" if r.observed_kv is not None else "-"
         err = f"{r.kv - r.observed_kv:+.2f}" if r.kv is not None and r.observed_kv is not None else "-"
         out.append(f"| {row['model']} | {row.get('gpu_class') or row.get('gpu')} | {row.get('tp') or 1} | "
-                   f"{row['gpu_memory_utilization']:g} | {row.get('vllm_version') or '-'} | {r.weights:.2f} / {obs_w} | "
+                   f"{row['gpu_memory_utilization']:g} | {row.get('vllm_version') or '-'} ({r.profile}) | {r.weights:.2f} / {obs_w} | "
                    f"{r.kv:.2f} / {obs_kv} | {err} | {'yes' if r.fits else 'no'} / {'yes' if r.observed_fits else 'no'} |")
-    kv_rows = [r for r in used if r.kv_ok is not None]
-    errs = [abs(r.kv - r.observed_kv) for r in kv_rows]  # type: ignore[operator]
-    w_errs = [abs(r.weights - r.row["weights_gib"]) for r in used if r.row.get("weights_gib") is not None and r.weights]
     out.append("")
-    out.append(f"{len(used)} rows in the set ({len(results) - len(used)} excluded); KV within "
-               f"max(10%, 1.5 GiB): {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)}; KV error mean "
-               f"{statistics.mean(errs):.2f} GiB, worst {max(errs):.2f} GiB; weights error mean "
-               f"{statistics.mean(w_errs):.2f} GiB, worst {max(w_errs):.2f} GiB; verdicts right: "
-               f"{sum(r.fits == r.observed_fits for r in used if r.fits is not None)} of "
-               f"{sum(r.fits is not None for r in used)}.")
+    out.append(summary(used))
+    out.append("")
+    out.append("| vLLM profile | rows | KV within max(10%, 0.75 GiB) | KV error mean / worst GiB | weights within 5% | verdicts right |")
+    out.append("|---|---|---|---|---|---|")
+    for name, group in by_profile(used).items():
+        kv_rows = [r for r in group if r.kv_ok is not None]
+        errs = [abs(r.kv - r.observed_kv) for r in kv_rows]  # type: ignore[operator]
+        w = [r for r in group if r.weights_ok is not None]
+        v = [r for r in group if r.fits is not None]
+        err = f"{statistics.mean(errs):.2f} / {max(errs):.2f}" if errs else "-"
+        out.append(f"| {name} | {len(group)} | {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)} | {err} | "
+                   f"{sum(bool(r.weights_ok) for r in w)} of {len(w)} | {sum(r.fits == r.observed_fits for r in v)} of {len(v)} |")
     out.append("")
     out.append("Excluded: " + "; ".join(f"{r.row['model']} ({r.excluded})" for r in results if r.excluded) + ".")
     return "\n".join(out)
