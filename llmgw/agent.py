@@ -162,6 +162,7 @@ class Agent:
         # An agent speaks only for its node: refused, it cannot do its job (another node's login, or none).
         self.outbox = bus.outbox(outbox_max, refusal_is_fatal=True)
         self.inventory: m.NodeInventoryReported | None = None
+        self._engine_versions: dict[str, str] = {}  # engine -> what its --version says (EngineSupervisor.versions)
         self.started = asyncio.Event()
         self._stop = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -240,6 +241,8 @@ class Agent:
             boot_id=self.boot_id,
             driver_version=self._driver,
             simulated=self.simulated,
+            vllm_version=self._engine_versions.get("vllm", ""),
+            llamacpp_version=self._engine_versions.get("llama.cpp", ""),
             gpus=tuple(
                 m.GpuInfo(
                     index=g.index, uuid=g.uuid, name=g.name, gpu_class=gpu_class(g.name, g.memory_mib),
@@ -454,6 +457,11 @@ class Agent:
     async def run(self) -> None:
         """Publish the inventory, then watch, poll and heartbeat until ``stop``."""
         self._driver = await asyncio.to_thread(self.port.driver_version)
+        # The planner plans for the engine versions this node really starts (an engine supervisor says which).
+        for svc in self.services:
+            probe = getattr(svc, "versions", None)
+            if probe is not None:
+                self._engine_versions.update(await probe())
         await self.remember()
         await self.check()
         loop = asyncio.get_running_loop()

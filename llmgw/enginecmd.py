@@ -164,3 +164,29 @@ def kv_tokens_from_props(text: str) -> int:
         return n * slots
     except (ValueError, AttributeError):
         return 0
+
+
+_VERSION_TEXT = re.compile(r"v?(\d+(?:\.\d+){0,3}[\w.+-]*)")
+
+
+def version_argv(engine: str, cmds: Mapping[str, list[str]]) -> list[str]:
+    """The command that asks an engine its version: ``vllm --version``, ``llama-server --version``."""
+    argv = list(cmds[engine])
+    if engine == "vllm" and argv and argv[-1] == "serve":
+        argv = argv[:-1]  # the program, not its serve subcommand
+    return [*argv, "--version"]
+
+
+def parse_version_output(text: str) -> str:
+    """The version in what ``--version`` printed (vLLM: ``0.17.1``, after any log lines; llama-server:
+    ``version: 4567 (abc1234)``), or "" when there is none."""
+    for raw in text.splitlines():
+        line = raw.strip()
+        low = line.lower()
+        if "version" in low:
+            found = _VERSION_TEXT.search(line[low.rindex("version") + len("version"):])
+        else:
+            found = _VERSION_TEXT.match(line)
+        if found:
+            return found.group(1)[:100]
+    return ""

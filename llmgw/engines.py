@@ -39,7 +39,9 @@ from llmgw.enginecmd import (
     engine_argv,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
+    parse_version_output,
     part_argvs,
+    version_argv,
 )
 from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
 from llmgw.upstream import Timeouts, Upstream
@@ -451,6 +453,31 @@ class EngineSupervisor:
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
         # One HTTP client for every engine's health checks and readings (llmgw/upstream.py, as the router's).
         self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
+
+    async def versions(self, timeout_s: float = 30.0) -> dict[str, str]:
+        """What the engines this node starts say they are (``vllm --version``, ``llama-server --version``);
+        an engine not installed, or silent within ``timeout_s``, is left out. Simulated engines have none."""
+        if self.config.simulate:
+            return {}
+        out: dict[str, str] = {}
+        for engine in ("vllm", "llama.cpp"):
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *version_argv(engine, self.config.cmds), stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
+            except OSError:
+                continue  # not installed here
+            try:
+                async with asyncio.timeout(timeout_s):
+                    text, _ = await proc.communicate()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                continue
+            if version := parse_version_output(text.decode(errors="replace")):
+                out[engine] = version
+        return out
 
     def holds(self) -> list[tuple[int, tuple[int, ...], int]]:
         """(pid, GPU indexes, planned MiB per GPU; 0: not planned) of every engine process running here."""

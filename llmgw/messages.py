@@ -142,6 +142,10 @@ class NodeInventoryReported(Event, tag="NodeInventoryReported", frozen=True, kw_
     gpus: Annotated[tuple[GpuInfo, ...], msgspec.Meta(max_length=MAX_GPUS)]
     driver_version: Label = ""
     simulated: bool = False
+    # What the engines this agent starts say they are (``vllm --version``, ``llama-server --version``);
+    # "" when not installed or not asked. The planner plans for the version the fleet runs.
+    vllm_version: Label = ""
+    llamacpp_version: Label = ""
 
 
 class GpuHealthChanged(Event, tag="GpuHealthChanged", frozen=True, kw_only=True):
@@ -273,12 +277,35 @@ class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
     waiting: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
 
 
-UsageEvent = IdleMapPublished | ModelWanted
+class WakeAnswered(Event, tag="WakeAnswered", frozen=True, kw_only=True):
+    """A router sent on the requests it held for a parked model, and the first of them was answered.
+
+    The router's part of a cold start (the ledger, ``ctl model show``): ``held_since`` is when
+    the first request was held (the model was wanted), ``released_at`` when a healthy replica
+    let them go on, ``at`` when the first byte of an answer came back from ``replica_id``.
+    Published on ``llmgw.usage.<router>.wanted`` with the router's next idle map.
+    """
+
+    router: Name
+    boot_id: Annotated[str, msgspec.Meta(max_length=64)]
+    model: Ref
+    replica_id: Ref
+    held_since: Time
+    released_at: Time
+    requests: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
+    # Each released request's wait from being held to going on, seconds (the first 1,024).
+    waits_s: Annotated[tuple[Seconds, ...], msgspec.Meta(max_length=1024)] = ()
+
+
+UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered
 
 
 # --- control stream: llmgw.control.model.<name>.*, llmgw.control.replica.<id>.* --
 
 Engine = Literal["vllm", "llama.cpp"]
+
+
+Routing = Literal["prefix", "least-outstanding"]
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -310,6 +337,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Sequences served at once. llama.cpp: -np slots, each with ``context`` (-c is their shared
     # pool, parallel x context); vLLM: --max-num-seqs (its paged cache needs no more memory).
     parallel: Parallel = 0
+    engine_version: Label = ""  # the engine version the plan was made for ("": not recorded)
+    # How routers pick its replica (llmgw/prefixroute.py): "prefix" sends prompts that begin alike
+    # to the same replica (its KV cache has them), within a load bound; "least-outstanding" by load alone.
+    routing: Routing = "prefix"
 
     @property
     def slots(self) -> int:
@@ -380,6 +411,10 @@ class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
     spec: ModelSpec
     fabric: FabricRef = ""
     reason: Text = ""
+    # Why the scheduler placed it, as a code: "wake" (a request woke a parked model), "scale-up"
+    # (the autoscaler asked for more), "" (a declaration, a re-placement, a roll). The cold-start
+    # ledger counts the first two; older events carry "" and are judged by their reason.
+    cause: Label = ""
 
 
 ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
@@ -596,6 +631,33 @@ class ModelEvent(msgspec.Struct, frozen=True, kw_only=True):
     event: ControlEvent
 
 
+class ColdStart(msgspec.Struct, frozen=True, kw_only=True):
+    """One wake or scale-up of a model: each phase at its event's time, None where nothing reported it.
+
+    wanted (the first request held, by the router) → placed (the scheduler) → started (the
+    engine process, by the agent) → healthy (the agent) → released (the router sent the held
+    requests on) → first byte (the router had the first answer). A scale-up is wanted when placed.
+    """
+
+    replica_id: str
+    model: str
+    cause: str  # wake | scale-up
+    placed_at: datetime
+    wanted_at: datetime | None = None
+    started_at: datetime | None = None
+    healthy_at: datetime | None = None
+    released_at: datetime | None = None
+    first_byte_at: datetime | None = None
+    requests: int = 0  # requests held for it (0: none known)
+    waits_s: tuple[float, ...] = ()  # each held request's wait until released (sorted, the first 1,024)
+
+    @property
+    def total_s(self) -> float | None:
+        """From wanted (else placed) to the first byte (else healthy); None until healthy."""
+        end = self.first_byte_at or self.healthy_at
+        return None if end is None else (end - (self.wanted_at or self.placed_at)).total_seconds()
+
+
 class ModelDetail(msgspec.Struct, frozen=True, kw_only=True):
     """``ctl model show``: a model's spec (the plan's figures in it), its replicas and its latest control events."""
 
@@ -605,6 +667,9 @@ class ModelDetail(msgspec.Struct, frozen=True, kw_only=True):
     spec: ModelSpec
     replicas: tuple[ReplicaRow, ...]
     events: tuple[ModelEvent, ...]
+    # Its cold starts, oldest first (the latest 64), and how many the history holds in all.
+    cold_starts: tuple[ColdStart, ...] = ()
+    cold_start_count: int = 0
 
 
 class ClassGpuUse(msgspec.Struct, frozen=True, kw_only=True):
@@ -712,12 +777,17 @@ class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     precisions: Annotated[tuple[Label, ...], msgspec.Meta(max_length=32)] = ()  # empty: every precision the repository can be served at
     tp: Annotated[tuple[Split, ...], msgspec.Meta(max_length=32)] = ()  # empty: 1, 2, 4, 8 where the heads divide
     context: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None  # None: the model's full context, else the largest that fits
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    # None: the engine version's default (vLLM 0.9 before 0.29, 0.92 from it)
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     params: Annotated[int, msgspec.Meta(ge=1, le=10**16)] | None = None
     all: bool = False
     info: ModelInfo | None = None  # the model as the asker read it; None: the planner resolves it
     parallel: Parallel = 0  # llama.cpp: slots, each holding the context (its KV pool is parallel x context)
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the model's dtype, or the checkpoint's kv_cache_scheme
+    # The vLLM version to plan for ("": the one the fleet's agents report, else the newest profile).
+    engine_version: Label = ""
+    # vLLM's --max-num-seqs (0: the version's default on each card); it sizes the sampler's profiling pass.
+    max_num_seqs: Parallel = 0
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -756,6 +826,15 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     # Over several nodes: what each node runs, the head first (``command`` is the head's vLLM).
     node_commands: tuple[str, ...] = ()
     parallel: int = 0  # as asked (PlanRequest.parallel); llama.cpp's KV pool is max(1, parallel) x context
+    engine_version: str = ""  # the engine version the plan was made for (vLLM; llama.cpp: as reported)
+    engine_profile: str = ""  # the overhead profile used, e.g. "vllm 0.21–0.28"
+    max_num_seqs: int = 0  # vLLM's --max-num-seqs, planned and passed
+    cuda_graph_gib_per_gpu: float = 0.0  # vLLM's CUDA graphs, estimated (0 in eager mode)
+    # budget: vLLM takes them from the budget (0.21+); slack: the 1 - utilization slack holds them;
+    # charged: it could not, so the utilization was lowered until it does; eager: --enforce-eager
+    cuda_graphs: str = ""
+    graph_note: str | None = None  # why charged or eager, and what the other choice costs
+    enforce_eager: bool = False
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -776,7 +855,10 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             kv_cache_dtype=self.kv_cache_dtype,
             # llama.cpp allocates exactly its -c (slots x context), whatever else the card would hold.
             kv_tokens=self.context * max(1, self.parallel) if self.engine == "llama.cpp" else self.kv_tokens,
-            parallel=self.parallel,
+            # vLLM runs with the --max-num-seqs it was planned for (its sampler's profiling pass depends on it).
+            parallel=self.max_num_seqs if self.engine == "vllm" and self.max_num_seqs else self.parallel,
+            engine_args=("--enforce-eager",) if self.enforce_eager else (),
+            engine_version=self.engine_version,
         )
 
 
@@ -790,6 +872,9 @@ class PlanReply(msgspec.Struct, frozen=True, kw_only=True):
     context: int | None = None
     fleet_gpus: int = 0
     notes: tuple[str, ...] = ()
+    engine_version: str = ""  # the vLLM version planned for
+    engine_profile: str = ""  # and the overhead profile that version uses
+    engine_version_source: str = ""  # --engine-version | fleet | newest profile
 
 
 PLAN_REQUEST_DECODER = msgspec.json.Decoder(PlanRequest)
