@@ -29,11 +29,16 @@ from llmgw.fake_engine import EngineOptions, bind, serve
               help="A replica over this many nodes: serve only once the other parts have joined (--rendezvous-port).")
 @click.option("--rendezvous-port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="With --parts: where the other nodes' parts connect.")
+@click.option("--cache-slots", type=click.IntRange(0, 4096), default=0, show_default=True,
+              help="A prefix cache of this many slots, LRU (cached_tokens in usage); 0: none.")
+@click.option("--prefill-ms-per-token", type=click.FloatRange(0, 1000), default=0.0, show_default=True,
+              help="Prefill time per prompt token not served from the cache (one prompt at a time).")
 @click.option("--join", "join_address", metavar="HOST:PORT",
               help="Be a worker part: join the head at HOST:PORT and hold until it goes away (no HTTP).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
                 chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
-                startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, join_address: str | None) -> None:
+                startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, cache_slots: int,
+                prefill_ms_per_token: float, join_address: str | None) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -65,5 +70,6 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
     opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
                          chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
                          die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
-                         kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port)
+                         kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port,
+                         cache_slots=cache_slots, prefill_ms_per_token=prefill_ms_per_token)
     run(serve(opts, sock, host))

@@ -64,6 +64,9 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--file", "gguf", metavar="NAME.gguf|PATH",
               help="llama.cpp: the GGUF to serve, a file here or a name in the model's directory or repository "
                    "[default: the planner's conventional name, e.g. Qwen2.5-14B-Instruct-Q4_K_M.gguf].")
+@click.option("--routing", type=click.Choice(["prefix", "least-outstanding"]), default="prefix", show_default=True,
+              help="How routers pick a replica: prefix sends prompts that begin alike where their prefix is "
+                   "cached (within a load bound); least-outstanding by load alone. README, \"Routing\".")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
@@ -72,7 +75,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
-           parallel: int, gguf: str | None, engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None,
+           parallel: int, gguf: str | None, routing: str, engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None,
            as_json: bool, settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
@@ -102,9 +105,10 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
     chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
     file = ctl.gguf_file(chosen, gguf) if gguf is not None else chosen.file
-    spec = msgspec.structs.replace(chosen.spec(name, replicas), idle_ttl_s=idle_ttl, engine_args=engine_args,
+    planned = chosen.spec(name, replicas)  # its engine_args hold what the plan needs (--enforce-eager)
+    spec = msgspec.structs.replace(planned, idle_ttl_s=idle_ttl, engine_args=(*planned.engine_args, *engine_args),
                                    min_replicas=min_replicas, max_replicas=max_replicas,
-                                   target_in_flight=target_in_flight, file=file)
+                                   target_in_flight=target_in_flight, file=file, routing=routing)
     seq = run(ctl.publish_control(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
     if as_json:
         echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})
@@ -353,6 +357,9 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
         console.print(reps)
     else:
         console.print("  none placed\n")
+    from llmgw.cli.coldstarts import render_cold_starts
+
+    render_cold_starts(d, console)
     console.print(f"Events (the latest {len(d.events)}, oldest first; `llmgw replay --model {s.name}` for all)")
     if d.events:
         ev = Table(box=box.SIMPLE)

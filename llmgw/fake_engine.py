@@ -29,6 +29,11 @@ class _StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class _Message(msgspec.Struct):
+    role: str = ""
+    content: str | list[object] | None = None
+
+
 class _Body(msgspec.Struct):
     """The parts of a request the fake engine looks at."""
 
@@ -36,6 +41,62 @@ class _Body(msgspec.Struct):
     stream: bool = False
     input: str | list[object] = ""
     stream_options: _StreamOptions | None = None
+    messages: list[_Message] = []
+    prompt: str | list[object] = ""
+
+    def text(self) -> bytes:
+        """The prompt as the engine sees it: each message's role and text, in order (or the prompt)."""
+        if self.messages:
+            out = bytearray()
+            for msg in self.messages:
+                content = msg.content if isinstance(msg.content, str) else _ENCODER.encode(msg.content).decode()
+                out += f"<|{msg.role}|>\n{content}\n".encode()
+            return bytes(out)
+        return self.prompt.encode() if isinstance(self.prompt, str) else _ENCODER.encode(self.prompt)
+
+
+BYTES_PER_TOKEN = 4  # the fake engine's tokenizer: four bytes a token
+BLOCK_TOKENS = 16  # its cache's block, as vLLM's
+
+
+class PrefixCache:
+    """Slots holding one prompt's blocks each, LRU, as llama-server's slots (or a small paged cache) do.
+
+    A prompt takes the slot whose blocks share the longest beginning with it (its cached
+    tokens) or, sharing none, the least recently used one; it then holds this prompt's blocks.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots: list[list[int]] = [[] for _ in range(slots)]
+        self.used: list[float] = [0.0] * slots
+
+    @staticmethod
+    def blocks(text: bytes) -> list[int]:
+        size = BYTES_PER_TOKEN * BLOCK_TOKENS
+        out, h = [], 0
+        for i in range(0, len(text) - size + 1, size):  # only whole blocks are cached
+            h = hash((h, text[i:i + size]))
+            out.append(h)
+        return out
+
+    def take(self, text: bytes) -> int:
+        """Cached tokens for this prompt; its slot now holds it."""
+        if not self.slots:
+            return 0
+        blocks = self.blocks(text)
+        best, shared = 0, -1
+        for i, held in enumerate(self.slots):
+            n = 0
+            for a, b in zip(held, blocks, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > shared or (n == shared and self.used[i] < self.used[best]):
+                best, shared = i, n
+        if shared == 0:
+            best = min(range(len(self.slots)), key=self.used.__getitem__)
+        self.slots[best], self.used[best] = blocks, time.monotonic()
+        return shared * BLOCK_TOKENS
 
 
 _DECODER = msgspec.json.Decoder(_Body)
@@ -58,6 +119,8 @@ class EngineOptions:
     kv_tokens: int = 0  # KV cache it claims on /metrics (vLLM's cache_config_info); 0: no such line
     parts: int = 1  # a head waiting for parts - 1 other nodes' parts to connect before it serves
     rendezvous_port: int = 0  # where they connect (the head's address is host:this)
+    cache_slots: int = 0  # a prefix cache of this many slots (PrefixCache); 0: none, nothing is cached
+    prefill_ms_per_token: float = 0.0  # time per prompt token not served from the cache, before the reply
 
 
 class FakeEngine:
@@ -70,6 +133,10 @@ class FakeEngine:
         self._headers = {"x-llmgw-replica": self.name}
         self._ready_at = time.monotonic() + opts.startup_s
         self.joined = 0  # other nodes' parts connected to this head
+        self.cache = PrefixCache(opts.cache_slots)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self._prefill = asyncio.Lock()  # one prompt is prefilled at a time, as on one GPU
 
     def _loading(self) -> web.Response | None:
         left = self._ready_at - time.monotonic()
@@ -119,13 +186,26 @@ class FakeEngine:
             await asyncio.sleep(self.opts.latency_ms / 1000)
         return body
 
+    async def _prefill_prompt(self, body: _Body) -> dict[str, object]:
+        """Take the prompt through the cache (and the prefill time of what it lacked); its usage."""
+        text = body.text()
+        prompt = max(1, len(text) // BYTES_PER_TOKEN)
+        cached = min(self.cache.take(text), prompt)
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        if self.opts.prefill_ms_per_token > 0 and prompt > cached:
+            async with self._prefill:
+                await asyncio.sleep((prompt - cached) * self.opts.prefill_ms_per_token / 1000)
+        return {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._begin(request)
         if isinstance(body, web.Response):
             return body
         rid = f"chatcmpl-{self.name}-{self.requests}"
+        prompt = await self._prefill_prompt(body)
         if body.stream:
-            return await self._stream(request, rid, "chat.completion.chunk", chat=True, body=body)
+            return await self._stream(request, rid, "chat.completion.chunk", chat=True, body=body, prompt=prompt)
         reply = {
             "id": rid,
             "object": "chat.completion",
@@ -139,7 +219,7 @@ class FakeEngine:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
         }
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
 
@@ -148,8 +228,9 @@ class FakeEngine:
         if isinstance(body, web.Response):
             return body
         rid = f"cmpl-{self.name}-{self.requests}"
+        prompt = await self._prefill_prompt(body)
         if body.stream:
-            return await self._stream(request, rid, "text_completion", chat=False, body=body)
+            return await self._stream(request, rid, "text_completion", chat=False, body=body, prompt=prompt)
         reply = {
             "id": rid,
             "object": "text_completion",
@@ -157,11 +238,12 @@ class FakeEngine:
             "model": self.opts.model,
             "system_fingerprint": self.name,
             "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
         }
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
 
-    async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool, body: _Body) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool, body: _Body,
+                      prompt: dict[str, object]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers})
         await resp.prepare(request)
         created = int(time.time())
@@ -184,7 +266,8 @@ class FakeEngine:
                 await asyncio.sleep(pause)
         if body.stream_options is not None and body.stream_options.include_usage:
             # As OpenAI and vLLM do: one more chunk, with no choices, carrying the whole request's usage.
-            usage = {"prompt_tokens": 1, "completion_tokens": self.opts.chunks, "total_tokens": 1 + self.opts.chunks}
+            n = int(prompt["prompt_tokens"])  # type: ignore[call-overload]
+            usage = {**prompt, "completion_tokens": self.opts.chunks, "total_tokens": n + self.opts.chunks}
             await resp.write(b"data: " + _ENCODER.encode({"id": rid, "object": obj, "created": created,
                                                           "model": self.opts.model, "choices": [],
                                                           "usage": usage}) + b"\n\n")
@@ -229,7 +312,8 @@ class FakeEngine:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"name": self.name, "requests": self.requests})
+        return web.json_response({"name": self.name, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                                  "cached_tokens": self.cached_tokens})
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -34,15 +34,35 @@ ERROR_KINDS = ("bad_request", "too_large", "body_timeout", "unauthorized", "unkn
 _Tokens = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]  # an engine's count; a negative or absurd one is refused
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: _Tokens = 0
+
+
 class Usage(msgspec.Struct):
-    """The token counts an engine reports in ``usage`` (embeddings have no completion tokens)."""
+    """The token counts an engine reports in ``usage`` (embeddings have no completion tokens).
+
+    ``cached_tokens`` are prompt tokens the engine served from its cache: vLLM's
+    ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``), or
+    llama-server's ``timings.cache_n`` (``usage_of`` moves it here).
+    """
 
     prompt_tokens: _Tokens = 0
     completion_tokens: _Tokens = 0
+    prompt_tokens_details: _PromptDetails | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        details = self.prompt_tokens_details
+        return min(details.cached_tokens, self.prompt_tokens) if details is not None else 0
+
+
+class _Timings(msgspec.Struct):
+    cache_n: _Tokens = 0  # llama-server: prompt tokens taken from the slot's cache
 
 
 class _WithUsage(msgspec.Struct):
     usage: Usage | None = None
+    timings: _Timings | None = None
 
 
 _USAGE = msgspec.json.Decoder(_WithUsage)
@@ -51,21 +71,33 @@ _USAGE = msgspec.json.Decoder(_WithUsage)
 def usage_of(body: bytes) -> Usage | None:
     """The ``usage`` of a JSON answer (or one streamed chunk's data), or None when it has none or is not JSON."""
     try:
-        return _USAGE.decode(body).usage
+        got = _USAGE.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    usage = got.usage
+    if usage is not None and got.timings is not None and usage.prompt_tokens_details is None:
+        usage.prompt_tokens_details = _PromptDetails(cached_tokens=got.timings.cache_n)
+    return usage
 
 
 def usage_of_stream(tail: bytes) -> Usage | None:
     """The last ``usage`` in the tail of a server-sent event stream (the engine sends it last, before [DONE])."""
+    usage: Usage | None = None
+    timings: _Timings | None = None
     for event in reversed(tail.split(b"\n\n")):
         data = event.strip()
-        if not data.startswith(b"data:") or b'"usage"' not in data:
+        if not data.startswith(b"data:") or (b'"usage"' not in data and b'"timings"' not in data):
             continue
-        usage = usage_of(data[5:])
-        if usage is not None:
-            return usage
-    return None
+        try:
+            got = _USAGE.decode(data[5:])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        usage, timings = usage or got.usage, timings or got.timings  # llama-server may send them apart
+        if usage is not None and (timings is not None or usage.prompt_tokens_details is not None):
+            break
+    if usage is not None and timings is not None and usage.prompt_tokens_details is None:
+        usage.prompt_tokens_details = _PromptDetails(cached_tokens=timings.cache_n)
+    return usage
 
 
 class _PoolCollector:
@@ -122,6 +154,9 @@ class Metrics:
                                ["model"], registry=r)
         self._completion = Counter("llmgw_router_completion_tokens",
                                    "Completion tokens the engines reported in `usage`, by model.", ["model"], registry=r)
+        self._cached = Counter("llmgw_router_prompt_tokens_cached",
+                               "Prompt tokens the engines served from their prefix cache (vLLM's cached_tokens, "
+                               "llama-server's cache_n), by model.", ["model"], registry=r)
         if pool is not None:
             r.register(_PoolCollector(pool, bad_events, idle_maps))
         if process:
@@ -140,6 +175,7 @@ class Metrics:
     def tokens(self, model: str, usage: Usage) -> None:
         self._prompt.labels(model).inc(usage.prompt_tokens)
         self._completion.labels(model).inc(usage.completion_tokens)
+        self._cached.labels(model).inc(usage.cached_tokens)
 
     def error(self, model: str, kind: str) -> None:
         self._errors.labels(model, kind).inc()

@@ -39,12 +39,14 @@ from aiohttp import http_exceptions, web
 
 from llmgw import messages as m
 from llmgw import openai_api as api
+from llmgw import prefixroute
 from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
 from llmgw.metrics import Metrics, usage_of, usage_of_stream
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
+from llmgw.wakelog import WakeLog
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +166,13 @@ class Router:
         self.waiting: dict[str, list[asyncio.Future[str]]] = {}
         self._wished_at_tick: dict[str, int] = {}
         self.wishes = 0
+        self.wakes = WakeLog()  # the cold-start ledger's router side, published with the idle maps
         self.upstream = Upstream(timeouts)
         self.idle = IdleTracker()
         self.metrics = Metrics(self.pool, lambda: self.sink.bad_events, lambda: self.idle_maps)
         self.idle_maps = 0
         self._rr = 0
+        self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._wish_tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
@@ -177,11 +181,23 @@ class Router:
 
     # --- acquire / release ------------------------------------------------------
 
-    def acquire(self, model: str, exclude: Replica | None = None) -> Replica | None:
-        """The healthy replica with the fewest outstanding requests, or None; never awaits."""
+    def acquire(self, model: str, exclude: Replica | None = None, key: int | None = None) -> Replica | None:
+        """A healthy replica of ``model`` for a request, or None; never awaits.
+
+        With a prompt ``key`` (the model routes by prefix), where that prefix is homed, within
+        the load bound (llmgw/prefixroute.py); else the one with the fewest outstanding requests.
+        """
         reps = self.pool.healthy.get(model)
         if not reps:
             return None
+        if key is not None:
+            table = self.prefixes.get(model)
+            if table is None:
+                table = self.prefixes[model] = prefixroute.PrefixTable()
+            chosen = prefixroute.pick(table, key, reps, exclude)
+            if chosen is None:
+                return None
+            return self._take(chosen)
         n = len(reps)
         self._rr += 1
         start = self._rr % n
@@ -192,10 +208,20 @@ class Router:
                 best = r
         if best is None:
             return None
-        best.outstanding += 1
+        return self._take(best)
+
+    def _take(self, rep: Replica) -> Replica:
+        rep.outstanding += 1
         if self.idle_tracking:
-            self.idle.last[best.replica_id] = time.time()
-        return best
+            self.idle.last[rep.replica_id] = time.time()
+        return rep
+
+    def routing_key(self, model: str, route: str, body: bytes) -> int | None:
+        """The prompt's key when ``model`` routes by prefix (its declaration says so), else None."""
+        declared = self.pool.declared.get(model)
+        if declared is not None and declared.routing != "prefix":
+            return None
+        return prefixroute.prompt_key(route, body)
 
     @staticmethod
     def release(rep: Replica) -> None:
@@ -309,6 +335,11 @@ class Router:
                                     self.sink.applied_seq)
         await self.bus.publish(event, timeout=max(1.0, self.tick_s))
         self.idle_maps += 1
+        now = time.monotonic()
+        for table in self.prefixes.values():
+            table.expire(now)  # prefixes nobody sent for prefixroute.WINDOW_S
+        for answered in self.wakes.drain(self.name, self.boot_id):
+            await self.bus.publish(answered, timeout=max(1.0, self.tick_s))
         # Again while it is still parked (a lost wish, a scheduler that was away); not while it starts.
         for model in [name for name, held in self.waiting.items() if held and self.pool.model_state(name) == "parked"]:
             self._wish(model)
@@ -350,9 +381,10 @@ class Router:
                     fut.set_result(state)
             del self.waiting[model]
 
-    async def _wake(self, model: str) -> tuple[Replica | None, str]:
+    async def _wake(self, model: str, key: int | None = None) -> tuple[Replica | None, str]:
         """Hold a request until its model has a healthy replica: (replica, "") or (None, why not)."""
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        held_since = time.time()
         held = self.waiting.setdefault(model, [])
         held.append(fut)
         self._wish(model)
@@ -367,8 +399,9 @@ class Router:
             if not held and self.waiting.get(model) is held:
                 del self.waiting[model]
         if state == "serving":
-            rep = self.acquire(model)
+            rep = self.acquire(model, key=key)
             if rep is not None:
+                self.wakes.released(model, rep.replica_id, held_since, time.time())
                 return rep, ""
             state = self.pool.model_state(model)
         return None, state
@@ -442,7 +475,8 @@ class Router:
                 self.metrics.error("", "bad_request")
                 return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
-            resp = await self._forward(request, route, model, stream, body, t0)
+            resp = await self._forward(request, route, model, stream, body, t0,
+                                       self.routing_key(model, route, body))
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -484,8 +518,9 @@ class Router:
         (log.debug if quiet else log.warning)("router %s: unreadable request from %s: %s", self.name, remote, reason)
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
-                       body: bytes, t0: float) -> web.StreamResponse:
-        rep = self.acquire(model)
+                       body: bytes, t0: float, key: int | None = None) -> web.StreamResponse:
+        rep = self.acquire(model, key=key)
+        woken = False
         if rep is None:
             # Only a declared model wakes: one placed by a control plane we do not follow
             # (or whose declaration was removed) answers at once, as before.
@@ -494,9 +529,10 @@ class Router:
                 self._wish(model)  # the demand is recorded; the scheduler retries as cards free up
             if state not in ("parked", "starting"):
                 return self._unavailable(model, state)
-            rep, state = await self._wake(model)
+            rep, state = await self._wake(model, key)
             if rep is None:
                 return self._unavailable(model, state)
+            woken = True
         retried = False
         while True:
             try:
@@ -506,7 +542,7 @@ class Router:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other = None if retried else (self.acquire(model, exclude=rep) or self.acquire(model))
+                other = None if retried else (self.acquire(model, exclude=rep, key=key) or self.acquire(model))
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
@@ -522,6 +558,9 @@ class Router:
             except BaseException:
                 self.release(rep)
                 raise
+            if woken:  # the first byte of a held request's answer: the wake's last phase
+                self.wakes.answered(model, time.time())
+                woken = False
             try:
                 if stream and up.status == 200:
                     return await self._pipe(request, up, rep, model, t0)

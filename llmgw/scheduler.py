@@ -147,9 +147,10 @@ def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
 
 
 def _run_part(spec: m.ModelSpec) -> m.ModelSpec:
-    # kv_tokens is the plan's figure (or what an engine reserved), not something the engine runs with.
+    # kv_tokens is the plan's figure (or what an engine reserved), not something the engine runs with;
+    # routing is the routers' business: changing it restarts no engine.
     return msgspec.structs.replace(spec, replicas=0, idle_ttl_s=None, min_replicas=None, max_replicas=None,
-                                   target_in_flight=1.0, kv_tokens=0)
+                                   target_in_flight=1.0, kv_tokens=0, routing="prefix")
 
 
 def _recommend(spec: m.ModelSpec, demand: int) -> int:

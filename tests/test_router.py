@@ -213,12 +213,12 @@ async def test_engine_dead_before_first_byte_is_retried_elsewhere(bus: Bus, clie
         await place(bus, "D", "flaky", dying.url)
         await place(bus, "G", "flaky", good.url)
         await router.sink.wait_for(lambda p: len(p.healthy.get("flaky", [])) == 2)
-        # Rotating ties send one of the first two requests to D, which dies mid-request.
+        # Eight prompts (eight keys: each the first clockwise of its own) send some to D, which dies mid-request.
         answered = [
-            (await client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": "x"}])).system_fingerprint
-            for _ in range(4)
+            (await client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": f"x{i}"}])).system_fingerprint
+            for i in range(8)
         ]
-        assert answered == ["G"] * 4
+        assert answered == ["G"] * 8
         assert dying.proc.wait(timeout=10) == 3
         assert router.metrics.retries >= 1
         assert router.metrics.errors("flaky", "upstream_connect") >= 1

@@ -67,7 +67,8 @@ async def test_every_route_through_the_openai_client(client: openai.AsyncOpenAI,
     chunks = [c async for c in stream]
     assert [c.choices[0].delta.content for c in chunks if c.choices] == ["tok0 ", "tok1 ", "tok2 ", ""]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (1, 3)
+    # The fake engine's tokenizer: four bytes a token of "<|user|>\nhi\n".
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 3)
 
     text = await client.completions.create(model=MODEL, prompt="hi")
     assert text.choices[0].text == "hello from E"
@@ -85,9 +86,10 @@ async def test_every_route_through_the_openai_client(client: openai.AsyncOpenAI,
 
     got = await scrape(router.url)
     # Two streamed requests: two first tokens. Tokens only from the answers that carried `usage`:
-    # chat 1+3, the streamed chat's usage chunk 1+3, completions 1+3, embeddings 2 (+0), the slashed chat 1+3.
+    # chat 3+3, the streamed chat's usage chunk 3+3, completions 1+3, embeddings 2 (+0), the slashed chat 3+3.
     assert got[sample("llmgw_router_time_to_first_token_seconds_count", model=MODEL)] == 2
-    assert got[sample("llmgw_router_prompt_tokens_total", model=MODEL)] == 1 + 1 + 1 + 2
+    assert got[sample("llmgw_router_prompt_tokens_total", model=MODEL)] == 3 + 3 + 1 + 2
+    assert got[sample("llmgw_router_prompt_tokens_cached_total", model=MODEL)] == 0  # this engine caches nothing
     assert got[sample("llmgw_router_completion_tokens_total", model=MODEL)] == 3 + 3 + 3
     assert got[sample("llmgw_router_completion_tokens_total", model=SLASHED)] == 3
     assert got[sample("llmgw_router_request_seconds_count", model=MODEL, stream="true")] == 2

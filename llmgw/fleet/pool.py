@@ -44,6 +44,7 @@ class Declared:
     replicas_wanted: int
     replicas_by: str = "declared"  # declared | operator | autoscaler
     unplaceable: str | None = None
+    routing: str = "prefix"  # ModelSpec.routing: how the router picks among its replicas
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Pool:
         match event:
             case m.ModelDeclared(spec=spec):
                 self.known_models[spec.name] = None
-                self.declared[spec.name] = Declared(spec.replicas)
+                self.declared[spec.name] = Declared(spec.replicas, routing=spec.routing)
                 return True
             case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
                 d = self.declared.get(name)

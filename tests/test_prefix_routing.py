@@ -1,0 +1,224 @@
+"""Prefix-aware routing: the key, the homes, the load bound, and the fake engine's cache through a router."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from running import engines as running_engines
+from test_router import now, set_state
+
+from llmgw import messages as m
+from llmgw import prefixroute as pr
+from llmgw.bus import Bus
+from llmgw.fake_engine import EngineProcess, PrefixCache
+from llmgw.router import Router
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(*messages: tuple[str, object]) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}).encode()
+
+
+def system_prompt(i: int, size: int = 3000) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "tool", "json", "answer"]) for _ in range(size // 5))
+
+
+@dataclass
+class Rep:
+    replica_id: str
+    outstanding: int = 0
+
+
+# --- the key ------------------------------------------------------------------------
+
+
+def test_prompts_that_begin_alike_share_a_key_and_others_do_not() -> None:
+    a1 = pr.prompt_key(CHAT, chat(("system", system_prompt(1)), ("user", "what is 2+2?")))
+    a2 = pr.prompt_key(CHAT, chat(("system", system_prompt(1)), ("user", "and 3+3?"), ("assistant", "6")))
+    b = pr.prompt_key(CHAT, chat(("system", system_prompt(2)), ("user", "what is 2+2?")))
+    assert a1 is not None and a1 == a2 and b is not None and b != a1
+    # Text parts read as the text itself; a completion's prompt by its own text.
+    parts = pr.prompt_key(CHAT, chat(("system", [{"type": "text", "text": system_prompt(1)}]), ("user", "x")))
+    assert parts == a1
+    c1 = pr.prompt_key("/v1/completions", json.dumps({"model": "m", "prompt": system_prompt(3) + " one"}).encode())
+    c2 = pr.prompt_key("/v1/completions", json.dumps({"model": "m", "prompt": system_prompt(3) + " two"}).encode())
+    assert c1 is not None and c1 == c2
+    # Short prompts are hashed whole: two that differ are two keys.
+    assert pr.prompt_key(CHAT, chat(("user", "hi"))) != pr.prompt_key(CHAT, chat(("user", "ho")))
+
+
+@pytest.mark.parametrize(("what", "body"), [
+    ("a 10 MB prompt", chat(("user", "x" * 10_000_000))),
+    ("100,000 messages", chat(*[("user", "hello")] * 100_000)),
+    ("non-string content parts", json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": [1, {"type": "image_url", "image_url": {"url": "x"}}, None, "s"]}]}).encode()),
+    ("content that is a number", json.dumps({"model": "m", "messages": [{"role": "user", "content": 7}]}).encode()),
+    ("a message that is not an object", json.dumps({"model": "m", "messages": ["hello", 3]}).encode()),
+    ("a token-id prompt", json.dumps({"model": "m", "prompt": list(range(50_000))}).encode()),
+])
+def test_a_bad_or_huge_prompt_still_gets_a_key_in_bounded_time(what: str, body: bytes) -> None:
+    route = "/v1/completions" if b'"prompt"' in body else CHAT
+    t0 = time.perf_counter()
+    key = pr.prompt_key(route, body)
+    spent = time.perf_counter() - t0
+    assert isinstance(key, int), what
+    print(f"{what}: {spent * 1000:.1f} ms")  # shown with -s; a figure, not an assertion
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "messages": []}', b'{"model": "m"}', b"not json",
+                                  b'{"model": "m", "messages": "text"}'])
+def test_no_prompt_to_key_on_routes_by_load(body: bytes) -> None:
+    assert pr.prompt_key(CHAT, body) is None
+    assert pr.prompt_key("/v1/embeddings", b'{"model": "m", "input": "abc"}') is None
+
+
+# --- homes ------------------------------------------------------------------------
+
+
+def test_homes_are_balanced_by_prefix_count() -> None:
+    ring = pr.Ring([f"r{i}" for i in range(3)])
+    keys = [pr._hash64(system_prompt(i).encode()) for i in range(12)]
+    per = Counter(pr.homes(keys, ring).values())
+    assert sum(per.values()) == 12 and max(per.values()) <= math.ceil(pr.PREFIX_FACTOR * 12 / 3)
+
+
+def test_two_routers_that_saw_the_same_prefixes_agree_whatever_the_order() -> None:
+    reps = [Rep(f"r{i}") for i in range(4)]
+    keys = [pr._hash64(system_prompt(i).encode()) for i in range(20)]
+    a, b = pr.PrefixTable(), pr.PrefixTable()
+    for order, table in ((keys + keys, a), (list(reversed(keys)) * 2, b)):
+        for k in order:
+            pr.pick(table, k, reps, now=0.0)
+    chosen_a = [pr.pick(a, k, reps, now=1.0) for k in keys]
+    chosen_b = [pr.pick(b, k, reps, now=1.0) for k in keys]
+    assert [r.replica_id for r in chosen_a] == [r.replica_id for r in chosen_b]  # type: ignore[union-attr]
+
+
+def test_a_replica_leaving_moves_about_its_share_and_flapping_moves_nothing_else() -> None:
+    """Its own prefixes move, and a few others as the survivors' caps fill (bounded loads' price)."""
+    ids = [f"r{i}" for i in range(4)]
+    keys = [pr._hash64(system_prompt(i).encode()) for i in range(20)]
+    before = pr.homes(keys, pr.Ring(ids))
+    moved_others = 0
+    for gone in ids:
+        after = pr.homes(keys, pr.Ring([r for r in ids if r != gone]))
+        assert all(after[k] != gone for k in keys) and Counter(after.values()).most_common(1)[0][1] <= 7
+        moved_others += sum(1 for k in keys if before[k] != after[k] and before[k] != gone)
+    share = len(keys) / len(ids)
+    assert moved_others / len(ids) <= share / 2  # on average at most half its share again (here 0.75 of 5)
+    assert pr.homes(keys, pr.Ring(ids)) == before  # back again: every prefix home again
+
+
+def test_a_hot_prefix_spills_past_the_load_bound_and_a_retry_takes_the_next() -> None:
+    reps = [Rep(f"r{i}") for i in range(3)]
+    table = pr.PrefixTable()
+    key = pr._hash64(b"hot")
+    pr.pick(table, key, reps, now=0.0)
+    home = pr.pick(table, key, reps, now=0.0)  # homed at its second sighting
+    assert home is not None
+    home.outstanding = 2  # 2 + 1 > ceil(1.25 × (2 + 1) / 3) = 2
+    spill = pr.pick(table, key, reps, now=0.0)
+    assert spill is not None and spill is not home and spill.outstanding == 0
+    home.outstanding = 0
+    assert pr.pick(table, key, reps, now=0.0) is home  # the bound released: home again
+    retry = pr.pick(table, key, reps, exclude=home, now=0.0)
+    assert retry is not None and retry is not home
+
+
+def test_prompts_seen_once_go_to_the_least_loaded() -> None:
+    reps = [Rep("a", 3), Rep("b", 1), Rep("c", 2)]
+    table = pr.PrefixTable()
+    picked = {pr.pick(table, pr._hash64(str(i).encode()), reps, now=0.0).replica_id for i in range(50)}  # type: ignore[union-attr]
+    assert picked == {"b"} and not table.homed
+
+
+def test_keys_expire_and_tables_stay_bounded() -> None:
+    table = pr.PrefixTable()
+    for i in range(pr.MAX_SEEN + 10):
+        table.note(i, 0.0)
+    assert len(table.seen) == pr.MAX_SEEN
+    table.note(pr.MAX_SEEN + 5, 1.0)  # seen twice: homed
+    assert pr.MAX_SEEN + 5 in table.homed
+    table.expire(pr.WINDOW_S + 0.5)
+    assert not table.seen and list(table.homed) == [pr.MAX_SEEN + 5]
+    table.expire(pr.WINDOW_S + 1.0)
+    assert not table.homed
+
+
+def test_the_fake_engines_cache_holds_a_prefix_per_slot() -> None:
+    cache = PrefixCache(2)
+    a, b, c = (system_prompt(i, 2000).encode() for i in range(3))
+    assert cache.take(a) == 0 and cache.take(b) == 0
+    assert cache.take(a + b"more") >= len(a) // 4 - 16  # a's blocks are still in its slot
+    assert cache.take(c) == 0  # evicts b, the least recently used
+    assert cache.take(b) == 0 and cache.take(c) > 0
+
+
+# --- through a router, fake engines with a prefix cache ---------------------------
+
+
+@pytest.fixture(scope="module")
+def cached_engines() -> Iterator[dict[str, EngineProcess]]:
+    """Three engines with two cache slots each: six prefixes fit only when each replica holds two."""
+    args = ("m", "--cache-slots", "2", "--chunks", "1")
+    with running_engines(E0=args, E1=args, E2=args) as procs:
+        yield procs
+
+
+@pytest.fixture
+async def prefix_router(bus: Bus, cached_engines: dict[str, EngineProcess]) -> AsyncIterator[Router]:
+    r = Router(bus, "router-prefix", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+async def declare(bus: Bus, router: Router, model: str, routing: str, engines: dict[str, EngineProcess]) -> None:
+    spec = m.ModelSpec(name=model, source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096,
+                       routing=routing)  # type: ignore[arg-type]
+    await bus.publish(m.ModelDeclared(at=now(), spec=spec))
+    for name, proc in engines.items():
+        rid = f"{model}-{name}"
+        await bus.publish(m.ReplicaPlaced(at=now(), replica_id=rid, model=model, nodes=("n1",),
+                                          gpus=(m.GpuRef(node="n1", index=0, uuid=f"GPU-{rid}"),), spec=spec))
+        await set_state(bus, rid, model, "healthy", proc.url)
+    await router.sink.wait_for(lambda p: len(p.healthy.get(model, [])) == len(engines))
+
+
+async def cached_share(router: Router, model: str, rounds: int) -> float:
+    """Six prefixes, one request at a time in a shuffled order: the share of prompt tokens the engines had cached."""
+    rng = random.Random(7)
+    async with aiohttp.ClientSession() as http:
+        for _ in range(rounds):
+            for i in rng.sample(range(6), 6):
+                body = {"model": model, "messages": [{"role": "system", "content": system_prompt(i)},
+                                                     {"role": "user", "content": "go"}]}
+                async with http.post(router.url + CHAT, json=body) as resp:
+                    assert resp.status == 200
+    got = router.metrics.registry.get_sample_value
+    return (got("llmgw_router_prompt_tokens_cached_total", {"model": model}) or 0) / \
+        got("llmgw_router_prompt_tokens_total", {"model": model})  # type: ignore[operator]
+
+
+async def test_prefix_routing_hits_the_cache_where_least_outstanding_misses(
+    bus: Bus, prefix_router: Router, cached_engines: dict[str, EngineProcess]
+) -> None:
+    await declare(bus, prefix_router, "by-load", "least-outstanding", cached_engines)
+    by_load = await cached_share(prefix_router, "by-load", 6)
+    await declare(bus, prefix_router, "by-prefix", "prefix", cached_engines)
+    by_prefix = await cached_share(prefix_router, "by-prefix", 6)
+    # By load, each replica sees any of the six prefixes with its two slots: it mostly misses. By
+    # prefix, each replica serves two of them once they are homed: every later request hits.
+    assert by_prefix >= 0.6 and by_prefix > by_load + 0.3, (by_prefix, by_load)
