@@ -12,6 +12,7 @@ from llmgw.cli.options import LazyGroup
     lazy={
         "status": "llmgw.cli.status:status",
         "idle": "llmgw.cli.idle:idle",
+        "what-if": "llmgw.cli.whatif:what_if",
     },
 )
 def ctl() -> None:

@@ -1,0 +1,194 @@
+"""``ctl what-if``: the recorded policy re-decided reproduces what happened; other policies cost what a hand count says.
+
+Histories come from ``whatif_world``: the real scheduler deciding over requests, a router and
+agents in virtual time. The pure part is fed here as the bus reader feeds it; the CLI runs
+against a real nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timedelta
+
+import pytest
+from click.testing import CliRunner
+from whatif_world import T0, every, history, inventory, spec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.cli.main import cli
+from llmgw.config import Settings
+from llmgw.ctl import first_stored
+from llmgw.fleet.checkpoint import Checkpoint, fold_batch
+from llmgw.whatif import Outcome, Policy, Replay
+from llmgw.whatif_run import WINDOW_KEEPS
+
+
+class _At:
+    __slots__ = ("seq", "subject", "ts_ns")
+
+    def __init__(self, seq: int, subject: str, at: datetime) -> None:
+        self.seq, self.subject, self.ts_ns = seq, subject, int(at.timestamp() * 1e9)
+
+
+def replayed(events: list[tuple[str, m.Event]], since: datetime, until: datetime, policies: list[Policy],
+             extra: tuple[m.NodeInventoryReported, ...] = ()) -> Outcome:
+    """What ``what_if`` does with the streams, fed from a list: fold up to ``since``, then every policy."""
+    c = Checkpoint()
+    seqs = dict.fromkeys(subjects.HISTORY_STREAMS, 0)
+    run: Replay | None = None
+    for stream, event in events:
+        seqs[stream] += 1
+        subject = subjects.usage_idle(event.router) if type(event) is m.IdleMapPublished else \
+            subjects.subject_for(event)  # type: ignore[attr-defined]
+        at = _At(seqs[stream], subject, event.at)
+        if event.at <= since:
+            fold_batch(c, stream, [at], [event])
+            continue
+        if event.at > until:
+            break
+        if run is None:
+            run = Replay(c, policies, since, extra)
+        assert fold_batch(c, stream, [at], [event], keep=WINDOW_KEEPS) == [None]
+        run.feed(stream, event)
+    assert run is not None
+    return run.finish(until)
+
+
+def busy_day() -> list[tuple[str, m.Event]]:
+    """Three hours of three models: one parked between bursts, one autoscaled with load, one always on."""
+    requests = [*every("bursty", 300, 900, 20), *every("bursty", 4000, 4300, 15), *every("bursty", 8000, 8100, 30),
+                *every("auto", 600, 2400, 0.4), *every("auto", 6000, 6300, 5),
+                *every("steady", 100, 10_000, 45)]
+    requests.sort()
+    specs = [spec("bursty", ttl=600.0), spec("auto", lo=0, hi=3, target=1.0), spec("steady")]
+    return history(specs, requests, hours=3)
+
+
+@pytest.fixture(scope="module")
+def day() -> list[tuple[str, m.Event]]:
+    return busy_day()
+
+
+def test_the_recorded_policy_re_decided_reproduces_the_history(day: list[tuple[str, m.Event]]) -> None:
+    placed = [e for _, e in day if type(e) is m.ReplicaPlaced]
+    causes = {e.cause for e in placed}
+    assert {"wake", "scale-up", ""} <= causes  # wakes, scale-ups and deploys all happened
+    out = replayed(day, T0 + timedelta(seconds=30), T0 + timedelta(hours=3), [])
+    assert out.recorded_decisions >= 12
+    assert out.reproduced >= 0.99, (out.matched, out.recorded_decisions)
+    assert out.gpu_hours_diff is not None and abs(out.gpu_hours_diff) <= 0.02
+    assert out.replayed_total.cold_starts == out.recorded_total.cold_starts
+
+
+def test_from_the_middle_of_the_history_too(day: list[tuple[str, m.Event]]) -> None:
+    out = replayed(day, T0 + timedelta(seconds=3900), T0 + timedelta(hours=3), [])
+    assert out.recorded_decisions >= 5
+    assert out.reproduced >= 0.99, (out.matched, out.recorded_decisions)
+    assert out.gpu_hours_diff is not None and abs(out.gpu_hours_diff) <= 0.02
+
+
+# One model, one replica kept up (no TTL), requests at 10, 40 and 116 min 40 s; a 2 s engine start.
+LONE = [(600.0, "lone"), (2400.0, "lone"), (7000.0, "lone")]
+
+
+def _lone(ttl: str, seconds: float | None) -> Policy:
+    return Policy(label=ttl, idle_ttl=(("", seconds),))
+
+
+def test_a_shorter_ttl_holds_fewer_gpu_hours_and_wakes_more_by_the_hand_count() -> None:
+    events = history([spec("lone")], LONE, hours=3)
+    since, until = T0 + timedelta(seconds=60), T0 + timedelta(hours=3)
+    out = replayed(events, since, until, [_lone("15m", 900.0), _lone("1h", 3600.0), _lone("never", None)])
+    short, hour, never = (out.asked_total[x] for x in ("15m", "1h", "never"))
+    # 15m: up until 600+900 s; woken at 2400 (the scheduler 50 ms on, healthy 2 s later), idle from
+    # healthy, stopped 900 s on; the same at 7000. GPU-seconds 1440 + 902 + 902.
+    assert short.gpu_hours == round((1440 + 902 + 902) / 3600, 3)
+    assert (short.cold_starts, short.waited_requests, short.added_wait_s_p50) == (2, 2, 2.05)
+    # 1h: up until 2400+3600 s, woken at 7000, stopped an hour after it was healthy.
+    assert hour.gpu_hours == round((5940 + 3602) / 3600, 3)
+    assert (hour.cold_starts, hour.waited_requests) == (1, 1)
+    # never: up the whole window, as recorded.
+    assert never.gpu_hours == out.recorded_total.gpu_hours == round(10_740 / 3600, 3)
+    assert (never.cold_starts, never.waited_requests) == (0, 0)
+    assert short.gpu_hours < hour.gpu_hours < never.gpu_hours
+    assert short.cold_starts > hour.cold_starts > never.cold_starts
+    assert short.idle_gpu_hours < hour.idle_gpu_hours < never.idle_gpu_hours
+    assert out.reproduced == 1.0
+
+
+def test_autoscaling_a_fixed_model_from_zero_trades_gpu_hours_for_waits() -> None:
+    events = history([spec("lone")], LONE, hours=3)
+    out = replayed(events, T0 + timedelta(seconds=60), T0 + timedelta(hours=3),
+                   [Policy(label="0-1", min_replicas=0, max_replicas=1)])
+    asked = out.asked_total["0-1"]
+    assert asked.gpu_hours < out.recorded_total.gpu_hours
+    assert asked.cold_starts >= 3 and asked.waited_requests == 3  # each request woke it: it scales to 0 in 5 min
+
+
+def test_nodes_from_a_fleet_file_place_what_did_not_fit() -> None:
+    events = history([spec("a"), spec("b")], [], hours=1, nodes=1, gpus=1)
+    assert any(type(e) is m.ModelUnplaceable for _, e in events)
+    got = replayed(events, T0 + timedelta(seconds=60), T0 + timedelta(hours=1),
+                   [Policy(label="+1 node", idle_ttl=(("", None),))], (inventory("extra-0", 1, T0),))
+    assert got.recorded_total.unplaceable_minutes == 59.0 and got.recorded_total.gpu_hours == round(59 / 60, 3)
+    asked = got.asked_total["+1 node"]
+    assert asked.unplaceable_minutes < 0.1 and asked.gpu_hours > 1.9  # both models run from a second on
+    assert got.reproduced == 1.0 and got.gpu_hours_diff == 0.0  # the recorded replay did not get the node
+
+
+# --- the CLI, against the streams ------------------------------------------------------------------------------
+
+
+async def _publish(bus: Bus, events: list[tuple[str, m.Event]]) -> datetime:
+    for _, event in events:
+        await bus.publish(event)
+    first = await first_stored(bus)
+    assert first is not None
+    return first
+
+
+def _cli(settings: Settings, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["ctl", "what-if", *args, "--nats-url", settings.nats_url])
+    return result.exit_code, result.output
+
+
+async def test_a_sweep_from_the_streams_answers_side_by_side(bus: Bus, settings: Settings) -> None:
+    first = await _publish(bus, history([spec("lone")], LONE, hours=3))
+    since = first.isoformat()
+    code, out = await asyncio.to_thread(_cli, settings, "--since", since, "--idle-ttl", "15m,1h,never", "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert [a["policy"] for a in report["asked"]] == ["idle-ttl 15m", "idle-ttl 1h", "idle-ttl never"]
+    hours = [a["total"]["gpu_hours"] for a in report["asked"]]
+    assert hours == sorted(hours) and hours[0] < hours[-1]
+    assert [a["total"]["cold_starts"] for a in report["asked"]] == [2, 1, 0]
+    assert report["fidelity"]["reproduced"] >= 0.99 and report["fidelity"]["trusted"]
+    assert set(report["recorded"]["total"]) == {"gpu_hours", "idle_gpu_hours", "cold_starts", "waited_requests",
+                                                "added_wait_s_p50", "added_wait_s_p95", "unplaceable_minutes"}
+    code, table = await asyncio.to_thread(_cli, settings, "--since", since, "--idle-ttl", "15m", "--model", "lone")
+    assert code == 0, table
+    assert "fidelity: 100.0% of" in table and "idle-ttl 15m" in table and "cold starts" in table
+    assert "WARNING" not in table
+
+
+async def test_bad_windows_and_knobs_are_refused_with_the_reason(bus: Bus, settings: Settings) -> None:
+    first = await _publish(bus, history([spec("lone")], LONE[:1], hours=0.5))
+    since = first.isoformat()
+    cases = [
+        (("--since", (first - timedelta(days=1)).isoformat(), "--idle-ttl", "15m"), "is before the first event stored"),
+        (("--since", since, "--until", since, "--idle-ttl", "15m"), "the window is empty"),
+        (("--since", since, "--model", "nobody", "--idle-ttl", "15m"), "no model named 'nobody' was ever declared"),
+        (("--since", since, "--idle-ttl", "0"), "an idle TTL of 0 stops nothing"),
+        (("--since", since, "--idle-ttl", "3650d"), "ten years is no TTL"),
+        (("--since", since, "--idle-ttl", "5m,1h", "--idle-ttl", "lone=1m,2m"), "only one --idle-ttl may list"),
+        (("--since", since), "ask something"),
+        (("--since", since, "--until", "2h", "--idle-ttl", "15m"), "the window is empty"),
+        (("--since", since, "--until", "2099-01-01", "--idle-ttl", "15m"), "is in the future"),
+    ]
+    for args, said in cases:
+        code, out = await asyncio.to_thread(_cli, settings, *args)
+        assert code != 0 and said in out, (args, out)
+        assert "Traceback" not in out
