@@ -76,16 +76,25 @@ def binary() -> str:
     return built.stdout.strip().splitlines()[-1]
 
 
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
 async def start_engine(exe: str, gguf: Path, slots: int, context: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [exe, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", str(slots),
            "-c", str(slots * context), "--cache-ram", "0"]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = _spawn(cmd, log)
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
         for _ in range(600):
             if proc.poll() is not None:
-                sys.exit(f"llama-server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+                sys.exit(f"llama-server exited {proc.returncode}:\n{_tail(log)}")
             try:
                 async with http.get(url + "/health") as r:
                     if r.status == 200:
@@ -93,7 +102,7 @@ async def start_engine(exe: str, gguf: Path, slots: int, context: int, log: Path
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.1)
-    sys.exit(f"llama-server not ready within 60 s:\n{log.read_text()[-3000:]}")
+    sys.exit(f"llama-server not ready within 60 s:\n{_tail(log)}")
 
 
 async def one(http: aiohttp.ClientSession, url: str, model: str, system: str, user: str, run: Run,
