@@ -21,6 +21,15 @@ from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 
 
+def cached_text(r: m.ReplicaRow) -> str:
+    """``84% of 1.2M``: the share of its prompt tokens the engine had cached, or - when none reported."""
+    if not r.prompt_tokens:
+        return "-"
+    n = r.prompt_tokens
+    size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+    return f"{r.cached_tokens / n:.0%} of {size}"
+
+
 def _describe(spec: m.ModelSpec) -> str:
     split = f"tp {spec.tp}" + (f" × pp {spec.pp}" if spec.pp > 1 else "")
     count = f"{spec.replicas} replica{'s' if spec.replicas != 1 else ''}"
@@ -347,14 +356,17 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     if d.replicas:
         reps = Table(box=box.SIMPLE)
         for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan",
-                    "GPU memory obs / plan"):
-            reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle") else "left")
+                    "GPU memory obs / plan", "prompt cached"):
+            reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle", "prompt cached") else "left")
         for r in d.replicas:
             state = f"{r.state}: {r.detail}" if r.detail else r.state
             reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
                          r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
-                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed), memory_text(r, spec.gib_per_gpu))
+                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed), memory_text(r, spec.gib_per_gpu),
+                         cached_text(r))
         console.print(reps)
+        console.print(f"  routed by {spec.routing} (README, \"Routing\"); prompt cached: the share of prompt "
+                      "tokens its engine served from its prefix cache, as the routers read it")
     else:
         console.print("  none placed\n")
     from llmgw.cli.coldstarts import render_cold_starts

@@ -230,6 +230,11 @@ def badge(state: str) -> Safe:
     return el("span", state, cls=f"badge {STATE_CLASS.get(state, 'info')}")
 
 
+def cached(x: m.IdleReplica) -> str:
+    """`` · 84% cached``: the share of its prompt tokens its engine served from its prefix cache."""
+    return f" · {x.cached_tokens / x.prompt_tokens:.0%} cached" if x.prompt_tokens else ""
+
+
 def models_section(r: m.StatusReport) -> Safe:
     replicas: dict[str, list[m.IdleReplica]] = {}
     for rep in r.idle:
@@ -249,7 +254,7 @@ def models_section(r: m.StatusReport) -> Safe:
         for x in reps:
             rows.append(el("tr", el("td", x.replica_id, cls="replica"), el("td", badge(x.state)),
                            el("td", f"{plural(x.gpus, 'GPU')} on {', '.join(x.nodes)}"),
-                           el("td", f"idle {duration(x.idle_s)}", cls="idle"), cls="replica-row"))
+                           el("td", f"idle {duration(x.idle_s)}" + cached(x), cls="idle"), cls="replica-row"))
     head = el("tr", *(el("th", h) for h in ("model / replica", "state", "replicas / GPUs", "why / idle")))
     return el("table", el("thead", head), el("tbody", *rows))
 

@@ -234,6 +234,17 @@ class ModelLoad(msgspec.Struct, frozen=True, kw_only=True):
     replicas: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
 
 
+_TokenCount = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class CacheUse(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt tokens a replica's engine reported over a router's tick, and how many it had cached."""
+
+    model: Ref
+    prompt_tokens: _TokenCount
+    cached_tokens: _TokenCount
+
+
 class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True):
     """One router's last request time per replica, once a tick.
 
@@ -260,6 +271,9 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     # The last control-stream sequence the router had applied: a sample taken before a
     # model's replica count last changed says nothing about the new count.
     control_seq: Seq = 0
+    # Per replica that answered with ``usage`` since this router's previous map (carried over when
+    # a map is not published): its prompt tokens and the engine's cached share of them (issue 27).
+    cache_use: dict[str, CacheUse] = {}
 
 
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
@@ -556,6 +570,9 @@ class IdleReplica(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     idle_s: float
     idle_since: datetime | None = None
+    # Prompt tokens its engine reported through the routers, and of them cached (0, 0: none reported).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -622,6 +639,10 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     kv_error: float | None = None
     # GPU memory the engine's processes hold, per node, as its agent read NVML (empty: not reported).
     observed_memory_mib: dict[str, int] = {}
+    # Prompt tokens its engine reported through every router since it was placed, and how many it
+    # served from its prefix cache (the routers' maps, ``cache_use``); 0 and 0: none reported.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class ModelEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -44,7 +44,7 @@ from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
-from llmgw.metrics import Metrics, usage_of, usage_of_stream
+from llmgw.metrics import Metrics, Usage, usage_of, usage_of_stream
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
 from llmgw.wakelog import WakeLog
 
@@ -55,6 +55,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 METHODS = {**dict.fromkeys(ROUTES, "POST"), "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 RETRY_AFTER_S = 5
 USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the engine's `usage` in
+TOKENS_MAX = 1 << 40  # the most a map carries for one replica (CacheUse's bound)
 DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
 
 
@@ -173,6 +174,8 @@ class Router:
         self.idle_maps = 0
         self._rr = 0
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix
+        # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
+        self._cache_use: dict[str, list[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wish_tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
@@ -281,10 +284,9 @@ class Router:
         """Stop serving; a last idle map carries the requests since the last tick."""
         if self.idle_tracking and self.url and not self.bus.closed:
             try:
-                event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
-                                    self.sink.applied_seq)
+                event = self._idle_map()
                 await self.bus.publish(event, timeout=2.0)
-                self.idle_maps += 1
+                self._published(event)
             except LlmgwError as e:
                 log.warning("router %s: last idle map not published: %s", self.name, e)
         self.url = ""
@@ -331,10 +333,9 @@ class Router:
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
         """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
-        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
-                                    self.sink.applied_seq)
+        event = self._idle_map()
         await self.bus.publish(event, timeout=max(1.0, self.tick_s))
-        self.idle_maps += 1
+        self._published(event)
         now = time.monotonic()
         for table in self.prefixes.values():
             table.expire(now)  # prefixes nobody sent for prefixroute.WINDOW_S
@@ -344,6 +345,35 @@ class Router:
         for model in [name for name, held in self.waiting.items() if held and self.pool.model_state(name) == "parked"]:
             self._wish(model)
         return event
+
+    def _idle_map(self) -> m.IdleMapPublished:
+        """This tick's map, with the prompt tokens each replica's engine reported since the last one."""
+        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
+                                   self.sink.applied_seq)
+        if not self._cache_use:
+            return event
+        use = {rid: m.CacheUse(model, min(p, TOKENS_MAX), min(c, p, TOKENS_MAX))
+               for rid, (model, p, c) in sorted(self._cache_use.items())}
+        return msgspec.structs.replace(event, cache_use=use)
+
+    def _published(self, event: m.IdleMapPublished) -> None:
+        """What a published map carried is taken off; a map not published leaves it for the next."""
+        self.idle_maps += 1
+        for rid, use in event.cache_use.items():
+            left = self._cache_use.get(rid)
+            if left is not None:
+                left[1] -= use.prompt_tokens
+                left[2] -= use.cached_tokens
+                if left[1] <= 0 or rid not in self.pool.replicas:
+                    del self._cache_use[rid]
+
+    def _count_tokens(self, rep: Replica, model: str, usage: Usage) -> None:
+        """An answer's ``usage``: the metrics, and the replica's share for the next map."""
+        self.metrics.tokens(model, usage)
+        if self.idle_tracking and usage.prompt_tokens:
+            use = self._cache_use.setdefault(rep.replica_id, [model, 0, 0])
+            use[1] += usage.prompt_tokens
+            use[2] += usage.cached_tokens
 
     # --- waking a model ------------------------------------------------------------
 
@@ -572,7 +602,7 @@ class Router:
                     return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
                 if up.status == 200 and (usage := usage_of(data)) is not None:
-                    self.metrics.tokens(model, usage)
+                    self._count_tokens(rep, model, usage)
                 if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
                     # An engine whose own limit is below the router's (aiohttp's 1 MiB, a proxy's)
                     # answers in plain text; the client still gets an error it can read.
@@ -622,7 +652,7 @@ class Router:
                 if not chunk:
                     await resp.write_eof()
                     if (usage := usage_of_stream(b"".join(tail))) is not None:
-                        self.metrics.tokens(model, usage)
+                        self._count_tokens(rep, model, usage)
                     return resp
                 if first:
                     first = False

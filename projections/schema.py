@@ -108,6 +108,19 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("idle_s", "DOUBLE", "seconds from the newer of last_request and serving_since to ts; NULL: this router "
                              "knows nothing of the replica (unknown is not idle)"),
     ]),
+    "prefix_cache": ("History: per router tick and replica that answered with usage, the prompt tokens its "
+                     "engine reported and how many it served from its prefix cache (the router's idle map, "
+                     "cache_use; issue 27's routing).", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("router", "VARCHAR", "the router whose map this is"),
+        ("replica_id", "VARCHAR", None),
+        ("model", "VARCHAR", None),
+        ("prompt_tokens", "BIGINT", "prompt tokens its engine reported over the tick (usage.prompt_tokens)"),
+        ("cached_tokens", "BIGINT", "of them, served from the engine's prefix cache (vLLM cached_tokens, "
+                                    "llama-server timings.cache_n)"),
+    ]),
     "unprojected_events": ("History: one row per message kept but not folded (undecodable, out of bounds, "
                            "refused; counted in ctl status), or, with error starting 'the store cannot write "
                            "it:', a decoded event whose history rows DuckDB refused (folded; not counted).", [
@@ -235,6 +248,50 @@ FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTER
 GROUP BY model, day
 """, {"model": None, "day": "the day (UTC)",
       "gpu_hours_idle": "GPUs held × hours idle that day"}),
+
+    "prefix_cache_daily": ("The engines' prefix-cache hit rate per model, replica and day (UTC): prompt tokens "
+                           "and the share served from cache, from the routers' maps.", """
+SELECT model, replica_id, (ts AT TIME ZONE 'UTC')::DATE AS day, sum(prompt_tokens) AS prompt_tokens,
+       sum(cached_tokens) AS cached_tokens, sum(cached_tokens) / nullif(sum(prompt_tokens), 0) AS cached_share
+FROM prefix_cache GROUP BY ALL
+""", {"model": None, "replica_id": None, "day": "the day (UTC)", "prompt_tokens": "prompt tokens reported that day",
+      "cached_tokens": "of them, served from the engine's cache", "cached_share": "cached / prompt; NULL: none"}),
+
+    "cold_starts": ("One row per wake (a request woke a parked model) and scale-up: each phase at its event's "
+                    "time, from wanted to the first byte answered (the cold-start ledger, ctl model show).", """
+WITH placed AS (
+    SELECT replica_id, model, ts AS placed_at,
+           coalesce(nullif(json->>'cause', ''),
+                    CASE WHEN json->>'reason' LIKE 'woken by%' THEN 'wake'
+                         WHEN json->>'reason' LIKE 'scaled up%' THEN 'scale-up' END) AS cause
+    FROM events WHERE type = 'ReplicaPlaced'
+), states AS (
+    SELECT replica_id, min(ts) FILTER (state = 'starting') AS started_at,
+           min(ts) FILTER (state = 'healthy') AS healthy_at
+    FROM replica_lifecycle WHERE kind = 'state' GROUP BY replica_id
+), answered AS (
+    SELECT json->>'replica_id' AS replica_id, min((json->>'held_since')::TIMESTAMPTZ) AS wanted_at,
+           min((json->>'released_at')::TIMESTAMPTZ) AS released_at, min(ts) AS first_byte_at,
+           sum((json->>'requests')::INTEGER)::INTEGER AS requests
+    FROM events WHERE type = 'WakeAnswered' GROUP BY 1
+)
+SELECT p.model, p.replica_id, p.cause,
+       CASE WHEN p.cause = 'scale-up' THEN p.placed_at ELSE a.wanted_at END AS wanted_at,
+       p.placed_at, s.started_at, s.healthy_at, a.released_at, a.first_byte_at,
+       coalesce(a.requests, 0) AS requests,
+       epoch(coalesce(a.first_byte_at, s.healthy_at) - coalesce(a.wanted_at, p.placed_at)) AS total_s
+FROM placed p LEFT JOIN states s USING (replica_id) LEFT JOIN answered a USING (replica_id)
+WHERE p.cause IS NOT NULL
+""", {"model": None, "replica_id": None, "cause": "wake (a request woke a parked model) or scale-up (the autoscaler)",
+      "wanted_at": "a wake: when the router held its first request; a scale-up: when it was placed; NULL: "
+                   "no router said (an older router, or one that stopped before its next tick)",
+      "placed_at": "when the scheduler placed the replica",
+      "started_at": "when its agent reported the engine process starting; NULL: not reported",
+      "healthy_at": "when its agent first reported it healthy; NULL: not yet",
+      "released_at": "when the router sent the held requests on to it",
+      "first_byte_at": "when the first byte of a held request's answer came back to the router",
+      "requests": "requests held for it, over every router (0: none known)",
+      "total_s": "seconds from wanted (else placed) to the first byte (else healthy); NULL: not yet healthy"}),
 
     "gpu_faults": ("One row per reason a GPU newly reported (XIDs, ECC errors, …): a GpuHealthChanged or a node's "
                    "inventory that names a reason the GPU's previous report did not, and the replica that held "

@@ -47,7 +47,7 @@ MIGRATIONS = {
         "UPDATE projector_state SET schema_version = 5 WHERE id = 1"],
 }
 
-HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "unprojected_events")
+HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "prefix_cache", "unprojected_events")
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
 TABLES = ("positions", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
@@ -135,6 +135,11 @@ FROM (SELECT *, greatest(coalesce(last_request, serving_since), coalesce(serving
                                json_transform(json, '{"router": "VARCHAR", "tick": "BIGINT", "changes": [["VARCHAR"]]}')
                                AS m
                         FROM stage_parsed WHERE x[1] = 'IdleChanges'))));
+INSERT INTO prefix_cache
+SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT
+FROM (SELECT stream, seq, ts, m, unnest(m.cache) AS c
+      FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "cache": [["VARCHAR"]]}') AS m
+            FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"cache":[[%'));
 DELETE FROM stage_parsed;
 """
 
@@ -215,6 +220,7 @@ class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
     router: str
     tick: int
     changes: list[tuple[str, datetime | None, datetime | None]]  # replica, last request, serving since
+    cache: list[tuple[str, str, int, int]] = []  # replica, model, prompt tokens, cached tokens (cache_use)
 
 
 _IDLE_ENCODER = msgspec.json.Encoder()
@@ -244,8 +250,9 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
         changed = last.keys() | serving.keys()
         if prev is not None:
             changed |= prev.last_request.keys() | prev.serving_since.keys()
+    cache = [(r, u.model, u.prompt_tokens, u.cached_tokens) for r, u in event.cache_use.items()]
     return _IDLE_ENCODER.encode(_IdleChanges(
-        event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)]))
+        event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)], cache))
 
 
 def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event,

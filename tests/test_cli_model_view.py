@@ -199,3 +199,14 @@ def test_model_show_states_observed_gpu_memory_against_the_plan() -> None:
                        observed_memory_mib={"a": 81_920, "b": 79_872})
     assert memory_text(row, 42.5) == "a: 80.0 / 85.0 GiB\nb: 78.0 / 85.0 GiB"
     assert memory_text(msgspec.structs.replace(row, observed_memory_mib={}), 42.5) == "-"
+
+
+def test_model_show_states_each_replicas_cached_share() -> None:
+    from llmgw.cli.models import cached_text
+
+    row = m.ReplicaRow(replica_id="x-r1", model="x", state="healthy", nodes=("a",), gpus=(), fabric="ib",
+                       endpoint="", restarts=0, detail="", placed_at=None, state_at=None, idle_s=-1,
+                       idle_since=None, kv_tokens_planned=0, kv_tokens_observed=0,
+                       prompt_tokens=1_234_567, cached_tokens=1_037_036)
+    assert cached_text(row) == "84% of 1.2M"
+    assert cached_text(msgspec.structs.replace(row, prompt_tokens=0, cached_tokens=0)) == "-"

@@ -112,3 +112,15 @@ async def test_scale_and_remove(bus: Bus, nats_url: str) -> None:
     events = await control(bus)
     assert [type(e).__name__ for e in events] == ["ModelDeclared", "ModelScaled", "ModelRemoved"]
     assert isinstance(events[1], m.ModelScaled) and events[1].replicas == 3
+
+
+async def test_deploy_routing_is_in_the_spec_and_changes_no_run(bus: Bus, nats_url: str) -> None:
+    """--routing is the routers' business: a spec that differs only there runs as the same replicas."""
+    from llmgw.scheduler import same_run
+
+    r = await invoke(nats_url, *deploy_args("--candidate", "1", "--routing", "least-outstanding"))
+    assert r.exit_code == 0, r.output
+    (declared,) = await control(bus)
+    assert isinstance(declared, m.ModelDeclared) and declared.spec.routing == "least-outstanding"
+    assert same_run(declared.spec, msgspec.structs.replace(declared.spec, routing="prefix"))
+    assert not same_run(declared.spec, msgspec.structs.replace(declared.spec, context=declared.spec.context // 2))

@@ -21,9 +21,12 @@ from llmgw.projections.store import TABLES
 
 
 def _later() -> list[m.Event]:
-    """small_fleet, and a GPU fault the next day: two days of history."""
-    return [*small_fleet(), m.GpuHealthChanged(at=t(900), node="n2", gpu_index=1, gpu_uuid="GPU-n2-1", healthy=False,
-                                               reasons=("xid 48: double-bit ECC error", "thermal slowdown"))]
+    """small_fleet, a map with the engines' cached tokens, and a GPU fault the next day: two days of history."""
+    return [*small_fleet(),
+            m.IdleMapPublished(at=t(120), router="rt-a", boot_id="a1", tick=3,
+                               cache_use={"r-qwen": m.CacheUse("qwen-8b", 2000, 1500)}),
+            m.GpuHealthChanged(at=t(900), node="n2", gpu_index=1, gpu_uuid="GPU-n2-1", healthy=False,
+                               reasons=("xid 48: double-bit ECC error", "thermal slowdown"))]
 
 
 @pytest.fixture

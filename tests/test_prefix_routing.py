@@ -222,3 +222,20 @@ async def test_prefix_routing_hits_the_cache_where_least_outstanding_misses(
     # By load, each replica sees any of the six prefixes with its two slots: it mostly misses. By
     # prefix, each replica serves two of them once they are homed: every later request hits.
     assert by_prefix >= 0.6 and by_prefix > by_load + 0.3, (by_prefix, by_load)
+
+
+async def test_each_replicas_cached_share_travels_in_the_routers_map(
+    bus: Bus, prefix_router: Router, cached_engines: dict[str, EngineProcess]
+) -> None:
+    """What the engines reported goes once into the next map, per replica; a map not published keeps it."""
+    await declare(bus, prefix_router, "mapped", "prefix", cached_engines)
+    share = await cached_share(prefix_router, "mapped", 3)
+    got = prefix_router.metrics.registry.get_sample_value
+    prompt = got("llmgw_router_prompt_tokens_total", {"model": "mapped"})
+    first = await prefix_router.publish_idle_map()
+    uses = {rid: u for rid, u in first.cache_use.items() if u.model == "mapped"}
+    assert set(uses) == {f"mapped-{n}" for n in cached_engines}
+    assert sum(u.prompt_tokens for u in uses.values()) == prompt
+    assert sum(u.cached_tokens for u in uses.values()) / prompt == pytest.approx(share)
+    again = await prefix_router.publish_idle_map()
+    assert not any(u.model == "mapped" for u in again.cache_use.values())  # taken once

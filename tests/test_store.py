@@ -229,3 +229,25 @@ def test_the_paths_the_store_reads_are_fields_of_the_schema() -> None:
         _json_path("replica")
     with pytest.raises(AssertionError, match="'nope'"):
         _json_path("spec", "nope")
+
+
+def test_the_engines_cached_share_reaches_the_fold_and_prefix_cache(duckdb_path: Path) -> None:
+    """A router's map carries each replica's prompt and cached tokens: summed in the fold, a row per tick."""
+    maps = [m.IdleMapPublished(at=t(200), router="rt-a", boot_id="a1", tick=3,
+                               cache_use={"r-qwen": m.CacheUse("qwen-8b", 1000, 800)}),
+            m.IdleMapPublished(at=t(201), router="rt-b", boot_id="b2", tick=2,
+                               cache_use={"r-qwen": m.CacheUse("qwen-8b", 500, 100),
+                                          "r-gone": m.CacheUse("qwen-8b", 9, 9)}),  # never placed: no fold, a row
+            m.IdleMapPublished(at=t(202), router="rt-a", boot_id="a1", tick=4)]
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    store.commit(batch_of(small_fleet() + maps, cp), encode_state(cp.state, cp.cursor))
+    qwen = cp.state.replicas["r-qwen"]
+    assert (qwen.prompt_tokens, qwen.cached_tokens) == (1500, 900)
+    assert store.query("SELECT router, replica_id, model, prompt_tokens, cached_tokens FROM prefix_cache "
+                       "ORDER BY seq, replica_id") == [("rt-a", "r-qwen", "qwen-8b", 1000, 800),
+                                                       ("rt-b", "r-gone", "qwen-8b", 9, 9),
+                                                       ("rt-b", "r-qwen", "qwen-8b", 500, 100)]
+    assert store.query("SELECT prompt_tokens, cached_tokens, round(cached_share, 3) FROM prefix_cache_daily "
+                       "WHERE replica_id = 'r-qwen'") == [(1500, 900, 0.6)]
+    store.close()

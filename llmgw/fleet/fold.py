@@ -29,7 +29,8 @@ from llmgw import subjects
 # snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
 # it is folded again. 2: the models' history, the scheduler's and the planner's memory travel
 # in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
-# history carries the cold-start ledger, and the pool each model's routing policy.
+# history carries the cold-start ledger, the pool each model's routing policy, and each
+# replica the prompt tokens its engine had cached.
 FOLD_VERSION = 6
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
@@ -97,6 +98,9 @@ class ReplicaView:
     # that starts from a snapshot checks both against the stream (llmgw.fleet.snapshots).
     placed_seq: int = 0
     endpoint_seq: int = 0
+    # Prompt tokens its engine reported through every router's maps, and of them cached (issue 27).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -244,6 +248,11 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
                     state.last_request[rid] = t
             if before is not None and before.boot_id == event.boot_id:
                 _forget_gone(state, event, before)
+            for rid, use in event.cache_use.items():  # only replicas answered this tick: a few
+                replica = state.replicas.get(rid)
+                if replica is not None:
+                    replica.prompt_tokens += use.prompt_tokens
+                    replica.cached_tokens += min(use.cached_tokens, use.prompt_tokens)
         case m.NodeInventoryReported():
             old = state.nodes.get(event.node)
             state.nodes[event.node] = NodeView(

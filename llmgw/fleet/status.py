@@ -95,9 +95,12 @@ def idle_rows(state: FleetState, now: datetime | None) -> list[IdleRow]:
 
 def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -> tuple[list[m.IdleReplica], int]:
     """The status report's idle list: idle past the threshold, then those nobody knows about (-1 on the wire)."""
+    views = state.replicas
     out = [m.IdleReplica(replica_id=r.replica_id, model=r.model, gpus=r.gpus, nodes=r.nodes, state=r.state,
                          idle_s=UNKNOWN_IDLE if r.idle_s is None else r.idle_s,
-                         idle_since=None if r.idle_s is None else _utc(r.idle_since))
+                         idle_since=None if r.idle_s is None else _utc(r.idle_since),
+                         prompt_tokens=v.prompt_tokens if (v := views.get(r.replica_id)) else 0,
+                         cached_tokens=v.cached_tokens if v else 0)
            for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= threshold_s]
     return out, sum(r.idle_s < 0 for r in out)
 
@@ -125,6 +128,7 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
             kv_tokens_planned=planned, kv_tokens_observed=observed,
             kv_error=round((planned - observed) / observed, 4) if planned and observed else None,
             observed_memory_mib=dict(sorted(r.observed_memory_mib.items())),
+            prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         ))
     return tuple(rows)
 
