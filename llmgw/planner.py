@@ -429,11 +429,6 @@ def best_per_class(candidates: Iterable[m.Candidate]) -> list[m.Candidate]:
     return out
 
 
-def versioned_key(key: str, version: str) -> str:
-    """An observation's key for one engine version: what one version reserved says nothing of another."""
-    return f"{key}|{version}" if version else key
-
-
 def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
          fleet_pools: dict[str, ClassPool] | None = None, observed: dict[str, int] | None = None,
          engine_versions: dict[str, str] | None = None) -> m.PlanReply:
@@ -458,10 +453,10 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
         if not observed or p.engine == "llama.cpp":
             return None  # what an older fold kept of llama.cpp's -c is no capacity either
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)
-        key = observation_key(info.source, p.name, tp, pp, cls, util or profile.default_util, kv)
-        found = observed.get(versioned_key(key, planned_version("vllm", version)))
+        facts = (info.source, p.name, tp, pp, cls, util or profile.default_util, kv)
+        found = observed.get(observation_key(*facts, planned_version("vllm", version)))
         if found is None and not request.engine_version:
-            found = observed.get(key)  # recorded before plans named their version: the fleet's own engines
+            found = observed.get(observation_key(*facts))  # recorded before plans named their version: the fleet's own engines
         return found
 
     info = model

@@ -193,7 +193,7 @@ def test_an_observed_reservation_counts_only_for_its_engine_version() -> None:
     info = model(LLAMA8)
     state = fleet(node("n1", "fa", count=1))
     key = O.observation_key(info.source, "bf16", 1, 1, "H100-80GB", 0.9, "auto")
-    observed = {P.versioned_key(key, "0.17.1"): 123_456}
+    observed = {O.observation_key(info.source, "bf16", 1, 1, "H100-80GB", 0.9, "auto", "0.17.1"): 123_456}
     req = m.PlanRequest(model=info.name, precisions=("bf16",), gpu_memory_utilization=0.9, tp=(1,))
     same = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1"), observed=observed).candidates[0]
     other = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.29.0"), observed=observed).candidates[0]
@@ -206,6 +206,38 @@ def test_an_observed_reservation_counts_only_for_its_engine_version() -> None:
     assert P.plan(info, state, req, observed=legacy).candidates[0].observed_kv_tokens == 99_000
     asked = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1"), observed=legacy).candidates[0]
     assert asked.observed_kv_tokens is None
+
+
+def test_a_correction_an_engine_reports_never_crosses_versions() -> None:
+    # The whole loop: a spec planned for 0.17.1 runs, its agent reports what the engine reserved,
+    # and only a plan for 0.17.1 (asked for, or the fleet's) is corrected by it.
+    from test_planner_math import AT, _ran_here
+
+    info = model(LLAMA8)
+    state = fleet(node("n1", "fa", count=1))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), gpu_memory_utilization=0.9, tp=(1,), context=8192)
+    planned = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1")).candidates[0]
+    spec = planned.spec("x")
+    assert spec.engine_version == "0.17.1"
+    _ran_here(state, spec)
+    observed: dict[str, int] = {}
+    reserved = planned.kv_tokens * 3 // 4
+    report = m.ReplicaStateChanged(at=AT, replica_id="x-r1", model="x", node="n1", state="healthy",
+                                   observed_kv_tokens=reserved)
+    assert O.record_observation(observed, state, report) is True
+    assert list(observed) == [O.observation_key(info.source, "bf16", 1, 1, "H100-80GB", 0.9, "auto", "0.17.1")]
+
+    def for_version(version: str, reported: dict[str, str] | None = None) -> m.Candidate:
+        return P.plan(info, state, msgspec.structs.replace(req, engine_version=version), observed=observed,
+                      engine_versions=reported).candidates[0]
+
+    assert for_version("0.17.1").observed_kv_tokens == reserved == for_version("0.17.1").kv_tokens
+    assert for_version("", {"n1": "0.17.1"}).observed_kv_tokens == reserved
+    for other in ("0.17.0", "0.11.0", "0.29.0"):
+        c = for_version(other)
+        assert c.observed_kv_tokens is None and c.kv_tokens == c.estimated_kv_tokens
+    newest = for_version("", {"n1": "0.29.0"})
+    assert newest.observed_kv_tokens is None
 
 
 # --- the CLI --------------------------------------------------------------------------------------------

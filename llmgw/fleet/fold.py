@@ -30,7 +30,8 @@ from llmgw import subjects
 # it is folded again. 2: the models' history, the scheduler's and the planner's memory travel
 # in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
 # history carries the cold-start ledger, the pool each model's routing policy, and each
-# replica the prompt tokens its engine had cached.
+# replica the prompt tokens its engine had cached; the planner's observed reservations are
+# keyed by the engine version their spec was planned for.
 FOLD_VERSION = 6
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored

@@ -14,9 +14,15 @@ MAX_OBSERVED_TOKENS = 10**10  # no card holds more; a larger figure is a broken 
 MAX_OBSERVED_RATIO = 4  # nor does an engine reserve 4 x what the plan left for the cache
 
 
-def observation_key(source: str, precision: str, tp: int, pp: int, gpu_class: str, util: float, kv_dtype: str) -> str:
-    """The spec facts a vLLM engine's reservation depends on (not the context: vLLM sizes the cache by memory)."""
-    return f"{source}|{precision}|{tp}|{pp}|{gpu_class}|{util:g}|{kv_dtype}"
+def observation_key(source: str, precision: str, tp: int, pp: int, gpu_class: str, util: float, kv_dtype: str,
+                    engine_version: str = "") -> str:
+    """The spec facts a vLLM engine's reservation depends on (not the context: vLLM sizes the cache by memory).
+
+    With the engine version the spec was planned for: what one version reserved says nothing of
+    another (each counts a different overhead). "" is a spec declared before plans named one.
+    """
+    key = f"{source}|{precision}|{tp}|{pp}|{gpu_class}|{util:g}|{kv_dtype}"
+    return f"{key}|{engine_version}" if engine_version else key
 
 
 def record_observation(observed: dict[str, int], state: FleetState, event: m.ReplicaStateChanged) -> bool | None:
@@ -38,6 +44,6 @@ def record_observation(observed: dict[str, int], state: FleetState, event: m.Rep
     if not 0 < tokens <= MAX_OBSERVED_TOKENS or (spec.kv_tokens and tokens > MAX_OBSERVED_RATIO * spec.kv_tokens):
         return False
     key = observation_key(spec.source, spec.precision, spec.tp, spec.pp, spec.gpu_class, spec.gpu_memory_utilization,
-                          spec.kv_cache_dtype)
+                          spec.kv_cache_dtype, spec.engine_version)
     observed[key] = tokens
     return True
