@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 from llmgw import messages as m
 from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_options, run
-from llmgw.cli.plan import parallel_option
+from llmgw.cli.plan import engine_version_option, max_num_seqs_option, parallel_option
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 
@@ -70,6 +70,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Autoscale: requests in flight (and waiting) per replica to aim at.")
 @click.option("--idle-ttl", callback=_duration, help="Stop a replica nobody asked for this long (e.g. 2h); the scheduler enforces it.")
 @parallel_option
+@engine_version_option
+@max_num_seqs_option
 @click.option("--file", "gguf", metavar="NAME.gguf|PATH",
               help="llama.cpp: the GGUF to serve, a file here or a name in the model's directory or repository "
                    "[default: the planner's conventional name, e.g. Qwen2.5-14B-Instruct-Q4_K_M.gguf].")
@@ -84,8 +86,9 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precision: str | None, engine: str | None,
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
-           parallel: int, gguf: str | None, routing: str, engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None,
-           as_json: bool, settings: Settings) -> None:
+           parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
+           engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool,
+           settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
     Example:
@@ -95,6 +98,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         llmgw ctl model deploy qwen14 Qwen/Qwen2.5-14B-Instruct --from-plan --precision fp8 --tp 1 --gpu-class L40S-48GB
         llmgw ctl model deploy coder Qwen/Qwen2.5-Coder-32B-Instruct --from-plan --candidate 1 --min-replicas 0 --max-replicas 4
         llmgw ctl model deploy tiny ./models/tiny --from-plan --precision q8_0 --context 2048 --parallel 4
+        llmgw ctl model deploy qwen8 Qwen/Qwen3-8B --from-plan --candidate 1 --engine-version 0.17.1 --max-num-seqs 64
     """
     if candidate is not None and gpu_class is not None:
         raise click.UsageError("--candidate already names the GPU class; give one or the other")
@@ -106,7 +110,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
     request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
                             context=context, all=candidate is None,
-                            kv_cache_dtype=kv_dtype, parallel=parallel)  # type: ignore[arg-type]
+                            kv_cache_dtype=kv_dtype, parallel=parallel,  # type: ignore[arg-type]
+                            engine_version=engine_version, max_num_seqs=max_num_seqs)
     from llmgw import ctl
 
     reply = run(ctl.plan(settings, model, request, fleet=fleet, models_dir=models_dir))

@@ -92,6 +92,16 @@ parallel_option = click.option(
     help="Sequences one replica serves at once. llama.cpp: -np slots, each holding the whole --context, so its "
          "KV cache is N x context; vLLM: --max-num-seqs [default: llama.cpp 1 slot, vLLM its own].")
 
+engine_version_option = click.option(
+    "--engine-version", default="", metavar="VERSION",
+    help="The vLLM version to plan for, e.g. 0.17.1 [default: the one the fleet's agents report, else the "
+         "newest profile].")
+max_num_seqs_option = click.option(
+    "--max-num-seqs", type=click.IntRange(0, m.MAX_PARALLEL), default=0,
+    help="vLLM's --max-num-seqs, planned and passed to the engine [default: the engine version's default "
+         "on each card, 256 or 1024].")
+
+
 
 @click.command("plan")
 @click.argument("model")
@@ -104,12 +114,8 @@ parallel_option = click.option(
 @click.option("--gpu-memory-utilization", "util", type=float, default=None,
               help="Fraction of each card's total memory the engine may use [default: the engine version's, "
                    "0.9, or 0.92 from vLLM 0.29].")
-@click.option("--engine-version", default="", metavar="VERSION",
-              help="The vLLM version to plan for, e.g. 0.17.1 [default: the one the fleet's agents report, else the "
-                   "newest profile].")
-@click.option("--max-num-seqs", type=click.IntRange(0, m.MAX_PARALLEL), default=0,
-              help="vLLM's --max-num-seqs, planned and passed to the engine [default: the engine version's default "
-                   "on each card, 256 or 1024].")
+@engine_version_option
+@max_num_seqs_option
 @click.option("--params", callback=_params, help="Parameter count override, e.g. 70.6B (when the checkpoint does not say).")
 @click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
               help="vLLM's KV cache dtype: fp8 halves it (auto: the model's, or the checkpoint's kv_cache_scheme).")

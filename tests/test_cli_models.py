@@ -101,6 +101,23 @@ async def test_deploy_through_the_planner_service(bus: Bus, nats_url: str, setti
     assert [type(e).__name__ for e in events] == ["ModelDeclared"]
 
 
+async def test_deploy_plans_for_the_engine_version_and_max_num_seqs_asked(bus: Bus, nats_url: str) -> None:
+    """What was planned is what runs: the version and --max-num-seqs reach the plan and the declaration."""
+    r = await invoke(nats_url, *deploy_args("--candidate", "1", "--engine-version", "v0.17.1", "--max-num-seqs", "64",
+                                            "--json"))
+    assert r.exit_code == 0, r.output
+    (declared,) = await control(bus)
+    assert isinstance(declared, m.ModelDeclared)
+    asked = m.PlanRequest(model=QWEN, engine_version="v0.17.1", max_num_seqs=64)
+    assert declared.spec == plan_locally(QWEN, FLEET, asked, str(MODELS)).candidates[0].spec("qwen")
+    assert (declared.spec.engine_version, declared.spec.parallel) == ("0.17.1", 64)
+    default = plan_locally(QWEN, FLEET, m.PlanRequest(model=QWEN), str(MODELS)).candidates[0].spec("qwen")
+    assert (default.engine_version, default.parallel) != ("0.17.1", 64)
+    r = await invoke(nats_url, *deploy_args("--candidate", "1", "--engine-version", "nightly"))
+    assert r.exit_code == 1 and "Error: engine version 'nightly' has no version number" in r.output
+    assert len(await control(bus)) == 1
+
+
 async def test_scale_and_remove(bus: Bus, nats_url: str) -> None:
     r = await invoke(nats_url, "ctl", "model", "scale", "ghost", "--replicas", "2")
     assert r.exit_code == 1 and "no model named 'ghost' is declared (declared: none)" in r.output
