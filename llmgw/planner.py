@@ -437,10 +437,13 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     ``fleet_pools`` is ``pools(fleet)`` when the caller keeps it between requests; ``observed``
     what engines of a spec reserved on this fleet (``record_observation``), used in place of
     the estimate for candidates of that very spec and engine version; ``engine_versions`` the
-    vLLM version each node's agent reports, planned for when the request names none.
+    vLLM version each node's agent reports (None: as the fold keeps them, each node's last
+    inventory), planned for when the request names none.
     """
     observed = observed or {}
-    reported = [v for node, v in (engine_versions or {}).items() if v and node in fleet.nodes and not fleet.nodes[node].lost]
+    if engine_versions is None:
+        engine_versions = {name: n.vllm_version for name, n in fleet.nodes.items()}
+    reported = [v for node, v in engine_versions.items() if v and node in fleet.nodes and not fleet.nodes[node].lost]
     if request.engine_version:
         version, version_source = request.engine_version.strip().removeprefix("v"), "--engine-version"
     elif (fleet_v := fleet_version(reported)):

@@ -57,9 +57,6 @@ class PlannerService:
         self.refused = 0  # events every fold refuses (fold.refusal)
         self.use_snapshots = use_snapshots
         self.started_from = ""  # the fold snapshot the fold started from, or "" (sequence 1)
-        # The vLLM version each node's agent last reported in its inventory: what plans are made for.
-        # (The fold keeps no engine versions, so after a snapshot start a node's is known again at its next inventory.)
-        self.engine_versions: dict[str, str] = {}
 
     @property
     def state(self) -> FleetState:
@@ -97,8 +94,8 @@ class PlannerService:
         info = request.info or await self.model(request.model, request.params)
         if self._pools is None:
             self._pools = planner.pools(self.state)
-        reply = planner.plan(info, self.state, request, fleet_pools=self._pools, observed=self.observed,
-                             engine_versions=self.engine_versions)
+        # The fold keeps each node's reported engine versions: plans are made for what the fleet runs.
+        reply = planner.plan(info, self.state, request, fleet_pools=self._pools, observed=self.observed)
         self.answered += 1
         return m.encode(reply)
 
@@ -121,9 +118,6 @@ class PlannerService:
             why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch], keep=PLANNER_KEEPS)
             self.clamped += c.cursor.clamped - clamped
             self.refused += sum(w is not None for w in why)
-            for d, refused in zip(batch, why, strict=True):
-                if refused is None and isinstance(d.event, m.NodeInventoryReported):
-                    self.engine_versions[d.event.node] = d.event.vllm_version
             self._pools = None
             self.positions[stream] = follower.last_seq
             self._progress.set()

@@ -36,6 +36,7 @@ from llmgw.projections.store import Store
 from llmgw.scheduler_service import FOLLOWED, SchedulerService
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
+EXAMPLE_MODELS = Path(__file__).resolve().parent.parent / "examples" / "models"
 T_NONE = datetime(2026, 1, 1, tzinfo=UTC)  # "now" for a fold with no event yet
 
 
@@ -424,6 +425,37 @@ async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_o
             await asyncio.gather(task, return_exceptions=True)
     assert seen[0][0] and not seen[1][0]
     assert seen[0][1:] == seen[1][1:] and seen[0][1]
+
+
+async def test_a_planner_started_from_a_snapshot_plans_for_the_engine_version_the_agents_reported(
+    bus: Bus, tmp_path: Path,
+) -> None:
+    """The versions are in the fold: no inventory after the snapshot is needed to know what the fleet runs."""
+    from llmgw.planner_service import PlannerService
+
+    events = [msgspec.structs.replace(e, vllm_version="0.17.1") if isinstance(e, m.NodeInventoryReported) else e
+              for e in small_fleet()]
+    assert all(isinstance(e, m.NodeInventoryReported) for e in events[:5])
+    assert not any(isinstance(e, m.NodeInventoryReported) for e in events[15:])
+    await snapshot_then_more(bus, tmp_path, events[:15], events[15:])
+    request = m.encode(m.PlanRequest(model="meta-llama/Llama-3.1-8B-Instruct", precisions=("bf16",), tp=(1,)))
+    replies = []
+    for use in (True, False):
+        svc = PlannerService(bus, models_dir=EXAMPLE_MODELS, use_snapshots=use)
+        task = asyncio.create_task(svc.run())
+        try:
+            await until(svc.ready.is_set, "the planner ready")
+            assert bool(svc.started_from) == use
+            assert svc.state.nodes["n1"].vllm_version == "0.17.1"
+            replies.append(m.PLAN_REPLY_DECODER.decode(await svc.handle(request)))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    for reply in replies:
+        assert (reply.engine_version, reply.engine_profile, reply.engine_version_source) == (
+            "0.17.1", "vllm 0.12–0.20", "fleet")
+        assert reply.candidates and all(c.engine_version == "0.17.1" for c in reply.candidates if c.engine == "vllm")
+    assert replies[0] == replies[1]
 
 
 async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_from_sequence_1(

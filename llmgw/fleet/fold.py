@@ -31,7 +31,7 @@ from llmgw import subjects
 # in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
 # history carries the cold-start ledger, the pool each model's routing policy, and each
 # replica the prompt tokens its engine had cached; the planner's observed reservations are
-# keyed by the engine version their spec was planned for.
+# keyed by the engine version their spec was planned for, and each node keeps its engines' versions.
 FOLD_VERSION = 6
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
@@ -61,6 +61,9 @@ class NodeView:
     lost_at: datetime | None = None
     simulated: bool = False
     updated_at: datetime | None = None
+    # What the engines its agent starts say they are (its last inventory): what plans are made for.
+    vllm_version: str = ""
+    llamacpp_version: str = ""
 
 
 @dataclass
@@ -279,6 +282,8 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
                 lost=False,
                 simulated=event.simulated,
                 updated_at=event.at,
+                vllm_version=event.vllm_version,
+                llamacpp_version=event.llamacpp_version,
             )
             if old is not None:
                 for idx, gpu in state.nodes[event.node].gpus.items():
