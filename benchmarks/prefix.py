@@ -1,6 +1,6 @@
 """Prefix-aware routing against the real llama-server: cached share, TTFT and balance per policy.
 
-    python benchmarks/prefix.py [--requests 200] [--clients 4] [--slots 8] [--scenarios shared,random,skewed]
+    python benchmarks/prefix.py [--rounds 3] [--requests 200] [--clients 4] [--slots 8] [--scenarios shared,random,skewed]
 
 Three llama-servers (scripts/llama-server.sh) on the demo model at ``--layers 4 --embd 256
 --context 4096``, each ``--parallel 8`` slots with llama.cpp's host-memory prompt cache off
@@ -197,6 +197,7 @@ async def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=620, help="words in a system prompt (~2,000 tokens)")
     ap.add_argument("--scenarios", default="shared,random,skewed")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="each scenario this often, the policies' order alternating")
     args = ap.parse_args()
     exe = binary()
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-prefix-"))
@@ -211,20 +212,30 @@ async def main() -> None:
               "figures over the last half")
         print(f"{'scenario':8} {'policy':18} {'mean TTFT ms':>12} {'p50':>7} {'p99':>7} {'req/s':>6} "
               f"{'cached':>7} {'busiest/mean':>12} {'failed':>6}")
-        for name in args.scenarios.split(","):
-            runs = []
-            for policy in ("least-outstanding", "prefix"):
-                run = await scenario(name, policy, args, exe, demo.gguf, tmp, settings)
-                runs.append(run)
-                share = max(run.replicas.values()) / (sum(run.replicas.values()) / 3) if run.replicas else 0
-                print(f"{name:8} {policy:18} {statistics.fmean(run.ttft) * 1000:12.0f} "
-                      f"{pct(run.ttft, 0.5) * 1000:7.0f} {pct(run.ttft, 0.99) * 1000:7.0f} "
-                      f"{args.requests / run.seconds:6.2f} {run.cached / max(run.prompt, 1):7.1%} {share:12.2f} "
-                      f"{run.failed:6d}", flush=True)
-            lo, px = runs
-            print(f"{name:8} prefix vs least-outstanding: mean TTFT x{statistics.fmean(lo.ttft) / statistics.fmean(px.ttft):.2f} "
-                  f"lower, p99 ratio {pct(px.ttft, 0.99) / pct(lo.ttft, 0.99):.2f}, run {px.seconds:.0f} s vs "
-                  f"{lo.seconds:.0f} s", flush=True)
+        ratios: dict[str, list[tuple[float, float, float]]] = {}
+        for rnd in range(args.rounds):
+            for name in args.scenarios.split(","):
+                runs = {}
+                # Alternating which policy runs first, so neither always meets the quieter machine.
+                order = ("least-outstanding", "prefix") if rnd % 2 == 0 else ("prefix", "least-outstanding")
+                for policy in order:
+                    run = await scenario(name, policy, args, exe, demo.gguf, tmp, settings)
+                    runs[policy] = run
+                    share = max(run.replicas.values()) / (sum(run.replicas.values()) / 3) if run.replicas else 0
+                    print(f"{name:8} {policy:18} {statistics.fmean(run.ttft) * 1000:12.0f} "
+                          f"{pct(run.ttft, 0.5) * 1000:7.0f} {pct(run.ttft, 0.99) * 1000:7.0f} "
+                          f"{args.requests / run.seconds:6.2f} {run.cached / max(run.prompt, 1):7.1%} {share:12.2f} "
+                          f"{run.failed:6d}", flush=True)
+                lo, px = runs["least-outstanding"], runs["prefix"]
+                r = (statistics.fmean(lo.ttft) / statistics.fmean(px.ttft), pct(px.ttft, 0.99) / pct(lo.ttft, 0.99),
+                     lo.seconds / px.seconds)
+                ratios.setdefault(name, []).append(r)
+                print(f"{name:8} round {rnd + 1}, prefix vs least-outstanding: mean TTFT x{r[0]:.2f} lower, p99 ratio "
+                      f"{r[1]:.2f}, throughput x{r[2]:.2f}", flush=True)
+        for name, rs in ratios.items():
+            print(f"{name:8} median of {len(rs)} rounds: mean TTFT x{statistics.median(x[0] for x in rs):.2f} lower, "
+                  f"p99 ratio {statistics.median(x[1] for x in rs):.2f}, throughput "
+                  f"x{statistics.median(x[2] for x in rs):.2f}", flush=True)
     finally:
         server.stop()
 

@@ -6,7 +6,7 @@ import io
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import click
 import msgspec
@@ -19,6 +19,7 @@ from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_o
 from llmgw.cli.plan import engine_version_option, max_num_seqs_option, parallel_option
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
+from llmgw.ctl import Declaration
 
 
 def cached_text(r: m.ReplicaRow) -> str:
@@ -28,6 +29,94 @@ def cached_text(r: m.ReplicaRow) -> str:
     n = r.prompt_tokens
     size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
     return f"{r.cached_tokens / n:.0%} of {size}"
+
+
+class AskError(ValueError):
+    """Options that contradict each other (deploy: a usage error; apply: an error at the model's entry)."""
+
+
+class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What an operator asks of a deployment: ``ctl model deploy``'s options, an ``apply`` file's entry."""
+
+    name: str
+    model: str
+    candidate: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    precision: str | None = None
+    engine: Literal["vllm", "llama.cpp"] | None = None
+    tp: Annotated[int, msgspec.Meta(ge=1, le=m.MAX_GPUS)] | None = None
+    pp: Annotated[int, msgspec.Meta(ge=1, le=m.MAX_GPUS)] | None = None
+    gpu_class: str | None = None
+    context: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=m.MAX_REPLICAS)] = 1
+    min_replicas: Annotated[int, msgspec.Meta(ge=0, le=m.MAX_REPLICAS)] | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=m.MAX_REPLICAS)] | None = None
+    target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
+    idle_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=10 * 365 * 86400)] | None = None
+    parallel: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    file: str | None = None
+    engine_args: tuple[str, ...] = ()
+    routing: Literal["prefix", "least-outstanding"] = "prefix"
+    engine_version: str = ""  # vLLM's version to plan for ("": the fleet's)
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+
+
+def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir: str | None) -> m.ModelSpec:
+    """The declaration the planner makes of ``ask`` (AskError for options that contradict each other)."""
+    if ask.candidate is not None and ask.gpu_class is not None:
+        raise AskError("--candidate already names the GPU class; give one or the other")
+    if (ask.min_replicas is None) != (ask.max_replicas is None):
+        raise AskError("autoscaling needs both --min-replicas and --max-replicas (or neither, for a fixed --replicas)")
+    replicas = ask.replicas
+    if ask.min_replicas is not None and ask.max_replicas is not None:
+        if ask.min_replicas > ask.max_replicas:
+            raise AskError(f"--min-replicas {ask.min_replicas} is more than --max-replicas {ask.max_replicas}")
+        replicas = min(max(replicas, ask.min_replicas), ask.max_replicas)  # where it starts; the load moves it
+    request = m.PlanRequest(model=ask.model, precisions=(ask.precision,) if ask.precision else (),
+                            tp=(ask.tp,) if ask.tp else (), context=ask.context, all=ask.candidate is None,
+                            kv_cache_dtype=ask.kv_cache_dtype, parallel=ask.parallel,
+                            engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs)
+    from llmgw import ctl
+
+    reply = run(ctl.plan(settings, ask.model, request, fleet=fleet, models_dir=models_dir))
+    pp = ask.pp
+    if pp is None and ask.tp is not None and ask.candidate is None:
+        pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
+    chosen = ctl.choose(reply, candidate=ask.candidate, gpu_class=ask.gpu_class, engine=ask.engine, pp=pp)
+    file = ctl.gguf_file(chosen, ask.file) if ask.file is not None else chosen.file
+    planned = chosen.spec(ask.name, replicas)  # its engine_args hold what the plan needs (--enforce-eager)
+    return msgspec.structs.replace(planned, idle_ttl_s=ask.idle_ttl_s,
+                                   engine_args=(*planned.engine_args, *ask.engine_args),
+                                   min_replicas=ask.min_replicas, max_replicas=ask.max_replicas,
+                                   target_in_flight=ask.target_in_flight, file=file, routing=ask.routing)
+
+
+def declaration_json(done: Declaration) -> dict[str, Any]:
+    return {"declared": msgspec.to_builtins(done.spec), "seq": done.seq, "unchanged": done.seq is None,
+            "changes": list(done.changes), "plan_moved": list(done.moved)}
+
+
+def echo_declaration(done: Declaration) -> None:
+    """``declared``, ``changed`` (and what), or ``unchanged``; the plan's figures that moved, if any."""
+    spec = done.spec
+    if done.seq is None:
+        click.echo(f"unchanged {spec.name}: declared as asked already; nothing published")
+        if done.moved:
+            click.echo(f"  the plan's figures moved since ({'; '.join(done.moved)}); kept as declared "
+                       "(--replan publishes them, which restarts its replicas)")
+        return
+    if done.changes:
+        click.echo(f"changed {spec.name}: {'; '.join(done.changes)}")
+    elif not done.new:
+        click.echo(f"replanned {spec.name}: {'; '.join(done.moved)}")
+    click.echo(f"declared {_describe(spec)}")
+    if done.new:
+        click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
+    elif done.rolls:
+        click.echo("the scheduler rolls it: each old replica stops once a new one is healthy in its place "
+                   "(in place, one at a time, when there is no room for one more); watch with `llmgw ctl status`")
+    else:
+        click.echo("its replicas keep running (nothing they run with changed)")
 
 
 def _describe(spec: m.ModelSpec) -> str:
@@ -79,6 +168,9 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="How routers pick a replica: prefix sends prompts that begin alike where their prefix is "
                    "cached (within a load bound); least-outstanding by load alone. README, \"Routing\".")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
+@click.option("--replan", is_flag=True,
+              help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
+                   "as first declared otherwise: re-running a deploy restarts nothing).")
 @click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
 @json_option
@@ -87,7 +179,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
-           engine_args: tuple[str, ...], fleet: Path | None, models_dir: str | None, as_json: bool,
+           engine_args: tuple[str, ...], replan: bool, fleet: Path | None, models_dir: str | None, as_json: bool,
            settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
@@ -100,35 +192,23 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         llmgw ctl model deploy tiny ./models/tiny --from-plan --precision q8_0 --context 2048 --parallel 4
         llmgw ctl model deploy qwen8 Qwen/Qwen3-8B --from-plan --candidate 1 --engine-version 0.17.1 --max-num-seqs 64
     """
-    if candidate is not None and gpu_class is not None:
-        raise click.UsageError("--candidate already names the GPU class; give one or the other")
-    if (min_replicas is None) != (max_replicas is None):
-        raise click.UsageError("autoscaling needs both --min-replicas and --max-replicas (or neither, for a fixed --replicas)")
-    if min_replicas is not None and max_replicas is not None:
-        if min_replicas > max_replicas:
-            raise click.UsageError(f"--min-replicas {min_replicas} is more than --max-replicas {max_replicas}")
-        replicas = min(max(replicas, min_replicas), max_replicas)  # where it starts; the load moves it
-    request = m.PlanRequest(model=model, precisions=(precision,) if precision else (), tp=(tp,) if tp else (),
-                            context=context, all=candidate is None,
-                            kv_cache_dtype=kv_dtype, parallel=parallel,  # type: ignore[arg-type]
-                            engine_version=engine_version, max_num_seqs=max_num_seqs)
+    try:
+        spec = planned_spec(settings, Ask(
+            name=name, model=model, candidate=candidate, precision=precision, engine=engine, tp=tp, pp=pp,  # type: ignore[arg-type]
+            gpu_class=gpu_class, context=context, kv_cache_dtype=kv_dtype, replicas=replicas,  # type: ignore[arg-type]
+            min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
+            idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
+            engine_version=engine_version, max_num_seqs=max_num_seqs),
+            fleet=fleet, models_dir=models_dir)
+    except AskError as e:
+        raise click.UsageError(str(e)) from None
     from llmgw import ctl
 
-    reply = run(ctl.plan(settings, model, request, fleet=fleet, models_dir=models_dir))
-    if pp is None and tp is not None and candidate is None:
-        pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
-    chosen = ctl.choose(reply, candidate=candidate, gpu_class=gpu_class, engine=engine, pp=pp)
-    file = ctl.gguf_file(chosen, gguf) if gguf is not None else chosen.file
-    planned = chosen.spec(name, replicas)  # its engine_args hold what the plan needs (--enforce-eager)
-    spec = msgspec.structs.replace(planned, idle_ttl_s=idle_ttl, engine_args=(*planned.engine_args, *engine_args),
-                                   min_replicas=min_replicas, max_replicas=max_replicas,
-                                   target_in_flight=target_in_flight, file=file, routing=routing)
-    seq = run(ctl.publish_control(settings, m.ModelDeclared(at=m.utcnow(), spec=spec)))
+    done = run(ctl.declare(settings, spec, replan=replan))
     if as_json:
-        echo_json({"declared": msgspec.to_builtins(spec), "seq": seq})
-    else:
-        click.echo(f"declared {_describe(spec)}")
-        click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
+        echo_json(declaration_json(done))
+        return
+    echo_declaration(done)
 
 
 @click.command("scale")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -429,6 +430,67 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
                 raise LlmgwError(f"no model named {must_exist!r} is declared (declared: {names}); "
                                  f"deploy it first with `llmgw ctl model deploy {must_exist} MODEL --from-plan`")
         return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+# --- declarations -----------------------------------------------------------------------------------------
+
+# What the planner derives rather than the operator asks: a re-plan moves them (the observed-memory
+# calibration, another engine version on the fleet) while nothing the operator said changed. A
+# declaration keeps the figures it was first declared with until an input changes (or --replan).
+DERIVED = ("gib_per_gpu", "kv_tokens", "engine_version", "gpu_memory_utilization")
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "(none)"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1_000:
+        return f"{value:,}"
+    return "(none)" if value is None else str(value)
+
+
+def spec_changes(old: m.ModelSpec, new: m.ModelSpec) -> tuple[list[str], list[str]]:
+    """What differs, as ``field old → new``: (the operator's inputs, the plan's derived figures)."""
+    inputs: list[str] = []
+    derived: list[str] = []
+    for f in msgspec.structs.fields(m.ModelSpec):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a != b:
+            (derived if f.name in DERIVED else inputs).append(f"{f.name} {_shown(a)} → {_shown(b)}")
+    return inputs, derived
+
+
+@dataclass(frozen=True)
+class Declaration:
+    spec: m.ModelSpec  # what is declared now
+    seq: int | None  # the ModelDeclared published; None: unchanged, nothing published
+    changes: tuple[str, ...] = ()  # the operator's inputs that changed (empty for a new model)
+    moved: tuple[str, ...] = ()  # the plan's figures that moved and were kept as declared (or replanned)
+    new: bool = False
+    rolls: bool = False  # what its replicas run with changed: the scheduler replaces them, one by one
+
+
+async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False) -> Declaration:
+    """Declare ``spec`` unless it is what is declared already: apply the same declaration twice, get one.
+
+    A declared model whose inputs are unchanged keeps its declaration (and its running replicas),
+    even when the plan's derived figures moved since; ``replan`` publishes them too.
+    """
+    bus = await _connect(settings, "llmgw-ctl-model")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+        view = state.models.get(spec.name)
+        if view is None:
+            return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
+        inputs, derived = spec_changes(view.spec, spec)
+        if not inputs and not (replan and derived):
+            return Declaration(view.spec, None, moved=tuple(derived))
+        # An input changed: the new plan's figures are the ones for it.
+        from llmgw.scheduler import same_run
+
+        seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq
+        return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
     finally:
         await bus.close()
 

@@ -198,9 +198,8 @@ class Router:
             if table is None:
                 table = self.prefixes[model] = prefixroute.PrefixTable()
             chosen = prefixroute.pick(table, key, reps, exclude)
-            if chosen is None:
-                return None
-            return self._take(chosen)
+            if chosen is not None:
+                return self._take(chosen)
         n = len(reps)
         self._rr += 1
         start = self._rr % n

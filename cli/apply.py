@@ -1,0 +1,111 @@
+"""``llmgw apply FILE``: a file of model declarations, applied as ``ctl model deploy`` would, idempotently.
+
+Every entry is planned before anything is published, so a file with one bad entry
+publishes nothing; an entry whose inputs match what is declared publishes nothing
+either (the same file applied twice restarts nothing), and one that changed rolls.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from llmgw.cli.models import Ask, AskError, declaration_json, echo_declaration, planned_spec
+from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.progress import parse_duration
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError
+
+MAX_ENTRIES = 1000
+
+
+def read_asks(path: Path) -> list[Ask]:
+    """The ``[[model]]`` entries of a declarations file; LlmgwError naming the entry and the key for a bad one."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LlmgwError(f"{path} is not valid TOML: {e}") from None
+    extra = set(doc) - {"model"}
+    if extra:
+        raise LlmgwError(f"{path}: unknown top-level key(s) {', '.join(sorted(extra))}; declarations are [[model]] "
+                         "tables (see examples/models.toml)")
+    entries = doc.get("model", [])
+    if not isinstance(entries, list) or not entries:
+        raise LlmgwError(f"{path} declares no model; add a [[model]] table with name and model (examples/models.toml)")
+    if len(entries) > MAX_ENTRIES:
+        raise LlmgwError(f"{path} declares {len(entries)} models; at most {MAX_ENTRIES} in one file")
+    asks: list[Ask] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        at = f"{path}: model[{i}]" + (f" ({entry['name']})" if isinstance(entry, dict) and "name" in entry else "")
+        if not isinstance(entry, dict):
+            raise LlmgwError(f"{at}: must be a table ([[model]])")
+        fields: dict[str, Any] = dict(entry)
+        if "idle_ttl" in fields:
+            ttl = fields.pop("idle_ttl")
+            try:
+                fields["idle_ttl_s"] = parse_duration(str(ttl), "idle_ttl")
+            except click.BadParameter as e:
+                raise LlmgwError(f"{at}: idle_ttl: {e.message}") from None
+        if "idle_ttl_s" in entry:
+            raise LlmgwError(f"{at}: write idle_ttl as a duration (\"2h\"), not idle_ttl_s")
+        try:
+            ask = msgspec.convert(fields, Ask)
+        except msgspec.ValidationError as e:
+            raise LlmgwError(f"{at}: {e}; the keys are deploy's options with underscores "
+                             "(examples/models.toml)") from None
+        if ask.name in seen:
+            raise LlmgwError(f"{at}: a second entry named {ask.name!r}; each model once")
+        seen.add(ask.name)
+        asks.append(ask)
+    return asks
+
+
+@click.command("apply")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--replan", is_flag=True, help="Publish the plans' figures afresh even for entries that did not change.")
+@click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
+@click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
+@json_option
+@nats_options
+def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, as_json: bool,
+          settings: Settings) -> None:
+    """Declare every model in FILE as `ctl model deploy` would; unchanged ones are left alone.
+
+    FILE holds [[model]] tables whose keys are deploy's options with underscores
+    (name, model, candidate, precision, tp, context, replicas, min_replicas,
+    max_replicas, idle_ttl = "2h", routing, engine_args, ...). Every entry is
+    planned first: one that does not fit publishes nothing at all. Models declared
+    but not in FILE are left as they are (`ctl model remove` removes one).
+
+    \b
+    Example:
+        llmgw apply examples/models.toml
+        llmgw apply models.toml --json
+    """
+    from llmgw import ctl
+
+    asks = read_asks(file)
+    specs = []
+    for ask in asks:
+        try:
+            specs.append(planned_spec(settings, ask, fleet=fleet, models_dir=models_dir))
+        except AskError as e:
+            raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
+        except LlmgwError as e:
+            raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
+    done = [run(ctl.declare(settings, spec, replan=replan)) for spec in specs]
+    if as_json:
+        echo_json([declaration_json(d) for d in done])
+        return
+    for d in done:
+        echo_declaration(d)
+    changed = sum(d.seq is not None for d in done)
+    click.echo(f"{len(done)} model{'s' if len(done) != 1 else ''} in {file}: {changed} declared or changed, "
+               f"{len(done) - changed} unchanged")
