@@ -7,7 +7,9 @@ and was fitted on public start-up logs of that range (``tests/data/vllm_observed
 the figures in docs/benchmarks.md):
 
 * the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
-  (0.11 warmed top-p/top-k too: 9.7 copies on its H100 logs; the others ~3);
+  (0.11 warmed top-p/top-k too: 9.7 copies on its H100 logs; the others ~3). Up to 0.10 it
+  differed by card: ~3 copies with a small card's batch (the A100 logs), 9.7 with a large
+  card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
 * memory outside torch that the profile counts (``non_torch_gib``);
 * the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
   larger ones, and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
@@ -38,6 +40,7 @@ class EngineProfile:
     until: tuple[int, ...] | None  # the first version it no longer covers
     version: str  # what a plan names when only the range is known: the newest version its logs ran
     sampler_copies: float = 3.0
+    large_sampler_copies: float = 0.0  # with a large card's max_num_batched_tokens (0: sampler_copies)
     non_torch_gib: float = 0.13
     allreduce_gib: float = 0.42
     default_util: float = 0.9
@@ -57,6 +60,12 @@ class EngineProfile:
     def covers(self, version: tuple[int, ...]) -> bool:
         return version >= self.since and (self.until is None or version < self.until)
 
+    def copies(self, batched_tokens: int) -> float:
+        """How many vocab-sized fp32 copies the sampler's dummy pass holds at this batch."""
+        if self.large_sampler_copies and batched_tokens >= self.large_batch[0]:
+            return self.large_sampler_copies
+        return self.sampler_copies
+
     def batch(self, gpu_class: str, memory_mib: int) -> tuple[int, int]:
         """vLLM's OpenAI-server defaults of max_num_batched_tokens and max_num_seqs on this card."""
         large = memory_mib * MIB >= LARGE_CARD_BYTES and not (self.a100_is_small and "a100" in gpu_class.lower())
@@ -66,7 +75,7 @@ class EngineProfile:
 # Oldest first. The V0 engine (before 0.8) profiled max_model_len tokens: the oldest V1 profile is
 # the nearest there is, and the plan says which profile it used.
 VLLM_PROFILES: tuple[EngineProfile, ...] = (
-    EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=3.0),
+    EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=3.0, large_sampler_copies=9.7),
     EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=9.7),
     EngineProfile("vllm", (0, 12), (0, 21), "0.20.2", sampler_copies=3.0),
     EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=3.0, non_torch_gib=0.2, graphs_in_budget=True),

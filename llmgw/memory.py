@@ -488,7 +488,7 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
         qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
     width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
     tokens, seqs = batch or profile.large_batch
-    activation = max(tokens * 2 * width, int(profile.sampler_copies * seqs * info.vocab_size * 4))
+    activation = max(tokens * 2 * width, int(profile.copies(tokens) * seqs * info.vocab_size * 4))
     allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
     return activation + int(profile.non_torch_gib * GIB) + allreduce
 

@@ -2,7 +2,7 @@
 
 The table ``benchmarks/calibration.py`` prints is in the README; this test fails when
 any verdict (starts or not) is wrong, or fewer than 85% of the KV figures are within
-max(10%, 1.5 GiB) of what vLLM printed, or a weights figure is off by more than 3%.
+max(10%, 0.75 GiB) of what vLLM printed, or a weights figure is off by more than 3%.
 """
 
 from __future__ import annotations

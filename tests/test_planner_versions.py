@@ -119,6 +119,28 @@ def test_a_24gb_card_under_newer_vllm_keeps_its_cache() -> None:
     assert new.kv_gib_per_gpu - old.kv_gib_per_gpu > 0.6
 
 
+
+def test_vllm_0_10_warms_a_large_cards_sampler_as_0_11_does() -> None:
+    """gpt-oss-120b on one H100 under vLLM 0.10.1 with every default (vllm issue 23278): weights 65.97 GiB
+    and -2.14 GiB of KV cache, so it refused to start. A large card's 1,024 sequences held ~9.7 vocab-sized
+    copies there too; a small card's batch (the A100 logs of 0.10.1) ~3."""
+    from llmgw.engineprofiles import profile_for
+
+    info = modelinfo.load_dir(Path(__file__).resolve().parent / "data" / "calibration" / "openai__gpt-oss-120b",
+                              name="openai/gpt-oss-120b", source="openai/gpt-oss-120b")
+    profile = profile_for("vllm", "0.10.1")
+    assert (profile.copies(8192), profile.copies(2048)) == (9.7, 3.0)
+    p = M.precision("mxfp4")
+    weights, overhead, _ = M.sizes(info, p, 1, 1, "auto", "H100-80GB", profile=profile, batch=(8192, 1024))
+    kv = 0.9 * 79.18 * GIB - weights - overhead
+    assert abs(weights / GIB - 65.97) < 0.05 * 65.97
+    assert abs(kv / GIB - -2.14) < 0.75
+    state = fleet(node("n1", "fa", count=1))
+    req = m.PlanRequest(model=info.name, precisions=("mxfp4",), tp=(1,), engine_version="0.10.1", all=True)
+    c = P.plan(info, state, req).candidates[0]
+    assert not c.fits and "exceed the" in (c.reason or "")
+
+
 # --- max_num_seqs --------------------------------------------------------------------------------------
 
 
