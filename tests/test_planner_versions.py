@@ -141,6 +141,20 @@ def test_vllm_0_10_warms_a_large_cards_sampler_as_0_11_does() -> None:
     assert not c.fits and "exceed the" in (c.reason or "")
 
 
+
+def test_vllm_0_21_takes_its_graphs_from_the_budget_of_a_24gb_card() -> None:
+    """Qwen3-8B on an RTX A5000 under vLLM 0.21.0 (LMCache issue 3430): 0.52 GiB of graphs estimated
+    and taken from the 0.9764 budget, 6.37 GiB of KV cache (46,368 tokens)."""
+    info = model(QWEN3)
+    state = fleet(node("n1", "fa", cls="RTXA5000-24GB", count=1, mem=RTX3090_MIB))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=16384, gpu_memory_utilization=0.9764,
+                        engine_version="0.21.0")
+    c = P.plan(info, state, req).candidates[0]
+    assert (c.engine_profile, c.cuda_graphs, c.fits) == ("vllm 0.21–0.28", "budget", True)
+    assert abs(c.kv_gib_per_gpu - 6.37) <= 0.75
+    assert abs(c.cuda_graph_gib_per_gpu - 0.52) < 0.3
+
+
 # --- max_num_seqs --------------------------------------------------------------------------------------
 
 
