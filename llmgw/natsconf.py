@@ -129,7 +129,9 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
     elif role == "router":
         # A named router speaks only for itself; the shared "router" user for any router name.
         tok = s.token(node) if node else "*"
-        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL)]
+        # Its own last idle map, read back at start so that idle time survives a restart.
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL),
+                s.js_api("DIRECT.GET", USAGE, f"{P}.usage.{tok}.idle")]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
         pub += [*_read(*s.HISTORY_STREAMS, HEARTBEAT), *_info(*ALL_STREAMS), *_snapshots_write()]  # heartbeats: GPU use

@@ -39,7 +39,7 @@ from aiohttp import http_exceptions, web
 
 from llmgw import messages as m
 from llmgw import openai_api as api
-from llmgw import prefixroute
+from llmgw import prefixroute, subjects
 from llmgw.bus import Bus
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
@@ -255,6 +255,8 @@ class Router:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_caught_up):
                 await self.sink.caught_up.wait()
+        if self.idle_tracking:
+            await self._recall()
         # handler_cancellation: a client that goes away cancels the upstream request.
         self._runner = web.AppRunner(self.app(), handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
@@ -278,6 +280,38 @@ class Router:
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
         return self.url
+
+    async def _recall(self) -> None:
+        """Take up this router's last idle map from before it (re)started, so idle time survives a restart.
+
+        A restarted router knew no request, so every replica looked served-since-now ("idle 5s")
+        however long nobody had asked. Its own last map says when each replica was last asked
+        and since when it served those never asked; a replica it had not seen stays unknown.
+        """
+        try:
+            got = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+        except LlmgwError as e:
+            log.warning("router %s: its last idle map could not be read (%s); idle times start from now", self.name, e)
+            return
+        if got is None:
+            return
+        try:
+            event = m.USAGE_DECODER.decode(got[1])
+        except m.DECODE_ERRORS as e:
+            log.warning("router %s: its last idle map is unreadable (%s); idle times start from now", self.name, e)
+            return
+        if not isinstance(event, m.IdleMapPublished) or event.router != self.name:
+            return
+        now = time.time()
+        for rid, at in event.last_request.items():
+            if rid in self.pool.replicas and rid not in self.idle.last:
+                self.idle.last[rid] = min(at.timestamp(), now)
+        for rid, at in event.serving_since.items():
+            rep = self.pool.replicas.get(rid)
+            if rep is not None and rep.in_pool and rid not in self.idle.last:
+                rep.pooled_at = min(rep.pooled_at, at.timestamp())
+        log.info("router %s: took up its last map (tick %d): %d requests, %d served since", self.name, event.tick,
+                 len(event.last_request), len(event.serving_since))
 
     async def stop(self) -> None:
         """Stop serving; a last idle map carries the requests since the last tick."""

@@ -392,16 +392,21 @@ class Bus:
 
     async def last_stored_seq(self, stream: str, subject: str) -> int:
         """Where ``stream`` holds the latest message of ``subject`` (a direct get by subject); 0: none."""
+        got = await self.last_message(stream, subject)
+        return 0 if got is None else got[0]
+
+    async def last_message(self, stream: str, subject: str) -> tuple[int, bytes] | None:
+        """The latest message of ``subject`` in ``stream`` (a direct get by subject): (sequence, payload), or None."""
         try:
             raw = await self.guarded(subjects.js_api("DIRECT.GET", stream, subject),
                                      self.js.get_msg(stream, subject=subject, direct=True))
         except nats.js.errors.NotFoundError:
-            return 0
+            return None
         except nats.js.errors.APIError as e:
             raise BusError(f"cannot read the last {subject} of {stream}: {e.description} (code {e.err_code})") from e
         except _RETRYABLE as e:
             raise BusError(f"JetStream did not answer for the last {subject} of {stream}") from e
-        return int(raw.seq or 0)
+        return int(raw.seq or 0), raw.data or b""
 
     async def stored_message(self, stream: str, seq: int) -> tuple[str, bytes]:
         """The subject and payload ``stream`` stores at ``seq`` (a direct get); BusError when it holds none."""
