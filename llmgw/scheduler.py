@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 import msgspec
 
 from llmgw import messages as m
-from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory
+from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
 from llmgw.fleet.fold import FleetState, GpuView, NodeView, ReplicaView
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
@@ -163,9 +163,10 @@ def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list
     """The autoscaler's changes (with their ids): wake on a wish, then up or down with the load.
 
     A model scaled to zero wakes when a router wanted it after seeing that
-    scale (its control sequence is at or after it). Up needs every one of the
-    last UP_SAMPLES router maps to ask for more, down every one of the last
-    DOWN_SAMPLES to ask for fewer: the long window down is the hysteresis.
+    scale (its control sequence is at or after it). Up needs every map of the
+    last UP_SAMPLES router ticks to ask for more, down every map of the last
+    DOWN_SAMPLES ticks to ask for fewer: the long window down is the hysteresis.
+    Ticks of time, not maps: five routers publish five maps a tick.
     """
     out = []
     for name in sorted(state.models):
@@ -182,20 +183,23 @@ def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list
         # windows start again at every change, and the comparison of sequences does not
         # depend on how the usage and control streams interleave.
         since = memory.count_changed_at.get(name, 0)
-        window = [total for seen, total in memory.samples.get(name, ()) if seen >= since]
+        window = memory.windows.get(name, [])
+        ups = agreeing(window, since, UP_SAMPLES) if window else None
+        downs = agreeing(window, since, DOWN_SAMPLES) if window else None
+        tick = window[-1][3] if window else 0.0
         if current == 0 and zeroed is not None and wish is not None and wish.control_seq >= zeroed:
             new = max(spec.min_replicas, 1)
             reason = f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
-        elif len(window) >= UP_SAMPLES and (up := min(_recommend(spec, x) for x in window[-UP_SAMPLES:])) > current:
+        elif ups and (up := min(_recommend(spec, x) for x in ups)) > current:
             new = up
-            per = window[-1] / max(current, 1)
+            per = ups[-1] / max(current, 1)
             reason = (f"scaled up: {per:.1f} in flight per replica > {spec.target_in_flight:g} "
-                      f"for {UP_SAMPLES} router ticks")
-        elif len(window) >= DOWN_SAMPLES and (down := max(_recommend(spec, x) for x in window[-DOWN_SAMPLES:])) < current:
+                      f"for {UP_SAMPLES} router ticks ({UP_SAMPLES * tick:g}s)")
+        elif downs and (down := max(_recommend(spec, x) for x in downs)) < current:
             new = down
-            per = max(window[-DOWN_SAMPLES:]) / max(current, 1)
+            per = max(downs) / max(current, 1)
             reason = (f"scaled down: at most {per:.1f} in flight per replica < {spec.target_in_flight:g} "
-                      f"for {DOWN_SAMPLES} router ticks")
+                      f"for {DOWN_SAMPLES} router ticks ({DOWN_SAMPLES * tick:g}s)")
         elif not spec.min_replicas <= current <= (spec.max_replicas or current):
             new = min(max(current, spec.min_replicas), spec.max_replicas or current)
             reason = f"kept within min {spec.min_replicas} and max {spec.max_replicas}"

@@ -193,7 +193,7 @@ def test_load_above_target_for_three_maps_scales_up_and_places_at_once() -> None
     got = w.step()
     scaled = [e for e in got if isinstance(e, m.ModelAutoscaled)]
     assert [(e.replicas, e.reason) for e in scaled] == [
-        (6, "scaled up: 30.0 in flight per replica > 4 for 3 router ticks")]  # ceil(30/4) = 8, max 6
+        (6, "scaled up: 30.0 in flight per replica > 4 for 3 router ticks (3s)")]  # ceil(30/4) = 8, max 6
     assert len(placed(got)) == 5 and all(p.reason == scaled[0].reason for p in placed(got))
     assert w.state.models["m"].replicas_wanted == 6
 
@@ -295,3 +295,31 @@ def test_a_redeploy_that_only_changes_the_plans_figures_restarts_nothing() -> No
     w.healthy(w.step())
     w.feed(m.ModelDeclared(at=T0, spec=spec(kv_tokens=97_000)))  # the plan now says what the engine reserved
     assert w.step() == []
+
+
+def scale_times(routers: int) -> tuple[int, int]:
+    """Seconds from a load of 8 (target 4) to the scale-up, and from quiet to the scale-down, with ``routers``."""
+    w = autoscaled_world(min_replicas=0, max_replicas=2)
+
+    def tick(second: int, total: int) -> list[m.Event]:
+        for r in range(routers):  # each router its share, a little apart within the second
+            at = T0 + timedelta(seconds=1000 + second, milliseconds=150 * r)
+            w.feed(m.IdleMapPublished(at=at, router=f"gw-{r}", boot_id="b", tick=second, tick_s=1.0,
+                                      load={"m": m.ModelLoad(in_flight=total // routers + (r < total % routers))},
+                                      control_seq=w.seqs[subjects.STREAM_CONTROL]))
+        return [e for e in w.step() if isinstance(e, m.ModelAutoscaled)]
+
+    assert [e for s in range(5) for e in tick(s, 4)] == []  # steady at the target: every router has reported
+    up = next(s for s in range(5, 20) for e in tick(s, 8) if e.replicas == 2)
+    down = next(s for s in range(up + 1, up + 60) for e in tick(s, 0) if e.replicas == 0)
+    return up - 4, down - up
+
+
+def test_the_windows_are_ticks_of_time_whatever_the_number_of_routers() -> None:
+    """Several routers publish several maps a tick: up and down take as long with five as with one (to a tick:
+    the first second of a change, some routers still report the old load)."""
+    one = scale_times(1)
+    assert one == (demand.UP_SAMPLES, demand.DOWN_SAMPLES)
+    for routers in (3, 5):
+        up, down = scale_times(routers)
+        assert abs(up - one[0]) <= 1 and abs(down - one[1]) <= 1, (routers, up, down)

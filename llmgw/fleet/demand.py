@@ -8,17 +8,20 @@ decides from it (``llmgw.scheduler.decide``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.fleet.fold import FleetState
 
-# The autoscaler's windows, in router maps: scale up once every one of the last
-# UP_SAMPLES asks for more, down once every one of the last DOWN_SAMPLES asks for
-# fewer (with a 10 s router tick, 30 s and 5 min, like Kubernetes' HPA defaults).
+# The autoscaler's windows, in router ticks of the fleet's clock (not in maps: several routers
+# publish several maps a tick): scale up once every map of the last UP_SAMPLES ticks asks for
+# more, down once every map of the last DOWN_SAMPLES ticks asks for fewer (with a 10 s router
+# tick, 30 s and 5 min, like Kubernetes' HPA defaults), the same with one router or five.
 UP_SAMPLES = 3
 DOWN_SAMPLES = 30
+DEFAULT_TICK_S = 10.0  # a map that does not say its tick (older routers)
+MAX_SAMPLES = 4096  # per model: routers x DOWN_SAMPLES maps are kept; past this, the oldest go
 # A router's load counts until it misses this many of its ticks (at least STALE_MIN_S).
 STALE_TICKS = 3
 STALE_MIN_S = 30.0
@@ -69,9 +72,10 @@ class SchedulerMemory:
     zeroed_at: dict[str, int] = field(default_factory=dict)
     autoscalings: dict[str, int] = field(default_factory=dict)
     routers: dict[str, RouterLoad] = field(default_factory=dict)
-    # Per model, (router's control sequence, demand summed over live routers) at each
-    # router map, newest last; and the control sequence of its count's last change.
-    samples: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # the last DOWN_SAMPLES
+    # Per model, (the map's time, its router's control sequence, demand summed over live routers,
+    # the router's tick) at each router map, in the order read, for the last DOWN_SAMPLES ticks
+    # (one older, to show the window is covered); and the control sequence of its count's last change.
+    windows: dict[str, list[tuple[datetime, int, int, float]]] = field(default_factory=dict)
     count_changed_at: dict[str, int] = field(default_factory=dict)
     refused_claims: int = 0
     # Wishes for a model not declared when they were read: this reader's counter, not part of the
@@ -172,8 +176,24 @@ def observe_idle_map(memory: SchedulerMemory, event: m.IdleMapPublished, subject
         if r.load:
             for model, load in r.load.items():
                 totals[model] = totals.get(model, 0) + load.in_flight + load.queued
+    tick = event.tick_s or DEFAULT_TICK_S
+    keep = timedelta(seconds=(DOWN_SAMPLES + 1) * tick)
     for model, total in totals.items():
-        window = memory.samples.setdefault(model, [])
-        window.append((event.control_seq, total))
-        if len(window) > DOWN_SAMPLES:
+        window = memory.windows.setdefault(model, [])
+        window.append((at, event.control_seq, total, tick))
+        while len(window) > MAX_SAMPLES or (len(window) > 1 and at - window[1][0] > keep):
             del window[0]
+
+
+def agreeing(window: list[tuple[datetime, int, int, float]], since: int, ticks: int) -> list[int] | None:
+    """The demands of every map of the last ``ticks`` router ticks that saw control ``since``, or None
+    while such maps cover less than that (time, not a count of maps: the same with any number of routers)."""
+    seen = [(at, total, tick) for at, seq, total, tick in window if seq >= since]
+    if not seen:
+        return None
+    newest, tick = max(at for at, _, _ in seen), seen[-1][2]
+    span = timedelta(seconds=ticks * tick)
+    # A map stands for the tick before it: the oldest covers from one tick before its time.
+    if newest - min(at for at, _, _ in seen) + timedelta(seconds=tick) < span:
+        return None
+    return [total for at, total, _ in seen if at > newest - span]
