@@ -24,6 +24,7 @@ from prometheus_client.process_collector import ProcessCollector
 from llmgw.endpoints import Pool
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+WAKE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Every kind ``Metrics.error`` is called with (the README documents each).
@@ -157,6 +158,14 @@ class Metrics:
         self._cached = Counter("llmgw_router_prompt_tokens_cached",
                                "Prompt tokens the engines served from their prefix cache (vLLM's cached_tokens, "
                                "llama-server's cache_n), by model.", ["model"], registry=r)
+        self._wishes = Counter("llmgw_router_wakes", "Wakes asked: ModelWanted published for a parked model, by model.",
+                               ["model"], registry=r)
+        self._held = Counter("llmgw_router_held_requests",
+                             "Requests held while their model woke, by model and outcome (served, timeout, "
+                             "unplaceable, stopped, stopping).", ["model", "outcome"], registry=r)
+        self._held_s = Histogram("llmgw_router_wake_wait_seconds",
+                                 "How long a held request waited for its model to wake, by model.",
+                                 ["model"], buckets=WAKE_BUCKETS, registry=r)
         if pool is not None:
             r.register(_PoolCollector(pool, bad_events, idle_maps))
         if process:
@@ -176,6 +185,13 @@ class Metrics:
         self._prompt.labels(model).inc(usage.prompt_tokens)
         self._completion.labels(model).inc(usage.completion_tokens)
         self._cached.labels(model).inc(usage.cached_tokens)
+
+    def wish(self, model: str) -> None:
+        self._wishes.labels(model).inc()
+
+    def held(self, model: str, outcome: str, seconds: float) -> None:
+        self._held.labels(model, outcome).inc()
+        self._held_s.labels(model).observe(seconds)
 
     def error(self, model: str, kind: str) -> None:
         self._errors.labels(model, kind).inc()

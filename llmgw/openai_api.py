@@ -24,5 +24,6 @@ def unauthorized() -> web.Response:
                   "invalid_request_error", "invalid_api_key")
 
 
-def model_object(name: str, state: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw", "state": state}
+def model_object(name: str, state: str, created: int = 0) -> dict[str, object]:
+    """One model of GET /v1/models: ``created`` is when it was declared (Unix seconds), as OpenAI's."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "llmgw", "state": state}

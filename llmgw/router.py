@@ -428,6 +428,7 @@ class Router:
         try:
             await self.bus.publish(event, timeout=max(1.0, self.tick_s))
             self.wishes += 1
+            self.metrics.wish(event.model)
         except LlmgwError as e:
             # The next tick publishes again while requests still wait.
             self._wished_at_tick.pop(event.model, None)
@@ -461,6 +462,7 @@ class Router:
                 held.remove(fut)
             if not held and self.waiting.get(model) is held:
                 del self.waiting[model]
+        self.metrics.held(model, "served" if state == "serving" else state, time.time() - held_since)
         if state == "serving":
             rep = self.acquire(model, key=key)
             if rep is not None:
@@ -738,7 +740,7 @@ class Router:
         if self.keys and not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
-        data = [api.model_object(name, state) for name, state in self.pool.listed().items()]
+        data = [api.model_object(name, state, self.pool.created(name)) for name, state in self.pool.listed().items()]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
@@ -751,7 +753,8 @@ class Router:
         if state is None:
             return api.error(404, f"the model `{name}` does not exist; GET /v1/models lists the models served",
                           "invalid_request_error", "model_not_found", "model")
-        return web.Response(body=_ENC.encode(api.model_object(name, state)), content_type="application/json")
+        return web.Response(body=_ENC.encode(api.model_object(name, state, self.pool.created(name))),
+                            content_type="application/json")
 
     async def no_route(self, request: web.Request) -> web.Response:
         """Any path or method the router does not serve: an OpenAI-style 404 or 405, so clients show why."""

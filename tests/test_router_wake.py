@@ -112,11 +112,26 @@ async def test_a_burst_for_a_parked_model_is_held_wished_for_once_and_served_in_
     assert [(w.router, w.model, w.waiting) for w in got] == [("gw-wake", MODEL, 1)]  # one per tick, not per request
     assert got[0].control_seq == 1  # it had seen the declaration
     assert router.waiting == {}  # nothing left behind
+    # /metrics counts the wake, every held request and how long each waited.
+    value = router.metrics.registry.get_sample_value
+    assert value("llmgw_router_wakes_total", {"model": MODEL}) == 1
+    assert value("llmgw_router_held_requests_total", {"model": MODEL, "outcome": "served"}) == n + 1
+    assert value("llmgw_router_wake_wait_seconds_count", {"model": MODEL}) == n + 1
+    assert value("llmgw_router_wake_wait_seconds_sum", {"model": MODEL}) > 0
+    listed = await client_models(router)
+    assert listed[MODEL]["created"] > 1_700_000_000  # when it was declared, not 0
+
+
+async def client_models(router: Router) -> dict[str, dict[str, object]]:
+    async with aiohttp.ClientSession() as http, http.get(router.url + "/v1/models") as resp:
+        return {x["id"]: x for x in (await resp.json())["data"]}
 
 
 async def test_past_the_wake_timeout_the_client_hears_the_model_is_starting(bus: Bus, router: Router) -> None:
     router.wake_timeout_s = 0.5
     err = await refusal(router, 20)
+    assert router.metrics.registry.get_sample_value("llmgw_router_held_requests_total",
+                                                    {"model": MODEL, "outcome": "timeout"}) == 1
     assert err.status_code == 503
     assert err.response.headers["Retry-After"] == "5"
     assert err.code == "model_starting"

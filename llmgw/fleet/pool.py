@@ -45,6 +45,7 @@ class Declared:
     replicas_by: str = "declared"  # declared | operator | autoscaler
     unplaceable: str | None = None
     routing: str = "prefix"  # ModelSpec.routing: how the router picks among its replicas
+    declared_at: float = 0.0  # when (Unix seconds): /v1/models' ``created``
 
 
 @dataclass
@@ -85,6 +86,14 @@ class Pool:
         states = {n: self.model_state(n) for n in sorted(names)}
         return {n: st for n, st in states.items() if st != "stopped"}
 
+    def created(self, name: str) -> int:
+        """When a model came to be, as OpenAI's ``created`` (Unix seconds): declared, else first pooled; 0: unknown."""
+        d = self.declared.get(name)
+        if d is not None and d.declared_at:
+            return int(d.declared_at)
+        pooled = [r.pooled_at for r in self.healthy.get(name, ()) if r.pooled_at]
+        return int(min(pooled)) if pooled else 0
+
     def states(self) -> dict[str, int]:
         """How many replicas are in each state."""
         out: dict[str, int] = {}
@@ -111,7 +120,8 @@ class Pool:
         match event:
             case m.ModelDeclared(spec=spec):
                 self.known_models[spec.name] = None
-                self.declared[spec.name] = Declared(spec.replicas, routing=spec.routing)
+                self.declared[spec.name] = Declared(spec.replicas, routing=spec.routing,
+                                                    declared_at=event.at.timestamp())
                 return True
             case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
                 d = self.declared.get(name)
