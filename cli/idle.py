@@ -26,6 +26,13 @@ def _json_row(r: IdleRow) -> dict[str, Any]:
             "gpu_hours_idle": round(r.gpu_hours_idle, 4)}
 
 
+def summary_line(replicas: int, gpus: int, older_than_s: float, hours: float) -> str:
+    """``2 replicas idle ≥ 5m hold 4 GPUs; 6.00 GPU-hours idle`` (``1 replica … holds 1 GPU``)."""
+    holds = f"hold{'s' if replicas == 1 else ''} {gpus} GPU{'s' if gpus != 1 else ''}"
+    return (f"{replicas} replica{'s' if replicas != 1 else ''} idle ≥ {human_duration(older_than_s)} {holds}; "
+            f"{hours:.2f} GPU-hours idle")
+
+
 @click.command("idle")
 @click.option("--older-than", "older_than_s", default="30m", show_default=True, callback=_older_than,
               help="Idle at least this long (90s, 30m, 1h30m, 2d).")
@@ -100,8 +107,7 @@ def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, 
         console.print(table)
         gpus = sum(r.gpus for r in chosen)
         hours = sum(r.gpu_hours_idle for r in chosen)
-        console.print(f"{len(chosen)} replica{'s' if len(chosen) != 1 else ''} idle ≥ {human_duration(older_than_s)} hold {gpus} GPUs; "
-                      f"{hours:.2f} GPU-hours idle")
+        console.print(summary_line(len(chosen), gpus, older_than_s, hours))
     if unknown:
         console.print(f"{len(unknown)} replica{'s' if len(unknown) != 1 else ''} with unknown idle time "
                       f"(no router has reported them) are not counted: {', '.join(r.replica_id for r in unknown)}")

@@ -330,11 +330,12 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
         click.echo(f"logs: {logs}/" + ("  (engines: engines/<replica>.log)" if fleet_path is not None else ""))
         exports = [f"LLMGW_NATS_URL={nats_url}"] if nats_url != DEFAULT_NATS_URL else []
-        if logins and root != default_data_dir().resolve():
+        if root != default_data_dir().resolve():
             exports.append(f"LLMGW_DATA_DIR={root}")
         if exports:
             click.echo(f"export {' '.join(exports)}   # so the commands below find this NATS"
-                       + (" and its logins" if logins else ""))
+                       + (", its logins" if logins else "") + (" and its DuckDB file (llmgw export)"
+                                                               if root != default_data_dir().resolve() else ""))
         click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):

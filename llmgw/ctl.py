@@ -22,7 +22,7 @@ from llmgw import subjects
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError, PlanError
 from llmgw.fleet.fold import FleetState
-from llmgw.fleet.status import IdleRow, idle_rows
+from llmgw.fleet.status import IdleRow, idle_rows, nobody_asked
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
@@ -184,7 +184,7 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
     if found is not None:
         (rows, declared), source = found, "projector"
     else:
-        rows = [r for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= older_than_s]
+        rows = [r for r in idle_rows(state, now) if nobody_asked(r, older_than_s)]
         declared, source = sorted(state.models), "replay"
     if model is not None:
         # An older projector lists no models: then only its rows can say a name exists.

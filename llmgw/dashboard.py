@@ -230,32 +230,37 @@ def badge(state: str) -> Safe:
     return el("span", state, cls=f"badge {STATE_CLASS.get(state, 'info')}")
 
 
-def cached(x: m.IdleReplica) -> str:
+def cached(x: m.ReplicaRow) -> str:
     """`` · 84% cached``: the share of its prompt tokens its engine served from its prefix cache."""
     return f" · {x.cached_tokens / x.prompt_tokens:.0%} cached" if x.prompt_tokens else ""
 
 
 def models_section(r: m.StatusReport) -> Safe:
-    replicas: dict[str, list[m.IdleReplica]] = {}
-    for rep in r.idle:
+    """Every declared model (healthy of wanted, as ``ctl model list``), its replicas under it."""
+    replicas: dict[str, list[m.ReplicaRow]] = {}
+    for rep in r.replica_list:
         replicas.setdefault(rep.model, []).append(rep)
-    reasons = {u.name: u for u in r.unplaceable}
-    names = sorted({*r.model_states, *replicas})
+    summaries = {s.name: s for s in r.model_list}
+    names = sorted({*summaries, *replicas})
     if not names:
         return el("p", "no models declared: ", el("code", "llmgw ctl model deploy …"), cls="empty")
     rows = []
     for name in names:
         reps = sorted(replicas.get(name, []), key=lambda x: x.replica_id)
-        state = r.model_states.get(name, "undeclared")
-        healthy = sum(x.state == "healthy" for x in reps)
+        summary = summaries.get(name)
+        state = summary.state if summary is not None else "undeclared"
+        healthy = summary.healthy if summary is not None else sum(x.state == "healthy" for x in reps)
+        wanted = summary.wanted if summary is not None else len(reps)
+        why = (summary.unplaceable or "") if summary is not None else ""
         rows.append(el("tr", el("td", name, cls="model"), el("td", badge(state)),
-                       el("td", f"{healthy}/{len(reps)} healthy", cls="num"),
-                       el("td", reasons[name].reason if name in reasons else "", cls="reason"), cls="model-row"))
+                       el("td", f"{healthy}/{wanted} healthy", cls="num"),
+                       el("td", why, cls="reason"), cls="model-row"))
         for x in reps:
+            idle = "idle -" if x.idle_s < 0 else f"idle {duration(x.idle_s)}"
             rows.append(el("tr", el("td", x.replica_id, cls="replica"), el("td", badge(x.state)),
-                           el("td", f"{plural(x.gpus, 'GPU')} on {', '.join(x.nodes)}"),
-                           el("td", f"idle {duration(x.idle_s)}" + cached(x), cls="idle"), cls="replica-row"))
-    head = el("tr", *(el("th", h) for h in ("model / replica", "state", "replicas / GPUs", "why / idle")))
+                           el("td", f"{plural(len(x.gpus), 'GPU')} on {', '.join(x.nodes)}", cls="num"),
+                           el("td", idle + cached(x), cls="idle"), cls="replica-row"))
+    head = el("tr", *(el("th", h) for h in ("model / replica", "state", "healthy / GPUs", "why / idle")))
     return el("table", el("thead", head), el("tbody", *rows))
 
 
@@ -274,6 +279,10 @@ def gpus_section(r: m.StatusReport) -> Safe:
             title = (f"GPU {g.index}: {'-' if u is None else f'{u}%'} busy, {mem}, "
                      f"{'-' if g.temperature_c is None else f'{g.temperature_c}°C'}, "
                      f"{'-' if g.power_w is None else f'{g.power_w:.0f} W'}")
+            bad = n.unhealthy.get(g.index)
+            if bad is not None:  # an XID'd GPU is not an idle one: marked, with why
+                cells.append(el("span", "✕", cls="gpu bad", title=f"GPU {g.index} UNHEALTHY: {bad}"))
+                continue
             cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}", title=title))
         rows.append(el("div", el("span", n.node, cls="node"), el("span", n.gpu_class, cls="cls"),
                        el("span", *cells, cls="cells"), cls="node-row"))
@@ -440,7 +449,7 @@ class Dashboard:
         async with self._refresh_lock:
             if time.monotonic() - self._last_refresh < max_age_s:
                 return
-            req = m.StatusRequest(idle_threshold_s=0, gpus=True, wait_s=0)
+            req = m.StatusRequest(idle_threshold_s=0, gpus=True, wait_s=0, replicas=True)
             self.asked += 1
             try:
                 data = await self.bus.request(subjects.STATUS, m.encode(req), timeout=self.request_timeout_s,

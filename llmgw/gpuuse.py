@@ -118,7 +118,9 @@ def summarize(state: FleetState, beats: Mapping[str, m.HeartbeatSent], *,
             per_node.append(m.NodeGpus(node=name, gpu_class=kinds.pop() if len(kinds) == 1 else "mixed",
                                        at=hb.at.astimezone(UTC),
                                        gpus=tuple(msgspec.structs.replace(s, processes=()) if s.processes else s
-                                                  for s in kept)))
+                                                  for s in kept),
+                                       unhealthy={g.index: "; ".join(g.reasons) or "unhealthy"
+                                                  for g in node.gpus.values() if not g.healthy}))
     use = tuple(
         m.ClassGpuUse(gpu_class=k, sampled=c[0], utilization_pct=round(c[1] / c[2], 1) if c[2] else None,
                       memory_used_mib=c[3], memory_total_mib=c[4])

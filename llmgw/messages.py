@@ -710,6 +710,8 @@ class NodeGpus(msgspec.Struct, frozen=True, kw_only=True):
     gpu_class: str
     at: datetime
     gpus: tuple[GpuSample, ...]
+    # GPUs the fold holds unhealthy (an XID, ECC, lost from the bus), index → why: never drawn as idle.
+    unhealthy: dict[int, str] = {}
 
 
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True):

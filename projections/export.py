@@ -37,6 +37,7 @@ class Exported:
     source: Path  # the file read: the database, or its analysts' copy
     from_copy: bool
     rows: dict[str, int]  # per table
+    views: dict[str, int]  # per view, as it read at the export
     as_of: datetime | None  # the newest event in it
 
 
@@ -56,7 +57,7 @@ def export_parquet(db: Path, dest: Path) -> Exported:
     source, from_copy = db, False
     try:
         try:
-            rows, as_of = copy_to_parquet(db, partial, BY_DAY)
+            rows, views, as_of = copy_to_parquet(db, partial, BY_DAY)
         except DatabaseHeldError:
             source, from_copy = analysts_copy_of(db), True
             if not source.exists() and legacy_copy_of(db).exists():
@@ -66,10 +67,10 @@ def export_parquet(db: Path, dest: Path) -> Exported:
                     f"{db} is held by a running projector and has no analysts' copy ({source}); export a private "
                     f"copy: `llmgw project --once --db mine.duckdb && llmgw export --parquet {dest} --db "
                     "mine.duckdb`, or start the projector with one (--analysts-copy-interval)") from None
-            rows, as_of = copy_to_parquet(source, partial, BY_DAY)
+            rows, views, as_of = copy_to_parquet(source, partial, BY_DAY)
         if dest.exists():
             dest.rmdir()  # empty, checked above
         partial.rename(dest)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return Exported(source, from_copy, rows, as_of)
+    return Exported(source, from_copy, rows, views, as_of)

@@ -560,8 +560,9 @@ class DatabaseHeldError(ProjectionError):
 
 
 def copy_to_parquet(source: str | Path, dest: str | Path,
-                    by_day: tuple[str, ...]) -> tuple[dict[str, int], datetime | None]:
-    """Every table of ``source`` as Parquet under ``dest``; rows per table, and the newest event time.
+                    by_day: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int], datetime | None]:
+    """Every table and view of ``source`` as Parquet under ``dest``; rows per table and per view, and the
+    newest event time.
 
     ``by_day`` tables go to ``dest/<table>/day=YYYY-MM-DD/`` (the day of ``ts`` in
     UTC; hive partitioning, so a reader gets ``day`` back as a column), the others
@@ -576,7 +577,8 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
             raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
         raise ProjectionError(f"cannot open {source}: {e}") from e
     dest = Path(dest)
-    out = {}
+    out: dict[str, int] = {}
+    views_out: dict[str, int] = {}
     as_of = None
     try:
         dest.mkdir(parents=True, exist_ok=True)
@@ -596,8 +598,15 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
                             f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
             else:
                 con.execute(f"COPY \"{table}\" TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
+        # The views too, as they read now (replica_lifetimes, gpu_hours_idle_daily, cold_starts, …): a tool
+        # that reads Parquet has no SQL to run them with.
+        views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal "
+                                           "AND schema_name = 'main' ORDER BY view_name").fetchall()]
+        for view in views:
+            views_out[view] = con.execute(f'SELECT count(*) FROM "{view}"').fetchone()[0]  # type: ignore[index]
+            con.execute(f"COPY (SELECT * FROM \"{view}\") TO {_literal(dest / (view + '.parquet'))} (FORMAT parquet)")
     except (duckdb.Error, OSError) as e:
         raise ProjectionError(f"cannot export {source} to {dest}: {e}") from e
     finally:
         con.close()
-    return out, as_of
+    return out, views_out, as_of

@@ -189,3 +189,11 @@ async def test_bad_duration_is_a_usage_error(nats_url: str) -> None:
 def test_human_durations() -> None:
     assert [human(None), human(-1), human(45), human(5400), human(3 * 86400 + 4 * 3600 + 5)] == ["-", "-", "45s", "1h30m", "3d4h"]
     assert [human(0), human(7200), human(1800), human(3601)] == ["0s", "2h", "30m", "1h"]  # zero units dropped
+
+
+def test_one_replica_holds_its_gpu_in_the_singular() -> None:
+    """`1 replica … hold 1 GPUs` read wrong: the sentence follows its numbers."""
+    from llmgw.cli.idle import summary_line
+
+    assert summary_line(1, 1, 1800, 0.5) == "1 replica idle ≥ 30m holds 1 GPU; 0.50 GPU-hours idle"
+    assert summary_line(2, 4, 300, 6.0) == "2 replicas idle ≥ 5m hold 4 GPUs; 6.00 GPU-hours idle"

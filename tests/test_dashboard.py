@@ -195,3 +195,22 @@ async def test_a_port_it_cannot_take_is_one_clear_error(bus: Bus) -> None:
         board = Dashboard(bus)
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port} .*pick another --listen"):
             await board.start("127.0.0.1", port)
+
+
+async def test_a_parked_model_reads_as_model_list_says_and_a_faulted_gpu_is_marked(bus: Bus) -> None:
+    """A model scaled to nothing is 0/1 healthy, as `ctl model list` says; an XID'd GPU is not drawn idle."""
+    fleet = small_fleet()
+    await publish(bus, [*fleet,
+                        m.GpuHealthChanged(at=t(30), node="n1", gpu_index=1, gpu_uuid="GPU-n1-1", healthy=False,
+                                           reasons=("xid 79: GPU has fallen off the bus",)),
+                        m.ReplicaStopped(at=t(31), replica_id="r-gemma", model="gemma-9b", reason="idle")])
+    await bus.publish_core(subjects.heartbeat("n1"), m.encode(m.HeartbeatSent(
+        at=t(32), node="n1", boot_id="b", seq=1,
+        gpus=(m.GpuSample(index=0, utilization_pct=50), m.GpuSample(index=1, utilization_pct=0)))))
+    async with projecting(bus) as projector, serving(bus) as board, aiohttp.ClientSession() as http:
+        await until(lambda: projector.gpu_samples is not None and bool(projector.gpu_samples.latest), "GPU samples")
+        async with http.get(board.url) as r:
+            page = await r.text()
+    assert ">0/1 healthy<" in page  # gemma-9b, parked: healthy of wanted
+    assert 'class="gpu bad" title="GPU 1 UNHEALTHY: xid 79: GPU has fallen off the bus">✕<' in page
+    assert 'title="GPU 0: 50% busy' in page

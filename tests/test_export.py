@@ -17,6 +17,7 @@ from projection_events import small_fleet, t
 
 from llmgw import messages as m
 from llmgw.cli.main import cli
+from llmgw.projections import schema
 from llmgw.projections.store import TABLES
 
 
@@ -48,6 +49,12 @@ def test_every_table_lands_in_parquet_and_reads_back_the_same(db: Path, tmp_path
     assert stdout.startswith(f"{out}: {len(TABLES)} tables, ")
     assert sorted(p.name for p in (out / "events").iterdir()) == ["day=2026-03-02", "day=2026-03-03"]
     assert (out / "unprojected_events.parquet").exists() and (out / "gpus.parquet").exists()
+    # The views too, as they read at the export: a tool that reads Parquet has no SQL to run them with.
+    assert f"and {len(schema.VIEWS)} views" in stdout
+    for view in schema.VIEWS:
+        assert (out / f"{view}.parquet").exists(), view
+    con0 = duckdb.connect()
+    assert con0.execute(f"SELECT cached_tokens FROM read_parquet('{out}/prefix_cache_daily.parquet')").fetchall() == [(1500,)]
     con = duckdb.connect(str(db), read_only=True)
     try:
         for table in TABLES:
@@ -110,3 +117,11 @@ def test_a_held_file_without_an_analysts_copy_is_an_error_with_the_next_step(db:
     assert stderr.startswith(f"Error: {db} is held by a running projector and has no analysts' copy")
     assert "llmgw project --once --db mine.duckdb && llmgw export --parquet" in stderr
     assert not (tmp_path / "b").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_data_dir_up_used_is_where_export_looks(db: Path, tmp_path: Path) -> None:
+    """`up --data-dir X` keeps llmgw.duckdb in X; export finds it there by --data-dir (or LLMGW_DATA_DIR)."""
+    code, stdout, stderr = export("--parquet", str(tmp_path / "out"), "--data-dir", str(db.parent))
+    assert (code, stderr) == (0, "") and f"(from {db})" in stdout
+    r = CliRunner().invoke(cli, ["export", "--parquet", str(tmp_path / "out2")], env={"LLMGW_DATA_DIR": str(db.parent)})
+    assert r.exit_code == 0 and f"(from {db})" in r.stdout

@@ -41,6 +41,12 @@ def test_idle_sorted_by_gpu_seconds_and_unknown_last() -> None:
         placed("r-small", small, [("n2", 0)], t(0)),
         placed("r-new", small, [("n2", 1)], t(0)),
         placed("r-dunno", big, [("n3", i) for i in range(8)], t(0)),
+        m.ReplicaStateChanged(at=t(1), replica_id="r-dunno", model="big", node="n3", state="healthy",
+                              endpoint="http://n3:8000"),
+        # Placed a minute ago, starting, and no router knows it: nobody could have asked it, so it is not
+        # listed (r-dunno, unknown for five hours, is).
+        placed("r-starting", small, [("n2", 2)], t(299)),
+        m.ReplicaStateChanged(at=t(299), replica_id="r-starting", model="small", node="n2", state="starting"),
         # r-small idle 5 h × 1 GPU, r-big idle 1 h × 8 GPUs: r-big first.
         m.IdleMapPublished(at=t(300), router="a", boot_id="a", tick=1,
                            last_request={"r-big": t(240), "r-small": t(0), "r-new": t(290)}),

@@ -74,6 +74,7 @@ class IdleRow:
     state: str
     idle_s: float | None
     idle_since: datetime | None
+    age_s: float | None = None  # since it was placed (None: no clock to judge by)
 
     @property
     def gpu_hours_idle(self) -> float:
@@ -89,8 +90,17 @@ def idle_rows(state: FleetState, now: datetime | None) -> list[IdleRow]:
     for r in state.replicas.values():
         since = state.idle_since(r.replica_id) if now is not None else None
         idle = max(0.0, (now - since).total_seconds()) if since is not None and now is not None else None
-        rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since))
+        age = max(0.0, (now - r.placed_at).total_seconds()) if now is not None else None
+        rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since, age))
     return sorted(rows, key=lambda x: (x.idle_s is None, -x.gpus * (1.0 if x.idle_s is None else x.idle_s), x.replica_id))
+
+
+def nobody_asked(row: IdleRow, threshold_s: float) -> bool:
+    """Whether a replica belongs under "nobody asked for": idle at least ``threshold_s``, or unknown to every
+    router for as long as that (a replica placed a minute ago, still starting, could not have been asked)."""
+    if row.idle_s is None:
+        return row.age_s is None or row.age_s >= threshold_s
+    return row.idle_s >= threshold_s
 
 
 def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -> tuple[list[m.IdleReplica], int]:
@@ -101,7 +111,7 @@ def idle_replicas(state: FleetState, now: datetime | None, threshold_s: float) -
                          idle_since=None if r.idle_s is None else _utc(r.idle_since),
                          prompt_tokens=v.prompt_tokens if (v := views.get(r.replica_id)) else 0,
                          cached_tokens=v.cached_tokens if v else 0)
-           for r in idle_rows(state, now) if r.idle_s is None or r.idle_s >= threshold_s]
+           for r in idle_rows(state, now) if nobody_asked(r, threshold_s)]
     return out, sum(r.idle_s < 0 for r in out)
 
 
