@@ -40,7 +40,7 @@ def test_the_dashboard_shows_the_fleet_and_a_fault_without_a_reload(tmp_path: Pa
     up, nats_url = start_up(tmp_path, ROOT / "examples" / "fleet.toml", "--engine-startup-s", "1")
     options = Options()
     options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1500",
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000",
                 f"--user-data-dir={tmp_path / 'chromium'}"):
         options.add_argument(arg)
     browser = None
@@ -69,6 +69,15 @@ def test_the_dashboard_shows_the_fleet_and_a_fault_without_a_reload(tmp_path: Pa
         # The status service says so too: h100-a-03's GPU 3 (the fleet file's) and this one.
         wait_for("the capacity bar", lambda: re.search(r"H100-80GB\s+\d+ used · \d+ free · 2 unhealthy",
                                                        text_of(browser, "capacity")), 10)
+        # The faulted GPU is marked on its node, not drawn as an idle one.
+        wait_for("the faulted GPU marked", lambda: any("GPU 5 UNHEALTHY: xid 79" in (e.get_attribute("title") or "")
+                                                       for e in browser.find_elements(By.CSS_SELECTOR, "#gpus .gpu.bad")),
+                 15)
+        # A 1400×1000 screen holds every panel, events included, above the fold.
+        rects = browser.execute_script(
+            "return Array.from(document.querySelectorAll('section.panel')).map(e => "
+            "[e.className, e.getBoundingClientRect().top, e.getBoundingClientRect().bottom, window.innerHeight]);")
+        assert len(rects) == 5 and all(bottom <= height for _, _, bottom, height in rects), rects
         time.sleep(0.5)  # let the bars settle for the picture
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
