@@ -190,9 +190,12 @@ def render(report: object, console: object, chart: bool = False) -> None:
             per.add_row(name, *("-" if c is None else f"{c.gpu_hours:,.1f} / {c.cold_starts} / {c.waited_requests}"
                                 for c in cells))
         console.print(per)
-    starts = ", ".join(f"{k} {v.healthy_s:g}s ({v.source})" for k, v in sorted(report.engine_start.items()))
-    if starts:
-        console.print(f"engine start-up used (placed → healthy, from the ledger): {starts}")
+    by: dict[tuple[float, str], list[str]] = {}
+    for k, v in sorted(report.engine_start.items()):
+        by.setdefault((v.healthy_s, v.source), []).append(k)
+    if by:
+        parts = [f"{', '.join(ns) if len(ns) <= 4 else f'{len(ns)} models'} {h:g}s ({src})" for (h, src), ns in by.items()]
+        console.print(f"engine start-up used (placed → healthy, from the ledger): {'; '.join(parts)}")
 
 
 def _chart(report: object, console: object) -> None:

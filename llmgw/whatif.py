@@ -40,7 +40,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw import scheduler, subjects
 from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.fold import FleetState, ReplicaView, apply
 from llmgw.fleet.history import cause_of, percentile
 
 LINK_S = 60.0  # a policy's replica follows a recorded one under its id placed within this long of it
@@ -51,7 +51,8 @@ FIDELITY_GOAL = 0.99
 FIDELITY_WARN = 0.95
 DEFAULT_START_S = 30.0  # an engine's start-up when the ledger knows none in the whole fleet
 SERVED_KEPT = 64  # per model, the stretches with a healthy replica kept to place a late WakeAnswered's requests
-MAX_PASSES = 5  # decide again while a pass decides something (a wake places in the pass after its scale)
+MAX_PASSES = 5
+QUIET_MAP_S = 60.0  # with no idle TTL and no autoscaling, a policy folds a router's map this often  # decide again while a pass decides something (a wake places in the pass after its scale)
 SIM_KEEPS = Memories(history=False, demand=True, observed=False, pool=False, lost=False)
 NEVER = float("inf")
 
@@ -373,17 +374,18 @@ class Sim:
         self.dirty_at: datetime | None = None
         self.expiry_at: datetime | None = None
         self.decided: list[tuple[str, str, datetime]] = []  # (placed|stopped, model, when) for fidelity
-        self.last_map: dict[str, dict[str, datetime]] = {}  # per router: the model's newest request seen
+        self.folded_at: dict[str, datetime] = {}  # per router: the time of the last map folded
         self.now = since
         self.recent = recent  # the recorded placements of the last minute, and their reports, by id
         self.recorded_nodes: dict[str, tuple[str, ...]] = {}
-        self.held: dict[str, int] = {}  # nodes the policy's replicas are on (a fault there matters)
+        self.held: dict[str, int] = {}  # nodes the policy's replicas are on (a node's fault matters)
+        self.held_gpus: set[tuple[str, int]] = set()  # and their GPUs (a GPU's fault matters)
         # Per model, how many replicas are healthy, and the stretches when one was (the latest, for waits).
         self.healthy_n: dict[str, int] = {}
         self.served: dict[str, list[tuple[datetime, datetime | None]]] = {}
         for rid, r in self.state.replicas.items():
             self.recorded_nodes[rid] = r.nodes
-            self._hold(r.nodes, 1)
+            self._hold(r, 1)
             self.meter.placed(rid, r.model, len(r.gpus), r.placed_at, "")
             if r.state == "healthy":
                 self.meter.healthy(rid, r.state_at or r.placed_at)
@@ -405,8 +407,13 @@ class Sim:
             subjects.subject_for(event)
         fold_batch(self.c, stream, [_Stored(self.seq[stream], subject, event.at)], [event], keep=SIM_KEEPS)
 
-    def _hold(self, nodes: tuple[str, ...], n: int) -> None:
-        for node in nodes:
+    def _hold(self, r: m.ReplicaPlaced | ReplicaView, n: int) -> None:
+        gpus = {(g.node, g.index) for g in r.gpus}
+        if n > 0:
+            self.held_gpus |= gpus
+        else:
+            self.held_gpus -= gpus
+        for node in r.nodes:
             left = self.held.get(node, 0) + n
             if left > 0:
                 self.held[node] = left
@@ -415,21 +422,37 @@ class Sim:
 
     def fleet(self, event: m.Event) -> None:
         """A fleet event (already in the shared fold): a pass is due if it touches a node the policy
-        uses, or if a model is short of replicas (a GPU back may be what it waits for)."""
+        uses, or if it may be what a model short of replicas waits for (a GPU of its class back)."""
         if self.own_nodes:
             apply(self.state, event)
         node = getattr(event, "node", "")
-        if node in self.held or type(event) is m.NodeInventoryReported or any(
-                v.unplaceable_reason for v in self.state.models.values()):
+        if type(event) is not m.GpuHealthChanged:  # a node's inventory, lost, back, retired: a pass
+            self._dirty(event.at)
+            return
+        if (node, event.gpu_index) in self.held_gpus:
+            if not event.healthy:
+                self._dirty(event.at)  # one of ours went bad: re-placed
+            return
+        if not event.healthy:
+            return  # a card lost where nothing of ours runs frees nothing
+        # A card back helps only a model short of replicas of its class, and only if its node now has
+        # room for one (a pass would otherwise only restate why the model does not fit).
+        n = self.state.nodes.get(node)
+        gpu = n.gpus.get(event.gpu_index) if n is not None else None
+        if n is None or gpu is None:
+            return
+        need = [v.spec.tp for v in self.state.models.values()
+                if v.unplaceable_reason and v.spec.gpu_class == gpu.gpu_class]
+        if need and sum(1 for g in self.state.free_gpus(n, self.held_gpus) if g.gpu_class == gpu.gpu_class) >= min(need):
             self._dirty(event.at)
 
     def _control(self, event: m.Event) -> None:
         kind = type(event)
         if kind is m.ReplicaStopped and (gone := self.state.replicas.get(event.replica_id)) is not None:  # type: ignore[attr-defined]
-            self._hold(gone.nodes, -1)
+            self._hold(gone, -1)
         self._fold(subjects.STREAM_CONTROL, event)
         if kind is m.ReplicaPlaced:
-            self._hold(event.nodes, 1)  # type: ignore[attr-defined]
+            self._hold(event, 1)  # type: ignore[arg-type]
         if kind is m.ReplicaStateChanged or kind is m.ReplicaStopped:
             self._serving(event.model, event.at)  # type: ignore[attr-defined]
         meter_event(self.meter, event)
@@ -611,8 +634,14 @@ class Sim:
         if requests:
             self.meter.hold(name, event.at, requests)
         if not any(r.model == name for r in self.state.replicas.values()):
+            # Only a wish that wakes something calls for a pass: a model parked by an idle stop or scaled
+            # to zero. One short of room (unplaceable) is retried by every pass anyway.
+            view = self.state.models[name]
+            wakes = bool(self.memory.idle_stops.get(name)) or (
+                view.replicas_wanted == 0 and name in self.memory.zeroed_at)
             self._fold(subjects.STREAM_USAGE, msgspec.structs.replace(event, control_seq=self.seq[subjects.STREAM_CONTROL]))
-            self._dirty(event.at)
+            if wakes:
+                self._dirty(event.at)
 
     def idle_map(self, rec: m.IdleMapPublished, requests: dict[str, datetime], autoscaled: bool) -> None:
         """A router's map as it would have been: ``requests`` is each model's newest request it had seen."""
@@ -640,12 +669,20 @@ class Sim:
         for rid, t in last.items():
             if rid in self.links:
                 self.meter.request(rid, t)
+        # Decisions read a map for idle stops and the autoscaler; with neither in this policy's fleet,
+        # a map a minute keeps the rest (requests in flight, which a scale-down waits out) current.
+        timed = autoscaled or any(v.spec.idle_ttl_s for v in self.state.models.values())
+        folded = self.folded_at.get(rec.router)
+        if not timed and folded is not None and (rec.at - folded).total_seconds() < QUIET_MAP_S:
+            return
+        self.folded_at[rec.router] = rec.at
         event = msgspec.structs.replace(rec, last_request=last, serving_since=since, busy=busy,
                                         control_seq=self.seq[subjects.STREAM_CONTROL])
         self._fold(subjects.STREAM_USAGE, event)
         if autoscaled:
             self._dirty(rec.at)
-        self._expiry()
+        if timed:
+            self._expiry()
 
 
 # --- the recorded history, fed once to every policy ---------------------------------------------------------------

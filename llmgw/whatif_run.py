@@ -134,12 +134,6 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
     for name in models:
         if not await _declared(bus, name, heads[subjects.STREAM_CONTROL][0]):
             raise WhatIfError(f"no model named {name!r} was ever declared; `llmgw ctl model list` lists the models")
-    window_s = (until - since).total_seconds()
-    for p in policies:
-        for name, ttl in p.idle_ttl:
-            if ttl is not None and ttl >= window_s:
-                notes.append(f"{p.label}: an idle TTL of {ttl:g}s{' for ' + name if name else ''} is longer than the "
-                             "window: no replica can reach it there (the same as never)")
 
     c = await replay(bus, at=since, use_snapshots=use_snapshots, warn=warn)
     clash = sorted(n.node for n in extra if n.node in c.state.nodes)
@@ -183,7 +177,9 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
                 why = fold_batch(c, stream, stored, decoded, keep=WINDOW_KEEPS)  # clamps the times in place
                 runs.append([(x.ts_ns, i, stream, x, e) for i, (x, e, w) in enumerate(zip(stored, decoded, why, strict=True))
                              if w is None])
-            for _, _, stream, x, event in heapq.merge(*runs, key=lambda r: (r[0], r[1])):
+            # In the events' own order: a history imported at once was stored in microseconds, in no
+            # order across its streams; a live one was stored as it happened, and this changes nothing.
+            for _, _, stream, x, event in heapq.merge(*runs, key=lambda r: (r[4].at, r[0])):
                 if stream == subjects.STREAM_FLEET:
                     one = [event]
                     if fold_batch(c, stream, [x], one, keep=WINDOW_KEEPS)[0] is not None:
@@ -207,6 +203,12 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
     if offset:
         notes.append(f"the events were stored {human(offset)} from their own times (imported at once): the window is "
                      "read in stored time, the figures in the events' times")
+    window_s = (until + last_offset - since - offset).total_seconds()
+    for p in policies:
+        for name, ttl in p.idle_ttl:
+            if ttl is not None and ttl >= window_s:
+                notes.append(f"{p.label}: an idle TTL of {ttl:g}s{' for ' + name if name else ''} is longer than the "
+                             "window: no replica can reach it there (the same as never)")
     out = run.finish(until + last_offset, models)
     return _report(out, policies, since + offset, until + last_offset, models, events, notes)
 
