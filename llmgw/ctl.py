@@ -222,7 +222,8 @@ async def stop_idle(settings: Settings, rows: list[IdleRow]) -> list[int]:
     seqs = []
     try:
         for r in rows:
-            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, reason="idle")
+            # reason "idle" as before codes: ctl what-if tells an operator's stop from the scheduler's by it.
+            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, code="idle", reason="idle")
             # The scheduler stops a replica under the same id: one stop, whoever was first.
             seqs.append((await bus.publish(event, msg_id=f"ReplicaStopped:{r.replica_id}")).seq)
     finally:

@@ -273,7 +273,7 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     control_seq: Seq = 0
     # Per replica that answered with ``usage`` since this router's previous map (carried over when
     # a map is not published): its prompt tokens and the engine's cached share of them (issue 27).
-    cache_use: dict[str, CacheUse] = {}
+    cache_use: Annotated[dict[Ref, CacheUse], msgspec.Meta(max_length=4096)] = {}
 
 
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
@@ -391,6 +391,7 @@ class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
     name: Ref
     replicas: Replicas
     reason: Text = ""
+    code: Label = ""  # AUTOSCALE_CODES; "" before codes
 
 
 class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
@@ -405,6 +406,7 @@ class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True)
     name: Ref
     reason: Text
     missing_replicas: Replicas = 1
+    code: Label = ""  # UNPLACEABLE_CODES; "" before codes
 
 
 class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -456,12 +458,39 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     observed_memory_mib: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
+# Why a replica stops, as a code the scheduler decides on and analysts group by; ``reason`` is the
+# sentence for people. "" on events written before codes (readers derive one: ``stop_code``).
+STOP_CODES = ("idle", "scaled_down", "spec_changed", "removed", "gpu_unhealthy", "node_lost", "engine_failed",
+              "requested")
+# Why a model cannot be placed: no GPU of its class anywhere, or not enough free ones (or whole nodes).
+UNPLACEABLE_CODES = ("no_such_class", "no_room")
+# Why the autoscaler changed a count.
+AUTOSCALE_CODES = ("woken", "scaled_up", "scaled_down", "bounds")
+
+
 class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
-    """A replica must stop and give its GPUs back (idle, removed, re-placed, …)."""
+    """A replica must stop and give its GPUs back (idle, removed, re-placed, …): ``code`` (STOP_CODES) and why."""
 
     replica_id: Ref
     model: Ref
     reason: Text
+    code: Label = ""
+
+    @property
+    def stop_code(self) -> str:
+        """The code, or for an event written before codes, the one its reason's wording implies."""
+        if self.code:
+            return self.code
+        for prefix, code in STOP_PREFIXES:
+            if self.reason.startswith(prefix):
+                return code
+        return ""
+
+
+# How the scheduler worded each stop before codes (ctl idle --stop wrote "idle").
+STOP_PREFIXES = (("idle", "idle"), ("scaled down", "scaled_down"), ("spec changed", "spec_changed"),
+                  ("model removed", "removed"), ("failed", "engine_failed"),
+                  ("re-placing: node", "node_lost"), ("re-placing: GPU", "gpu_unhealthy"))
 
 
 ControlEvent = (

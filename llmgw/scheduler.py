@@ -49,20 +49,20 @@ def replica_id(model: str, n: int) -> str:
     return f"{model}-r{n}"
 
 
-def _lost_reason(state: FleetState, replica: ReplicaView) -> str | None:
-    """Why a replica can no longer run where it is, or None when its GPUs are fine."""
+def _lost_reason(state: FleetState, replica: ReplicaView) -> tuple[str, str] | None:
+    """Why a replica can no longer run where it is (code, sentence), or None when its GPUs are fine."""
     for ref in replica.gpus:
         node = state.nodes.get(ref.node)
         if node is None:
-            return f"node {ref.node} is unknown"
+            return "node_lost", f"node {ref.node} is unknown"
         if node.lost:
-            return f"node {ref.node} lost (no heartbeat)"
+            return "node_lost", f"node {ref.node} lost (no heartbeat)"
         gpu = node.gpus.get(ref.index)
         if gpu is None or gpu.uuid != ref.uuid:
-            return f"GPU {ref.index} ({ref.uuid}) on {ref.node} is gone"
+            return "gpu_unhealthy", f"GPU {ref.index} ({ref.uuid}) on {ref.node} is gone"
         if not gpu.healthy:
             why = ", ".join(gpu.reasons) or "no reason given"
-            return f"GPU {ref.index} ({ref.uuid}) on {ref.node} unhealthy: {why}"
+            return "gpu_unhealthy", f"GPU {ref.index} ({ref.uuid}) on {ref.node} unhealthy: {why}"
     return None
 
 
@@ -111,22 +111,34 @@ def place(
     return tuple(chosen), refs, fabric
 
 
-def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]]) -> str:
-    """Why a replica does not fit, with what each fabric has free, and what to do next."""
+def class_fabrics(state: FleetState, cls: str) -> dict[str, list[NodeView]]:
+    """The nodes with GPUs of a class, by fabric."""
+    fabrics: dict[str, list[NodeView]] = defaultdict(list)
+    for node in state.nodes.values():
+        if any(g.gpu_class == cls for g in node.gpus.values()):
+            fabrics[node.fabric].append(node)
+    return fabrics
+
+
+def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]],
+                       free: dict[str, list[GpuView]] | None = None,
+                       fabrics: dict[str, list[NodeView]] | None = None) -> str:
+    """Why a replica does not fit, with what each fabric has free, and what to do next.
+
+    ``free`` is the class's free GPUs by node when the caller keeps it current (``place``), and
+    ``fabrics`` its nodes by fabric (``class_fabrics``) when the caller has them.
+    """
     cls = spec.gpu_class
     if spec.pp <= 1:
         need = f"needs {spec.tp} × {cls} on one node"
     else:
         need = f"needs {spec.pp} nodes with {spec.tp} × {cls} each, in one fabric"
-    fabrics: dict[str, list[NodeView]] = defaultdict(list)
-    for node in state.nodes.values():
-        if any(g.gpu_class == cls for g in node.gpus.values()):
-            fabrics[node.fabric].append(node)
+    fabrics = class_fabrics(state, cls) if fabrics is None else fabrics
     if not fabrics:
         classes = sorted({g.gpu_class for g in state.gpus()})
         have = ", ".join(classes) if classes else "none reported yet"
         return f"{need}; no node has {cls} GPUs (classes in the fleet: {have}); deploy with another --gpu-class"
-    free = _free_by_node(state, held, cls)
+    free = _free_by_node(state, held, cls) if free is None else free
     parts = []
     for fabric in sorted(fabrics):
         nodes = sorted(n.name for n in fabrics[fabric] if n.name in free)
@@ -176,7 +188,7 @@ def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list
             continue  # an operator's 0 is "off" until they scale again
         assert spec.min_replicas is not None
         current = model.replicas_wanted
-        new, reason = current, ""
+        new, reason, code = current, "", ""
         wish = memory.wished.get(name)
         zeroed = memory.zeroed_at.get(name)
         # Only maps from routers that had seen the count's last change: the stabilization
@@ -188,23 +200,23 @@ def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list
         downs = agreeing(window, since, DOWN_SAMPLES) if window else None
         tick = window[-1][3] if window else 0.0
         if current == 0 and zeroed is not None and wish is not None and wish.control_seq >= zeroed:
-            new = max(spec.min_replicas, 1)
+            new, code = max(spec.min_replicas, 1), "woken"
             reason = f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
         elif ups and (up := min(_recommend(spec, x) for x in ups)) > current:
-            new = up
+            new, code = up, "scaled_up"
             per = ups[-1] / max(current, 1)
             reason = (f"scaled up: {per:.1f} in flight per replica > {spec.target_in_flight:g} "
                       f"for {UP_SAMPLES} router ticks ({UP_SAMPLES * tick:g}s)")
         elif downs and (down := max(_recommend(spec, x) for x in downs)) < current:
-            new = down
+            new, code = down, "scaled_down"
             per = max(downs) / max(current, 1)
             reason = (f"scaled down: at most {per:.1f} in flight per replica < {spec.target_in_flight:g} "
                       f"for {DOWN_SAMPLES} router ticks ({DOWN_SAMPLES * tick:g}s)")
         elif not spec.min_replicas <= current <= (spec.max_replicas or current):
-            new = min(max(current, spec.min_replicas), spec.max_replicas or current)
+            new, code = min(max(current, spec.min_replicas), spec.max_replicas or current), "bounds"
             reason = f"kept within min {spec.min_replicas} and max {spec.max_replicas}"
         if new != current:
-            event = m.ModelAutoscaled(at=now, name=name, replicas=new, reason=reason)
+            event = m.ModelAutoscaled(at=now, name=name, replicas=new, reason=reason, code=code)
             out.append((event, f"ModelAutoscaled:{name}:{memory.autoscalings.get(name, 0)}:{new}:{_key(model.declared_at)}"))
     return out
 
@@ -236,6 +248,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     # Free GPUs by class and node, computed once and kept current: recomputing
     # them for every replica made a first pass over 4000 GPUs take seconds.
     free_by_class: dict[str, dict[str, list[GpuView]]] = {}
+    fabrics_by_class: dict[str, dict[str, list[NodeView]]] = {}  # for the reasons; GPUs held change nothing in it
     stopped_models: set[str] = set()
 
     def free_for(cls: str) -> dict[str, list[GpuView]]:
@@ -243,8 +256,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             free_by_class[cls] = _free_by_node(state, held, cls)
         return free_by_class[cls]
 
-    def stop(replica: ReplicaView, reason: str) -> None:
-        event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason)
+    def stop(replica: ReplicaView, code: str, reason: str) -> None:
+        event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason, code=code)
         out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
         held.difference_update((g.node, g.index) for g in replica.gpus)
         free_by_class.pop(replica.spec.gpu_class, None)
@@ -253,13 +266,13 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
         model = state.models.get(replica.model)
         if model is None:
-            stop(replica, "model removed")
+            stop(replica, "removed", "model removed")
             continue
         if (lost := _lost_reason(state, replica)) is not None:
-            stop(replica, f"re-placing: {lost}")
+            stop(replica, lost[0], f"re-placing: {lost[1]}")
             continue
         if replica.state == "failed":
-            stop(replica, f"failed: {replica.detail or 'the engine did not start'}")
+            stop(replica, "engine_failed", f"failed: {replica.detail or 'the engine did not start'}")
             failed_now.add(replica.model)
             continue
         ttl = model.spec.idle_ttl_s
@@ -267,7 +280,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             since = state.idle_since(replica.replica_id)
             # Unknown idle time is never idle: without a router's word, nothing is stopped.
             if since is not None and (now - since).total_seconds() >= ttl:
-                stop(replica, f"idle: no request for {(now - since).total_seconds():.0f}s (idle_ttl {ttl:g}s)")
+                stop(replica, "idle", f"idle: no request for {(now - since).total_seconds():.0f}s (idle_ttl {ttl:g}s)")
                 parked_now[replica.model] += 1
                 continue
         live[replica.model].append(replica)
@@ -283,7 +296,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         outdated = [r for r in by_age if not same_run(r.spec, spec)]
         if len(current) > wanted:
             def scale_stop(r: ReplicaView, n: int = replicas_wanted) -> None:
-                stop(r, f"scaled down to {n}")
+                stop(r, "scaled_down", f"scaled down to {n}")
 
             current = _scale_down(state, memory, current, len(current) - wanted, scale_stop)
         # A re-declared spec rolls: an old replica stops only once a new one is
@@ -291,7 +304,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         healthy_new = sum(1 for r in current if r.state == "healthy")
         retire = max(len(outdated) - max(wanted - healthy_new, 0), 0)
         for replica in outdated[:retire]:
-            stop(replica, "spec changed: replaced by a replica of the new spec")
+            stop(replica, "spec_changed", "spec changed: replaced by a replica of the new spec")
         outdated = outdated[retire:]
         running = current + outdated
         missing = wanted - len(current)
@@ -333,14 +346,20 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             placed_now += 1
         if placed_now < missing and outdated and name not in stopped_models:
             # No room to surge: free the oldest replica of the old spec; the next pass places the new one.
-            stop(outdated[0], "spec changed: making room for the new spec")
+            stop(outdated[0], "spec_changed", "spec changed: making room for the new spec")
             continue
         if placed_now < missing and state.nodes:
             # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
-            reason = unplaceable_reason(state, spec, held)
+            # The pass's own free map: recomputing it for every short model made a replay of a
+            # week with unplaceable models spend most of its time here.
+            cls = spec.gpu_class
+            if cls not in fabrics_by_class:
+                fabrics_by_class[cls] = class_fabrics(state, cls)
+            reason = unplaceable_reason(state, spec, held, free_for(cls), fabrics_by_class[cls])
             if reason != model.unplaceable_reason:
                 short = missing - placed_now
-                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=short)
+                code = "no_room" if fabrics_by_class[cls] else "no_such_class"  # some node has the class, or none
+                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=short, code=code)
                 # The count's last change is in the id: a scale clears "unplaceable" in the fold, and the
                 # same reason said again after it must be stored, not dropped as a duplicate of the first.
                 key = _key(reason, model.declared_at, memory.count_changed_at.get(name, 0))

@@ -79,6 +79,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("gpu_uuid", "VARCHAR", None),
         ("healthy", "BOOLEAN", None),
         ("reasons", "VARCHAR[]", None),
+        ("xid", "INTEGER", "the XID number its reasons name (xid 79: fallen off the bus), else NULL"),
     ]),
     "replica_lifecycle": ("History: one row per ReplicaPlaced, ReplicaStateChanged and ReplicaStopped.", [
         ("stream", "VARCHAR", None),
@@ -92,6 +93,8 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("gpu_count", "INTEGER", "placed: the GPUs the replica holds; else NULL"),
         ("detail", "VARCHAR", "state: the engine's detail; placed and stopped: why, e.g. "
                               "'woken by router-a: 3 requests waiting', 'idle'"),
+        ("code", "VARCHAR", "stopped: why, as a code to group by (idle, scaled_down, spec_changed, removed, "
+                            "gpu_unhealthy, node_lost, engine_failed, requested); else NULL"),
     ]),
     "idle_history": ("History: one row per change of one router's idle-map entry for one replica (it appeared, "
                      "its last request moved, it vanished, or the router restarted); unchanged entries are "

@@ -40,10 +40,20 @@ log = logging.getLogger(__name__)
 # 5: one meaning per word: the table ``checkpoint`` is ``positions`` and the column
 # ``projector_state.snapshot`` is ``checkpoint`` (a schema-4 file is renamed in place).
 SCHEMA_VERSION = 5
-# Older schemas a projector brings up to this one in place (renames only, no data changes).
+# The XID number in a GPU's reasons (the agent's "xid 79: …", a fleet file's "xid-79"); NULL: none.
+XID = "TRY_CAST(nullif(regexp_extract({reasons}, 'xid[ -]?([0-9]+)', 1), '') AS INTEGER)"
+# A stop's code from its wording, for events written before codes (ReplicaStopped.stop_code's table).
+STOP_CODE = "CASE " + " ".join(f"WHEN {{reason}} LIKE '{prefix}%' THEN '{code}'"
+                               for prefix, code in m.STOP_PREFIXES) + " END"
+# Older schemas a projector brings up to this one in place: schema 5 renamed two names and added
+# gpu_health.xid and replica_lifecycle.code, filled in for the rows already there.
 MIGRATIONS = {
     4: ["ALTER TABLE checkpoint RENAME TO positions",
         "ALTER TABLE projector_state RENAME COLUMN snapshot TO checkpoint",
+        "ALTER TABLE gpu_health ADD COLUMN xid INTEGER",
+        f"UPDATE gpu_health SET xid = {XID.format(reasons='array_to_string(reasons, chr(10))')}",
+        "ALTER TABLE replica_lifecycle ADD COLUMN code VARCHAR",
+        f"UPDATE replica_lifecycle SET code = {STOP_CODE.format(reason='detail')} WHERE kind = 'stopped'",
         "UPDATE projector_state SET schema_version = 5 WHERE id = 1"],
 }
 
@@ -84,11 +94,11 @@ def _json_path(*names: str) -> str:
     return "$." + ".".join(names)
 
 
-# x[1..17], in this order (see _FROM_STAGE): the tag, then fields by their messages.py names.
+# x[1..18], in this order (see _FROM_STAGE): the tag, then fields by their messages.py names.
 _PATHS = ["$.type", *(_json_path(*p.split(".")) for p in (
     "at", "node")), "$.nodes[0]", *(_json_path(*p.split(".")) for p in (
     "model", "name", "spec.name", "replica_id", "gpu_index", "gpu_uuid", "healthy", "state", "detail", "reason",
-    "nodes", "gpus", "reasons"))]
+    "nodes", "gpus", "reasons", "code"))]
 # ``ts`` is the event's time as the fold takes it: the time the stream stored it when its own
 # is outside the window fold.clamp_times allows (the same bounds, in microseconds).
 _STAGE_CHUNK = f"""
@@ -104,8 +114,8 @@ FROM (SELECT seq::BIGINT AS seq, subject, stored_ns::BIGINT AS stored_ns, json, 
 """  # (casting outside the unnest is a third faster than inside)
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
-#    healthy, state, detail, reason, nodes, gpus, reasons (the last three as JSON text, so that
-#    no query parses a whole payload a second time)
+#    healthy, state, detail, reason, nodes, gpus, reasons (these three as JSON text, so that
+#    no query parses a whole payload a second time), code
 _FROM_STAGE = """
 INSERT INTO events
 SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished' ELSE x[1] END, ts,
@@ -113,7 +123,8 @@ SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished
        coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleChanges' THEN NULL ELSE json END
 FROM stage_parsed;
 INSERT INTO gpu_health
-SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN, coalesce(x[17]::JSON::VARCHAR[], [])
+SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN, coalesce(x[17]::JSON::VARCHAR[], []),
+       @XID@
 FROM stage_parsed WHERE x[1] = 'GpuHealthChanged';
 INSERT INTO replica_lifecycle
 SELECT stream, seq, ts, x[8], x[5],
@@ -121,7 +132,8 @@ SELECT stream, seq, ts, x[8], x[5],
        CASE x[1] WHEN 'ReplicaPlaced' THEN 'placed' WHEN 'ReplicaStopped' THEN 'stopped' ELSE x[12] END,
        CASE x[1] WHEN 'ReplicaPlaced' THEN x[15]::JSON::VARCHAR[] WHEN 'ReplicaStateChanged' THEN [x[3]] END,
        CASE x[1] WHEN 'ReplicaPlaced' THEN json_array_length(x[16])::INTEGER END,
-       CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END
+       CASE x[1] WHEN 'ReplicaStateChanged' THEN x[13] ELSE x[14] END,
+       CASE x[1] WHEN 'ReplicaStopped' THEN coalesce(nullif(x[18], ''), @STOP_CODE@) END
 FROM stage_parsed WHERE x[1] IN ('ReplicaPlaced', 'ReplicaStateChanged', 'ReplicaStopped');
 INSERT INTO idle_history
 SELECT stream, seq, ts, router, tick, replica_id, last_request, serving_since,
@@ -141,7 +153,7 @@ FROM (SELECT stream, seq, ts, m, unnest(m.cache) AS c
       FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "cache": [["VARCHAR"]]}') AS m
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"cache":[[%'));
 DELETE FROM stage_parsed;
-"""
+""".replace("@XID@", XID.format(reasons="x[17]")).replace("@STOP_CODE@", STOP_CODE.format(reason="x[14]"))
 
 Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
 

@@ -323,3 +323,21 @@ def test_the_windows_are_ticks_of_time_whatever_the_number_of_routers() -> None:
     for routers in (3, 5):
         up, down = scale_times(routers)
         assert abs(up - one[0]) <= 1 and abs(down - one[1]) <= 1, (routers, up, down)
+
+
+@pytest.mark.parametrize(("code", "reason", "parks"), [
+    ("idle", "nobody asked for a long while", True),  # the code decides, whatever the words
+    ("scaled_down", "idle: words that once meant idle", False),
+    ("", "idle: no request for 900s (idle_ttl 600s)", True),  # written before codes: its wording's code
+    ("", "scaled down to 0", False),
+])
+def test_the_memory_decides_on_a_stops_code_not_its_wording(code: str, reason: str, parks: bool) -> None:
+    w = World()
+    w.feed(m.ModelDeclared(at=T0, spec=spec()))
+    w.healthy(w.step())
+    (rid,) = w.running()
+    before = w.memory.parked("m")
+    w.feed(m.ReplicaStopped(at=T0, replica_id=rid, model="m", reason=reason, code=code))
+    assert (w.memory.parked("m") > before) is parks
+    assert m.ReplicaStopped(at=T0, replica_id=rid, model="m", reason=reason, code=code).stop_code == (
+        code or ("idle" if parks else "scaled_down"))

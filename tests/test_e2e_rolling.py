@@ -71,7 +71,7 @@ def test_a_changed_deploy_rolls_without_a_failed_request_and_the_same_one_restar
         events = control_events(url)
         stops = [e for e in events if e["type"] == "ReplicaStopped" and e["model"] == "roll"]
         assert {e["replica_id"] for e in stops} == first
-        assert all(e["reason"].startswith("spec changed") for e in stops)
+        assert all(e["reason"].startswith("spec changed") and e["code"] == "spec_changed" for e in stops)
         # The old replicas answered before the change, the new ones after: the clients saw both, never an error.
         assert set(answered[:10]) <= first and set(answered[-10:]).isdisjoint(first)
     finally:

@@ -168,7 +168,7 @@ def test_scale_down_and_remove_stop_replicas() -> None:
     assert len(w.state.replicas) == 1
     w.feed(m.ModelRemoved(at=T0, name="m"))
     (last,) = w.step()
-    assert isinstance(last, m.ReplicaStopped) and last.reason == "model removed"
+    assert isinstance(last, m.ReplicaStopped) and (last.code, last.reason) == ("removed", "model removed")
     assert not w.state.replicas
 
 
@@ -178,7 +178,7 @@ def test_failed_replica_backs_off() -> None:
     (p,) = placed(w.step())
     w.feed(m.ReplicaStateChanged(at=T0, replica_id=p.replica_id, model="m", node="a1", state="failed", detail="CUDA out of memory"))
     (stopped,) = w.step(T0 + timedelta(seconds=1))
-    assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "failed: CUDA out of memory"
+    assert isinstance(stopped, m.ReplicaStopped) and (stopped.code, stopped.reason) == ("engine_failed", "failed: CUDA out of memory")
     # Within the back-off nothing is placed; after it, one replica is.
     assert w.step(T0 + timedelta(seconds=1 + s.BACKOFF_BASE_S / 2)) == []
     assert len(placed(w.step(T0 + timedelta(seconds=1 + s.BACKOFF_BASE_S)))) == 1
@@ -238,7 +238,7 @@ def test_redeploy_rolls_without_going_offline() -> None:
     healthy(w, r2.replica_id)
     (stopped,) = w.step()
     assert isinstance(stopped, m.ReplicaStopped) and stopped.replica_id == r1.replica_id
-    assert stopped.reason == "spec changed: replaced by a replica of the new spec"
+    assert (stopped.code, stopped.reason) == ("spec_changed", "spec changed: replaced by a replica of the new spec")
 
 
 def test_redeploy_on_a_full_fleet_makes_room() -> None:
@@ -292,3 +292,12 @@ def test_a_failed_stop_counts_against_the_replicas_own_model_only() -> None:
     w = _failed_b()
     w.feed(m.ReplicaStopped(at=T0, replica_id="a-r1", model="b", reason="failed: CUDA out of memory"))
     assert w.memory.failures == {"b": 1}
+
+
+def test_unplaceable_says_why_as_a_code() -> None:
+    """No GPU of the class anywhere is another answer than no room for one: analysts group by it."""
+    for cls, code in (("B200-192GB", "no_such_class"), ("H100-80GB", "no_room")):
+        w = World(node("n1", "ib", 1))
+        w.feed(m.ModelDeclared(at=T0, spec=spec("big", tp=8, cls=cls)))
+        (u,) = [e for e in w.step() if isinstance(e, m.ModelUnplaceable)]
+        assert u.code == code, u.reason

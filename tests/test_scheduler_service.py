@@ -163,3 +163,4 @@ async def test_node_lost_from_silence_is_re_placed(bus: Bus, settings: Settings)
     assert kinds[1][0] == "ReplicaStopped" and kinds[2] == ("ReplicaPlaced", ("b-chatty",))
     stopped = sched.published[1]
     assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "re-placing: node a-quiet lost (no heartbeat)"
+    assert stopped.code == "node_lost"

@@ -170,13 +170,16 @@ def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path
 
 
 def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> None:
-    """Schema 5 only renamed (``checkpoint`` → ``positions``, ``snapshot`` → ``checkpoint``): no rebuild."""
+    """Schema 5 renamed two names and added two columns, filled in from the rows: no rebuild."""
     store = Store(duckdb_path)
     cp = Checkpoint()
-    store.commit(batch_of(small_fleet(), cp), encode_state(cp.state, cp.cursor))
+    stopped = m.ReplicaStopped(at=t(50), replica_id="r-qwen", model="qwen-8b", reason="scaled down to 0")
+    store.commit(batch_of([*small_fleet(), stopped], cp), encode_state(cp.state, cp.cursor))
     events = store.query("SELECT count(*) FROM events")
     store.con.execute("ALTER TABLE positions RENAME TO checkpoint")  # the file as schema 4 left it
     store.con.execute("ALTER TABLE projector_state RENAME COLUMN checkpoint TO snapshot")
+    store.con.execute("ALTER TABLE gpu_health DROP COLUMN xid")
+    store.con.execute("ALTER TABLE replica_lifecycle DROP COLUMN code")
     store.con.execute("UPDATE projector_state SET schema_version = 4")
     store.close()
     again = Store(duckdb_path)
@@ -185,6 +188,10 @@ def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> N
         assert again.query("SELECT schema_version FROM projector_state") == [(5,)]
         assert again.query("SELECT count(*) FROM events") == events
         assert again.query("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'checkpoint'") == [(0,)]
+        # The new columns, filled in for the rows already there: the XID number, the stop's code.
+        assert again.query("SELECT node, gpu_index, xid FROM gpu_health") == [("n1", 2, 79)]
+        assert again.query("SELECT replica_id, code FROM replica_lifecycle WHERE kind = 'stopped'") == [
+            ("r-qwen", "scaled_down")]
     finally:
         again.close()
 
@@ -250,4 +257,20 @@ def test_the_engines_cached_share_reaches_the_fold_and_prefix_cache(duckdb_path:
                                                        ("rt-b", "r-qwen", "qwen-8b", 500, 100)]
     assert store.query("SELECT prompt_tokens, cached_tokens, round(cached_share, 3) FROM prefix_cache_daily "
                        "WHERE replica_id = 'r-qwen'") == [(1500, 900, 0.6)]
+    store.close()
+
+
+def test_stops_carry_their_code_and_faults_their_xid(duckdb_path: Path) -> None:
+    """Analysts group stops by code and faults by XID number, without a regular expression."""
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    events = [*small_fleet(),
+              m.GpuHealthChanged(at=t(40), node="n2", gpu_index=1, gpu_uuid="GPU-n2-1", healthy=False,
+                                 reasons=("thermal slowdown", "xid 48: double-bit ECC error")),
+              m.ReplicaStopped(at=t(50), replica_id="r-qwen", model="qwen-8b", reason="nobody asked", code="idle"),
+              m.ReplicaStopped(at=t(51), replica_id="r-gemma", model="gemma-9b", reason="failed: CUDA out of memory")]
+    store.commit(batch_of(events, cp), encode_state(cp.state, cp.cursor))
+    assert store.query("SELECT node, xid FROM gpu_health ORDER BY seq") == [("n1", 79), ("n2", 48)]
+    assert store.query("SELECT replica_id, code FROM replica_lifecycle WHERE kind = 'stopped' ORDER BY seq") == [
+        ("r-qwen", "idle"), ("r-gemma", "engine_failed")]  # the second written before codes: its wording's
     store.close()

@@ -143,16 +143,17 @@ def observe(memory: SchedulerMemory, event: m.Event, state: FleetState, seq: int
             if replica is not None and replica.model == model and node in replica.nodes:
                 memory.failures.pop(model, None)
                 memory.failed_at.pop(model, None)
-        case m.ReplicaStopped(replica_id=rid, model=model, reason=reason):
+        case m.ReplicaStopped(replica_id=rid, model=model):
             if (replica := state.replicas.get(rid)) is not None and replica.model == model:
-                if reason.startswith("idle"):
+                code = event.stop_code  # the code; for an event written before codes, its wording's
+                if code == "idle":
                     memory.last_idle_stop[model] = max(memory.last_idle_stop.get(model, 0), seq)
                     wish = memory.wished.get(model)
                     if wish is None or seq > wish.control_seq:  # else a router already wanted it back
                         stops = memory.idle_stops.setdefault(model, [])
                         if seq not in stops:
                             stops.append(seq)
-                elif reason.startswith("failed"):
+                elif code == "engine_failed":
                     memory.failures[model] = memory.failures.get(model, 0) + 1
                     memory.failed_at[model] = event.at
         case _:
