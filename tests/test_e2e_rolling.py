@@ -79,3 +79,46 @@ def test_a_changed_deploy_rolls_without_a_failed_request_and_the_same_one_restar
         client.close()
         rest = stop_up(up)
     assert up.returncode == 0, rest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_idle_time_survives_an_up_restart(tmp_path: Path) -> None:
+    """A replica nobody asked for since before a restart is as idle after it (to a router tick), not "5s"."""
+    import json
+    import time
+
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(FLEET)
+    port = free_port()
+    args = ("--router-tick", "0.5", "--no-example")
+
+    def idle_of(url: str, rid: str) -> float | None:
+        rows = json.loads(ok(url, "ctl", "status", "--replay", "--replicas", "--json"))["replica_list"]
+        row = next((r for r in rows if r["replica_id"] == rid), None)
+        return None if row is None or row["idle_s"] < 0 else float(row["idle_s"])
+
+    up, url = start_up(tmp_path, fleet, *args, router_port=port)
+    try:
+        ok(url, "ctl", "model", "deploy", "quiet", MODEL, "--from-plan", "--fleet", str(fleet), "--precision", "bf16",
+           "--tp", "1", "--context", "8192")
+        (rid,) = wait_for("a healthy replica", lambda: healthy_replicas(url, "quiet"), within_s=40)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=30)
+        client.chat.completions.create(model="quiet", messages=[{"role": "user", "content": "once"}])
+        client.close()
+        wait_for("the request in a map", lambda: (x := idle_of(url, rid)) is not None and x < 5, within_s=10)
+        time.sleep(4)  # nobody asks
+        before = idle_of(url, rid)
+        assert before is not None and before >= 3
+    finally:
+        stop_up(up)
+    up, url = start_up(tmp_path, fleet, *args, router_port=port)  # the same data directory: the same streams
+    try:
+        restarted = time.monotonic()
+        # The restarted router's first map says what its last one said: idle since the same request.
+        after = wait_for("the restarted router's map", lambda: idle_of(url, rid), within_s=30)
+        elapsed = time.monotonic() - restarted
+        assert before <= after <= before + elapsed + 15, (before, after)  # not "idle 5s", nor made up
+    finally:
+        rest = stop_up(up)
+    assert up.returncode == 0, rest
