@@ -37,3 +37,10 @@ def model() -> None:
 @ctl.group(cls=LazyGroup, lazy={"retire": "llmgw.cli.nodes:retire"})
 def node() -> None:
     """Take a node that is gone for good out of the fleet."""
+
+
+@ctl.group(cls=LazyGroup, lazy={"create": "llmgw.cli.keys:create", "list": "llmgw.cli.keys:list_keys",
+                                "show": "llmgw.cli.keys:show", "update": "llmgw.cli.keys:update",
+                                "revoke": "llmgw.cli.keys:revoke"})
+def key() -> None:
+    """API keys as events: create (the secret is printed once), list, show, update, revoke (admin)."""

@@ -496,6 +496,51 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         await bus.close()
 
 
+# --- keys -------------------------------------------------------------------------------------------------
+
+
+def new_key_secret() -> tuple[str, str, str, str]:
+    """A fresh key: (secret to print once, key id, salt, salted digest), from the OS's randomness."""
+    import secrets
+
+    key_id, salt = secrets.token_hex(8), secrets.token_hex(16)
+    secret = f"{m.KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+    return secret, key_id, salt, key_digest(salt, secret)
+
+
+def key_digest(salt: str, secret: str) -> str:
+    """sha256(salt || secret), hex: what the stream holds instead of the secret."""
+    import hashlib
+
+    return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
+
+
+async def keys(settings: Settings) -> dict[str, m.KeyDeclared]:
+    """The live keys, folded from the control stream here."""
+    bus = await _connect(settings, "llmgw-ctl-key")
+    try:
+        return dict(sorted((await replay_state(bus, (subjects.STREAM_CONTROL,))).keys.items()))
+    finally:
+        await bus.close()
+
+
+async def publish_key(settings: Settings, event: m.KeyDeclared | m.KeyRevoked, *, must_exist: bool) -> int:
+    """Publish a key's declaration or revocation as admin (keys are the admin role's alone); its sequence."""
+    bus = await _connect(settings.with_local_login("admin"), "llmgw-ctl-key")
+    try:
+        known = (await replay_state(bus, (subjects.STREAM_CONTROL,))).keys
+        if must_exist and event.name not in known:
+            names = ", ".join(sorted(known)) or "none"
+            raise LlmgwError(f"no key named {event.name!r} (keys: {names}); create it with `llmgw ctl key create "
+                             f"{event.name}`")
+        if not must_exist and event.name in known:
+            raise LlmgwError(f"a key named {event.name!r} exists; change it with `llmgw ctl key update "
+                             f"{event.name} …`, or revoke it first")
+        return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
 # --- nodes ------------------------------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from llmgw.fleet.pool import Declared, Pool, Replica
 __all__ = ["Declared", "EndpointSink", "Pool", "Replica"]
 
 log = logging.getLogger(__name__)
+_KEY_EVENTS = (m.KeyDeclared, m.KeyRevoked)
 
 # A router folds the control stream and remembers only its pool.
 ROUTER_KEEPS = Memories(history=False, demand=False, observed=False, pool=True, lost=False)
@@ -41,6 +42,7 @@ class EndpointSink:
         # The fold of control this router keeps: the replicas (what refuses a stranger's report) and its pool.
         self.checkpoint = Checkpoint(pool=self.pool)
         self.refused = 0  # control events every fold refuses (fold.refusal)
+        self.keys_by_id: dict[str, m.KeyDeclared] = {}  # the live API keys (ctl key), by key id
         self.on_change = on_change
         self.use_snapshots = use_snapshots
         self.started_from = ""  # the fold snapshot the pool started from, or "" (sequence 1)
@@ -57,6 +59,10 @@ class EndpointSink:
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
         self.skipped += 1  # recorded and skipped: one bad event must not stop routing
 
+    def _index_keys(self) -> None:
+        """The live keys by id, for the router's lookup: rebuilt when a key event is folded, never per request."""
+        self.keys_by_id = {k.key_id: k for k in self.checkpoint.state.keys.values()}
+
     async def start_from_snapshot(self) -> None:
         """Take the pool of the newest fold snapshot as the pool so far (none: sequence 1)."""
         found = await snapshots.newest(self.bus, "router", (subjects.STREAM_CONTROL,))
@@ -70,6 +76,7 @@ class EndpointSink:
         for f in dataclasses.fields(Pool):  # the router holds self.pool: filled in place, every field
             setattr(self.pool, f.name, getattr(seeded, f.name))
         self.checkpoint = Checkpoint(state=c.state, cursor=c.cursor, pool=self.pool)
+        self._index_keys()
         self.applied_seq = c.cursor.positions.get(subjects.STREAM_CONTROL, 0)
         if self.on_change is not None:
             self.on_change()
@@ -91,6 +98,8 @@ class EndpointSink:
                              [d.event for d in batch], keep=ROUTER_KEEPS, now=time.time())
             refused = sum(w is not None for w in why)
             self.refused += refused
+            if any(type(d.event) in _KEY_EVENTS for d in batch):
+                self._index_keys()
             changed = refused < len(batch)
             self.applied_seq = follower.last_seq
             if self.applied_seq >= target:

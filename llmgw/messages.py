@@ -245,6 +245,18 @@ class CacheUse(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: _TokenCount
 
 
+class KeyUse(msgspec.Struct, frozen=True, kw_only=True):
+    """One API key's use of one model over a router's tick (what its engines' usage said)."""
+
+    requests: _TokenCount = 0
+    errors: _TokenCount = 0  # answered 4xx or 5xx
+    prompt_tokens: _TokenCount = 0
+    completion_tokens: _TokenCount = 0
+    cached_tokens: _TokenCount = 0
+    ttft_s: Annotated[float, msgspec.Meta(ge=0, le=1e12)] = 0.0  # summed over its streamed requests
+    latency_s: Annotated[float, msgspec.Meta(ge=0, le=1e12)] = 0.0  # summed over its requests
+
+
 class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True):
     """One router's last request time per replica, once a tick.
 
@@ -274,6 +286,9 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     # Per replica that answered with ``usage`` since this router's previous map (carried over when
     # a map is not published): its prompt tokens and the engine's cached share of them (issue 27).
     cache_use: Annotated[dict[Ref, CacheUse], msgspec.Meta(max_length=4096)] = {}
+    # Per API key (ctl key) and model, what was asked through this router since its previous map.
+    key_use: Annotated[dict[Ref, Annotated[dict[Ref, KeyUse], msgspec.Meta(max_length=4096)]],
+                       msgspec.Meta(max_length=100_000)] = {}
 
 
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
@@ -493,8 +508,44 @@ STOP_PREFIXES = (("idle", "idle"), ("scaled down", "scaled_down"), ("spec change
                   ("re-placing: node", "node_lost"), ("re-placing: GPU", "gpu_unhealthy"))
 
 
+# --- keys: llmgw.control.key.<name>.* (admin only) ------------------------------
+
+KEY_PREFIX = "llmgw-"  # a secret is llmgw-<key id, 16 hex>-<secret, 43 url-safe base64>
+KeyId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$", max_length=16)]
+Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$", max_length=64)]
+Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$", max_length=32)]
+Priority = Literal["high", "normal", "low"]
+
+
+class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
+    """An API key and its limits (``ctl key create|update``); the stream holds a salted digest, never the secret.
+
+    Declared again under the same name it replaces the record (``update``); the digest is
+    sha256(salt || secret) in hex, and a router finds the record by ``key_id`` (in the secret).
+    """
+
+    name: Ref
+    key_id: KeyId
+    salt: Hex32
+    digest: Hex64
+    tenant: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    models: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=256)] = ()  # empty: every model
+    requests_per_minute: Annotated[int, msgspec.Meta(ge=1, le=10**15)] | None = None
+    tokens_per_day: Annotated[int, msgspec.Meta(ge=1, le=10**15)] | None = None
+    priority: Priority = "normal"
+    expires_at: Time | None = None
+
+
+class KeyRevoked(Event, tag="KeyRevoked", frozen=True, kw_only=True):
+    """An API key no router accepts any more (``ctl key revoke``); its usage stays in history."""
+
+    name: Ref
+
+
 ControlEvent = (
-    ModelDeclared
+    KeyDeclared
+    | KeyRevoked
+    | ModelDeclared
     | ModelScaled
     | ModelAutoscaled
     | ModelRemoved

@@ -171,7 +171,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             *_read(*s.HISTORY_STREAMS),
         ]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.usage.>", f"{P}.control.replica.*.state.>",
-                     f"{P}.control.replica.*.placed"]
+                     f"{P}.control.replica.*.placed", f"{P}.control.key.>"]  # keys: admin's only
     elif role == "viewer":
         # Looks and asks, changes nothing: the dashboard, a read-only operator (no declarations, no stops).
         pub += [s.STATUS, s.PLAN, *_read(*s.HISTORY_STREAMS)]

@@ -59,6 +59,47 @@ TOKENS_MAX = 1 << 40  # the most a map carries for one replica (CacheUse's bound
 DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
 
 
+_NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
+_NO_DIGEST = "0" * 64
+
+
+class KeyUseCounter:
+    """One key's use of one model since the router's last published map."""
+
+    __slots__ = ("requests", "errors", "prompt", "completion", "cached", "ttft_s", "latency_s")
+
+    def __init__(self) -> None:
+        self.requests = self.errors = self.prompt = self.completion = self.cached = 0
+        self.ttft_s = self.latency_s = 0.0
+
+    def add_request(self, status: int, seconds: float) -> None:
+        self.requests += 1
+        self.errors += status >= 400
+        self.latency_s += seconds
+
+    def add_tokens(self, usage: Usage) -> None:
+        self.prompt += usage.prompt_tokens
+        self.completion += usage.completion_tokens
+        self.cached += usage.cached_tokens
+
+    def message(self) -> m.KeyUse:
+        cap = TOKENS_MAX
+        return m.KeyUse(requests=min(self.requests, cap), errors=min(self.errors, cap), prompt_tokens=min(self.prompt, cap),
+                        completion_tokens=min(self.completion, cap), cached_tokens=min(self.cached, cap),
+                        ttft_s=min(self.ttft_s, 1e12), latency_s=min(self.latency_s, 1e12))
+
+    def take(self, sent: m.KeyUse) -> bool:
+        """Take off what a published map carried; True when nothing is left."""
+        self.requests -= sent.requests
+        self.errors -= sent.errors
+        self.prompt -= sent.prompt_tokens
+        self.completion -= sent.completion_tokens
+        self.cached -= sent.cached_tokens
+        self.ttft_s -= sent.ttft_s
+        self.latency_s -= sent.latency_s
+        return self.requests <= 0 and self.prompt <= 0 and self.completion <= 0
+
+
 class _Head(msgspec.Struct):
     """The only fields the router reads from a request body."""
 
@@ -174,6 +215,8 @@ class Router:
         self.idle_maps = 0
         self._rr = 0
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix
+        # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
+        self._key_use: dict[str, dict[str, KeyUseCounter]] = {}
         # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
         self._cache_use: dict[str, list[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -383,15 +426,25 @@ class Router:
         """This tick's map, with the prompt tokens each replica's engine reported since the last one."""
         event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self._queued(), self.tick_s,
                                    self.sink.applied_seq)
-        if not self._cache_use:
-            return event
-        use = {rid: m.CacheUse(model, min(p, TOKENS_MAX), min(c, p, TOKENS_MAX))
-               for rid, (model, p, c) in sorted(self._cache_use.items())}
-        return msgspec.structs.replace(event, cache_use=use)
+        changes: dict[str, Any] = {}
+        if self._cache_use:
+            changes["cache_use"] = {rid: m.CacheUse(model, min(p, TOKENS_MAX), min(c, p, TOKENS_MAX))
+                                    for rid, (model, p, c) in sorted(self._cache_use.items())}
+        if self._key_use:
+            changes["key_use"] = {key: {model: use.message() for model, use in sorted(per.items())}
+                                  for key, per in sorted(self._key_use.items())}
+        return msgspec.structs.replace(event, **changes) if changes else event
 
     def _published(self, event: m.IdleMapPublished) -> None:
         """What a published map carried is taken off; a map not published leaves it for the next."""
         self.idle_maps += 1
+        for key, per in event.key_use.items():
+            for model, sent in per.items():
+                counter = self._key_use.get(key, {}).get(model)
+                if counter is not None and counter.take(sent):
+                    del self._key_use[key][model]
+            if not self._key_use.get(key):
+                self._key_use.pop(key, None)
         for rid, use in event.cache_use.items():
             left = self._cache_use.get(rid)
             if left is not None:
@@ -400,9 +453,18 @@ class Router:
                 if left[1] <= 0 or rid not in self.pool.replicas:
                     del self._cache_use[rid]
 
-    def _count_tokens(self, rep: Replica, model: str, usage: Usage) -> None:
-        """An answer's ``usage``: the metrics, and the replica's share for the next map."""
+    def _key_use_of(self, key: str, model: str) -> KeyUseCounter:
+        per_model = self._key_use.setdefault(key, {})
+        use = per_model.get(model)
+        if use is None:
+            use = per_model[model] = KeyUseCounter()
+        return use
+
+    def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
+        """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
+        if request is not None and (who := request.get("llmgw_key")) is not None:
+            self._key_use_of(who.name, model).add_tokens(usage)
         if self.idle_tracking and usage.prompt_tokens:
             use = self._cache_use.setdefault(rep.replica_id, [model, 0, 0])
             use[1] += usage.prompt_tokens
@@ -474,14 +536,39 @@ class Router:
     # --- handlers -----------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
-        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():  # auth schemes are case-insensitive (RFC 9110)
-            return False
-        digest = hashlib.sha256(key.strip().encode()).hexdigest()
-        ok = False
-        for key in self.keys:  # every key compared, so timing says nothing about which matched
-            ok |= hmac.compare_digest(digest, key)
-        return ok
+        """Whether the request may go on; its key's name, if any, is kept on it (``llmgw_key``)."""
+        scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""  # auth schemes are case-insensitive (RFC 9110)
+        if token.startswith(m.KEY_PREFIX):
+            # One of ours (ctl key): live, unexpired and its digest's, or refused, even where anonymous
+            # requests are allowed (a router with no --api-keys and no key declared).
+            key = self._declared_key(token)
+            if key is None:
+                return False
+            request["llmgw_key"] = key
+            return True
+        if self.keys and token:
+            digest = hashlib.sha256(token.encode()).hexdigest()
+            ok = False
+            for static in self.keys:  # every key compared, so timing says nothing about which matched
+                ok |= hmac.compare_digest(digest, static)
+            if ok:
+                return True
+        return not self.keys and not self.sink.keys_by_id  # anonymous: only while no key exists anywhere
+
+    def _declared_key(self, token: str) -> m.KeyDeclared | None:
+        """The live key ``token`` is the secret of (found by the id in it, checked by its salted digest)."""
+        key_id = token[len(m.KEY_PREFIX):len(m.KEY_PREFIX) + 16]
+        key = self.sink.keys_by_id.get(key_id)
+        # The digest is computed and compared whatever the lookup found, so a wrong id costs what a wrong secret does.
+        salt = key.salt if key is not None else _NO_SALT
+        expected = key.digest if key is not None else _NO_DIGEST
+        got = hashlib.sha256(bytes.fromhex(salt) + token.encode(errors="replace")[:512]).hexdigest()
+        if not hmac.compare_digest(got, expected) or key is None:
+            return None
+        if key.expires_at is not None and key.expires_at <= m.utcnow():
+            return None
+        return key
 
     def _handler(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -494,7 +581,7 @@ class Router:
         t0 = time.perf_counter()
         model, stream, status = "", False, 500
         try:
-            if self.keys and not self._authorized(request):
+            if not self._authorized(request):
                 status = 401
                 self.metrics.error("", "unauthorized")
                 return api.unauthorized()
@@ -540,6 +627,12 @@ class Router:
                 self.metrics.error("", "bad_request")
                 return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
+            key: m.KeyDeclared | None = request.get("llmgw_key")
+            if key is not None and key.models and model not in key.models:
+                status = 403
+                self.metrics.error("", "forbidden_model")
+                return api.error(403, f"this key may not use the model `{model}` (it may use: {', '.join(key.models)})",
+                                 "permission_error", "model_not_allowed", "model")
             resp = await self._forward(request, route, model, stream, body, t0,
                                        self.routing_key(model, route, body))
             status = resp.status
@@ -557,6 +650,8 @@ class Router:
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
+            if (who := request.get("llmgw_key")) is not None and label:
+                self._key_use_of(who.name, label).add_request(status, time.perf_counter() - t0)
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The body as the engine will get it (decompressed), or None once it passes the limit."""
@@ -637,7 +732,7 @@ class Router:
                     return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
                 if up.status == 200 and (usage := usage_of(data)) is not None:
-                    self._count_tokens(rep, model, usage)
+                    self._count_tokens(rep, model, usage, request)
                 if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
                     # An engine whose own limit is below the router's (aiohttp's 1 MiB, a proxy's)
                     # answers in plain text; the client still gets an error it can read.
@@ -687,11 +782,13 @@ class Router:
                 if not chunk:
                     await resp.write_eof()
                     if (usage := usage_of_stream(b"".join(tail))) is not None:
-                        self._count_tokens(rep, model, usage)
+                        self._count_tokens(rep, model, usage, request)
                     return resp
                 if first:
                     first = False
                     self.metrics.first_token(model, time.perf_counter() - t0)
+                    if (who := request.get("llmgw_key")) is not None:
+                        self._key_use_of(who.name, model).ttft_s += time.perf_counter() - t0
                 tail.append(chunk)
                 kept += len(chunk)
                 while kept - len(tail[0]) >= USAGE_TAIL_BYTES:
@@ -737,7 +834,7 @@ class Router:
                       "invalid_request_error", "model_not_found", "model")
 
     async def models(self, request: web.Request) -> web.Response:
-        if self.keys and not self._authorized(request):
+        if not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
         data = [api.model_object(name, state, self.pool.created(name)) for name, state in self.pool.listed().items()]
@@ -745,7 +842,7 @@ class Router:
 
     async def model(self, request: web.Request) -> web.Response:
         """One model of GET /v1/models (the OpenAI client's ``models.retrieve``), or a 404."""
-        if self.keys and not self._authorized(request):
+        if not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
         name = request.match_info["model"]

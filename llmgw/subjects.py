@@ -146,6 +146,11 @@ def model(name: str, kind: str) -> str:
     return f"{PREFIX}.control.model.{token(name)}.{kind}"
 
 
+def key(name: str, kind: str) -> str:
+    """``llmgw.control.key.<name>.<kind>``: declared, revoked (the admin role's only)."""
+    return f"{PREFIX}.control.key.{token(name)}.{kind}"
+
+
 def replica(replica_id: str, kind: str, node: str | None = None) -> str:
     """``llmgw.control.replica.<id>.<kind>``; state reports end with the agent's node."""
     base = f"{PREFIX}.control.replica.{token(replica_id)}.{kind}"
@@ -171,6 +176,10 @@ def subject_for(event: m.Event) -> str:
             return usage_idle(router)
         case m.ModelWanted(router=router) | m.WakeAnswered(router=router):
             return usage_wanted(router)
+        case m.KeyDeclared(name=name):
+            return key(name, "declared")
+        case m.KeyRevoked(name=name):
+            return key(name, "revoked")
         case m.ModelDeclared(spec=spec):
             return model(spec.name, "declared")
         case m.ModelScaled(name=name):

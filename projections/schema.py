@@ -124,6 +124,22 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("cached_tokens", "BIGINT", "of them, served from the engine's prefix cache (vLLM cached_tokens, "
                                     "llama-server timings.cache_n)"),
     ]),
+    "usage_by_key": ("History: per router tick, API key (ctl key) and model, what was asked through the router "
+                     "(the idle map's key_use): requests, errors, the engines' token counts, time sums.", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("router", "VARCHAR", "the router whose map this is"),
+        ("key_name", "VARCHAR", "the API key's name (ctl key list)"),
+        ("model", "VARCHAR", None),
+        ("requests", "BIGINT", "requests answered over the tick"),
+        ("errors", "BIGINT", "of them, answered 4xx or 5xx"),
+        ("prompt_tokens", "BIGINT", "prompt tokens the engines reported (usage)"),
+        ("completion_tokens", "BIGINT", "completion tokens the engines reported"),
+        ("cached_tokens", "BIGINT", "prompt tokens served from the engines' prefix cache"),
+        ("ttft_s", "DOUBLE", "time to first token, summed over its streamed requests (seconds)"),
+        ("latency_s", "DOUBLE", "time to the last byte, summed over its requests (seconds)"),
+    ]),
     "unprojected_events": ("History: one row per message kept but not folded (undecodable, out of bounds, "
                            "refused; counted in ctl status), or, with error starting 'the store cannot write "
                            "it:', a decoded event whose history rows DuckDB refused (folded; not counted).", [
@@ -259,6 +275,23 @@ SELECT model, replica_id, (ts AT TIME ZONE 'UTC')::DATE AS day, sum(prompt_token
 FROM prefix_cache GROUP BY ALL
 """, {"model": None, "replica_id": None, "day": "the day (UTC)", "prompt_tokens": "prompt tokens reported that day",
       "cached_tokens": "of them, served from the engine's cache", "cached_share": "cached / prompt; NULL: none"}),
+
+    "usage_by_key_daily": ("Per day (UTC), API key, its tenant (the key's latest declaration) and model: "
+                           "requests, errors and tokens, from the routers' maps.", """
+WITH tenants AS (
+    SELECT json->>'name' AS key_name, arg_max(json->>'tenant', seq) AS tenant
+    FROM events WHERE type = 'KeyDeclared' GROUP BY 1
+)
+SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.key_name, coalesce(t.tenant, '') AS tenant, u.model,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens,
+       sum(u.latency_s) / nullif(sum(u.requests), 0) AS mean_latency_s
+FROM usage_by_key u LEFT JOIN tenants t USING (key_name)
+GROUP BY ALL
+""", {"day": "the day (UTC)", "key_name": "the API key's name", "tenant": "its tenant ('' when none)",
+      "model": None, "requests": "requests answered", "errors": "of them, 4xx or 5xx",
+      "prompt_tokens": "prompt tokens (engines' usage)", "completion_tokens": "completion tokens",
+      "cached_tokens": "prompt tokens from the prefix cache", "mean_latency_s": "mean time to the last byte"}),
 
     "cold_starts": ("One row per wake (a request woke a parked model) and scale-up: each phase at its event's "
                     "time, from wanted to the first byte answered (the cold-start ledger, ctl model show).", """

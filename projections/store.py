@@ -57,7 +57,8 @@ MIGRATIONS = {
         "UPDATE projector_state SET schema_version = 5 WHERE id = 1"],
 }
 
-HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "prefix_cache", "unprojected_events")
+HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "prefix_cache", "usage_by_key",
+                  "unprojected_events")
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
 TABLES = ("positions", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
@@ -152,6 +153,12 @@ SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT
 FROM (SELECT stream, seq, ts, m, unnest(m.cache) AS c
       FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "cache": [["VARCHAR"]]}') AS m
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"cache":[[%'));
+INSERT INTO usage_by_key
+SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT, c[5]::BIGINT, c[6]::BIGINT, c[7]::BIGINT,
+       c[8]::DOUBLE, c[9]::DOUBLE
+FROM (SELECT stream, seq, ts, m, unnest(m.keys) AS c
+      FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "keys": [["VARCHAR"]]}') AS m
+            FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"keys":[[%'));
 DELETE FROM stage_parsed;
 """.replace("@XID@", XID.format(reasons="x[17]")).replace("@STOP_CODE@", STOP_CODE.format(reason="x[14]"))
 
@@ -233,6 +240,8 @@ class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
     tick: int
     changes: list[tuple[str, datetime | None, datetime | None]]  # replica, last request, serving since
     cache: list[tuple[str, str, int, int]] = []  # replica, model, prompt tokens, cached tokens (cache_use)
+    # key, model, requests, errors, prompt, completion, cached tokens, ttft and latency sums (key_use)
+    keys: list[tuple[str, str, int, int, int, int, int, float, float]] = []
 
 
 _IDLE_ENCODER = msgspec.json.Encoder()
@@ -263,8 +272,10 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
         if prev is not None:
             changed |= prev.last_request.keys() | prev.serving_since.keys()
     cache = [(r, u.model, u.prompt_tokens, u.cached_tokens) for r, u in event.cache_use.items()]
+    keys = [(k, model, u.requests, u.errors, u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.ttft_s,
+             u.latency_s) for k, per in event.key_use.items() for model, u in per.items()]
     return _IDLE_ENCODER.encode(_IdleChanges(
-        event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)], cache))
+        event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)], cache, keys))
 
 
 def add_event_rows(batch: Batch, stream: str, seq: int, subject: str, data: bytes, ts_ns: int, event: m.Event,
@@ -605,9 +616,14 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
             out[table] = con.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]  # type: ignore[index]
             if table in by_day:
                 where = dest / table
-                where.mkdir(parents=True, exist_ok=True)  # there even when empty: a reader's glob finds the table
-                con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") "
-                            f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
+                where.mkdir(parents=True, exist_ok=True)
+                if out[table]:
+                    con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") "
+                                f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
+                else:  # one file with no rows: a reader's glob finds the table and its columns, not an error
+                    (where / "day=1970-01-01").mkdir()
+                    con.execute(f"COPY (SELECT * FROM \"{table}\" LIMIT 0) TO "
+                                f"{_literal(where / 'day=1970-01-01' / 'data_0.parquet')} (FORMAT parquet)")
             else:
                 con.execute(f"COPY \"{table}\" TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
         # The views too, as they read now (replica_lifetimes, gpu_hours_idle_daily, cold_starts, …): a tool

@@ -31,7 +31,8 @@ from llmgw import subjects
 # in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
 # history carries the cold-start ledger, the pool each model's routing policy, and each
 # replica the prompt tokens its engine had cached; the planner's observed reservations are
-# keyed by the engine version their spec was planned for, and each node keeps its engines' versions.
+# keyed by the engine version their spec was planned for, and each node keeps its engines' versions;
+# the API keys (ctl key).
 FOLD_VERSION = 6
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
@@ -143,6 +144,8 @@ class FleetState:
     routers: dict[str, RouterView] = field(default_factory=dict)
     last_request: dict[str, datetime] = field(default_factory=dict)
     as_of: datetime | None = None
+    # API keys by name (ctl key …): the live ones; a revoked key is dropped (its usage stays in history).
+    keys: dict[str, m.KeyDeclared] = field(default_factory=dict)
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -311,6 +314,10 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
                 model.unplaceable_reason = model.unplaceable_at = None
         case m.ModelRemoved():
             state.models.pop(event.name, None)
+        case m.KeyDeclared():
+            state.keys[event.name] = event
+        case m.KeyRevoked():
+            state.keys.pop(event.name, None)
         case m.ModelUnplaceable():
             model = state.models.get(event.name)
             if model is not None:

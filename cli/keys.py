@@ -1,0 +1,175 @@
+"""``llmgw ctl key create|list|show|update|revoke``: API keys as events on the control stream (admin)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import click
+import msgspec
+
+from llmgw import messages as m
+from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
+from llmgw.config import Settings
+
+LIMIT = click.IntRange(1, 10**15)
+
+
+def _expires(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    from llmgw.cli.progress import parse_duration
+
+    return None if value is None else m.utcnow() + timedelta(seconds=parse_duration(value, "--expires"))
+
+
+def _models(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = tuple(x.strip() for x in value.split(",") if x.strip())
+    try:
+        msgspec.convert(names, tuple[m.Ref, ...])
+    except msgspec.ValidationError as e:
+        raise click.BadParameter(f"{value!r}: {e}", param_hint="--models") from None
+    return names
+
+
+def key_options(f: Any) -> Any:
+    for option in reversed((
+        click.option("--tenant", help="Who the key is for (a team): usage is summed per tenant."),
+        click.option("--models", callback=_models, help="Comma-separated models it may use [default: every model]."),
+        click.option("--tokens-per-day", type=LIMIT, help="Prompt and completion tokens a day (UTC)."),
+        click.option("--requests-per-minute", type=LIMIT, help="Requests a minute."),
+        click.option("--priority", type=click.Choice(["high", "normal", "low"]), help="[default: normal]"),
+        click.option("--expires", callback=_expires, metavar="DURATION", help="Valid for this long (e.g. 30d)."),
+    )):
+        f = option(f)
+    return f
+
+
+def _row(k: m.KeyDeclared) -> dict[str, Any]:
+    out = msgspec.to_builtins(k)
+    for secretish in ("salt", "digest"):
+        out.pop(secretish, None)
+    return dict(out)
+
+
+@click.command("create")
+@click.argument("name", callback=checked_name)
+@key_options
+@json_option
+@nats_options
+def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens_per_day: int | None,
+           requests_per_minute: int | None, priority: str | None, expires: datetime | None, as_json: bool,
+           settings: Settings) -> None:
+    """Create an API key; its secret is printed once (the stream holds a salted digest).
+
+    \b
+    Example:
+        llmgw ctl key create team-a-ci --tenant team-a --models coder,qwen14 --requests-per-minute 600 --expires 90d
+    """
+    from llmgw import ctl
+
+    secret, key_id, salt, digest = ctl.new_key_secret()
+    event = m.KeyDeclared(at=m.utcnow(), name=name, key_id=key_id, salt=salt, digest=digest, tenant=tenant or "",
+                          models=models or (), tokens_per_day=tokens_per_day, requests_per_minute=requests_per_minute,
+                          priority=priority or "normal", expires_at=expires)  # type: ignore[arg-type]
+    seq = run(ctl.publish_key(settings, event, must_exist=False))
+    if as_json:
+        echo_json({"created": _row(event), "secret": secret, "seq": seq})
+    else:
+        click.echo(f"created key {name} (tenant {tenant or '-'}); its secret, shown this once:")
+        click.echo(secret)
+        click.echo("clients send it as `Authorization: Bearer <secret>` (the openai client's api_key); every router "
+                   "takes it within a second or two")
+
+
+@click.command("update")
+@click.argument("name", callback=checked_name)
+@key_options
+@json_option
+@nats_options
+def update(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens_per_day: int | None,
+           requests_per_minute: int | None, priority: str | None, expires: datetime | None, as_json: bool,
+           settings: Settings) -> None:
+    """Change a key's tenant, models, limits, priority or expiry; its secret stays the same.
+
+    \b
+    Example:
+        llmgw ctl key update team-a-ci --tokens-per-day 2000000
+    """
+    from llmgw import ctl
+
+    known = run(ctl.keys(settings)).get(name)
+    if known is None:
+        raise click.ClickException(f"no key named {name!r}; `llmgw ctl key list` shows them")
+    changes = {k: v for k, v in (("tenant", tenant), ("models", models), ("tokens_per_day", tokens_per_day),
+                                 ("requests_per_minute", requests_per_minute), ("priority", priority),
+                                 ("expires_at", expires)) if v is not None}
+    if not changes:
+        raise click.UsageError("nothing to change: give --tenant, --models, --tokens-per-day, --requests-per-minute, "
+                               "--priority or --expires")
+    event = msgspec.structs.replace(known, at=m.utcnow(), **changes)
+    seq = run(ctl.publish_key(settings, event, must_exist=True))
+    if as_json:
+        echo_json({"updated": _row(event), "seq": seq})
+    else:
+        click.echo(f"updated key {name}: " + ", ".join(f"{k} {v}" for k, v in changes.items()))
+
+
+@click.command("revoke")
+@click.argument("name", callback=checked_name)
+@json_option
+@nats_options
+def revoke(name: str, as_json: bool, settings: Settings) -> None:
+    """Revoke a key: every router refuses it within a second or two; its usage stays in history.
+
+    \b
+    Example:
+        llmgw ctl key revoke team-a-ci
+    """
+    from llmgw import ctl
+
+    seq = run(ctl.publish_key(settings, m.KeyRevoked(at=m.utcnow(), name=name), must_exist=True))
+    if as_json:
+        echo_json({"revoked": name, "seq": seq})
+    else:
+        click.echo(f"revoked key {name}: every router refuses it from its next control event (a second or two)")
+
+
+@click.command("list")
+@json_option
+@nats_options
+def list_keys(as_json: bool, settings: Settings) -> None:
+    """The live keys, their tenants and limits (never a secret or a digest)."""
+    from llmgw import ctl
+
+    live = run(ctl.keys(settings))
+    if as_json:
+        echo_json([_row(k) for k in live.values()])
+        return
+    if not live:
+        click.echo("no keys: `llmgw ctl key create NAME` makes one")
+        return
+    click.echo(f"{'key':24} {'tenant':16} {'models':24} {'req/min':>9} {'tokens/day':>12} {'priority':8} expires")
+    for k in live.values():
+        click.echo(f"{k.name:24} {k.tenant or '-':16} {','.join(k.models) or 'every':24} "
+                   f"{k.requests_per_minute or '-':>9} {k.tokens_per_day or '-':>12} {k.priority:8} "
+                   f"{k.expires_at.isoformat(timespec='seconds') if k.expires_at else '-'}")
+
+
+@click.command("show")
+@click.argument("name", callback=checked_name)
+@json_option
+@nats_options
+def show(name: str, as_json: bool, settings: Settings) -> None:
+    """One key: its tenant, models, limits, priority, expiry and when it was declared."""
+    from llmgw import ctl
+
+    known = run(ctl.keys(settings)).get(name)
+    if known is None:
+        raise click.ClickException(f"no key named {name!r}; `llmgw ctl key list` shows them")
+    row = _row(known)
+    if as_json:
+        echo_json(row)
+    else:
+        for k, v in row.items():
+            click.echo(f"{k:20} {v}")

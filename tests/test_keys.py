@@ -1,0 +1,166 @@
+"""API keys as events: created by the CLI, folded by every router, used, revoked, and their usage in DuckDB."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+from streams import stored
+from test_cli_models import invoke
+from test_router import place
+
+from llmgw import ctl, subjects
+from llmgw import messages as m
+from llmgw.bus import Bus
+from llmgw.fake_engine import spawn
+from llmgw.projections.runner import Projector
+from llmgw.projections.store import Store
+from llmgw.router import Router
+
+
+def declared(name: str, **kw: object) -> tuple[str, m.KeyDeclared]:
+    secret, key_id, salt, digest = ctl.new_key_secret()
+    return secret, m.KeyDeclared(at=m.utcnow(), name=name, key_id=key_id, salt=salt, digest=digest, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def served(bus: Bus) -> AsyncIterator[tuple[Router, Router]]:
+    """Two routers in front of one fake engine of model ``k``."""
+    engine = spawn("k", name="E")
+    routers = [Router(bus, f"rt-{i}", tick_s=3600) for i in range(2)]
+    try:
+        await place(bus, "E", "k", engine.url)
+        for r in routers:
+            await r.start("127.0.0.1", 0)
+            await r.sink.wait_for(lambda p: bool(p.healthy.get("k")))
+        yield routers[0], routers[1]
+    finally:
+        for r in routers:
+            await r.stop()
+        engine.stop()
+
+
+async def ask(router: Router, key: str | None, model: str = "k") -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}]}
+    async with aiohttp.ClientSession() as http, http.post(router.url + "/v1/chat/completions", json=body,
+                                                          headers=headers) as r:
+        return r.status
+
+
+async def until_status(router: Router, key: str | None, want: int, within_s: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while (got := await ask(router, key)) != want:
+        assert time.monotonic() - t0 < within_s, f"{router.name} still answers {got}, not {want}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_a_declared_key_is_taken_by_every_router_and_a_revoked_one_refused_by_all(
+    bus: Bus, served: tuple[Router, Router]
+) -> None:
+    a, b = served
+    assert await ask(a, None) == 200  # no key anywhere yet: anonymous, as before
+    secret, key = declared("team-a", tenant="a")
+    await bus.publish(key)
+    for r in (a, b):
+        await until_status(r, secret, 200)
+    assert await ask(a, None) == 401  # a key exists: every request needs one
+    assert await ask(a, "sk-something-else") == 401
+    wrong = secret[:-4] + ("AAAA" if not secret.endswith("AAAA") else "BBBB")
+    assert await ask(a, wrong) == 401  # its id, another secret
+    assert await ask(a, m.KEY_PREFIX + "0" * 16 + "-" + "x" * 43) == 401  # an id nobody has
+    assert await ask(a, m.KEY_PREFIX + "zz" * 700) == 401  # garbage, long, no id
+    client = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key=secret, max_retries=0, timeout=20)
+    try:
+        reply = await client.chat.completions.create(model="k", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content
+    finally:
+        await client.close()
+    await bus.publish(m.KeyRevoked(at=m.utcnow(), name="team-a"))
+    seen = [await until_status(r, secret, 401) for r in (a, b)]
+    print(f"revocation seen by the two routers after {seen[0]:.2f} s and {seen[1]:.2f} s")  # a figure (-s)
+
+
+async def test_a_key_for_some_models_is_refused_the_others_and_an_expired_one_everything(
+    bus: Bus, served: tuple[Router, Router]
+) -> None:
+    a, _ = served
+    only, key = declared("only-x", models=("x",))
+    await bus.publish(key)
+    await a.sink.wait_for(lambda p: True)
+    await until_status(a, only, 403)
+    gone, old = declared("gone", expires_at=m.utcnow())
+    await bus.publish(old)
+    await until_status(a, gone, 401)
+
+
+async def test_what_each_key_asked_reaches_duckdb(bus: Bus, served: tuple[Router, Router], tmp_path: Path) -> None:
+    a, b = served
+    s1, k1 = declared("team-a", tenant="alpha")
+    s2, k2 = declared("team-b", tenant="beta")
+    await bus.publish(k1)
+    await bus.publish(k2)
+    await until_status(a, s1, 200)
+    await until_status(b, s2, 200)
+    for _ in range(3):
+        assert await ask(a, s1) == 200
+    assert await ask(b, s1) == 200
+    assert await ask(b, s2) == 200
+    sent = {"team-a": a._key_use["team-a"]["k"].requests + b._key_use["team-a"]["k"].requests,
+            "team-b": b._key_use["team-b"]["k"].requests}
+    prompt = b._key_use["team-b"]["k"].prompt
+    assert sent == {"team-a": 5, "team-b": 2}  # counting the until_status requests too
+    for r in (a, b):
+        await r.publish_idle_map()
+    assert not a._key_use and not b._key_use  # taken once
+    store = Store(tmp_path / "llmgw.duckdb")
+    projector = Projector(bus, store)
+    await projector.run_once()
+    try:
+        rows = dict(store.query("SELECT key_name, sum(requests)::INTEGER FROM usage_by_key GROUP BY 1"))
+        assert rows == sent
+        daily = store.query("SELECT tenant, requests::INTEGER, prompt_tokens::INTEGER FROM usage_by_key_daily "
+                            "WHERE key_name = 'team-b'")
+        assert daily == [("beta", 2, prompt)] and prompt > 0  # the engine's usage, summed
+    finally:
+        store.close()
+
+
+async def test_keys_from_the_cli_print_the_secret_once_and_store_only_its_digest(bus: Bus, nats_url: str) -> None:
+    r = await invoke(nats_url, "ctl", "key", "create", "ci", "--tenant", "team-a", "--models", "k,other",
+                     "--requests-per-minute", "600", "--expires", "30d", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    secret = out["secret"]
+    assert secret.startswith(m.KEY_PREFIX) and len(secret) > 50
+    (event,) = [e for e in await stored(bus, subjects.STREAM_CONTROL) if isinstance(e, m.KeyDeclared)]
+    raw = msgspec.json.encode(event)
+    assert secret.encode() not in raw and event.digest == ctl.key_digest(event.salt, secret)
+    assert (event.tenant, event.models, event.requests_per_minute) == ("team-a", ("k", "other"), 600)
+    listed = json.loads((await invoke(nats_url, "ctl", "key", "list", "--json")).output)
+    assert [k["name"] for k in listed] == ["ci"] and "digest" not in listed[0] and "salt" not in listed[0]
+    again = await invoke(nats_url, "ctl", "key", "create", "ci")
+    assert again.exit_code == 1 and "a key named 'ci' exists" in again.output
+    updated = await invoke(nats_url, "ctl", "key", "update", "ci", "--tokens-per-day", "2000000")
+    assert updated.exit_code == 0, updated.output
+    shown = json.loads((await invoke(nats_url, "ctl", "key", "show", "ci", "--json")).output)
+    assert shown["tokens_per_day"] == 2_000_000 and shown["key_id"] == event.key_id  # same secret
+    assert (await invoke(nats_url, "ctl", "key", "revoke", "ci")).exit_code == 0
+    assert json.loads((await invoke(nats_url, "ctl", "key", "list", "--json")).output) == []
+    gone = await invoke(nats_url, "ctl", "key", "revoke", "ci")
+    assert gone.exit_code == 1 and "no key named 'ci'" in gone.output
+
+
+@pytest.mark.parametrize("limit", ["0", "-5", str(10**16)])
+async def test_limits_out_of_bounds_are_refused_and_publish_nothing(bus: Bus, nats_url: str, limit: str) -> None:
+    r = await invoke(nats_url, "ctl", "key", "create", "x", "--tokens-per-day", limit)
+    assert r.exit_code == 2 and "Error: Invalid value for '--tokens-per-day'" in r.output
+    assert await stored(bus, subjects.STREAM_CONTROL) == []
