@@ -126,7 +126,7 @@ def test_a_hot_prefix_spills_past_the_load_bound_and_a_retry_takes_the_next() ->
     assert pr.pick(table, key, reps, now=0.0) is None  # seen once: by load
     home = pr.pick(table, key, reps, now=0.0)  # homed at its second sighting
     assert home is not None
-    home.outstanding = 2  # 2 + 1 > 1.25 × (2 + 1) / 3
+    home.outstanding = 2  # 2 + 1 > ceil(1.25 × (2 + 1) / 3) = 2
     spill = pr.pick(table, key, reps, now=0.0)
     assert spill is not None and spill is not home and spill.outstanding == 0
     home.outstanding = 0
