@@ -136,6 +136,15 @@ def test_parked_models_wake_on_requests_and_autoscale_with_load(tmp_path: Path) 
         assert all(s["reason"].startswith("scaled down to") for s in stopped)
         timeline = ok(url, "replay", "--model", "auto")
         assert "woken by gw-2" in timeline
+
+        # 5. The live history re-decided by the recorded policy is what happened; a TTL never stops less.
+        first = min(json.loads(line)["stored_at"] for line in ok(url, "replay", "--json").splitlines() if line)
+        report = json.loads(ok(url, "ctl", "what-if", "--since", first, "--idle-ttl", "fixed=never", "--json"))
+        assert report["fidelity"]["reproduced"] >= 0.99, report["fidelity"]
+        assert abs(report["fidelity"]["gpu_hours_diff"]) <= 0.02, report["fidelity"]
+        fixed = report["asked"][0]["models"]["fixed"]
+        assert fixed["gpu_hours"] > report["recorded"]["models"]["fixed"]["gpu_hours"]
+        assert fixed["cold_starts"] == 0 < report["recorded"]["models"]["fixed"]["cold_starts"]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         for c in clients:
