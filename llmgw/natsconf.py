@@ -130,7 +130,8 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         # A named router speaks only for itself; the shared "router" user for any router name.
         tok = s.token(node) if node else "*"
         # Its own last idle map, read back at start so that idle time survives a restart.
-        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL),
+        # The other routers' maps too: each key's quota counts what it asked through any router.
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL, USAGE),
                 s.js_api("DIRECT.GET", USAGE, f"{P}.usage.{tok}.idle")]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":

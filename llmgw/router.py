@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import signal
 import time
 import uuid
@@ -45,6 +46,7 @@ from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
 from llmgw.metrics import Metrics, Usage, usage_of, usage_of_stream
+from llmgw.quotas import Quotas
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
 from llmgw.wakelog import WakeLog
 
@@ -215,6 +217,7 @@ class Router:
         self.idle_maps = 0
         self._rr = 0
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix
+        self.quotas = Quotas(name)  # per key: requests a minute, tokens a day, this router's and the others'
         # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
         self._key_use: dict[str, dict[str, KeyUseCounter]] = {}
         # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
@@ -293,6 +296,7 @@ class Router:
         """Follow the control stream, start ticking, listen; returns the base URL."""
         await self.upstream.start()
         self._tasks.append(asyncio.create_task(self._follow(), name="router-endpoints"))
+        self._tasks.append(asyncio.create_task(self._follow_usage(), name="router-usage"))
         if self.idle_tracking:
             self._tasks.append(asyncio.create_task(self._ticker(), name="router-idle"))
         with contextlib.suppress(TimeoutError):
@@ -398,6 +402,28 @@ class Router:
                 log.warning("router %s: control stream: %s; retrying", self.name, e)
                 await asyncio.sleep(1.0)
 
+    async def _follow_usage(self) -> None:
+        """The other routers' maps, as they are published: what each key asked there counts here too."""
+        start = 0
+        while True:
+            try:
+                if not start:
+                    # From this router's own last map (a restart folds what the others said since), else from now.
+                    own = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+                    start = own[0] + 1 if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
+                follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, start, who=f"router {self.name}",
+                                           keep=lambda raw: raw.subject.endswith(".idle"))
+                async for batch in follower.batches():
+                    for d in batch:
+                        if type(d.event) is m.IdleMapPublished:
+                            self.quotas.other_map(d.event)
+                    start = follower.last_seq + 1
+            except asyncio.CancelledError:
+                raise
+            except LlmgwError as e:
+                log.warning("router %s: usage stream: %s; retrying", self.name, e)
+                await asyncio.sleep(1.0)
+
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
@@ -465,6 +491,7 @@ class Router:
         self.metrics.tokens(model, usage)
         if request is not None and (who := request.get("llmgw_key")) is not None:
             self._key_use_of(who.name, model).add_tokens(usage)
+            self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
         if self.idle_tracking and usage.prompt_tokens:
             use = self._cache_use.setdefault(rep.replica_id, [model, 0, 0])
             use[1] += usage.prompt_tokens
@@ -633,6 +660,15 @@ class Router:
                 self.metrics.error("", "forbidden_model")
                 return api.error(403, f"this key may not use the model `{model}` (it may use: {', '.join(key.models)})",
                                  "permission_error", "model_not_allowed", "model")
+            if key is not None:
+                now = time.time()
+                if (over := self.quotas.refusal(key, now)) is not None:
+                    status = 429
+                    code, why, wait = over
+                    self.metrics.error("", "rate_limited" if code == "rate_limit_exceeded" else "quota_exceeded")
+                    return api.error(429, why, "requests" if code == "rate_limit_exceeded" else "insufficient_quota",
+                                     code, headers={"Retry-After": str(math.ceil(wait))})
+                self.quotas.took(key.name, now)
             resp = await self._forward(request, route, model, stream, body, t0,
                                        self.routing_key(model, route, body))
             status = resp.status

@@ -164,3 +164,48 @@ async def test_limits_out_of_bounds_are_refused_and_publish_nothing(bus: Bus, na
     r = await invoke(nats_url, "ctl", "key", "create", "x", "--tokens-per-day", limit)
     assert r.exit_code == 2 and "Error: Invalid value for '--tokens-per-day'" in r.output
     assert await stored(bus, subjects.STREAM_CONTROL) == []
+
+
+async def test_over_its_limits_a_key_gets_429_that_the_openai_client_raises(bus: Bus,
+                                                                          served: tuple[Router, Router]) -> None:
+    a, _ = served
+    rpm, k1 = declared("per-minute", requests_per_minute=2)
+    tpd, k2 = declared("per-day", tokens_per_day=5)
+    await bus.publish(k1)
+    await bus.publish(k2)
+    await until_status(a, rpm, 200)  # the first of its two
+    assert await ask(a, rpm) == 200
+    client = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key=rpm, max_retries=0, timeout=20)
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            await client.chat.completions.create(model="k", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.code == "rate_limit_exceeded"
+        assert 1 <= int(err.value.response.headers["Retry-After"]) <= 60
+    finally:
+        await client.close()
+    await until_status(a, tpd, 200)  # its answer's tokens (the fake engine's usage) pass 5 for today
+    client = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key=tpd, max_retries=0, timeout=20)
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            await client.chat.completions.create(model="k", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.code == "insufficient_quota"
+        assert int(err.value.response.headers["Retry-After"]) <= 86_400
+    finally:
+        await client.close()
+    assert a.metrics.errors("", "rate_limited") == 1 and a.metrics.errors("", "quota_exceeded") == 1
+
+
+async def test_two_routers_share_one_quota(bus: Bus, served: tuple[Router, Router]) -> None:
+    """What a key asked through one router counts at the other once its map is out: not twice the quota."""
+    a, b = served
+    secret, key = declared("shared", requests_per_minute=4)
+    await bus.publish(key)
+    await until_status(a, secret, 200)
+    assert await ask(a, secret) == 200
+    await a.publish_idle_map()  # its tick: the other router reads what the key asked here
+    for _ in range(100):
+        counts = b.quotas.counts.get("shared")
+        if counts is not None and counts.requests(time.time())[0] == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert [await ask(b, secret) for _ in range(3)] == [200, 200, 429]  # 2 there + 2 here = 4 a minute
