@@ -192,3 +192,19 @@ async def test_bad_windows_and_knobs_are_refused_with_the_reason(bus: Bus, setti
         code, out = await asyncio.to_thread(_cli, settings, *args)
         assert code != 0 and said in out, (args, out)
         assert "Traceback" not in out
+
+
+async def test_a_window_whose_usage_aged_out_starts_where_the_usage_does_and_says_so(bus: Bus,
+                                                                                      settings: Settings) -> None:
+    events = history([spec("lone")], LONE, hours=3)
+    first = await _publish(bus, events)
+    usage = await bus.stream_last_seq(subjects.STREAM_USAGE)
+    await bus.js.purge_stream(subjects.STREAM_USAGE, seq=usage // 2)  # what the 30-day retention does to old usage
+    code, out = await asyncio.to_thread(_cli, settings, "--since", first.isoformat(), "--idle-ttl", "15m", "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert any(n.startswith("the usage stream no longer holds demand before") for n in report["notes"])
+    assert report["since"] > "2026-03-02T01:"  # about half the 3 hours gone: the figures start there
+    since, until = (datetime.fromisoformat(report[k]) for k in ("since", "until"))
+    held = (until - since).total_seconds() / 3600  # the one replica, up all along: only the window's part counts
+    assert abs(report["recorded"]["total"]["gpu_hours"] - held) < 0.01
