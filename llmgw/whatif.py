@@ -51,10 +51,9 @@ FIDELITY_GOAL = 0.99
 FIDELITY_WARN = 0.95
 DEFAULT_START_S = 30.0  # an engine's start-up when the ledger knows none in the whole fleet
 SERVED_KEPT = 64  # per model, the stretches with a healthy replica kept to place a late WakeAnswered's requests
-MAX_PASSES = 5
-QUIET_MAP_S = 60.0  # with no idle TTL and no autoscaling, a policy folds a router's map this often  # decide again while a pass decides something (a wake places in the pass after its scale)
+MAX_PASSES = 5  # decide again while a pass decides something (a wake places in the pass after its scale)
+QUIET_MAP_S = 60.0  # with no idle TTL and no autoscaling, a policy folds a router's map this often
 SIM_KEEPS = Memories(history=False, demand=True, observed=False, pool=False, lost=False)
-NEVER = float("inf")
 
 
 @dataclass(frozen=True)
