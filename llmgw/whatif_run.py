@@ -23,7 +23,8 @@ from llmgw.errors import LlmgwError
 from llmgw.fleet.checkpoint import Memories, fold_batch
 from llmgw.fleet.fold import MAX_AHEAD, stored_at
 from llmgw.fleet.replay import replay
-from llmgw.whatif import FIDELITY_GOAL, FIDELITY_WARN, Figures, Outcome, Policy, Replay
+from llmgw.whatif import FIDELITY_GOAL, FIDELITY_WARN, Outcome, Policy, Replay
+from llmgw.whatif_meter import Figures
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
