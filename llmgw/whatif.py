@@ -47,6 +47,7 @@ DEBOUNCE_S = 0.05  # the live scheduler lets a burst land before it decides
 MATCH_S = 60.0  # a placement or stop reproduced within a minute counts
 FIDELITY_GOAL = 0.99
 FIDELITY_WARN = 0.95
+GPU_HOURS_GOAL = 0.02  # the recorded policy re-decided holds the recorded GPU-hours within this share
 SERVED_KEPT = 64  # per model, the stretches with a healthy replica kept to place a late WakeAnswered's requests
 MAX_PASSES = 5  # decide again while a pass decides something (a wake places in the pass after its scale)
 QUIET_MAP_S = 60.0  # with no idle TTL and no autoscaling, a policy folds a router's map this often

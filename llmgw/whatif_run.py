@@ -23,7 +23,7 @@ from llmgw.errors import LlmgwError
 from llmgw.fleet.checkpoint import Memories, fold_batch
 from llmgw.fleet.fold import MAX_AHEAD, stored_at
 from llmgw.fleet.replay import replay
-from llmgw.whatif import FIDELITY_GOAL, FIDELITY_WARN, Outcome, Policy, Replay
+from llmgw.whatif import FIDELITY_GOAL, FIDELITY_WARN, GPU_HOURS_GOAL, Outcome, Policy, Replay
 from llmgw.whatif_meter import Figures
 
 if TYPE_CHECKING:
@@ -243,6 +243,9 @@ def _report(out: Outcome, policies: list[Policy], since: datetime, until: dateti
     elif out.reproduced < FIDELITY_GOAL:
         notes.append(f"the recorded policy re-decided reproduces {out.reproduced:.1%} of the recorded placements "
                      f"and stops (goal {FIDELITY_GOAL:.0%})")
+    if out.gpu_hours_diff is not None and abs(out.gpu_hours_diff) > GPU_HOURS_GOAL:
+        notes.append(f"the recorded policy re-decided holds {out.gpu_hours_diff:+.1%} of the recorded GPU-hours "
+                     f"(goal ±{GPU_HOURS_GOAL:.0%})")
     starts = {k: EngineStart(started_s=round(s, 2), healthy_s=round(h, 2), source=src)
               for k, (s, h, src) in out.starts.items() if not models or k in models}
     return WhatIfReport(since=since, until=until, models=models, recorded=recorded, asked=asked, fidelity=fid,
