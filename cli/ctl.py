@@ -13,6 +13,7 @@ from llmgw.cli.options import LazyGroup
         "status": "llmgw.cli.status:status",
         "idle": "llmgw.cli.idle:idle",
         "what-if": "llmgw.cli.whatif:what_if",
+        "usage": "llmgw.cli.usage:usage",
     },
 )
 def ctl() -> None:

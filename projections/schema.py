@@ -293,6 +293,30 @@ GROUP BY ALL
       "prompt_tokens": "prompt tokens (engines' usage)", "completion_tokens": "completion tokens",
       "cached_tokens": "prompt tokens from the prefix cache", "mean_latency_s": "mean time to the last byte"}),
 
+    "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
+                         "replicas held GPUs) split by each tenant's share of its tokens that day; a day with no "
+                         "tokens is the tenant '' (nobody to charge). Sums to the model's GPU-hours.", """
+WITH held AS (
+    SELECT model, day::DATE AS day,
+           sum(gpu_count * epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day))) / 3600 AS gpu_hours
+    FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
+          FROM (SELECT model, gpu_count, placed_at AT TIME ZONE 'UTC' AS f,
+                       coalesce(stopped_at, (SELECT max(ts) FROM events)) AT TIME ZONE 'UTC' AS t
+                FROM replica_lifetimes WHERE gpu_count IS NOT NULL))
+    WHERE t > f
+    GROUP BY ALL
+), tokens AS (
+    SELECT day, model, tenant, sum(prompt_tokens + completion_tokens) AS tokens
+    FROM usage_by_key_daily GROUP BY ALL HAVING sum(prompt_tokens + completion_tokens) > 0
+), shares AS (
+    SELECT day, model, tenant, tokens / sum(tokens) OVER (PARTITION BY day, model) AS token_share FROM tokens
+)
+SELECT h.day, h.model, coalesce(s.tenant, '') AS tenant, coalesce(s.token_share, 1.0) AS token_share,
+       h.gpu_hours * coalesce(s.token_share, 1.0) AS gpu_hours
+FROM held h LEFT JOIN shares s USING (day, model)
+""", {"day": "the day (UTC)", "model": None, "tenant": "the keys' tenant; '' for hours no token paid for",
+      "token_share": "its share of the model's tokens that day", "gpu_hours": "GPUs held × hours, its share"}),
+
     "cold_starts": ("One row per wake (a request woke a parked model) and scale-up: each phase at its event's "
                     "time, from wanted to the first byte answered (the cold-start ledger, ctl model show).", """
 WITH placed AS (

@@ -638,3 +638,28 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
     finally:
         con.close()
     return out, views_out, as_of
+
+
+USAGE_BY = {"key": "key_name", "tenant": "tenant", "model": "model"}
+
+
+def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, ...]]:
+    """``ctl usage``: requests, errors and tokens per key, tenant or model over the last days (UTC), from
+    ``usage_by_key_daily``; the file is opened read-only (DatabaseHeldError while a projector holds it)."""
+    column = USAGE_BY[by]
+    try:
+        con = duckdb.connect(str(source), read_only=True)
+    except duckdb.IOException as e:
+        if "lock" in str(e).lower():
+            raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
+        raise ProjectionError(f"cannot open {source}: {e}") from e
+    try:
+        con.execute("SET TimeZone = 'UTC'")
+        return con.execute(
+            f"SELECT {column}, sum(requests)::BIGINT, sum(errors)::BIGINT, sum(prompt_tokens)::BIGINT, "
+            "sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT FROM usage_by_key_daily "
+            "WHERE day > current_date - ?::INTEGER GROUP BY 1 ORDER BY 4 + 5 DESC, 1", [since_days]).fetchall()
+    except duckdb.Error as e:
+        raise ProjectionError(f"cannot read usage from {source}: {e}; is it a projection of this version?") from e
+    finally:
+        con.close()

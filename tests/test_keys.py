@@ -209,3 +209,49 @@ async def test_two_routers_share_one_quota(bus: Bus, served: tuple[Router, Route
             break
         await asyncio.sleep(0.05)
     assert [await ask(b, secret) for _ in range(3)] == [200, 200, 429]  # 2 there + 2 here = 4 a minute
+
+
+def test_the_chargeback_splits_each_models_gpu_hours_by_its_tenants_tokens(tmp_path: Path) -> None:
+    """Two tenants' tokens on one model, a day of a 2-GPU replica: their GPU-hours sum to the model's."""
+    from analyst_history import project
+    from projection_events import inventory, placed, spec, t
+
+    qwen = spec("qwen-8b", tp=2)
+    _, alpha = declared("ka", tenant="alpha")
+    _, beta = declared("kb", tenant="beta")
+    use = {"ka": {"qwen-8b": m.KeyUse(requests=3, prompt_tokens=300, completion_tokens=0)},
+           "kb": {"qwen-8b": m.KeyUse(requests=1, prompt_tokens=100, completion_tokens=0)}}
+    events: list[m.Event] = [inventory("n1", "ib-a", 4, t(0)), m.ModelDeclared(at=t(0), spec=qwen),
+                             placed("r-q", qwen, [("n1", 0), ("n1", 1)], t(0)),
+                             msgspec.structs.replace(alpha, at=t(0)), msgspec.structs.replace(beta, at=t(0)),
+                             m.IdleMapPublished(at=t(30), router="rt", boot_id="b", tick=1, key_use=use),
+                             m.ReplicaStopped(at=t(60), replica_id="r-q", model="qwen-8b", reason="idle", code="idle")]
+    store = project(tmp_path / "llmgw.duckdb", events)
+    try:
+        rows = store.query("SELECT tenant, round(token_share, 2), round(gpu_hours, 3) FROM chargeback_daily "
+                           "ORDER BY tenant")
+        assert rows == [("alpha", 0.75, 1.5), ("beta", 0.25, 0.5)]  # 2 GPUs × 1 h, split 3:1
+    finally:
+        store.close()
+
+
+def test_ctl_usage_answers_per_tenant_key_and_model(tmp_path: Path) -> None:
+    from analyst_history import project
+    from click.testing import CliRunner
+    from projection_events import t
+
+    from llmgw.cli.main import cli
+
+    _, alpha = declared("ka", tenant="alpha")
+    use = {"ka": {"m1": m.KeyUse(requests=3, errors=1, prompt_tokens=300, completion_tokens=30, cached_tokens=200)}}
+    now = m.utcnow()
+    project(tmp_path / "llmgw.duckdb", [msgspec.structs.replace(alpha, at=t(0)),
+                                        m.IdleMapPublished(at=now, router="rt", boot_id="b", tick=1, key_use=use)]).close()
+    r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == [{"tenant": "alpha", "requests": 3, "errors": 1, "prompt_tokens": 300,
+                                     "completion_tokens": 30, "cached_tokens": 200}]
+    table = CliRunner().invoke(cli, ["ctl", "usage", "--by", "key", "--db", str(tmp_path / "llmgw.duckdb")])
+    assert table.exit_code == 0 and "ka" in table.output and "300" in table.output
+    missing = CliRunner().invoke(cli, ["ctl", "usage", "--db", str(tmp_path / "nope.duckdb")])
+    assert missing.exit_code == 1 and missing.output.startswith("Error: no projection at")
