@@ -367,6 +367,8 @@ class Router:
                 event = self._idle_map()
                 await self.bus.publish(event, timeout=2.0)
                 self._published(event)
+                for answered in self.wakes.drain(self.name, self.boot_id):  # the ledger's router part too
+                    await self.bus.publish(answered, timeout=2.0)
             except LlmgwError as e:
                 log.warning("router %s: last idle map not published: %s", self.name, e)
         self.url = ""

@@ -16,6 +16,7 @@ import openai
 import pytest
 from running import engines as running_engines
 from running import until
+from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -204,3 +205,19 @@ async def test_a_held_request_wishes_again_each_tick_while_parked_not_while_star
         router.wake_timeout_s = 0.01
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_router_stopping_before_its_tick_still_says_when_its_wake_answered(bus: Bus, router: Router) -> None:
+    """The ledger's router part goes out with the last map, not only at the next tick (which never comes)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(session.post(router.url + "/v1/chat/completions", json=body))
+        await until(lambda: len(router.waiting.get(MODEL, ())) == 1, "the request held", 10)
+        with running_engines(R=(MODEL,)) as procs:
+            await serve_replica(bus, f"{MODEL}-r2", MODEL, procs["R"].url)
+            resp = await asyncio.wait_for(held, 30)
+            assert resp.status == 200
+            resp.release()
+            await router.stop()  # its tick is an hour away: only the stop can say it
+    answered = [e for e in await stored(bus, subjects.STREAM_USAGE) if isinstance(e, m.WakeAnswered)]
+    assert [(e.model, e.replica_id, e.requests) for e in answered] == [(MODEL, f"{MODEL}-r2", 1)]
