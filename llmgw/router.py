@@ -57,6 +57,8 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 METHODS = {**dict.fromkeys(ROUTES, "POST"), "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
 RETRY_AFTER_S = 5
 USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the engine's `usage` in
+PRIORITIES = ("high", "normal", "low")  # the order a freed slot goes in (ctl key --priority)
+QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low ones are shed
 TOKENS_MAX = 1 << 40  # the most a map carries for one replica (CacheUse's bound)
 DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
 
@@ -217,6 +219,8 @@ class Router:
         self.idle_maps = 0
         self._rr = 0
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix
+        # Per model at capacity, the requests waiting for a slot, by priority (the keys').
+        self._queues: dict[str, dict[str, deque[asyncio.Future[str]]]] = {}
         self.quotas = Quotas(name)  # per key: requests a minute, tokens a day, this router's and the others'
         # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
         self._key_use: dict[str, dict[str, KeyUseCounter]] = {}
@@ -271,9 +275,57 @@ class Router:
             return None
         return prefixroute.prompt_key(route, body)
 
-    @staticmethod
-    def release(rep: Replica) -> None:
+    def release(self, rep: Replica) -> None:
         rep.outstanding -= 1
+        queues = self._queues.get(rep.model)
+        if queues:  # a slot freed: the first request waiting, the highest priority first
+            for priority in PRIORITIES:
+                queue = queues[priority]
+                while queue:
+                    fut = queue.popleft()
+                    if not fut.done():
+                        fut.set_result("go")
+                        return
+
+    def _saturated(self, model: str) -> int:
+        """Every healthy replica of ``model`` at its capacity: that capacity; else (or not said) 0."""
+        declared = self.pool.declared.get(model)
+        reps = self.pool.healthy.get(model)
+        if declared is None or not declared.capacity or not reps:
+            return 0
+        cap = declared.capacity
+        return cap if all(r.outstanding >= cap for r in reps) else 0
+
+    async def _admit(self, model: str, priority: str) -> str:
+        """Wait for a slot while every replica is full, by priority; "" once admitted, else why not.
+
+        Below saturation nothing waits (the engines' own slots). At it, requests queue here, high
+        before normal before low; past QUEUE_PER_SLOT x slots queued, a low request is refused at
+        once, and a higher one takes the place of the newest lower one queued (which is refused).
+        """
+        cap = self._saturated(model)
+        if not cap:
+            return ""
+        queues = self._queues.setdefault(model, {p: deque() for p in PRIORITIES})
+        bound = QUEUE_PER_SLOT * cap * len(self.pool.healthy.get(model, ()))
+        if sum(len(q) for q in queues.values()) >= bound:
+            lower = PRIORITIES[PRIORITIES.index(priority) + 1:]
+            victim = next((queues[p] for p in reversed(lower) if queues[p]), None)
+            if victim is None:
+                return "shed"
+            victim.pop().set_result("shed")
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        queue = queues[priority]
+        queue.append(fut)
+        try:
+            async with asyncio.timeout(self.upstream.timeouts.read_s):
+                outcome = await fut
+        except TimeoutError:
+            outcome = "timeout"
+        finally:
+            if fut in queue:
+                queue.remove(fut)
+        return "" if outcome == "go" else outcome
 
     def idle_for(self, replica_id: str, now: float | None = None) -> IdleFor:
         return self.idle.idle_for(replica_id, time.time() if now is None else now)
@@ -717,6 +769,13 @@ class Router:
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
                        body: bytes, t0: float, key: int | None = None) -> web.StreamResponse:
+        who: m.KeyDeclared | None = request.get("llmgw_key")
+        if (refused := await self._admit(model, who.priority if who is not None else "normal")):
+            self.metrics.error(model, "shed")
+            return api.error(429 if refused == "shed" else 503,
+                             f"model {model!r} is at capacity and {'this priority is shed first' if refused == 'shed' else 'no slot freed in time'}; "
+                             f"retry after {RETRY_AFTER_S}s", "server_error", "model_at_capacity", "model",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
         rep = self.acquire(model, key=key)
         woken = False
         if rep is None:

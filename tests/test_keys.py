@@ -255,3 +255,52 @@ def test_ctl_usage_answers_per_tenant_key_and_model(tmp_path: Path) -> None:
     assert table.exit_code == 0 and "ka" in table.output and "300" in table.output
     missing = CliRunner().invoke(cli, ["ctl", "usage", "--db", str(tmp_path / "nope.duckdb")])
     assert missing.exit_code == 1 and missing.output.startswith("Error: no projection at")
+
+
+async def test_at_capacity_high_goes_first_and_low_is_shed_first(bus: Bus) -> None:
+    """One replica of one slot, busy: a high-priority request overtakes a normal one, and takes the place
+    of a low one in a full queue (that one hears 429 at once)."""
+    engine = spawn("one", "--latency-ms", "400", name="S")
+    router = Router(bus, "rt-prio", tick_s=3600)
+    try:
+        spec = m.ModelSpec(name="one", source="x", precision="q8_0", engine="llama.cpp", gpu_class="CPU",
+                           context=2048, parallel=1)  # one slot: llama.cpp's -np 1
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+        await place(bus, "S", "one", engine.url)
+        await router.start("127.0.0.1", 0)
+        await router.sink.wait_for(lambda p: bool(p.healthy.get("one")) and "one" in p.declared)
+        keys = {}
+        for name, priority in (("hi", "high"), ("mid", "normal"), ("lo", "low")):
+            secret, key = declared(name, priority=priority)
+            await bus.publish(key)
+            keys[name] = secret
+        await until_status_model(router, keys["mid"], "one")
+        order: list[str] = []
+
+        async def send(name: str) -> int:
+            status = await ask(router, keys[name], "one")
+            order.append(name)
+            return status
+
+        first = asyncio.create_task(send("mid"))  # takes the slot
+        await asyncio.sleep(0.1)
+        queued_mid = asyncio.create_task(send("mid"))
+        await asyncio.sleep(0.05)
+        queued_lo = asyncio.create_task(send("lo"))
+        await asyncio.sleep(0.05)  # the queue holds two (2 per slot): full
+        high = asyncio.create_task(send("hi"))
+        assert await queued_lo == 429  # shed for the high one, at once
+        assert [await first, await high, await queued_mid] == [200, 200, 200]
+        assert order == ["lo", "mid", "hi", "mid"]  # after the first: high before the normal that waited longer
+        assert router.metrics.errors("one", "shed") == 1
+    finally:
+        await router.stop()
+        engine.stop()
+
+
+async def until_status_model(router: Router, key: str, model: str) -> None:
+    for _ in range(200):
+        if await ask(router, key, model) == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the key never worked")

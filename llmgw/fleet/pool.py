@@ -46,6 +46,8 @@ class Declared:
     unplaceable: str | None = None
     routing: str = "prefix"  # ModelSpec.routing: how the router picks among its replicas
     declared_at: float = 0.0  # when (Unix seconds): /v1/models' ``created``
+    # Requests one replica serves at once (llama.cpp's slots, vLLM's --max-num-seqs); 0: not said.
+    capacity: int = 0
 
 
 @dataclass
@@ -120,8 +122,9 @@ class Pool:
         match event:
             case m.ModelDeclared(spec=spec):
                 self.known_models[spec.name] = None
-                self.declared[spec.name] = Declared(spec.replicas, routing=spec.routing,
-                                                    declared_at=event.at.timestamp())
+                self.declared[spec.name] = Declared(
+                    spec.replicas, routing=spec.routing, declared_at=event.at.timestamp(),
+                    capacity=spec.slots if spec.engine == "llama.cpp" else spec.parallel)
                 return True
             case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
                 d = self.declared.get(name)
