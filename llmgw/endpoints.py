@@ -54,7 +54,7 @@ class EndpointSink:
     @property
     def bad_events(self) -> int:
         """Control events skipped: undecodable, a subject its payload disagrees with, or state from a stranger."""
-        return self.skipped + self.refused + self.pool.refused
+        return self.skipped + self.refused
 
     def _skipped(self, raw: RawMsg, error: Exception) -> None:
         self.skipped += 1  # recorded and skipped: one bad event must not stop routing

@@ -365,14 +365,21 @@ def test_a_replica_takes_state_only_from_its_own_node() -> None:
 
 
 def test_the_routers_pool_takes_state_only_from_a_placed_replicas_nodes() -> None:
-    from llmgw.endpoints import Pool
+    """The router's fold refuses a stranger's report before its pool sees it (the one rule, fold_batch)."""
+    from llmgw.endpoints import ROUTER_KEEPS
 
-    pool = Pool()
-    pool.apply(state_of("never-placed", "n2", endpoint="http://evil:1"), 0.0)
-    pool.apply(QWEN_ON_N1, 0.0)
-    pool.apply(state_of("r-q", "n2", endpoint="http://evil:1"), 0.0)
-    assert pool.models() == [] and "never-placed" not in pool.replicas
-    pool.apply(state_of("r-q", "n1", endpoint="http://n1:8000"), 0.0)
-    pool.apply(state_of("r-q", "n2", "stopped"), 0.0)  # a stranger cannot take it out of the pool either
+    c = Checkpoint()
+    refused = 0
+    for seq, (subject, event) in enumerate([
+        ("llmgw.control.replica.never-placed.state.n2", state_of("never-placed", "n2", endpoint="http://evil:1")),
+        ("llmgw.control.replica.r-q.placed", QWEN_ON_N1),
+        ("llmgw.control.replica.r-q.state.n2", state_of("r-q", "n2", endpoint="http://evil:1")),
+        ("llmgw.control.replica.r-q.state.n1", state_of("r-q", "n1", endpoint="http://n1:8000")),
+        ("llmgw.control.replica.r-q.state.n2", state_of("r-q", "n2", "stopped")),  # nor take it out of the pool
+    ], 1):
+        stored = RawMsg(seq=seq, subject=subject, data=b"", ts_ns=int(t(2).timestamp() * 1e9))
+        refused += sum(w is not None for w in fold_batch(c, "LLMGW_CONTROL", [stored], [event], keep=ROUTER_KEEPS))
+    pool = c.pool
+    assert "never-placed" not in pool.replicas
     assert [r.endpoint for r in pool.healthy["qwen-8b"]] == ["http://n1:8000"]
-    assert pool.refused == 2
+    assert refused == 2

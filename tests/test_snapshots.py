@@ -74,7 +74,7 @@ def pool_view(pool: Pool) -> tuple[object, ...]:
     reps = sorted((r.replica_id, r.model, r.state, r.endpoint, r.in_pool, r.nodes, sorted(r.parts.items()))
                   for r in pool.replicas.values())
     healthy = sorted((model, sorted(r.replica_id for r in reps_)) for model, reps_ in pool.healthy.items())
-    return reps, healthy, sorted(pool.known_models), sorted(pool.declared.items()), pool.refused
+    return reps, healthy, sorted(pool.known_models), sorted(pool.declared.items())
 
 
 @hsettings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmgw import messages as m
-from llmgw.fleet.fold import model_state, part_state, speaks_for
+from llmgw.fleet.fold import model_state, part_state
 
 
 @dataclass(eq=False)
@@ -62,8 +62,6 @@ class Pool:
     # and a checkpoint's bytes must not depend on which process folded it.)
     known_models: dict[str, None] = field(default_factory=dict)
     declared: dict[str, Declared] = field(default_factory=dict)
-    # State reports for a replica from a node it was not placed on: counted, never routed to.
-    refused: int = 0
 
     def models(self) -> list[str]:
         """Models with at least one healthy replica."""
@@ -147,14 +145,14 @@ class Pool:
                     d.unplaceable = None
                 if rid not in self.replicas:
                     self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes, placed_seq=seq)
+                else:  # placed again (as the fold takes it): its nodes now are the ones that speak for it
+                    self.replicas[rid].nodes = event.nodes
                 return True
             case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
                 rep = self.replicas.get(rid)
                 if rep is None:
                     return False  # never placed, or stopped already: no agent's word makes it routable
-                if speaks_for(rep.nodes, event) is not None:
-                    self.refused += 1  # only the replica's own nodes speak for it, "stopped" included
-                    return False
+                # A report from a node it is not on never gets here: the one fold refused it (fold_batch).
                 if state == "stopped":
                     self._leave(rep)
                     del self.replicas[rid]
@@ -193,7 +191,7 @@ class Pool:
         reps = {rid: (r.model, r.state, r.endpoint, r.in_pool, r.nodes, r.parts, r.outstanding, r.pooled_at)
                 for rid, r in self.replicas.items()}
         healthy = {model: sorted(r.replica_id for r in reps_) for model, reps_ in self.healthy.items()}
-        return reps, healthy, self.known_models, self.declared, self.refused
+        return reps, healthy, self.known_models, self.declared
 
     def __post_init__(self) -> None:
         # Decoded from a snapshot: ``healthy`` is rebuilt from ``replicas``, whatever it said (the very
