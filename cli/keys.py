@@ -69,7 +69,7 @@ def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens
     from llmgw import ctl
 
     secret, key_id, salt, digest = ctl.new_key_secret()
-    event = m.KeyDeclared(at=m.utcnow(), name=name, key_id=key_id, salt=salt, digest=digest, tenant=tenant or "",
+    event = m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest, tenant=tenant or "",
                           models=models or (), tokens_per_day=tokens_per_day, requests_per_minute=requests_per_minute,
                           priority=priority or "normal", expires_at=expires)  # type: ignore[arg-type]
     seq = run(ctl.publish_key(settings, event, must_exist=False))

@@ -61,7 +61,7 @@ class EndpointSink:
 
     def _index_keys(self) -> None:
         """The live keys by id, for the router's lookup: rebuilt when a key event is folded, never per request."""
-        self.keys_by_id = {k.key_id: k for k in self.checkpoint.state.keys.values()}
+        self.keys_by_id = {k.lookup_id: k for k in self.checkpoint.state.keys.values()}
 
     async def start_from_snapshot(self) -> None:
         """Take the pool of the newest fold snapshot as the pool so far (none: sequence 1)."""

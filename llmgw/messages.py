@@ -287,7 +287,7 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
     # a map is not published): its prompt tokens and the engine's cached share of them (issue 27).
     cache_use: Annotated[dict[Ref, CacheUse], msgspec.Meta(max_length=4096)] = {}
     # Per API key (ctl key) and model, what was asked through this router since its previous map.
-    key_use: Annotated[dict[Ref, Annotated[dict[Ref, KeyUse], msgspec.Meta(max_length=4096)]],
+    callers: Annotated[dict[Ref, Annotated[dict[Ref, KeyUse], msgspec.Meta(max_length=4096)]],
                        msgspec.Meta(max_length=100_000)] = {}
 
 
@@ -521,11 +521,11 @@ class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
     """An API key and its limits (``ctl key create|update``); the stream holds a salted digest, never the secret.
 
     Declared again under the same name it replaces the record (``update``); the digest is
-    sha256(salt || secret) in hex, and a router finds the record by ``key_id`` (in the secret).
+    sha256(salt || secret) in hex, and a router finds the record by ``lookup_id`` (the id in the secret).
     """
 
     name: Ref
-    key_id: KeyId
+    lookup_id: KeyId
     salt: Hex32
     digest: Hex64
     tenant: Annotated[str, msgspec.Meta(max_length=128)] = ""

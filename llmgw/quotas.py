@@ -1,7 +1,7 @@
 """Requests per minute and tokens per day per API key, across every router.
 
 A router counts its own requests as it takes them and its tokens as the engines
-report them, and adds what every other router's idle maps say (``key_use``, read
+report them, and adds what every other router's idle maps say (``callers``, read
 from the usage stream as they are published). A request over a key's limit is
 refused with 429: ``rate_limit_exceeded`` (requests per minute) or
 ``insufficient_quota`` (tokens per day, UTC), as OpenAI's own API names them,
@@ -118,10 +118,10 @@ class Quotas:
 
     def other_map(self, event: m.IdleMapPublished) -> None:
         """Another router's map: what its keys asked over its last tick counts here too."""
-        if event.router == self.router or not event.key_use:
+        if event.router == self.router or not event.callers:
             return
         at = event.at.timestamp()
-        for key, per in event.key_use.items():
+        for key, per in event.callers.items():
             c = self._of(key)
             c.add_requests(at, sum(u.requests for u in per.values()))
             c.add_tokens(utc_day(at), sum(u.prompt_tokens + u.completion_tokens for u in per.values()))

@@ -511,14 +511,14 @@ class Router:
             changes["cache_use"] = {rid: m.CacheUse(model, min(p, TOKENS_MAX), min(c, p, TOKENS_MAX))
                                     for rid, (model, p, c) in sorted(self._cache_use.items())}
         if self._key_use:
-            changes["key_use"] = {key: {model: use.message() for model, use in sorted(per.items())}
+            changes["callers"] = {key: {model: use.message() for model, use in sorted(per.items())}
                                   for key, per in sorted(self._key_use.items())}
         return msgspec.structs.replace(event, **changes) if changes else event
 
     def _published(self, event: m.IdleMapPublished) -> None:
         """What a published map carried is taken off; a map not published leaves it for the next."""
         self.idle_maps += 1
-        for key, per in event.key_use.items():
+        for key, per in event.callers.items():
             for model, sent in per.items():
                 counter = self._key_use.get(key, {}).get(model)
                 if counter is not None and counter.take(sent):

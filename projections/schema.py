@@ -125,7 +125,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
                                     "llama-server timings.cache_n)"),
     ]),
     "usage_by_key": ("History: per router tick, API key (ctl key) and model, what was asked through the router "
-                     "(the idle map's key_use): requests, errors, the engines' token counts, time sums.", [
+                     "(the idle map's callers): requests, errors, the engines' token counts, time sums.", [
         ("stream", "VARCHAR", None),
         ("seq", "BIGINT", None),
         ("ts", "TIMESTAMPTZ", None),

@@ -240,7 +240,7 @@ class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
     tick: int
     changes: list[tuple[str, datetime | None, datetime | None]]  # replica, last request, serving since
     cache: list[tuple[str, str, int, int]] = []  # replica, model, prompt tokens, cached tokens (cache_use)
-    # key, model, requests, errors, prompt, completion, cached tokens, ttft and latency sums (key_use)
+    # key, model, requests, errors, prompt, completion, cached tokens, ttft and latency sums (callers)
     keys: list[tuple[str, str, int, int, int, int, int, float, float]] = []
 
 
@@ -273,7 +273,7 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
             changed |= prev.last_request.keys() | prev.serving_since.keys()
     cache = [(r, u.model, u.prompt_tokens, u.cached_tokens) for r, u in event.cache_use.items()]
     keys = [(k, model, u.requests, u.errors, u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.ttft_s,
-             u.latency_s) for k, per in event.key_use.items() for model, u in per.items()]
+             u.latency_s) for k, per in event.callers.items() for model, u in per.items()]
     return _IDLE_ENCODER.encode(_IdleChanges(
         event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)], cache, keys))
 

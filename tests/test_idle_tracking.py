@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import aiohttp
 import pytest
@@ -138,7 +138,9 @@ async def test_ticker_publishes_without_being_asked(bus: Bus, engines: dict[str,
         await r.stop()
 
 
-async def test_restarted_router_marks_nothing_idle(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+async def test_a_restarted_router_takes_up_its_last_map_and_claims_nothing_more(
+    bus: Bus, engines: dict[str, EngineProcess]
+) -> None:
     first = Router(bus, "restarting", tick_s=3600)
     await first.start("127.0.0.1", 0)
     await up(bus, "A", "model-a", engines["A"].url)
@@ -149,33 +151,37 @@ async def test_restarted_router_marks_nothing_idle(bus: Bus, engines: dict[str, 
     (final,) = [x for x in await idle_maps(bus) if x.boot_id == first.boot_id]
     assert set(final.last_request) == {"A"}
 
-    restarted_at = datetime.now(UTC)
     second = Router(bus, "restarting", tick_s=3600)
     await second.start("127.0.0.1", 0)
+    other = Router(bus, "never-asked", tick_s=3600)  # another name: its own last map is none
+    await other.start("127.0.0.1", 0)
     try:
         await second.sink.wait_for(lambda p: "model-a" in p.models())
         event = await second.publish_idle_map()
         assert event.boot_id != first.boot_id
-        assert event.last_request == {}  # it has seen no request: it claims nothing
-        assert event.serving_since["A"] >= restarted_at - timedelta(seconds=1)
-        assert second.idle_for("A") == IdleFor(-1.0, False)
+        # It takes up its own last map: A was last asked when it was, not "just now" nor never.
+        assert event.last_request == final.last_request and "A" not in event.serving_since
+        assert second.idle_for("A").known
+        fresh = await other.publish_idle_map()
+        assert fresh.last_request == {} and "A" in fresh.serving_since  # it has seen no request: it claims none
 
-        # Folded as the projector folds it, A's idleness starts no earlier than the restart.
+        # Folded as the projector folds it, A's idleness runs from its last request, across the restart.
         state = FleetState()
         for e in await idle_maps(bus):
-            apply(state, e)
-        since = state.idle_since("A")
-        assert since is not None and since >= restarted_at - timedelta(seconds=1)
+            if e.router == "restarting":  # (a new router's serving-since would count as its own news)
+                apply(state, e)
+        assert state.idle_since("A") == final.last_request["A"]
 
-        # A request afterwards makes it known again, with its own time.
+        # A request afterwards moves it, with its own time.
         t0 = time.time()
         await ask(second.url, "model-a")
         seen = second.idle_for("A")
         assert seen.known and seen.seconds <= time.time() - t0
         event = await second.publish_idle_map()
-        assert set(event.last_request) == {"A"} and "A" not in event.serving_since
+        assert set(event.last_request) == {"A"} and event.last_request["A"] > final.last_request["A"]
     finally:
         await second.stop()
+        await other.stop()
 
 
 async def test_tracking_off_writes_no_times(bus: Bus, engines: dict[str, EngineProcess]) -> None:

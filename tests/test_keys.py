@@ -27,7 +27,7 @@ from llmgw.router import Router
 
 def declared(name: str, **kw: object) -> tuple[str, m.KeyDeclared]:
     secret, key_id, salt, digest = ctl.new_key_secret()
-    return secret, m.KeyDeclared(at=m.utcnow(), name=name, key_id=key_id, salt=salt, digest=digest, **kw)  # type: ignore[arg-type]
+    return secret, m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ async def test_keys_from_the_cli_print_the_secret_once_and_store_only_its_digest
     updated = await invoke(nats_url, "ctl", "key", "update", "ci", "--tokens-per-day", "2000000")
     assert updated.exit_code == 0, updated.output
     shown = json.loads((await invoke(nats_url, "ctl", "key", "show", "ci", "--json")).output)
-    assert shown["tokens_per_day"] == 2_000_000 and shown["key_id"] == event.key_id  # same secret
+    assert shown["tokens_per_day"] == 2_000_000 and shown["lookup_id"] == event.lookup_id  # same secret
     assert (await invoke(nats_url, "ctl", "key", "revoke", "ci")).exit_code == 0
     assert json.loads((await invoke(nats_url, "ctl", "key", "list", "--json")).output) == []
     gone = await invoke(nats_url, "ctl", "key", "revoke", "ci")
@@ -224,7 +224,7 @@ def test_the_chargeback_splits_each_models_gpu_hours_by_its_tenants_tokens(tmp_p
     events: list[m.Event] = [inventory("n1", "ib-a", 4, t(0)), m.ModelDeclared(at=t(0), spec=qwen),
                              placed("r-q", qwen, [("n1", 0), ("n1", 1)], t(0)),
                              msgspec.structs.replace(alpha, at=t(0)), msgspec.structs.replace(beta, at=t(0)),
-                             m.IdleMapPublished(at=t(30), router="rt", boot_id="b", tick=1, key_use=use),
+                             m.IdleMapPublished(at=t(30), router="rt", boot_id="b", tick=1, callers=use),
                              m.ReplicaStopped(at=t(60), replica_id="r-q", model="qwen-8b", reason="idle", code="idle")]
     store = project(tmp_path / "llmgw.duckdb", events)
     try:
@@ -246,7 +246,7 @@ def test_ctl_usage_answers_per_tenant_key_and_model(tmp_path: Path) -> None:
     use = {"ka": {"m1": m.KeyUse(requests=3, errors=1, prompt_tokens=300, completion_tokens=30, cached_tokens=200)}}
     now = m.utcnow()
     project(tmp_path / "llmgw.duckdb", [msgspec.structs.replace(alpha, at=t(0)),
-                                        m.IdleMapPublished(at=now, router="rt", boot_id="b", tick=1, key_use=use)]).close()
+                                        m.IdleMapPublished(at=now, router="rt", boot_id="b", tick=1, callers=use)]).close()
     r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output) == [{"tenant": "alpha", "requests": 3, "errors": 1, "prompt_tokens": 300,
