@@ -213,6 +213,20 @@ def capacity_section(r: m.StatusReport) -> Safe:
     return join(rows) if rows else el("p", "no GPUs reported yet: start an agent", cls="empty")
 
 
+def tenants_section(r: m.StatusReport) -> Safe:
+    """Requests and tokens per tenant, today and over seven days; keys at 80 % of their daily tokens."""
+    if not r.tenants:
+        return el("p", "no API key used yet (", el("code", "llmgw ctl key create"), ")", cls="empty")
+    head = el("tr", *(el("th", h) for h in ("tenant", "today", "7 days")))
+    body = [el("tr", el("td", t.tenant or "-"),
+               el("td", f"{t.requests_today:,} req · {t.tokens_today:,} tok", cls="num"),
+               el("td", f"{t.requests_7d:,} req · {t.tokens_7d:,} tok", cls="num")) for t in r.tenants]
+    near = [el("li", f"{k.name} ({k.tenant or '-'}): {k.tokens_today:,} of {k.tokens_per_day:,} tokens today",
+               cls="near") for k in r.keys_near_limits]
+    return join([el("table", el("thead", head), el("tbody", *body)),
+                 *([el("ul", *near, cls="near-limits")] if near else [])])
+
+
 def fabrics_section(r: m.StatusReport) -> Safe:
     if not r.free_nodes:
         return el("p", "no nodes", cls="empty")
@@ -367,21 +381,23 @@ def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool
     out: dict[str, str] = {"conn": conn_section(ok, why, at), "events": events_section(events)}
     if report is None:
         waiting = el("p", "waiting for the projector…", cls="empty")
-        out |= {k: waiting for k in ("summary", "capacity", "fabrics", "models", "gpus")}
+        out |= {k: waiting for k in ("summary", "capacity", "fabrics", "tenants", "models", "gpus")}
         return out
     out |= {"summary": summary_section(report), "capacity": capacity_section(report),
-            "fabrics": fabrics_section(report), "models": models_section(report), "gpus": gpus_section(report)}
+            "fabrics": fabrics_section(report), "tenants": tenants_section(report), "models": models_section(report),
+            "gpus": gpus_section(report)}
     return out
 
 
 PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole nodes per fabric",
-               "models": "Models and replicas", "gpus": "GPU utilization per node", "events": "Recent events"}
+               "tenants": "Usage per tenant", "models": "Models and replicas", "gpus": "GPU utilization per node",
+               "events": "Recent events"}
 
 
 def page(sections: dict[str, str], *, logout: bool = False) -> str:
     """The whole page, server-rendered: it reads right before (and without) its script."""
     blocks = [el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
-              for k in ("capacity", "fabrics", "models", "gpus", "events")]
+              for k in ("capacity", "fabrics", "tenants", "models", "gpus", "events")]
     leave = el("form", Safe('<button type="submit">log out</button>'), method="post", action="logout") if logout else ""
     return "<!doctype html>" + el(
         "html",

@@ -794,6 +794,25 @@ class NodeGpus(msgspec.Struct, frozen=True, kw_only=True):
     unhealthy: dict[int, str] = {}
 
 
+class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's API keys, summed: requests and tokens today (UTC) and over the last seven days."""
+
+    tenant: str  # "" for keys without one
+    requests_today: int
+    tokens_today: int
+    requests_7d: int
+    tokens_7d: int
+
+
+class KeyNearLimit(msgspec.Struct, frozen=True, kw_only=True):
+    """A key that has used 80 % or more of its tokens for today (UTC)."""
+
+    name: str
+    tenant: str
+    tokens_today: int
+    tokens_per_day: int
+
+
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet at ``now``, computed only from the events folded up to ``positions``."""
 
@@ -822,6 +841,9 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     # per node when the request asked for ``gpus``.
     gpu_use: tuple[ClassGpuUse, ...] = ()
     node_gpus: tuple[NodeGpus, ...] = ()
+    # The API keys' use by tenant (ctl key), and the keys near their daily token limit.
+    tenants: tuple[TenantUsage, ...] = ()
+    keys_near_limits: tuple[KeyNearLimit, ...] = ()
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

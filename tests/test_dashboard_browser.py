@@ -77,7 +77,7 @@ def test_the_dashboard_shows_the_fleet_and_a_fault_without_a_reload(tmp_path: Pa
         rects = browser.execute_script(
             "return Array.from(document.querySelectorAll('section.panel')).map(e => "
             "[e.className, e.getBoundingClientRect().top, e.getBoundingClientRect().bottom, window.innerHeight]);")
-        assert len(rects) == 5 and all(bottom <= height for _, _, bottom, height in rects), rects
+        assert len(rects) == 6 and all(bottom <= height for _, _, bottom, height in rects), rects
         time.sleep(0.5)  # let the bars settle for the picture
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

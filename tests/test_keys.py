@@ -304,3 +304,33 @@ async def until_status_model(router: Router, key: str, model: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the key never worked")
+
+
+def test_status_sums_each_tenants_use_and_names_the_keys_near_their_limit() -> None:
+    """Today and seven days per tenant, from the routers' maps as the fold keeps them; the dashboard shows it."""
+    from datetime import timedelta
+
+    from llmgw.dashboard import tenants_section
+    from llmgw.fleet.fold import fold
+    from llmgw.fleet.status import report
+
+    now = m.utcnow()
+    _, ka = declared("ka", tenant="alpha", tokens_per_day=1000)
+    _, kb = declared("kb", tenant="beta")
+
+    def tick(at: object, key: str, requests: int, tokens: int) -> m.IdleMapPublished:
+        use = {key: {"m": m.KeyUse(requests=requests, prompt_tokens=tokens)}}
+        return m.IdleMapPublished(at=at, router="rt", boot_id="b", tick=1, callers=use)  # type: ignore[arg-type]
+
+    state = fold([msgspec.structs.replace(ka, at=now - timedelta(days=10)),
+                  msgspec.structs.replace(kb, at=now - timedelta(days=10)),
+                  tick(now - timedelta(days=9), "ka", 50, 5000),  # past the window: dropped
+                  tick(now - timedelta(days=3), "ka", 2, 200),
+                  tick(now - timedelta(days=3), "kb", 1, 10),
+                  tick(now, "ka", 3, 850)])
+    r = report(state, now)
+    assert [(t.tenant, t.requests_today, t.tokens_today, t.requests_7d, t.tokens_7d) for t in r.tenants] == [
+        ("alpha", 3, 850, 5, 1050), ("beta", 0, 0, 1, 10)]
+    assert [(k.name, k.tokens_today, k.tokens_per_day) for k in r.keys_near_limits] == [("ka", 850, 1000)]
+    html = str(tenants_section(r))
+    assert "alpha" in html and "5 req · 1,050 tok" in html and "ka (alpha): 850 of 1,000 tokens today" in html

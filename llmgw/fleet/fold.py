@@ -146,6 +146,8 @@ class FleetState:
     as_of: datetime | None = None
     # API keys by name (ctl key …): the live ones; a revoked key is dropped (its usage stays in history).
     keys: dict[str, m.KeyDeclared] = field(default_factory=dict)
+    # Per key, per UTC day (the last KEY_USAGE_DAYS): [requests, tokens] the routers' maps reported.
+    key_usage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -255,6 +257,8 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
                     state.last_request[rid] = t
             if before is not None and before.boot_id == event.boot_id:
                 _forget_gone(state, event, before)
+            if event.callers:
+                _count_key_usage(state, event)
             for rid, use in event.cache_use.items():  # only replicas answered this tick: a few
                 replica = state.replicas.get(rid)
                 if replica is not None:
@@ -394,6 +398,23 @@ def refusal(state: FleetState, subject: str, event: m.Event, *, subject_checked:
         if replica is not None:
             why = speaks_for(replica.nodes, event)
     return why
+
+
+KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"
+
+
+def _count_key_usage(state: FleetState, event: m.IdleMapPublished) -> None:
+    """What each key asked over a router's tick, added to its day (UTC); days past the window are dropped."""
+    day = event.at.astimezone(UTC).strftime("%Y-%m-%d")
+    oldest = (event.at.astimezone(UTC) - timedelta(days=KEY_USAGE_DAYS - 1)).strftime("%Y-%m-%d")
+    for key, per in event.callers.items():
+        days = state.key_usage.setdefault(key, {})
+        row = days.setdefault(day, [0, 0])
+        for use in per.values():
+            row[0] += use.requests
+            row[1] += use.prompt_tokens + use.completion_tokens
+        for old in [d for d in days if d < oldest]:
+            del days[old]
 
 
 def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterView) -> None:

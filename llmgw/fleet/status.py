@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
 from llmgw.fleet.fold import Cursor, FleetState, ReplicaView
@@ -241,4 +241,45 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         model_list=model_summaries(state, now, history),
         replica_list=replica_rows(state, now) if replicas else (),
         model_detail=model_detail(state, now, model, history, cursor) if model else None,
+        tenants=tenant_usage(state, now),
+        keys_near_limits=keys_near_limits(state, now),
     )
+
+
+NEAR_LIMIT = 0.8  # a key at 80 % of its tokens for the day is shown near its limit
+
+
+def _days(now: datetime | None) -> tuple[str, str]:
+    """Today (UTC) and the first day of the seven that end today."""
+    at = (now or datetime.now(UTC)).astimezone(UTC)
+    return at.strftime("%Y-%m-%d"), (at - timedelta(days=6)).strftime("%Y-%m-%d")
+
+
+def tenant_usage(state: FleetState, now: datetime | None) -> tuple[m.TenantUsage, ...]:
+    """Every tenant's keys summed, today and over the last seven days (revoked keys' use included)."""
+    today, first = _days(now)
+    sums: dict[str, list[int]] = {}
+    for key, days in state.key_usage.items():
+        declared = state.keys.get(key)
+        row = sums.setdefault(declared.tenant if declared is not None else "", [0, 0, 0, 0])
+        for day, (requests, tokens) in days.items():
+            if day == today:
+                row[0] += requests
+                row[1] += tokens
+            if first <= day <= today:
+                row[2] += requests
+                row[3] += tokens
+    return tuple(m.TenantUsage(tenant=t, requests_today=r[0], tokens_today=r[1], requests_7d=r[2], tokens_7d=r[3])
+                 for t, r in sorted(sums.items(), key=lambda x: (-x[1][3], x[0])))
+
+
+def keys_near_limits(state: FleetState, now: datetime | None) -> tuple[m.KeyNearLimit, ...]:
+    today, _ = _days(now)
+    out = []
+    for name, key in sorted(state.keys.items()):
+        if key.tokens_per_day is None:
+            continue
+        used = state.key_usage.get(name, {}).get(today, [0, 0])[1]
+        if used >= NEAR_LIMIT * key.tokens_per_day:
+            out.append(m.KeyNearLimit(name=name, tenant=key.tenant, tokens_today=used, tokens_per_day=key.tokens_per_day))
+    return tuple(out)
