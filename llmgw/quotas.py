@@ -2,7 +2,9 @@
 
 A router counts its own requests as it takes them and its tokens as the engines
 report them, and adds what every other router's idle maps say (``callers``, read
-from the usage stream as they are published). A request over a key's limit is
+from the usage stream as they are published). A router starting takes up the
+newest fold snapshot's tokens of the day and every map after it, its own earlier
+ones included, so a restart keeps every window. A request over a key's limit is
 refused with 429: ``rate_limit_exceeded`` (requests per minute) or
 ``insufficient_quota`` (tokens per day, UTC), as OpenAI's own API names them,
 with ``Retry-After``.
@@ -117,8 +119,8 @@ class Quotas:
         self._of(key).add_tokens(utc_day(now), tokens)
 
     def other_map(self, event: m.IdleMapPublished) -> None:
-        """Another router's map: what its keys asked over its last tick counts here too."""
-        if event.router == self.router or not event.callers:
+        """A map of another router (or of this one before it restarted): what its keys asked counts here too."""
+        if not event.callers:
             return
         at = event.at.timestamp()
         for key, per in event.callers.items():

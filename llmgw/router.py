@@ -46,7 +46,7 @@ from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
 from llmgw.metrics import Metrics, Usage, usage_of, usage_of_stream
-from llmgw.quotas import Quotas
+from llmgw.quotas import Quotas, utc_day
 from llmgw.upstream import CONNECT_ERRORS, READ_ERRORS, Timeouts, Upstream
 from llmgw.wakelog import WakeLog
 
@@ -456,21 +456,39 @@ class Router:
                 log.warning("router %s: control stream: %s; retrying", self.name, e)
                 await asyncio.sleep(1.0)
 
+    async def _quota_start(self) -> int:
+        """Where the quotas' reading of the usage stream starts, having taken up what came before it.
+
+        From the newest fold snapshot: its per-key tokens of today, and every map after it (its
+        own earlier ones too: a restart mid-minute or mid-day keeps every window). Without one,
+        from this router's own last map (the last tick of its own use, and the others' since).
+        """
+        from llmgw.fleet import snapshots
+
+        found = await snapshots.newest(self.bus, f"router {self.name}", (subjects.STREAM_USAGE,))
+        if found is not None:
+            c = found[0]
+            today = utc_day(time.time())
+            for key, days in c.state.key_usage.items():
+                if today in days:
+                    self.quotas.used(key, days[today][1], time.time())
+            return c.cursor.positions.get(subjects.STREAM_USAGE, 0) + 1
+        own = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+        return own[0] if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
+
     async def _follow_usage(self) -> None:
-        """The other routers' maps, as they are published: what each key asked there counts here too."""
+        """The routers' maps, as they are published: what each key asked anywhere counts here too."""
         start = 0
         while True:
             try:
                 if not start:
-                    # From this router's own last map (a restart folds what the others said since), else from now.
-                    own = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
-                    start = own[0] + 1 if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
+                    start = await self._quota_start()
                 follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, start, who=f"router {self.name}",
                                            keep=lambda raw: raw.subject.endswith(".idle"))
                 async for batch in follower.batches():
                     for d in batch:
-                        if type(d.event) is m.IdleMapPublished:
-                            self.quotas.other_map(d.event)
+                        if type(d.event) is m.IdleMapPublished and d.event.boot_id != self.boot_id:
+                            self.quotas.other_map(d.event)  # (this boot's own use is counted as it happens)
                     start = follower.last_seq + 1
             except asyncio.CancelledError:
                 raise

@@ -334,3 +334,34 @@ def test_status_sums_each_tenants_use_and_names_the_keys_near_their_limit() -> N
     assert [(k.name, k.tokens_today, k.tokens_per_day) for k in r.keys_near_limits] == [("ka", 850, 1000)]
     html = str(tenants_section(r))
     assert "alpha" in html and "5 req · 1,050 tok" in html and "ka (alpha): 850 of 1,000 tokens today" in html
+
+
+async def test_a_router_restarting_mid_minute_keeps_the_window(bus: Bus, served: tuple[Router, Router]) -> None:
+    """Its last map, read back at start, still counts: a restart is no way around a rate limit."""
+    a, _ = served
+    secret, key = declared("restart", requests_per_minute=3)
+    await bus.publish(key)
+    await until_status(a, secret, 200)
+    assert await ask(a, secret) == 200
+    again = Router(bus, "rt-restart-quota", tick_s=3600)
+    await again.start("127.0.0.1", 0)
+    try:
+        assert await ask(again, secret) == 200  # one of a different name: it sees a's two only once a's map is out
+    finally:
+        await again.stop()  # its final map: one request
+    second = Router(bus, "rt-restart-quota", tick_s=3600)  # the same router, restarted
+    await second.start("127.0.0.1", 0)
+    try:
+        for _ in range(100):
+            counts = second.quotas.counts.get("restart")
+            if counts is not None and counts.requests(time.time())[0] >= 1:
+                break
+            await asyncio.sleep(0.05)
+        await a.publish_idle_map()  # and a's two
+        for _ in range(100):
+            if second.quotas.counts["restart"].requests(time.time())[0] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert await ask(second, secret) == 429  # 2 + 1 before the restart: the minute is full
+    finally:
+        await second.stop()
