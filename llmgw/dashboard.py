@@ -222,7 +222,7 @@ def tenants_section(r: m.StatusReport) -> Safe:
                el("td", f"{t.requests_today:,} req · {t.tokens_today:,} tok", cls="num"),
                el("td", f"{t.requests_7d:,} req · {t.tokens_7d:,} tok", cls="num")) for t in r.tenants]
     near = [el("li", f"{k.name} ({k.tenant or '-'}): {k.tokens_today:,} of {k.tokens_per_day:,} tokens today",
-               cls="near") for k in r.keys_near_limits]
+               cls="near") for k in r.near_limits]
     return join([el("table", el("thead", head), el("tbody", *body)),
                  *([el("ul", *near, cls="near-limits")] if near else [])])
 

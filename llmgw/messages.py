@@ -843,7 +843,7 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     node_gpus: tuple[NodeGpus, ...] = ()
     # The API keys' use by tenant (ctl key), and the keys near their daily token limit.
     tenants: tuple[TenantUsage, ...] = ()
-    keys_near_limits: tuple[KeyNearLimit, ...] = ()
+    near_limits: tuple[KeyNearLimit, ...] = ()
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

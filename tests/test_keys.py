@@ -331,7 +331,7 @@ def test_status_sums_each_tenants_use_and_names_the_keys_near_their_limit() -> N
     r = report(state, now)
     assert [(t.tenant, t.requests_today, t.tokens_today, t.requests_7d, t.tokens_7d) for t in r.tenants] == [
         ("alpha", 3, 850, 5, 1050), ("beta", 0, 0, 1, 10)]
-    assert [(k.name, k.tokens_today, k.tokens_per_day) for k in r.keys_near_limits] == [("ka", 850, 1000)]
+    assert [(k.name, k.tokens_today, k.tokens_per_day) for k in r.near_limits] == [("ka", 850, 1000)]
     html = str(tenants_section(r))
     assert "alpha" in html and "5 req · 1,050 tok" in html and "ka (alpha): 850 of 1,000 tokens today" in html
 

@@ -242,7 +242,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         replica_list=replica_rows(state, now) if replicas else (),
         model_detail=model_detail(state, now, model, history, cursor) if model else None,
         tenants=tenant_usage(state, now),
-        keys_near_limits=keys_near_limits(state, now),
+        near_limits=keys_near_limits(state, now),
     )
 
 
