@@ -76,9 +76,13 @@ def usage_of(body: bytes) -> Usage | None:
         got = _USAGE.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    usage = got.usage
-    if usage is not None and got.timings is not None and usage.prompt_tokens_details is None:
-        usage.prompt_tokens_details = _PromptDetails(cached_tokens=got.timings.cache_n)
+    return _with_cache_n(got.usage, got.timings)
+
+
+def _with_cache_n(usage: Usage | None, timings: _Timings | None) -> Usage | None:
+    """``usage`` with llama-server's ``timings.cache_n`` as its cached tokens, when it says none itself."""
+    if usage is not None and timings is not None and usage.prompt_tokens_details is None:
+        usage.prompt_tokens_details = _PromptDetails(cached_tokens=timings.cache_n)
     return usage
 
 
@@ -97,9 +101,7 @@ def usage_of_stream(tail: bytes) -> Usage | None:
         usage, timings = usage or got.usage, timings or got.timings  # llama-server may send them apart
         if usage is not None and (timings is not None or usage.prompt_tokens_details is not None):
             break
-    if usage is not None and timings is not None and usage.prompt_tokens_details is None:
-        usage.prompt_tokens_details = _PromptDetails(cached_tokens=timings.cache_n)
-    return usage
+    return _with_cache_n(usage, timings)
 
 
 class _PoolCollector:

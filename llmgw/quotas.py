@@ -127,8 +127,3 @@ class Quotas:
             c = self._of(key)
             c.add_requests(at, sum(u.requests for u in per.values()))
             c.add_tokens(utc_day(at), sum(u.prompt_tokens + u.completion_tokens for u in per.values()))
-
-    def forget(self, live: set[str]) -> None:
-        """Drop the counts of keys no longer declared (revoked)."""
-        for key in [k for k in self.counts if k not in live]:
-            del self.counts[key]
