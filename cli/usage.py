@@ -32,7 +32,7 @@ def usage(by: str, since_days: int, db: Path | None, data_dir: Path | None, as_j
         llmgw ctl usage --by key --json
     """
     from llmgw.errors import ProjectionError
-    from llmgw.projections.export import analysts_copy_of
+    from llmgw.projections.export import existing_copy_of
     from llmgw.projections.store import DatabaseHeldError, usage_rows
 
     db = db or (data_dir or default_data_dir()) / "llmgw.duckdb"
@@ -41,7 +41,7 @@ def usage(by: str, since_days: int, db: Path | None, data_dir: Path | None, as_j
     try:
         rows = usage_rows(db, by, since_days)
     except DatabaseHeldError:
-        copy = analysts_copy_of(db)
+        copy = existing_copy_of(db)
         if not copy.exists():
             raise ProjectionError(f"{db} is held by a running projector and has no analysts' copy ({copy}); "
                                   "start the projector with --analysts-copy-interval") from None

@@ -32,6 +32,13 @@ def legacy_copy_of(db: Path) -> Path:
     return db.with_name(db.stem + ".snapshot.duckdb")
 
 
+def existing_copy_of(db: Path) -> Path:
+    """The analysts' copy of ``db`` to read while a projector holds it: under its name, else the name
+    before schema 5, else where it would be (which does not exist)."""
+    legacy = legacy_copy_of(db)
+    return legacy if not analysts_copy_of(db).exists() and legacy.exists() else analysts_copy_of(db)
+
+
 @dataclass(frozen=True)
 class Exported:
     source: Path  # the file read: the database, or its analysts' copy
@@ -59,9 +66,7 @@ def export_parquet(db: Path, dest: Path) -> Exported:
         try:
             rows, views, as_of = copy_to_parquet(db, partial, BY_DAY)
         except DatabaseHeldError:
-            source, from_copy = analysts_copy_of(db), True
-            if not source.exists() and legacy_copy_of(db).exists():
-                source = legacy_copy_of(db)
+            source, from_copy = existing_copy_of(db), True
             if not source.exists():
                 raise ProjectionError(
                     f"{db} is held by a running projector and has no analysts' copy ({source}); export a private "

@@ -582,6 +582,18 @@ class DatabaseHeldError(ProjectionError):
     """Another process (a running projector) holds the file: DuckDB lets no one else open it."""
 
 
+def _open_read_only(source: str | Path) -> duckdb.DuckDBPyConnection:
+    """A projection opened read-only (one committed state); DatabaseHeldError while a projector holds it."""
+    try:
+        con = duckdb.connect(str(source), read_only=True)
+        con.execute("SET enable_progress_bar = false")
+    except duckdb.IOException as e:
+        if "lock" in str(e).lower():
+            raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
+        raise ProjectionError(f"cannot open {source}: {e}") from e
+    return con
+
+
 def copy_to_parquet(source: str | Path, dest: str | Path,
                     by_day: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int], datetime | None]:
     """Every table and view of ``source`` as Parquet under ``dest``; rows per table and per view, and the
@@ -592,13 +604,7 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
     to ``dest/<table>.parquet``. The file is opened read-only, so the copy is of
     one committed state.
     """
-    try:
-        con = duckdb.connect(str(source), read_only=True)
-        con.execute("SET enable_progress_bar = false")
-    except duckdb.IOException as e:
-        if "lock" in str(e).lower():
-            raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
-        raise ProjectionError(f"cannot open {source}: {e}") from e
+    con = _open_read_only(source)
     dest = Path(dest)
     out: dict[str, int] = {}
     views_out: dict[str, int] = {}
@@ -647,12 +653,7 @@ def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, 
     """``ctl usage``: requests, errors and tokens per key, tenant or model over the last days (UTC), from
     ``usage_by_key_daily``; the file is opened read-only (DatabaseHeldError while a projector holds it)."""
     column = USAGE_BY[by]
-    try:
-        con = duckdb.connect(str(source), read_only=True)
-    except duckdb.IOException as e:
-        if "lock" in str(e).lower():
-            raise DatabaseHeldError(f"{source} is held by another process: {e}") from e
-        raise ProjectionError(f"cannot open {source}: {e}") from e
+    con = _open_read_only(source)
     try:
         con.execute("SET TimeZone = 'UTC'")
         return con.execute(
