@@ -68,6 +68,17 @@ def key(name: str, **kw: object) -> tuple[str, m.KeyDeclared]:
                                  **kw)  # type: ignore[arg-type]
 
 
+async def serve_bench(bus: Bus, endpoint: str) -> None:
+    """Streams declared, and model ``bench`` served by one healthy replica at ``endpoint``."""
+    spec = m.ModelSpec(name="bench", source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
+    await bus.ensure_streams()
+    await bus.publish(m.ModelDeclared(at=datetime.now(UTC), spec=spec))
+    await bus.publish(m.ReplicaPlaced(at=datetime.now(UTC), replica_id="r1", model="bench", nodes=("n",),
+                                      gpus=(m.GpuRef(node="n", index=0, uuid="GPU-1"),), spec=spec))
+    await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r1", model="bench", node="n",
+                                            state="healthy", endpoint=endpoint))
+
+
 async def load(http: aiohttp.ClientSession, url: str, secret: str | None, n: int) -> None:
     headers = {"Authorization": f"Bearer {secret}"} if secret else {}
     body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
@@ -111,15 +122,9 @@ async def main() -> None:
         digests = tmp / "keys.sha256"
         digests.write_text(hashlib.sha256(static_secret.encode()).hexdigest() + "\n")
         used, used_key = key("used", requests_per_minute=10**9, tokens_per_day=10**12)
-        spec = m.ModelSpec(name="bench", source="x", precision="bf16", engine="vllm", gpu_class="H100", context=4096)
         for server, keys in ((plain, False), (keyed, True)):
             async with await Bus.connect(Settings(nats_url=server.url), "bench-keys") as bus:
-                await bus.ensure_streams()
-                await bus.publish(m.ModelDeclared(at=datetime.now(UTC), spec=spec))
-                await bus.publish(m.ReplicaPlaced(at=datetime.now(UTC), replica_id="r1", model="bench", nodes=("n",),
-                                                  gpus=(m.GpuRef(node="n", index=0, uuid="GPU-1"),), spec=spec))
-                await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r1", model="bench", node="n",
-                                                        state="healthy", endpoint=engine.url))
+                await serve_bench(bus, engine.url)
                 if keys:
                     t0 = time.perf_counter()
                     await bus.publish_many([key(f"k{i}", requests_per_minute=600, tokens_per_day=10**6)[1]
@@ -158,12 +163,7 @@ async def main() -> None:
         # Part 2: revocation seen by three routers.
         server = EmbeddedServer(tmp / "revoke", port=0).start()
         async with await Bus.connect(Settings(nats_url=server.url), "bench-revoke") as bus:
-            await bus.ensure_streams()
-            await bus.publish(m.ModelDeclared(at=datetime.now(UTC), spec=spec))
-            await bus.publish(m.ReplicaPlaced(at=datetime.now(UTC), replica_id="r1", model="bench", nodes=("n",),
-                                              gpus=(m.GpuRef(node="n", index=0, uuid="GPU-1"),), spec=spec))
-            await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id="r1", model="bench", node="n",
-                                                    state="healthy", endpoint=engine.url))
+            await serve_bench(bus, engine.url)
             three = [start_router(f"r{i}", server.url) for i in range(3)]
             procs += [p for p, _ in three]
             seen: list[float] = []
