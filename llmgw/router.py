@@ -445,16 +445,18 @@ class Router:
             self._runner = None
         await self.upstream.close()
 
-    async def _follow(self) -> None:
+    async def _retrying(self, what: str, read: Callable[[], Awaitable[None]]) -> None:
+        """``read`` until cancelled: after a bus error, again a second later, from where it stopped."""
         while True:
             try:
-                await self.sink.run()
-            except asyncio.CancelledError:
-                raise
+                await read()
             except LlmgwError as e:
-                # The pool keeps routing to what it knew; the sink resumes where it stopped.
-                log.warning("router %s: control stream: %s; retrying", self.name, e)
+                log.warning("router %s: %s: %s; retrying", self.name, what, e)
                 await asyncio.sleep(1.0)
+
+    async def _follow(self) -> None:
+        # The pool keeps routing to what it knew meanwhile; the sink resumes where it stopped.
+        await self._retrying("control stream", self.sink.run)
 
     async def _quota_start(self) -> int:
         """Where the quotas' reading of the usage stream starts, having taken up what came before it.
@@ -478,23 +480,21 @@ class Router:
 
     async def _follow_usage(self) -> None:
         """The routers' maps, as they are published: what each key asked anywhere counts here too."""
-        start = 0
-        while True:
-            try:
-                if not start:
-                    start = await self._quota_start()
-                follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, start, who=f"router {self.name}",
-                                           keep=lambda raw: raw.subject.endswith(".idle"))
-                async for batch in follower.batches():
-                    for d in batch:
-                        if type(d.event) is m.IdleMapPublished and d.event.boot_id != self.boot_id:
-                            self.quotas.other_map(d.event)  # (this boot's own use is counted as it happens)
-                    start = follower.last_seq + 1
-            except asyncio.CancelledError:
-                raise
-            except LlmgwError as e:
-                log.warning("router %s: usage stream: %s; retrying", self.name, e)
-                await asyncio.sleep(1.0)
+        next_seq = 0  # 0: not started (where to start is found first)
+
+        async def read() -> None:
+            nonlocal next_seq
+            if not next_seq:
+                next_seq = await self._quota_start()
+            follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, next_seq, who=f"router {self.name}",
+                                       keep=lambda raw: raw.subject.endswith(".idle"))
+            async for batch in follower.batches():
+                for d in batch:
+                    if type(d.event) is m.IdleMapPublished and d.event.boot_id != self.boot_id:
+                        self.quotas.other_map(d.event)  # (this boot's own use is counted as it happens)
+                next_seq = follower.last_seq + 1
+
+        await self._retrying("usage stream", read)
 
     async def _ticker(self) -> None:
         while True:
