@@ -1,6 +1,7 @@
 """The planner's memory model against vLLM's own start-up logs: predicted vs observed weights and KV cache.
 
     python benchmarks/calibration.py            # the markdown table the README quotes
+    python benchmarks/calibration.py ROWS.jsonl # the same for other rows (a candidate's, before it joins)
 
 Rows are ``tests/data/vllm_observed.jsonl``: figures vLLM printed at start-up
 (``Model loading took X GiB``, ``Available KV cache memory: Y GiB``, ``GPU KV cache
@@ -59,8 +60,8 @@ class Result:
         return profile_for("vllm", str(self.row.get("vllm_version") or "")).name if self.row.get("vllm_version") else "-"
 
 
-def rows() -> list[dict[str, Any]]:
-    return [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+def rows(path: Path = ROWS) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _info(row: dict[str, Any]) -> Any:
@@ -147,8 +148,8 @@ def summary(used: list[Result]) -> str:
             f"{sum(r.fits == r.observed_fits for r in v)} of {len(v)}.")
 
 
-def evaluate_all() -> list[Result]:
-    return [evaluate(row) for row in rows()]
+def evaluate_all(path: Path = ROWS) -> list[Result]:
+    return [evaluate(row) for row in rows(path)]
 
 
 def table(results: list[Result]) -> str:
@@ -188,4 +189,4 @@ def table(results: list[Result]) -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    print(table(evaluate_all()))
+    print(table(evaluate_all(Path(sys.argv[1]) if len(sys.argv) > 1 else ROWS)))
