@@ -155,7 +155,18 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
     h, heads, kv, hd = info.hidden_size, info.num_attention_heads, info.num_kv_heads, info.head_dim
     norms = 4 if info.model_type.startswith("gemma") else 2
     out = [Tensor("norm", i, norms * h, h, False, "rep")]
-    if info.kv_lora_rank:
+    if i in _linear_set(info):
+        # Gated delta-net: q, k (key heads) and v, z (value heads) in, a beta and an alpha per value head,
+        # a short causal convolution over q, k, v, the decay and dt per head, a gated norm, out.
+        kd = info.linear_qk_heads * info.linear_qk_head_dim
+        vd = info.linear_value_heads * info.linear_value_head_dim
+        out += [Tensor("ssm_in", i, h * (2 * kd + 2 * vd), h, True, "tp"),
+                Tensor("ssm_ba", i, h * 2 * info.linear_value_heads, h, True, "tp"),
+                Tensor("ssm_conv1d", i, (2 * kd + vd) * info.linear_conv_kernel, info.linear_conv_kernel, False, "tp"),
+                Tensor("ssm_a", i, 2 * info.linear_value_heads, 1, False, "tp"),
+                Tensor("ssm_norm", i, info.linear_value_head_dim, info.linear_value_head_dim, False, "rep"),
+                Tensor("ssm_out", i, vd * h, vd, True, "tp")]
+    elif info.kv_lora_rank:
         qk = info.qk_nope_head_dim + info.qk_rope_head_dim
         if info.q_lora_rank:
             out += [Tensor("attn_q_a", i, h * info.q_lora_rank, h, True, "rep"),
@@ -169,7 +180,8 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
                        info.kv_lora_rank, True, "tp"),
                 Tensor("attn_output", i, heads * info.v_head_dim * h, heads * info.v_head_dim, True, "tp")]
     else:
-        out += [Tensor("attn_q", i, h * heads * hd, h, True, "tp"),
+        gate = 2 if info.attn_output_gate else 1  # the output gate comes out of q_proj
+        out += [Tensor("attn_q", i, h * heads * hd * gate, h, True, "tp"),
                 Tensor("attn_k", i, h * kv * hd, h, True, "kv"),
                 Tensor("attn_v", i, h * kv * hd, h, True, "kv"),
                 Tensor("attn_output", i, heads * hd * h, heads * hd, True, "tp")]
@@ -177,7 +189,7 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
             out.append(Tensor("bias", i, (heads + 2 * kv) * hd, 1, False, "tp"))
         if info.model_type == "gpt_oss":  # o_proj's bias (on every rank) and one attention sink per head
             out += [Tensor("bias", i, h, 1, False, "rep"), Tensor("sinks", i, heads, 1, False, "tp")]
-        if info.model_type == "qwen3":
+        if info.model_type.startswith("qwen3"):  # q_norm, k_norm
             out.append(Tensor("norm", i, 2 * hd, hd, False, "rep"))
     if info.num_experts and i >= info.first_dense_layers:
         e, mi = info.num_experts, info.moe_intermediate_size
@@ -200,11 +212,19 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
     return out
 
 
+@lru_cache(maxsize=256)
+def _linear_set(info: m.ModelInfo) -> frozenset[int]:
+    return frozenset(info.linear_layers)
+
+
 @lru_cache(maxsize=64)
 def tensors(info: m.ModelInfo) -> tuple[Tensor, ...]:
-    """Every weight of the model, from its architecture alone."""
+    """Every weight of the model, from its architecture alone (a vision tower as one tensor: 16-bit, as
+    quantized checkpoints leave it)."""
     h, v = info.hidden_size, info.vocab_size
     out = [Tensor("token_embd", -1, v * h, h, False, "tp")]
+    if info.vision_params:
+        out.append(Tensor("vision", -1, info.vision_params, h, False, "tp"))
     for i in range(info.num_layers):
         out += _layer_tensors(info, i)
     out.append(Tensor("output_norm", -1, h, h, False, "rep"))
@@ -345,6 +365,7 @@ class _Layout(NamedTuple):
     embd: float
     output: float  # 0 when tied to the embeddings
     output_norm: float
+    vision: float  # the vision tower: vLLM loads it (split by tp, on the first stage); a GGUF leaves it out
     total: float  # the whole checkpoint (GGUF: the file)
 
 
@@ -356,7 +377,7 @@ def layout(info: m.ModelInfo, p: Precision) -> _Layout:
     scale = info.params / arch if info.params and arch else 1.0
     n = info.num_layers
     tp_b, kv_b, rep_b, moe_b = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    embd = output = output_norm = 0.0
+    embd = output = output_norm = vision = 0.0
     for t in ts:
         b = tensor_bits(p, t, info) / 8 * scale
         if t.layer >= 0:
@@ -367,10 +388,12 @@ def layout(info: m.ModelInfo, p: Precision) -> _Layout:
             embd = b
         elif t.name == "output":
             output = b
+        elif t.name == "vision":
+            vision = 0.0 if p.kind == "gguf" else b  # llama.cpp reads it from a separate mmproj file
         else:
             output_norm = b
-    total = sum(tp_b) + sum(kv_b) + sum(rep_b) + embd + output + output_norm
-    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), tuple(moe_b), embd, output, output_norm, total)
+    total = sum(tp_b) + sum(kv_b) + sum(rep_b) + embd + output + output_norm + vision
+    return _Layout(tuple(tp_b), tuple(kv_b), tuple(rep_b), tuple(moe_b), embd, output, output_norm, vision, total)
 
 
 def stages(num_layers: int, pp: int) -> list[range]:
@@ -406,7 +429,7 @@ def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1, 
         b = sum(lay.layer_tp[i] / tp + lay.layer_kv[i] * kv_share + lay.layer_rep[i]
                 + (mx - lay.layer_moe[i] / tp if mx and lay.layer_moe[i] else 0.0) for i in r)
         if s == 0:
-            b += lay.embd / tp
+            b += (lay.embd + lay.vision) / tp
         if s == len(parts) - 1:
             # A tied lm_head shares the embedding, unless it lives on another stage.
             b += lay.output_norm + (lay.output if lay.output or pp == 1 else lay.embd) / tp
@@ -424,6 +447,7 @@ class KvShape(NamedTuple):
     full_layers: int  # layers on this GPU that keep every token
     window_layers: int  # layers on this GPU that keep at most window + batch tokens
     window: int  # window + tokens in flight; 0 when no layer slides
+    state: int = 0  # bytes per sequence its linear-attention layers on this GPU hold, whatever its length
 
     @property
     def bytes_per_token(self) -> int:
@@ -431,10 +455,11 @@ class KvShape(NamedTuple):
 
     def bytes_for(self, context: int) -> int:
         """KV bytes one sequence of ``context`` tokens holds on this GPU."""
-        return self.per_layer * (self.full_layers * context + self.window_layers * min(context, self.window))
+        return self.state + self.per_layer * (self.full_layers * context + self.window_layers * min(context, self.window))
 
     def max_context(self, budget: float) -> int:
         """The longest sequence whose KV fits in ``budget`` bytes (may exceed any real limit)."""
+        budget -= self.state
         if budget <= 0 or self.per_layer == 0:
             return 0
         c1 = int(budget // self.bytes_per_token)
@@ -462,7 +487,20 @@ def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes
     sliding = set(info.sliding_layers) if info.sliding_window else set()
     window_layers = sum(1 for i in layers if i in sliding)
     window = (info.sliding_window or 0) + batch if window_layers else 0
-    return KvShape(per_layer, len(layers) - window_layers, window_layers, window)
+    linear = sum(1 for i in layers if i in _linear_set(info))
+    return KvShape(per_layer, len(layers) - window_layers - linear, window_layers, window,
+                   linear * linear_state_bytes(info, 1 if engine == "llama.cpp" else tp))
+
+
+def linear_state_bytes(info: m.ModelInfo, tp: int) -> int:
+    """One sequence's state in one gated delta-net layer on one rank: the convolution's last kernel - 1
+    inputs (q, k, v in the model's dtype) and the recurrent state (value heads x key dim x value dim)."""
+    if not info.linear_layers:
+        return 0
+    conv = (2 * info.linear_qk_heads * info.linear_qk_head_dim + info.linear_value_heads * info.linear_value_head_dim)
+    conv_bytes = conv * (info.linear_conv_kernel - 1) * KV_DTYPE_BYTES
+    recurrent = info.linear_value_heads * info.linear_qk_head_dim * info.linear_value_head_dim * info.linear_state_bytes
+    return (conv_bytes + recurrent) // max(1, tp)
 
 
 # --- overhead -------------------------------------------------------------------------------------
@@ -485,7 +523,10 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
     if info.kv_lora_rank:
         qkv = info.num_attention_heads * (2 * info.qk_nope_head_dim + info.qk_rope_head_dim + info.v_head_dim) // tp
     else:
-        qkv = (info.num_attention_heads // tp + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
+        qkv = ((info.num_attention_heads // tp) * (2 if info.attn_output_gate else 1) + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
+    if info.linear_layers:  # a gated delta-net layer's in-projection may be the wider one
+        qkv = max(qkv, 2 * (info.linear_qk_heads * info.linear_qk_head_dim
+                            + info.linear_value_heads * info.linear_value_head_dim) // tp)
     width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
     tokens, seqs = batch or profile.large_batch
     activation = max(tokens * 2 * width, int(profile.copies(tokens) * seqs * info.vocab_size * 4))

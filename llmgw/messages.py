@@ -883,6 +883,17 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     qk_rope_head_dim: Dim = 0
     qk_nope_head_dim: Dim = 0
     v_head_dim: Dim = 0
+    attn_output_gate: bool = False  # q_proj also projects a gate on the attention's output (Qwen3-Next, Qwen3.5)
+    # Hybrid models: layers of gated delta-net linear attention (Qwen3-Next, Qwen3.5) keep no KV per token,
+    # only a fixed state per sequence: a convolution window and a heads x key x value recurrent state.
+    linear_layers: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=1 << 16)] = ()
+    linear_qk_heads: Dim = 0  # heads of q and k (the config says "key heads")
+    linear_value_heads: Dim = 0
+    linear_qk_head_dim: Dim = 0
+    linear_value_head_dim: Dim = 0
+    linear_conv_kernel: Dim = 0
+    linear_state_bytes: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0  # per recurrent state element (fp32: 4)
+    vision_params: Annotated[int, msgspec.Meta(ge=0, le=10**13)] = 0  # a multimodal model's vision tower, loaded by vLLM
     # The checkpoint's own precision when it is pre-quantized: fp8 | int8 | int4 | fp4 | awq | gptq |
     # bnb-4bit | bnb-8bit | None; with the bits each quantized weight takes (scales and zero points
     # included), the modules it leaves 16-bit (its ``ignore`` list), its format, and its KV cache dtype.

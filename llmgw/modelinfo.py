@@ -79,8 +79,63 @@ def _sliding_layers(cfg: dict[str, Any], n: int) -> tuple[int, ...]:
     return tuple(range(n))  # Mistral-style: every layer slides
 
 
+# Keys only state-space (mamba) hybrids state: Jamba, Nemotron-H, Falcon-H1, Granite 4, Zamba.
+_MAMBA_KEYS = ("hybrid_override_pattern", "attn_layer_period", "mamba_d_state", "mamba_d_ssm", "ssm_state_size",
+               "mamba_n_heads", "mamba_expand")
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "attention")
+
+
+def _positive(cfg: dict[str, Any], key: str) -> int:
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _linear_layers(cfg: dict[str, Any], n: int, name: str, where: str) -> tuple[int, ...]:
+    """Indices of the gated delta-net (linear attention) layers; a layer kind the planner cannot size is refused."""
+    if any(k in cfg for k in _MAMBA_KEYS) or any("mamba" in str(t) for t in cfg.get("layer_types") or []):
+        raise ModelError(f"{where} of {name} states mamba (state-space) layers; the planner sizes attention, "
+                         "sliding-window and gated delta-net layers only, and would get this model's memory wrong")
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        unknown = sorted({str(t) for t in types} - {*_ATTENTION_TYPES, "linear_attention"})
+        if unknown:
+            raise ModelError(f"{where} of {name} has layers of kind {', '.join(unknown)[:200]}; the planner sizes "
+                             f"{', '.join(_ATTENTION_TYPES)} and linear_attention (gated delta-net) layers only")
+        return tuple(i for i, t in enumerate(types[:n]) if t == "linear_attention")
+    interval = _positive(cfg, "full_attention_interval")  # Qwen3-Next: every interval-th layer attends fully
+    if interval and _positive(cfg, "linear_num_value_heads"):
+        return tuple(i for i in range(n) if (i + 1) % interval)
+    return ()
+
+
+def _vision_params(vc: Any, text_hidden: int) -> int:
+    """The vision tower's parameters, from a multimodal config's ``vision_config`` (a ViT: blocks, patch
+    embedding, positions and the merger into the language model); 0 when it does not say enough."""
+    if not isinstance(vc, dict):
+        return 0
+    d = _positive(vc, "hidden_size") or _positive(vc, "embed_dim")
+    depth = _positive(vc, "depth") or _positive(vc, "num_hidden_layers")
+    inner = _positive(vc, "intermediate_size")
+    if not (d and depth and inner):
+        return 0
+    gated = str(vc.get("hidden_act", "")) in ("silu", "swiglu")  # Qwen2.5-VL, Pixtral: gate, up, down
+    block = 4 * d * d + 4 * d + (3 if gated else 2) * d * inner + inner + 5 * d
+    patch = _positive(vc, "patch_size") or 14
+    embed = (_positive(vc, "in_channels") or _positive(vc, "num_channels") or 3) * (_positive(vc, "temporal_patch_size") or 1) \
+        * patch * patch * d
+    image = _positive(vc, "image_size")
+    positions = (_positive(vc, "num_position_embeddings") or (image // patch) ** 2) * d
+    merge = _positive(vc, "spatial_merge_size") or 1
+    out = _positive(vc, "out_hidden_size") or text_hidden
+    merged = d * merge * merge
+    mergers = 1 + len(vc.get("deepstack_visual_indexes") or [])
+    merger = mergers * (merged * merged + merged * out) if merge > 1 else d * out
+    return depth * block + embed + positions + merger
+
+
 def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "config.json") -> ModelInfo:
     """The architecture a config.json states; parameter count left at 0."""
+    vision = cfg.get("vision_config")
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM in text_config
         cfg = {**cfg, **cfg["text_config"]}
     missing = [k for k in _REQUIRED if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0]
@@ -110,6 +165,17 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     if q.precision == "mxfp4" and not experts:
         raise ModelError(f"{name}: an mxfp4 checkpoint without MoE experts; vLLM runs mxfp4 only in MoE experts (gpt-oss)")
     mt = str(cfg.get("model_type", ""))
+    linear = _linear_layers(cfg, n, name, where)
+    if linear and not all(_positive(cfg, k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                      "linear_key_head_dim", "linear_value_head_dim")):
+        raise ModelError(f"{where} of {name} has linear-attention layers but not their sizes (linear_num_key_heads, "
+                         "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim); point MODEL at the "
+                         "model's own config.json")
+    shared = _positive(cfg, "n_shared_experts")
+    if experts and not shared and _positive(cfg, "shared_expert_intermediate_size"):  # Qwen2-MoE, Qwen3-Next, Qwen3.5
+        mi = _positive(cfg, "moe_intermediate_size") or _positive(cfg, "intermediate_size") or 1
+        shared = -(-cfg["shared_expert_intermediate_size"] // mi)
+    gate_default = mt.startswith(("qwen3_next", "qwen3_5"))
     try:
         info = ModelInfo(
             name=name,
@@ -132,13 +198,22 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
-            shared_experts=int(cfg.get("n_shared_experts") or 0),
+            shared_experts=shared,
             first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
             q_lora_rank=int(cfg.get("q_lora_rank") or 0),
             kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
             qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
             v_head_dim=int(cfg.get("v_head_dim") or 0),
+            attn_output_gate=bool(cfg.get("attn_output_gate", gate_default)),
+            linear_layers=linear,
+            linear_qk_heads=_positive(cfg, "linear_num_key_heads") if linear else 0,
+            linear_value_heads=_positive(cfg, "linear_num_value_heads") if linear else 0,
+            linear_qk_head_dim=_positive(cfg, "linear_key_head_dim") if linear else 0,
+            linear_value_head_dim=_positive(cfg, "linear_value_head_dim") if linear else 0,
+            linear_conv_kernel=(_positive(cfg, "linear_conv_kernel_dim") or 4) if linear else 0,
+            linear_state_bytes=(4 if str(cfg.get("mamba_ssm_dtype", "")) in ("float32", "float") else 2) if linear else 0,
+            vision_params=_vision_params(vision, h),
             quantization=q.precision,
             quant_bits=q.bits,
             quant_ignore=q.ignore,

@@ -1,0 +1,114 @@
+"""Hybrid models: gated delta-net layers (Qwen3-Next, Qwen3.5) keep a state per sequence, not KV per token.
+
+Before the planner knew linear attention it read Qwen3.5-27B as 64 attention layers: 24.35B parameters
+instead of ~27B, and four times the KV per token, so it refused contexts that serve. Mamba hybrids
+(Nemotron-H, Jamba, Granite 4) are refused with a reason rather than planned wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from llmgw import memory as M
+from llmgw import messages as m
+from llmgw import modelinfo
+from llmgw import planner as P
+from llmgw.errors import ModelError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_planner_math import fleet, node  # noqa: E402
+
+GIB = 1024**3
+CONFIGS = Path(__file__).resolve().parent / "data" / "calibration"
+DENSE = CONFIGS / "Qwen__Qwen3.5-27B"
+MOE = CONFIGS / "Qwen__Qwen3.5-35B-A3B"
+MAMBA = CONFIGS / "nvidia__NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+
+
+def load(folder: Path) -> m.ModelInfo:
+    return modelinfo.load_dir(folder)
+
+
+def text_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())["text_config"]
+
+
+def test_only_the_full_attention_layers_keep_kv_per_token() -> None:
+    info = load(DENSE)
+    cfg = text_config(DENSE)
+    full = [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"]
+    assert len(full) == 16 and len(info.linear_layers) == 48 and set(info.linear_layers).isdisjoint(full)
+    shape = M.kv_shape(info, "vllm", 1)
+    # 16 layers x K and V x 4 KV heads x 256 x bf16, where the old reading charged all 64 layers.
+    assert shape.bytes_per_token == 16 * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    # A sequence's state: per linear layer the convolution's last 3 inputs of q, k, v (bf16) and
+    # the fp32 recurrent state of 48 value heads x 128 x 128, whatever the sequence's length.
+    conv = (2 * 16 * 128 + 48 * 128) * 3 * 2
+    recurrent = 48 * 128 * 128 * 4
+    assert shape.bytes_for(0) == 48 * (conv + recurrent)
+    assert shape.bytes_for(1000) - shape.bytes_for(0) == 1000 * shape.bytes_per_token
+    assert shape.max_context(shape.bytes_for(5000)) == 5000
+    # Split over two ranks, each holds half of every head group's state and of the KV heads.
+    half = M.kv_shape(info, "vllm", 2)
+    assert half.state == shape.state // 2 and half.bytes_per_token == shape.bytes_per_token // 2
+
+
+def test_qwen3_next_without_layer_types_reads_its_interval() -> None:
+    cfg = {**json.loads((DENSE / "config.json").read_text()), "text_config": {
+        k: v for k, v in text_config(DENSE).items() if k != "layer_types"}}
+    info = modelinfo.from_config(cfg, name="x/y", source="x/y")
+    assert info.linear_layers == load(DENSE).linear_layers
+
+
+def test_the_parameters_count_linear_layers_the_output_gate_and_the_vision_tower() -> None:
+    dense, moe = load(DENSE), load(MOE)
+    # The published sizes: 27B and 35B total (language model, vision tower; the MTP head is not loaded).
+    assert 26.5e9 < dense.params < 28e9, dense.params
+    assert 34.5e9 < moe.params < 36e9, moe.params
+    assert 0.3e9 < dense.vision_params < 0.6e9
+    assert moe.shared_experts == 1 and moe.experts_per_token == 8
+    no_vision = msgspec.structs.replace(dense, vision_params=0, params=0)
+    bf16, q4 = M.precision("bf16"), M.precision("q4_K_M")
+    # vLLM loads the vision tower (on the first stage, split by tp); a GGUF leaves it to its mmproj file.
+    with_tower = M.weight_bytes_per_gpu(msgspec.structs.replace(dense, params=0), bf16, 1)
+    assert with_tower - M.weight_bytes_per_gpu(no_vision, bf16, 1) == pytest.approx(dense.vision_params * 2, rel=1e-6)
+    assert M.layout(msgspec.structs.replace(dense, params=0), q4).total == pytest.approx(M.layout(no_vision, q4).total)
+
+
+def test_a_hybrid_plan_holds_the_context_its_attention_layers_allow() -> None:
+    info = load(DENSE)
+    state = fleet(node("n1", "fa", cls="H100-80GB", count=1))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), engine_version="0.20.0")
+    c = P.plan(info, state, req).candidates[0]
+    shape = M.kv_shape(info, "vllm", 1)
+    assert c.fits and c.kv_tokens == pytest.approx(c.kv_gib_per_gpu * GIB / shape.bytes_per_token, rel=1e-3)
+    # Its full 262,144-token context fits on one H100: as 64 attention layers it would need 64 GiB of KV.
+    assert c.max_context == info.max_position_embeddings == 262144
+    assert shape.bytes_for(262144) < c.kv_gib_per_gpu * GIB < 4 * 262144 * shape.bytes_per_token
+
+
+def test_mamba_hybrids_are_refused_with_the_reason() -> None:
+    with pytest.raises(ModelError, match="mamba"):
+        load(MAMBA)
+    cfg = {**text_config(DENSE), "layer_types": ["mamba", "full_attention"] * 32}
+    with pytest.raises(ModelError, match="mamba"):
+        modelinfo.from_config(cfg, name="x/y", source="x/y")
+    odd = {**text_config(DENSE), "layer_types": ["conv", "full_attention"] * 32}
+    with pytest.raises(ModelError, match="kind conv"):
+        modelinfo.from_config(odd, name="x/y", source="x/y")
+
+
+def test_ctl_model_plan_refuses_a_mamba_hybrid_in_one_line(tmp_path: Path) -> None:
+    from llmgw.cli.main import cli
+
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(node("n1", "fa", count=1))
+    out = CliRunner().invoke(cli, ["ctl", "model", "plan", str(MAMBA), "--fleet", str(fleet_file)])
+    assert out.exit_code == 1 and out.output.startswith("Error: ") and "mamba" in out.output, out.output
+    assert "Traceback" not in out.output
