@@ -140,7 +140,10 @@ def summary(used: list[Result]) -> str:
     w = [r for r in used if r.weights_ok is not None]
     v = [r for r in used if r.fits is not None]
     gpus = {str(r.row.get("gpu_class") or "") for r in used if r.row.get("gpu_class")}
-    return (f"{len(used)} rows in the set, {len(by_profile(used))} vLLM version ranges, {len(gpus)} GPU classes; "
+    kv_gpus = {str(r.row.get("gpu_class") or "") for r in kv_rows if r.row.get("gpu_class")}
+    ranges = {r.profile for r in kv_rows}
+    return (f"{len(used)} rows in the set, {len(by_profile(used))} vLLM version ranges ({len(ranges)} with a KV row), "
+            f"{len(gpus)} GPU classes ({len(kv_gpus)} with a KV row); "
             f"KV within max(10%, {KV_FLOOR_GIB} GiB): {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)} "
             f"({sum(bool(r.kv_ok) for r in kv_rows) / max(1, len(kv_rows)):.0%}); KV error mean "
             f"{statistics.mean(errs) if errs else 0:.2f} GiB, worst {max(errs, default=0):.2f} GiB; weights within 5%: "

@@ -2,7 +2,8 @@
 
 The table ``benchmarks/calibration.py`` prints is in the README; this test fails when
 any verdict (starts or not) is wrong, or fewer than 85% of the KV figures are within
-max(10%, 0.75 GiB) of what vLLM printed, or a weights figure is off by more than 3%.
+max(10%, 0.75 GiB) of what vLLM printed, or a weights figure is off by more than 5%; and each
+vLLM version range (engine profile) is pinned on KV figures of its own.
 """
 
 from __future__ import annotations
@@ -40,10 +41,22 @@ def test_predictions_agree_with_what_vllm_printed() -> None:
     assert kv and sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv)
     for r in used:
         if r.row.get("weights_gib") is not None:
-            assert abs(r.weights - r.row["weights_gib"]) <= 0.03 * r.row["weights_gib"], (r.row["model"], r.weights)
+            assert abs(r.weights - r.row["weights_gib"]) <= 0.05 * r.row["weights_gib"], (r.row["model"], r.weights)
 
 
 def test_every_excluded_row_says_why() -> None:
     for r in calibration.evaluate_all():
         if r.excluded:
             assert len(r.excluded) > 10
+
+
+def test_every_engine_profile_is_pinned_on_its_own_logs() -> None:
+    """Each vLLM version range has KV rows of its own, and they hold the goal on their own."""
+    from llmgw.engineprofiles import VLLM_PROFILES
+
+    groups = calibration.by_profile([r for r in calibration.evaluate_all() if not r.excluded])
+    for p in VLLM_PROFILES:
+        kv = [r for r in groups.get(p.name, []) if r.kv_ok is not None]
+        assert kv, f"no KV row of {p.name}"
+        assert sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv), (p.name, [(r.row["model"], r.kv, r.observed_kv) for r in kv])
+
