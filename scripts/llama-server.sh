@@ -13,6 +13,10 @@
 set -euo pipefail
 
 version="${LLMGW_LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+# The sdist's sha256 as the package index lists it: a build compiles only the source we pinned.
+# Another version needs its own (LLMGW_LLAMA_SDIST_SHA256, from the index's #sha256= link).
+declare -A pinned=([0.3.36]=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e)
+sha256="${LLMGW_LLAMA_SDIST_SHA256:-${pinned[$version]:-}}"
 flags=(
   -DCMAKE_BUILD_TYPE=Release
   -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF
@@ -67,6 +71,15 @@ if [ -z "$sdist" ]; then
   # pip prepares the sdist's metadata to name it, which fetches scikit-build-core; nothing is installed.
   "$python" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$work" "llama-cpp-python==$version" >&2
   sdist="$work/llama_cpp_python-$version.tar.gz"
+fi
+if [ -z "$sha256" ]; then
+  say "no sha256 pinned for llama-cpp-python $version: set LLMGW_LLAMA_SDIST_SHA256 (the index's #sha256= of the sdist)"
+  exit 1
+fi
+got="$(sha256sum "$sdist" | cut -d' ' -f1)"
+if [ "$got" != "$sha256" ]; then
+  say "$sdist has sha256 $got, not the pinned $sha256: refusing to build it (a different or altered file)"
+  exit 1
 fi
 tar -xzf "$sdist" -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
