@@ -92,6 +92,7 @@ def engine_config(opts: dict[str, Any]) -> EngineConfig:
     fake = opts["engines"] == "fake"
     return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, fake_startup_s=opts["engine_startup_s"],
                         env=opts["engine_env"], log_dir=opts["log_dir"],
+                        log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
                         host="127.0.0.1" if opts["simulated"] and not fake else "")
 
 
@@ -159,13 +160,18 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write each engine's output, line by line, to DIR/<replica>.log [default: only its last lines, "
                    "in the replica's events].")
+@click.option("--log-max-mib", type=click.IntRange(1, 1 << 20), default=64, show_default=True,
+              help="Rotate an engine's log when it reaches this size: <replica>.log becomes <replica>.log.1.")
+@click.option("--log-keep", type=click.IntRange(0, 100), default=3, show_default=True,
+              help="Rotated logs kept per engine (.log.1 … .log.N); older ones are deleted.")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
 @click.pass_context
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
           poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float,
-          engines: str | None, log_dir: Path | None, once: bool, as_json: bool, settings: Settings) -> None:
+          engines: str | None, log_dir: Path | None, log_max_mib: int, log_keep: int, once: bool, as_json: bool,
+          settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -184,7 +190,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "simulated": fleet_path is not None, "faults": (),
                             "engine_cmds": cmds, "engine_startup_s": engine_startup_s,
                             "engine_env": _engine_env(engine_env), "engines": engines,
-                            "log_dir": log_dir.resolve() if log_dir else None}
+                            "log_dir": log_dir.resolve() if log_dir else None,
+                            "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep}
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     if fleet_path is not None:
         fleet = load(fleet_path)

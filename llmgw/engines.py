@@ -144,6 +144,9 @@ class EngineConfig:
     backoff_max_s: float = 60.0
     log_lines: int = 20
     log_dir: Path | None = None
+    # Each engine's log is rotated by size: <replica>.log, then .log.1 … .log.<log_keep>, the oldest dropped.
+    log_max_bytes: int = 64 * 1024 * 1024
+    log_keep: int = 3
     fake_startup_s: float = 0.0  # simulation: each fake engine's start-up time
     # Set for every engine process: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, Ray's port range (--engine-env).
     env: dict[str, str] = field(default_factory=dict)
@@ -163,6 +166,48 @@ class EngineConfig:
     def check_host(self) -> str:
         """Where the agent itself reaches an engine for health checks."""
         return "127.0.0.1" if self.host == "0.0.0.0" else self.host
+
+
+class RotatingLog:
+    """An engine's output file, rotated by size so that a chatty engine running for weeks cannot fill the
+    disk: ``NAME`` grows to ``max_bytes``, then becomes ``NAME.1`` (``.1`` becomes ``.2`` …, the one past
+    ``keep`` is dropped). Every line is in the file once written (unbuffered), for ``tail -F``. Several
+    processes of one part (Ray and vLLM) each hold their own: a rename by one is seen by the other's
+    next write, which reopens the new file."""
+
+    def __init__(self, path: Path, max_bytes: int, keep: int) -> None:
+        self.path, self.max_bytes, self.keep = path, max(1, max_bytes), max(0, keep)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+
+    def write(self, line: bytes) -> None:
+        mine = os.fstat(self._file.fileno())
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        if named is None or named.st_ino != mine.st_ino:  # another writer rotated it: write to the new file
+            self._file.close()
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+            mine = os.fstat(self._file.fileno())
+        if mine.st_size and mine.st_size + len(line) > self.max_bytes:
+            self._rotate()
+        self._file.write(line)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        if self.keep:
+            self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink(missing_ok=True)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class EngineRun:
@@ -217,7 +262,7 @@ class EngineRun:
     def _last_lines(self) -> str:
         return " | ".join(self.tail) or "(no output)"
 
-    async def _pump(self, stream: asyncio.StreamReader, sink: BinaryIO | None) -> None:
+    async def _pump(self, stream: asyncio.StreamReader, sink: RotatingLog | None) -> None:
         while line := await stream.readline():
             text = line.decode(errors="replace").rstrip()
             if text:
@@ -225,12 +270,11 @@ class EngineRun:
             if sink is not None:
                 sink.write(line)
 
-    def _open_log(self) -> BinaryIO | None:
+    def _open_log(self) -> RotatingLog | None:
         if self.config.log_dir is None:
             return None
-        self.config.log_dir.mkdir(parents=True, exist_ok=True)
-        # Unbuffered: each line the pump writes is in the file at once, for `tail -f` while the engine runs.
-        return open(self.config.log_dir / f"{subjects.token(self.replica_id)}.log", "ab", buffering=0)  # noqa: SIM115 - the pump closes it
+        return RotatingLog(self.config.log_dir / f"{subjects.token(self.replica_id)}.log",
+                           self.config.log_max_bytes, self.config.log_keep)
 
     def _argvs(self) -> tuple[list[list[str]], dict[str, str]]:
         host, spec = self.config.host, self.placed.spec
@@ -276,7 +320,7 @@ class EngineRun:
                 break
         return pumps
 
-    async def _pump_to(self, proc: asyncio.subprocess.Process, sink: BinaryIO | None) -> None:
+    async def _pump_to(self, proc: asyncio.subprocess.Process, sink: RotatingLog | None) -> None:
         try:
             assert proc.stdout is not None
             await self._pump(proc.stdout, sink)

@@ -391,3 +391,34 @@ async def test_a_placement_on_another_subject_starts_nothing(
     got = await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
     assert {s.replica_id for s in got} == {"qwen-r2"}
     assert "qwen-r9" not in sup.placed and set(sup.checkpoint.state.replicas) == {"qwen-r2"}
+
+
+def test_an_engine_log_rotates_by_size_and_keeps_the_newest(tmp_path: Path) -> None:
+    """A chatty engine serving for weeks must not fill the disk: <replica>.log rolls to .1, .2, the oldest goes."""
+    from llmgw.engines import RotatingLog
+
+    path = tmp_path / "m-r1.log"
+    log = RotatingLog(path, max_bytes=250, keep=2)
+    lines = [f"line {i:03d} ".encode() + b"x" * 90 + b"\n" for i in range(10)]  # 100 bytes each
+    for line in lines:
+        log.write(line)
+    log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["m-r1.log", "m-r1.log.1", "m-r1.log.2"]
+    assert all(p.stat().st_size <= 250 for p in tmp_path.iterdir())
+    kept = b"".join((tmp_path / n).read_bytes() for n in ("m-r1.log.2", "m-r1.log.1", "m-r1.log"))
+    assert kept == b"".join(lines[-len(kept) // 100:]) and len(kept) == 600  # the newest, in order
+
+    # Two processes of one part (Ray's and vLLM's output) write one file: after one rotates it,
+    # the other's next line goes to the new file, not into the rotated one.
+    a, b = RotatingLog(path, 250, 2), RotatingLog(path, 250, 2)
+    a.write(b"a" * 99 + b"\n")  # the file was full: a rotates first
+    b.write(b"b" * 99 + b"\n")
+    assert path.read_bytes() == b"a" * 99 + b"\n" + b"b" * 99 + b"\n"
+    a.close()
+    b.close()
+    nothing = RotatingLog(tmp_path / "other.log", 10, 0)  # keep 0: the log is cut, nothing kept
+    nothing.write(b"0123456789\n")
+    nothing.write(b"new\n")
+    nothing.close()
+    assert (tmp_path / "other.log").read_bytes() == b"new\n" and not (tmp_path / "other.log.1").exists()
