@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from projection_events import event_lists, small_fleet
+from projection_events import event_lists, random_event, small_fleet
 from running import until
 from streams import fresh_streams, publish
 
@@ -98,6 +98,21 @@ async def test_a_fold_from_any_snapshot_equals_the_fold_from_sequence_1(
         seq = targets.draw(st.integers(1, last[stream]), label="seq")
         with_snap, from_one = await both_ways(bus, at_seq=(stream, seq))
         assert with_snap == from_one, (stream, seq)
+
+
+async def test_a_replica_placed_again_under_its_id_leaves_a_snapshot_that_checks_out(bus: Bus, tmp_path: Path) -> None:
+    """Found by the test above: r0 placed on n0, then again on n1. The pool took the second placement's
+    nodes but kept naming the first, so every snapshot after it was refused as unfounded."""
+    events = [random_event(0, i, 0, 0) for i in range(3)] + [random_event(4, 3, 0, 0), random_event(4, 4, 1, 0)]
+    await fresh_streams(bus)
+    await publish(bus, events)
+    assert await project(bus, tmp_path / "p.duckdb", 1) >= 1
+    heads = {s: await bus.stream_head(s) for s in subjects.HISTORY_STREAMS}
+    now = snapshots.Target(stops={s: h[0] for s, h in heads.items()}, cut_ns={})
+    found = await snapshots.load(bus, now, heads, pytest.fail)
+    assert found is not None and found[0].pool.replicas["r0"].nodes == found[0].state.replicas["r0"].nodes
+    with_snap, from_one = await both_ways(bus)
+    assert with_snap == from_one
 
 
 async def test_the_projector_writes_snapshots_that_a_replay_starts_from(bus: Bus, tmp_path: Path) -> None:
@@ -453,7 +468,7 @@ async def test_a_planner_started_from_a_snapshot_plans_for_the_engine_version_th
             await asyncio.gather(task, return_exceptions=True)
     for reply in replies:
         assert (reply.engine_version, reply.engine_profile, reply.engine_version_source) == (
-            "0.17.1", "vllm 0.12–0.20", "fleet")
+            "0.17.1", "vllm 0.16–0.20", "fleet")
         assert reply.candidates and all(c.engine_version == "0.17.1" for c in reply.candidates if c.engine == "vllm")
     assert replies[0] == replies[1]
 

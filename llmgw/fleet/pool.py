@@ -143,10 +143,16 @@ class Pool:
                 self.known_models[model] = None
                 if (d := self.declared.get(model)) is not None:
                     d.unplaceable = None
-                if rid not in self.replicas:
+                rep = self.replicas.get(rid)
+                if rep is not None and rep.model != model:  # the id reused for another model: a new replica
+                    self._leave(rep)
+                    rep = None
+                if rep is None:
                     self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes, placed_seq=seq)
-                else:  # placed again (as the fold takes it): its nodes now are the ones that speak for it
-                    self.replicas[rid].nodes = event.nodes
+                else:
+                    # Placed again (as the fold takes it): its nodes now are the ones that speak for it, and
+                    # this placement is the one a snapshot of the pool names (snapshots.unfounded checks it).
+                    rep.nodes, rep.placed_seq = event.nodes, seq
                 return True
             case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
                 rep = self.replicas.get(rid)
