@@ -7,9 +7,9 @@ and was fitted on public start-up logs of that range (``tests/data/vllm_observed
 the figures in docs/benchmarks.md):
 
 * the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
-  (0.11 warmed top-p/top-k too: 9.7 copies on its H100 logs; the others ~3). Up to 0.10 it
-  differed by card: ~3 copies with a small card's batch (the A100 logs), 9.7 with a large
-  card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
+  (0.11 to 0.15 warmed top-p/top-k too: 9.7 copies on their logs; 0.16-0.20 ~5; from 0.21 ~3).
+  Up to 0.10 it differed by card: ~3 copies with a small card's batch (the A100 logs), 9.7 with
+  a large card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
 * memory outside torch that the profile counts (``non_torch_gib``);
 * the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
   larger ones, and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
@@ -77,7 +77,10 @@ class EngineProfile:
 VLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=3.0, large_sampler_copies=9.7),
     EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=9.7),
-    EngineProfile("vllm", (0, 12), (0, 21), "0.20.2", sampler_copies=3.0),
+    # 0.12-0.15 still warmed the sampler as 0.11 did (an RTX A5000 log of 0.13.0, an H200 one of 0.15.1);
+    # from 0.16 ~5 copies (0.16.0 on L40S, 0.17.1 on MI300X, 0.19.1 on an A100 40GB, 0.20.2 on an RTX PRO 6000).
+    EngineProfile("vllm", (0, 12), (0, 16), "0.15.1", sampler_copies=9.7),
+    EngineProfile("vllm", (0, 16), (0, 21), "0.20.2", sampler_copies=5.0),
     EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=3.0, non_torch_gib=0.2, graphs_in_budget=True),
     EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.0, non_torch_gib=0.25, graphs_in_budget=True,
                   default_util=0.92, a100_is_small=False),

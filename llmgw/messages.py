@@ -894,6 +894,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     linear_conv_kernel: Dim = 0
     linear_state_bytes: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0  # per recurrent state element (fp32: 4)
     vision_params: Annotated[int, msgspec.Meta(ge=0, le=10**13)] = 0  # a multimodal model's vision tower, loaded by vLLM
+    # What vLLM's start-up profiling runs through the tower (Qwen-VL-style towers): the largest image's
+    # tokens and patches, and the activations per patch (3 x hidden + MLP width, elements).
+    vision_item_tokens: Dim = 0
+    vision_item_patches: Dim = 0
+    vision_patch_width: Dim = 0
     # The checkpoint's own precision when it is pre-quantized: fp8 | int8 | int4 | fp4 | awq | gptq |
     # bnb-4bit | bnb-8bit | None; with the bits each quantized weight takes (scales and zero points
     # included), the modules it leaves 16-bit (its ``ignore`` list), its format, and its KV cache dtype.

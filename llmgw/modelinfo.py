@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 import msgspec
@@ -108,16 +108,28 @@ def _linear_layers(cfg: dict[str, Any], n: int, name: str, where: str) -> tuple[
     return ()
 
 
-def _vision_params(vc: Any, text_hidden: int) -> int:
-    """The vision tower's parameters, from a multimodal config's ``vision_config`` (a ViT: blocks, patch
-    embedding, positions and the merger into the language model); 0 when it does not say enough."""
+# Qwen2-VL … Qwen3.5's processors take images up to 16,384 merged tokens (max_pixels): the item vLLM profiles.
+QWEN_VL_ITEM_TOKENS = 16384
+
+
+class _Vision(NamedTuple):
+    params: int = 0
+    item_tokens: int = 0  # 0: vLLM's profiling of the tower is not modelled for it
+    item_patches: int = 0
+    patch_width: int = 0
+
+
+def _vision(vc: Any, text_hidden: int) -> _Vision:
+    """The vision tower, from a multimodal config's ``vision_config`` (a ViT: blocks, patch embedding,
+    positions and the merger into the language model): its parameters and, for the Qwen-VL family's
+    towers, what vLLM's profiling pushes through it; nothing when the config does not say enough."""
     if not isinstance(vc, dict):
-        return 0
+        return _Vision()
     d = _positive(vc, "hidden_size") or _positive(vc, "embed_dim")
     depth = _positive(vc, "depth") or _positive(vc, "num_hidden_layers")
     inner = _positive(vc, "intermediate_size")
     if not (d and depth and inner):
-        return 0
+        return _Vision()
     gated = str(vc.get("hidden_act", "")) in ("silu", "swiglu")  # Qwen2.5-VL, Pixtral: gate, up, down
     block = 4 * d * d + 4 * d + (3 if gated else 2) * d * inner + inner + 5 * d
     patch = _positive(vc, "patch_size") or 14
@@ -130,12 +142,15 @@ def _vision_params(vc: Any, text_hidden: int) -> int:
     merged = d * merge * merge
     mergers = 1 + len(vc.get("deepstack_visual_indexes") or [])
     merger = mergers * (merged * merged + merged * out) if merge > 1 else d * out
-    return depth * block + embed + positions + merger
+    params = depth * block + embed + positions + merger
+    if merge > 1 and _positive(vc, "temporal_patch_size"):  # the Qwen-VL family: images of up to 16,384 tokens
+        return _Vision(params, QWEN_VL_ITEM_TOKENS, QWEN_VL_ITEM_TOKENS * merge * merge, 3 * d + inner)
+    return _Vision(params)
 
 
 def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "config.json") -> ModelInfo:
     """The architecture a config.json states; parameter count left at 0."""
-    vision = cfg.get("vision_config")
+    vision_config = cfg.get("vision_config")
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM in text_config
         cfg = {**cfg, **cfg["text_config"]}
     missing = [k for k in _REQUIRED if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] <= 0]
@@ -176,6 +191,7 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
         mi = _positive(cfg, "moe_intermediate_size") or _positive(cfg, "intermediate_size") or 1
         shared = -(-cfg["shared_expert_intermediate_size"] // mi)
     gate_default = mt.startswith(("qwen3_next", "qwen3_5"))
+    vision = _vision(vision_config, h)
     try:
         info = ModelInfo(
             name=name,
@@ -213,7 +229,10 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             linear_value_head_dim=_positive(cfg, "linear_value_head_dim") if linear else 0,
             linear_conv_kernel=(_positive(cfg, "linear_conv_kernel_dim") or 4) if linear else 0,
             linear_state_bytes=(4 if str(cfg.get("mamba_ssm_dtype", "")) in ("float32", "float") else 2) if linear else 0,
-            vision_params=_vision_params(vision, h),
+            vision_params=vision.params,
+            vision_item_tokens=vision.item_tokens,
+            vision_item_patches=vision.item_patches,
+            vision_patch_width=vision.patch_width,
             quantization=q.precision,
             quant_bits=q.bits,
             quant_ignore=q.ignore,

@@ -84,7 +84,7 @@ def test_the_parameters_count_linear_layers_the_output_gate_and_the_vision_tower
 def test_a_hybrid_plan_holds_the_context_its_attention_layers_allow() -> None:
     info = load(DENSE)
     state = fleet(node("n1", "fa", cls="H100-80GB", count=1))
-    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), engine_version="0.20.0")
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), engine_version="0.29.0")
     c = P.plan(info, state, req).candidates[0]
     shape = M.kv_shape(info, "vllm", 1)
     assert c.fits and c.kv_tokens == pytest.approx(c.kv_gib_per_gpu * GIB / shape.bytes_per_token, rel=1e-3)
@@ -112,3 +112,19 @@ def test_ctl_model_plan_refuses_a_mamba_hybrid_in_one_line(tmp_path: Path) -> No
     out = CliRunner().invoke(cli, ["ctl", "model", "plan", str(MAMBA), "--fleet", str(fleet_file)])
     assert out.exit_code == 1 and out.output.startswith("Error: ") and "mamba" in out.output, out.output
     assert "Traceback" not in out.output
+
+
+def test_vllms_profiling_of_the_vision_tower_is_charged_by_its_encoder_budget() -> None:
+    """Qwen3.5-9B on an L40S under vLLM 0.18 (tests/data/vllm_observed.jsonl): 0.89 GiB more peak than the
+    language model's, as vLLM pushes one largest image (16,384 tokens = 65,536 patches) through the tower."""
+    info = load(CONFIGS / "Qwen__Qwen3.5-9B")
+    vc = json.loads((CONFIGS / "Qwen__Qwen3.5-9B" / "config.json").read_text())["vision_config"]
+    assert (info.vision_item_tokens, info.vision_item_patches) == (16384, 16384 * vc["spatial_merge_size"] ** 2)
+    per_image = info.vision_item_patches * (3 * vc["hidden_size"] + vc["intermediate_size"]) * 2
+    text_only = msgspec.structs.replace(info, vision_item_tokens=0)
+    for tokens, images in ((2048, 1), (16384, 1), (40000, 2), (65536, 4)):
+        batch = (tokens, 256)
+        extra = M.overhead_bytes_per_gpu(info, "vllm", 1, batch=batch) - M.overhead_bytes_per_gpu(text_only, "vllm", 1, batch=batch)
+        assert extra == images * per_image, tokens
+    assert 0.85 * GIB < per_image < 1.0 * GIB
+    assert M.overhead_bytes_per_gpu(info, "llama.cpp", 1) == M.overhead_bytes_per_gpu(text_only, "llama.cpp", 1)

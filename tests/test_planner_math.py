@@ -253,9 +253,9 @@ def test_overhead_is_per_rank_from_the_ranks_share() -> None:
     assert v011.batch("L40S-48GB", 46068) == (2048, 256)
     # From 0.29 the A100 80GB gets the larger defaults too (its 0.31 log: a 1.44 GiB sampler peak).
     assert profile_for("vllm", "0.31.0").batch("A100-80GB", 81920) == (8192, 1024)
-    # Other versions warm the sampler with ~3 copies, not 0.11's 9.7: a third of the peak.
+    # Newer versions warm the sampler with fewer copies than 0.11's 9.7: ~5 in 0.16-0.20, ~3 from 0.21.
     newer = M.overhead_bytes_per_gpu(info, "vllm", 2, profile=profile_for("vllm", "0.17.1"))
-    assert newer == max(forward, int(3.0 * 1024 * 128256 * 4)) + int(0.13 * GIB) + int(0.42 * GIB) < expected
+    assert newer == max(forward, int(5.0 * 1024 * 128256 * 4)) + int(0.13 * GIB) + int(0.42 * GIB) < expected
     # The forward pass is the rank's share; the sampler's logits are the whole vocabulary on every rank.
     mixtral = model(MIXTRAL)  # a wide MoE MLP and a 32k vocabulary: there the forward pass is the peak at tp 1
     assert M.overhead_bytes_per_gpu(mixtral, "vllm", 2, profile=v011) < M.overhead_bytes_per_gpu(mixtral, "vllm", 1, profile=v011)
