@@ -142,7 +142,8 @@ def summary(used: list[Result]) -> str:
     gpus = {str(r.row.get("gpu_class") or "") for r in used if r.row.get("gpu_class")}
     kv_gpus = {str(r.row.get("gpu_class") or "") for r in kv_rows if r.row.get("gpu_class")}
     ranges = {r.profile for r in kv_rows}
-    return (f"{len(used)} rows in the set, {len(by_profile(used))} vLLM version ranges ({len(ranges)} with a KV row), "
+    versions = [name for name in by_profile(used) if name != "-"]  # "-": weights-only rows that state no version
+    return (f"{len(used)} rows in the set, {len(versions)} vLLM version ranges ({len(ranges)} with a KV row), "
             f"{len(gpus)} GPU classes ({len(kv_gpus)} with a KV row); "
             f"KV within max(10%, {KV_FLOOR_GIB} GiB): {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)} "
             f"({sum(bool(r.kv_ok) for r in kv_rows) / max(1, len(kv_rows)):.0%}); KV error mean "

@@ -34,7 +34,7 @@ def test_predictions_agree_with_what_vllm_printed() -> None:
     results = calibration.evaluate_all()
     print("\n" + calibration.table(results))
     used = [r for r in results if not r.excluded]
-    assert used, "no observation in the calibration set"
+    assert len(used) >= 30, "the issue asks for 30 public logs in the set"
     verdicts = [r for r in used if r.fits is not None]
     assert [(r.row["model"], r.fits) for r in verdicts] == [(r.row["model"], r.observed_fits) for r in verdicts]
     kv = [r for r in used if r.kv_ok is not None]
