@@ -233,13 +233,19 @@ JOIN replica_lifetimes l USING (replica_id)
       "placed_at": "when the replica took the GPU", "stopped_at": "when it freed it; NULL: it still holds it"}),
 
     "replica_idle_intervals": ("One row per stretch in which nobody asked for a replica: from a request (or "
-                               "the moment a router began routing to it) to the next one any router saw, its "
-                               "stop, or the newest event. Before the first, idleness is unknown: not a row.", """
-WITH activity AS (
+                               "the moment the first router began routing to it) to the next one any router saw, "
+                               "its stop, or the newest event. A router that begins routing later (a new name) "
+                               "asked nothing: it starts no stretch. Before the first, idleness is unknown: not a "
+                               "row.", """
+WITH firsts AS (
+    SELECT replica_id, min(last_request) AS first_request, min(serving_since) AS first_serving
+    FROM idle_history GROUP BY replica_id
+), activity AS (
     SELECT DISTINCT replica_id, t FROM (
         SELECT replica_id, last_request AS t FROM idle_history WHERE last_request IS NOT NULL
         UNION ALL
-        SELECT replica_id, serving_since FROM idle_history WHERE serving_since IS NOT NULL)
+        SELECT replica_id, first_serving FROM firsts
+        WHERE first_serving IS NOT NULL AND (first_request IS NULL OR first_serving < first_request))
 ), stretches AS (
     SELECT replica_id, t AS idle_from, lead(t) OVER (PARTITION BY replica_id ORDER BY t) AS next_t FROM activity
 ), newest AS (
@@ -250,7 +256,7 @@ SELECT s.replica_id, l.model, l.gpu_count, s.idle_from, coalesce(s.next_t, l.sto
 FROM stretches s JOIN replica_lifetimes l USING (replica_id) CROSS JOIN newest n
 WHERE idle_to > s.idle_from
 """, {"replica_id": None, "model": None, "gpu_count": "GPUs the replica held meanwhile",
-      "idle_from": "a request, or when a router began routing to the replica",
+      "idle_from": "a request, or when the first router began routing to the replica",
       "idle_to": "the next request any router saw; the replica's stop; or the newest event in the file",
       "idle_s": "seconds idle (idle_to - idle_from)",
       "ongoing": "true when still idle at the newest event (idle_to is that event's time)"}),

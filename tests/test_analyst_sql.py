@@ -130,6 +130,19 @@ def test_idle_intervals_run_from_request_to_request_stop_or_the_newest_event(tmp
         store.close()
 
 
+def test_a_router_starting_later_splits_no_idle_stretch(tmp_path: Path) -> None:
+    """A router with a new name (a rolled-out pod) routes to r-qwen from t(500) and is never asked:
+    r-qwen stays idle from its last request, as the fold's idle_since says."""
+    late = m.IdleMapPublished(at=t(500), router="rt-new", boot_id="new", tick=1, serving_since={"r-qwen": t(500)})
+    events = _later()
+    store = _project(tmp_path, [*events[:-1], late, events[-1]])
+    try:
+        assert store.query("SELECT idle_from, idle_to, ongoing FROM replica_idle_intervals "
+                           "WHERE replica_id = 'r-qwen' ORDER BY idle_from") == [(t(7), t(8), False), (t(8), t(900), True)]
+    finally:
+        store.close()
+
+
 def test_gpu_hours_idle_per_model_and_day_split_at_midnight_utc(tmp_path: Path) -> None:
     store = _project(tmp_path, _later())
     try:

@@ -146,6 +146,28 @@ CASES: list[tuple[str, list[m.Event], Callable[[FleetState], object], object]] =
         t(2),
     ),
     (
+        "a router starting under a new name (a rolled-out pod) does not restart a replica's idle time",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r1": t(9)}),
+         m.IdleMapPublished(at=t(50), router="a-7f9c", boot_id="c1", tick=1, serving_since={"r1": t(50)})],
+        lambda s: s.idle_since("r1"),
+        t(9),
+    ),
+    (
+        "routers that were never asked: idle since the first of them began routing",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, serving_since={"r1": t(2)}),
+         m.IdleMapPublished(at=t(40), router="b", boot_id="b1", tick=1, serving_since={"r1": t(30)})],
+        lambda s: s.idle_since("r1"),
+        t(2),
+    ),
+    (
+        "a request or a map from before the replica was placed (its id's earlier life) does not count",
+        [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r1": t(9)},
+                            serving_since={"r2": t(5)}),
+         placed("r1", QWEN, [("n1", 0)], t(100)), placed("r2", QWEN, [("n1", 1)], t(100))],
+        lambda s: (s.idle_since("r1"), s.idle_since("r2")),
+        (None, None),
+    ),
+    (
         "no router knows: unknown, not idle",
         [m.IdleMapPublished(at=t(10), router="a", boot_id="a1", tick=1, last_request={"r2": t(9)})],
         lambda s: s.idle_since("r1"),

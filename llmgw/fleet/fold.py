@@ -184,15 +184,22 @@ class FleetState:
     def idle_since(self, replica_id: str) -> datetime | None:
         """Since when nobody has asked for a replica, or None when no router knows.
 
-        The newest of: the last request any router ever reported, and the time
-        each router's latest map says it began routing to the replica without a
-        request since. Taking the newest never overstates idleness.
+        The last request any router ever reported for this placement of the replica,
+        else the earliest time a router's latest map says it began routing to it with no
+        request since. A router's ``serving_since`` is no request: a router that starts
+        (a new name: a rolled-out pod, another machine) has seen none, so it neither
+        moves a last request nor restarts the idle time the other routers' maps give.
+        Anything from before the replica was placed (its id's earlier life) is ignored.
         """
-        candidates = [r.serving_since[replica_id] for r in self.routers.values() if replica_id in r.serving_since]
+        replica = self.replicas.get(replica_id)
+        placed = replica.placed_at if replica is not None else None
         last = self.last_request.get(replica_id)
-        if last is not None:
-            candidates.append(last)
-        return max(candidates) if candidates else None
+        if last is not None and (placed is None or last >= placed):
+            return last
+        serving = [r.serving_since[replica_id] for r in self.routers.values() if replica_id in r.serving_since]
+        if placed is not None:
+            serving = [t for t in serving if t >= placed]
+        return min(serving) if serving else None
 
 
 def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
