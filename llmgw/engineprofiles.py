@@ -13,8 +13,9 @@ the figures in docs/benchmarks.md):
 * memory outside torch that the profile counts (``non_torch_gib``);
 * the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
   larger ones, and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
-* where CUDA graphs live: before 0.21 they are captured after the cache is sized, out of
-  the 1 - utilization slack; from 0.21 vLLM profiles them and takes them from the budget.
+* where CUDA graphs live: before 0.20 they are captured after the cache is sized, out of
+  the 1 - utilization slack; from 0.20 vLLM profiles them and takes them from the budget (its
+  message says "default since v0.21.0", but 0.20.2's logs already print the subtraction).
 
 llama.cpp has one profile: its compute buffer does not depend on the build.
 """
@@ -79,8 +80,10 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=9.7),
     # 0.12-0.15 still warmed the sampler as 0.11 did (an RTX A5000 log of 0.13.0, an H200 one of 0.15.1);
     # from 0.16 ~5 copies (0.16.0 on L40S, 0.17.1 on MI300X, 0.19.1 on an A100 40GB, 0.20.2 on an RTX PRO 6000).
+    # 0.20 already takes the CUDA graphs from the budget (its logs print the "equivalent to" line; 0.19.1's do not).
     EngineProfile("vllm", (0, 12), (0, 16), "0.15.1", sampler_copies=9.7),
-    EngineProfile("vllm", (0, 16), (0, 21), "0.20.2", sampler_copies=5.0),
+    EngineProfile("vllm", (0, 16), (0, 20), "0.19.1", sampler_copies=5.0),
+    EngineProfile("vllm", (0, 20), (0, 21), "0.20.2", sampler_copies=5.0, graphs_in_budget=True),
     EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=3.0, non_torch_gib=0.2, graphs_in_budget=True),
     EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.0, non_torch_gib=0.25, graphs_in_budget=True,
                   default_util=0.92, a100_is_small=False),

@@ -33,7 +33,7 @@ spreads over, on one node):
     version's default on that card.
   - memory outside torch's allocator that it counts, plus NCCL and custom all-reduce
     buffers when tp x pp > 1.
-  - CUDA graphs (``cuda_graph_bytes_per_gpu``): from vLLM 0.21 profiled and taken from the
+  - CUDA graphs (``cuda_graph_bytes_per_gpu``): from vLLM 0.20 profiled and taken from the
     budget; before, captured after the cache is sized, out of the slack, which must then
     hold them beside the CUDA context (~0.5 GiB). The planner (``llmgw.planner``) charges
     them or proposes ``--enforce-eager`` where the slack cannot.
@@ -43,7 +43,9 @@ spreads over, on one node):
   max(1, kv_heads / tp) x head_dim x 2 bytes (16-bit cache). MLA caches one
   latent of kv_lora_rank + qk_rope_head_dim per layer, replicated on every tp
   rank. Sliding-window layers hold at most their window plus the batch in
-  flight (vLLM's hybrid allocator; llama.cpp's SWA cache).
+  flight (vLLM's hybrid allocator; llama.cpp's SWA cache). Gemma 4's full-attention
+  layers have their own head size and KV heads, and its KV-sharing layers hold none;
+  a hybrid model's linear-attention layers hold a fixed state per sequence instead.
 
 A candidate fits when weights + overhead leave room for the context asked for
 (default: the model's full context, else the largest that fits, at least 2048
@@ -181,6 +183,7 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
                 Tensor("attn_output", i, heads * info.v_head_dim * h, heads * info.v_head_dim, True, "tp")]
     else:
         gate = 2 if info.attn_output_gate else 1  # the output gate comes out of q_proj
+        hd, kv = attention_shape(info, i)
         out += [Tensor("attn_q", i, h * heads * hd * gate, h, True, "tp"),
                 Tensor("attn_k", i, h * kv * hd, h, True, "kv"),
                 Tensor("attn_v", i, h * kv * hd, h, True, "kv"),
@@ -191,7 +194,8 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
             out += [Tensor("bias", i, h, 1, False, "rep"), Tensor("sinks", i, heads, 1, False, "tp")]
         if info.model_type.startswith("qwen3"):  # q_norm, k_norm
             out.append(Tensor("norm", i, 2 * hd, hd, False, "rep"))
-    if info.num_experts and i >= info.first_dense_layers:
+    moe = bool(info.num_experts) and i >= info.first_dense_layers
+    if moe:
         e, mi = info.num_experts, info.moe_intermediate_size
         out += [Tensor("ffn_gate_inp", i, h * e, h, False, "rep"),
                 Tensor("ffn_gate_exps", i, e * h * mi, h, True, "tp"),
@@ -204,17 +208,32 @@ def _layer_tensors(info: m.ModelInfo, i: int) -> list[Tensor]:
             out += [Tensor("ffn_gate_shexp", i, h * si, h, True, "tp"),
                     Tensor("ffn_up_shexp", i, h * si, h, True, "tp"),
                     Tensor("ffn_down_shexp", i, si * h, si, True, "tp")]
-    else:
-        f = info.intermediate_size
+    if not moe or info.dense_and_moe:  # Gemma 4's MoE layers run a dense MLP beside the experts
+        f = info.intermediate_size * (2 if info.double_wide_shared and i >= info.num_layers - info.kv_shared_layers else 1)
         out += [Tensor("ffn_gate", i, h * f, h, True, "tp"),
                 Tensor("ffn_up", i, h * f, h, True, "tp"),
                 Tensor("ffn_down", i, f * h, f, True, "tp")]
+    if info.per_layer_input_size:  # PLE: a gate from the hidden state and a projection back, per layer
+        ple = info.per_layer_input_size
+        out.append(Tensor("per_layer_proj", i, 2 * h * ple, h, True, "rep"))
     return out
+
+
+def attention_shape(info: m.ModelInfo, i: int) -> tuple[int, int]:
+    """Layer ``i``'s head size and KV heads: a full-attention layer's may differ from a sliding one's (Gemma 4)."""
+    if (info.full_head_dim or info.full_kv_heads) and i not in _sliding_set(info):
+        return info.full_head_dim or info.head_dim, info.full_kv_heads or info.num_kv_heads
+    return info.head_dim, info.num_kv_heads
 
 
 @lru_cache(maxsize=256)
 def _linear_set(info: m.ModelInfo) -> frozenset[int]:
     return frozenset(info.linear_layers)
+
+
+@lru_cache(maxsize=256)
+def _sliding_set(info: m.ModelInfo) -> frozenset[int]:
+    return frozenset(info.sliding_layers) if info.sliding_window else frozenset()
 
 
 @lru_cache(maxsize=64)
@@ -223,6 +242,10 @@ def tensors(info: m.ModelInfo) -> tuple[Tensor, ...]:
     quantized checkpoints leave it)."""
     h, v = info.hidden_size, info.vocab_size
     out = [Tensor("token_embd", -1, v * h, h, False, "tp")]
+    if info.per_layer_input_size:  # PLE: a token embedding per layer, and the model's projection into them
+        width = info.num_layers * info.per_layer_input_size
+        out += [Tensor("per_layer_embd", -1, info.per_layer_vocab * width, info.per_layer_input_size, False, "tp"),
+                Tensor("per_layer_model_proj", -1, h * width, h, True, "tp")]
     if info.vision_params:
         out.append(Tensor("vision", -1, info.vision_params, h, False, "tp"))
     for i in range(info.num_layers):
@@ -384,8 +407,8 @@ def layout(info: m.ModelInfo, p: Precision) -> _Layout:
             (tp_b if t.split == "tp" else kv_b if t.split == "kv" else rep_b)[t.layer] += b
             if t.name in _EXPERTS:
                 moe_b[t.layer] += b
-        elif t.name == "token_embd":
-            embd = b
+        elif t.name in ("token_embd", "per_layer_embd", "per_layer_model_proj"):
+            embd += b  # on the first stage, split by tp
         elif t.name == "output":
             output = b
         elif t.name == "vision":
@@ -448,26 +471,32 @@ class KvShape(NamedTuple):
     window_layers: int  # layers on this GPU that keep at most window + batch tokens
     window: int  # window + tokens in flight; 0 when no layer slides
     state: int = 0  # bytes per sequence its linear-attention layers on this GPU hold, whatever its length
+    window_per_layer: int = 0  # bytes per token per windowed layer when they differ from the others' (Gemma 4)
+
+    @property
+    def _window_bytes(self) -> int:
+        return self.window_per_layer or self.per_layer
 
     @property
     def bytes_per_token(self) -> int:
-        return self.per_layer * (self.full_layers + self.window_layers)
+        return self.per_layer * self.full_layers + self._window_bytes * self.window_layers
 
     def bytes_for(self, context: int) -> int:
         """KV bytes one sequence of ``context`` tokens holds on this GPU."""
-        return self.state + self.per_layer * (self.full_layers * context + self.window_layers * min(context, self.window))
+        return (self.state + self.per_layer * self.full_layers * context
+                + self._window_bytes * self.window_layers * min(context, self.window))
 
     def max_context(self, budget: float) -> int:
         """The longest sequence whose KV fits in ``budget`` bytes (may exceed any real limit)."""
         budget -= self.state
-        if budget <= 0 or self.per_layer == 0:
+        if budget <= 0 or self.bytes_per_token == 0:
             return 0
         c1 = int(budget // self.bytes_per_token)
         if not self.window_layers or c1 <= self.window:
             return c1
         if not self.full_layers:
             return 1 << 40  # only windowed layers: no length limit from memory
-        return int((budget / self.per_layer - self.window_layers * self.window) // self.full_layers)
+        return int((budget - self._window_bytes * self.window_layers * self.window) // (self.per_layer * self.full_layers))
 
 
 def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes: int = KV_DTYPE_BYTES) -> KvShape:
@@ -480,16 +509,23 @@ def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes
         layers = stages(info.num_layers, pp)[0]
         heads = kv_heads_per_rank(info, tp)
         batch = VLLM_BATCHED_TOKENS
+    # The last kv_shared_layers reuse an earlier layer's cache (Gemma 4): they hold none of their own.
+    layers = range(layers.start, min(layers.stop, info.num_layers - info.kv_shared_layers))
+    per_window = 0
     if info.kv_lora_rank:
         per_layer = (info.kv_lora_rank + info.qk_rope_head_dim) * kv_bytes  # replicated, not split
     else:
         per_layer = 2 * heads * info.head_dim * kv_bytes
-    sliding = set(info.sliding_layers) if info.sliding_window else set()
+        if info.full_head_dim or info.full_kv_heads:  # full-attention layers of another shape (Gemma 4)
+            full_heads = info.full_kv_heads or info.num_kv_heads
+            full_heads = full_heads if engine == "llama.cpp" else max(1, full_heads // tp)
+            per_window, per_layer = per_layer, 2 * full_heads * (info.full_head_dim or info.head_dim) * kv_bytes
+    sliding = _sliding_set(info)
     window_layers = sum(1 for i in layers if i in sliding)
     window = (info.sliding_window or 0) + batch if window_layers else 0
     linear = sum(1 for i in layers if i in _linear_set(info))
     return KvShape(per_layer, len(layers) - window_layers - linear, window_layers, window,
-                   linear * linear_state_bytes(info, 1 if engine == "llama.cpp" else tp))
+                   linear * linear_state_bytes(info, 1 if engine == "llama.cpp" else tp), per_window)
 
 
 def linear_state_bytes(info: m.ModelInfo, tp: int) -> int:
@@ -509,6 +545,8 @@ def linear_state_bytes(info: m.ModelInfo, tp: int) -> int:
 def _ffn_width(info: m.ModelInfo) -> int:
     if info.num_experts:
         moe = (info.experts_per_token + info.shared_experts) * info.moe_intermediate_size
+        if info.dense_and_moe:
+            return moe + info.intermediate_size
         return max(moe, info.intermediate_size if info.first_dense_layers else 0)
     return info.intermediate_size
 
@@ -524,6 +562,9 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
         qkv = info.num_attention_heads * (2 * info.qk_nope_head_dim + info.qk_rope_head_dim + info.v_head_dim) // tp
     else:
         qkv = ((info.num_attention_heads // tp) * (2 if info.attn_output_gate else 1) + 2 * kv_heads_per_rank(info, tp)) * info.head_dim
+        if info.full_head_dim:  # Gemma 4's full-attention layers: wider heads
+            full_kv = max(1, (info.full_kv_heads or info.num_kv_heads) // tp)
+            qkv = max(qkv, (info.num_attention_heads // tp + 2 * full_kv) * info.full_head_dim)
     if info.linear_layers:  # a gated delta-net layer's in-projection may be the wider one
         qkv = max(qkv, 2 * (info.linear_qk_heads * info.linear_qk_head_dim
                             + info.linear_value_heads * info.linear_value_head_dim) // tp)

@@ -884,6 +884,16 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     qk_nope_head_dim: Dim = 0
     v_head_dim: Dim = 0
     attn_output_gate: bool = False  # q_proj also projects a gate on the attention's output (Qwen3-Next, Qwen3.5)
+    # Gemma 4: its full-attention layers have heads of another size and (with k_eq_v) fewer KV heads than
+    # its sliding ones (0: the same as the others); its last layers may reuse earlier layers' KV cache;
+    # its layers may run a dense MLP beside the experts; small ones add per-layer token embeddings (PLE).
+    full_head_dim: Dim = 0
+    full_kv_heads: Dim = 0
+    kv_shared_layers: Dim = 0
+    dense_and_moe: bool = False
+    double_wide_shared: bool = False  # the KV-sharing layers' dense MLP is twice as wide
+    per_layer_input_size: Dim = 0
+    per_layer_vocab: Dim = 0
     # Hybrid models: layers of gated delta-net linear attention (Qwen3-Next, Qwen3.5) keep no KV per token,
     # only a fixed state per sequence: a convolution window and a heads x key x value recurrent state.
     linear_layers: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=1 << 16)] = ()
@@ -971,7 +981,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     engine_profile: str = ""  # the overhead profile used, e.g. "vllm 0.21–0.28"
     max_num_seqs: int = 0  # vLLM's --max-num-seqs, planned and passed
     cuda_graph_gib_per_gpu: float = 0.0  # vLLM's CUDA graphs, estimated (0 in eager mode)
-    # budget: vLLM takes them from the budget (0.21+); slack: the 1 - utilization slack holds them;
+    # budget: vLLM takes them from the budget (0.20+); slack: the 1 - utilization slack holds them;
     # charged: it could not, so the utilization was lowered until it does; eager: --enforce-eager
     cuda_graphs: str = ""
     graph_note: str | None = None  # why charged or eager, and what the other choice costs

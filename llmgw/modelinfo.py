@@ -192,6 +192,15 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
         shared = -(-cfg["shared_expert_intermediate_size"] // mi)
     gate_default = mt.startswith(("qwen3_next", "qwen3_5"))
     vision = _vision(vision_config, h)
+    full_head_dim = _positive(cfg, "global_head_dim")
+    full_kv = _positive(cfg, "num_global_key_value_heads") if cfg.get("attention_k_eq_v") is True else 0
+    if full_kv and (heads % full_kv or full_kv > heads):
+        raise ModelError(f"{where} of {name} states num_global_key_value_heads = {full_kv} for {heads} attention "
+                         "heads; it must group them evenly: point MODEL at the model's own config.json")
+    shared_kv = _positive(cfg, "num_kv_shared_layers")
+    if shared_kv >= n:
+        raise ModelError(f"{where} of {name} shares the KV cache of {shared_kv} of its {n} layers; at least one "
+                         "layer must keep its own: point MODEL at the model's own config.json")
     try:
         info = ModelInfo(
             name=name,
@@ -212,7 +221,7 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             sliding_window=window,
             sliding_layers=sliding,
             num_experts=experts,
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0) if experts else 0,
             shared_experts=shared,
             first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
@@ -222,6 +231,14 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
             v_head_dim=int(cfg.get("v_head_dim") or 0),
             attn_output_gate=bool(cfg.get("attn_output_gate", gate_default)),
+            full_head_dim=full_head_dim if full_head_dim != head_dim else 0,
+            full_kv_heads=full_kv if full_kv != kv_heads else 0,
+            kv_shared_layers=shared_kv,
+            dense_and_moe=bool(experts and (cfg.get("enable_moe_block") is True or cfg.get("use_second_mlp_block") is True)),
+            double_wide_shared=bool(shared_kv and cfg.get("use_double_wide_mlp") is True),
+            per_layer_input_size=_positive(cfg, "hidden_size_per_layer_input"),
+            per_layer_vocab=(_positive(cfg, "vocab_size_per_layer_input") or cfg["vocab_size"])
+            if _positive(cfg, "hidden_size_per_layer_input") else 0,
             linear_layers=linear,
             linear_qk_heads=_positive(cfg, "linear_num_key_heads") if linear else 0,
             linear_value_heads=_positive(cfg, "linear_num_value_heads") if linear else 0,

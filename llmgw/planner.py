@@ -134,7 +134,7 @@ def _graph_plan(info: m.ModelInfo, kv: KvShape, mem: float, util: float, weights
                 graphs: float, want: int, profile: EngineProfile) -> tuple[str, float, float, str | None]:
     """Where the CUDA graphs of a vLLM candidate go: (mode, utilization, bytes left for KV, note).
 
-    From 0.21 vLLM takes them from the budget itself. Before, it captures them after sizing the
+    From 0.20 vLLM takes them from the budget itself. Before, it captures them after sizing the
     cache, out of the slack beside the CUDA context; where the slack cannot hold them the engine
     would die at start-up, so the plan lowers the utilization until it does (when the cache
     still holds ``want`` tokens), or runs eagerly without graphs.

@@ -39,9 +39,10 @@ def moe() -> m.ModelInfo:
     ("v0.11.0", "vllm 0.11"),
     ("0.13.0", "vllm 0.12–0.15"),
     ("0.15.1", "vllm 0.12–0.15"),
-    ("0.16.0", "vllm 0.16–0.20"),
-    ("0.17.1", "vllm 0.16–0.20"),
-    ("0.20.2rc1.dev9+g01d4d1ad3", "vllm 0.16–0.20"),
+    ("0.16.0", "vllm 0.16–0.19"),
+    ("0.17.1", "vllm 0.16–0.19"),
+    ("0.19.1", "vllm 0.16–0.19"),
+    ("0.20.2rc1.dev9+g01d4d1ad3", "vllm 0.20"),
     ("0.21.0", "vllm 0.21–0.28"),
     ("0.27.1", "vllm 0.21–0.28"),
     ("0.29.0", "vllm 0.29+"),
@@ -55,9 +56,9 @@ def test_each_version_has_its_profile(version: str, name: str) -> None:
 def test_profiles_cover_every_version_once_and_say_what_changed() -> None:
     for a, b in zip(VLLM_PROFILES, VLLM_PROFILES[1:], strict=False):
         assert a.until == b.since  # no gap, no overlap
-    assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
-    assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, False, True, True]
-    assert [p.sampler_copies for p in VLLM_PROFILES] == [3.0, 9.7, 9.7, 5.0, 3.0, 3.0]
+    assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
+    assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, False, True, True, True]
+    assert [p.sampler_copies for p in VLLM_PROFILES] == [3.0, 9.7, 9.7, 5.0, 5.0, 3.0, 3.0]
     assert profile_for("llama.cpp", "4567").engine == "llama.cpp"
     with pytest.raises(PlanError, match="no version number"):
         parse_version("latest")
@@ -91,7 +92,7 @@ def test_a_plan_names_its_version_the_fleets_else_the_newest() -> None:
     assert all(c.engine_version == NEWEST.version for c in newest.candidates)
     reported = P.plan(info, state, req, engine_versions={"n1": "0.17.1", "n2": "0.17.1"})
     assert (reported.engine_version, reported.engine_profile, reported.engine_version_source) == (
-        "0.17.1", "vllm 0.16–0.20", "fleet")
+        "0.17.1", "vllm 0.16–0.19", "fleet")
     assert reported.candidates[0].spec("l8").engine_version == "0.17.1"  # the declaration carries it
     asked = P.plan(info, state, msgspec.structs.replace(req, engine_version="v0.11.0"), engine_versions={"n1": "0.17.1"})
     assert (asked.engine_version, asked.engine_version_source) == ("0.11.0", "--engine-version")
@@ -294,7 +295,7 @@ def test_ctl_model_plan_prints_the_profile_it_used(tmp_path: Path) -> None:
             str(fleet_file), "--precision", "bf16", "--tp", "1"]
     out = runner.invoke(cli, args)
     assert out.exit_code == 0, out.output
-    assert "engine: vLLM 0.17.1 (profile vllm 0.16–0.20; the version the fleet's agents report)" in out.output
+    assert "engine: vLLM 0.17.1 (profile vllm 0.16–0.19; the version the fleet's agents report)" in out.output
     assert "--max-num-seqs 1024 --max-model-len 32768 --gpu-memory-utilization 0.9" in out.output
     asked = runner.invoke(cli, [*args, "--engine-version", "0.29.1", "--max-num-seqs", "128", "--json"])
     assert asked.exit_code == 0, asked.output

@@ -468,7 +468,7 @@ async def test_a_planner_started_from_a_snapshot_plans_for_the_engine_version_th
             await asyncio.gather(task, return_exceptions=True)
     for reply in replies:
         assert (reply.engine_version, reply.engine_profile, reply.engine_version_source) == (
-            "0.17.1", "vllm 0.16–0.20", "fleet")
+            "0.17.1", "vllm 0.16–0.19", "fleet")
         assert reply.candidates and all(c.engine_version == "0.17.1" for c in reply.candidates if c.engine == "vllm")
     assert replies[0] == replies[1]
 
