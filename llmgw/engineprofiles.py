@@ -7,7 +7,8 @@ and was fitted on public start-up logs of that range (``tests/data/vllm_observed
 the figures in docs/benchmarks.md):
 
 * the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
-  (0.11 to 0.15 warmed top-p/top-k too: 9.7 copies on their logs; 0.16-0.20 ~5; from 0.21 ~3).
+  (0.11 to 0.15 warmed top-p/top-k too: 9.7 copies on their logs; 0.16-0.20 ~5; 0.21-0.28 ~2;
+  0.29+ ~3).
   Up to 0.10 it differed by card: ~3 copies with a small card's batch (the A100 logs), 9.7 with
   a large card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
 * memory outside torch that the profile counts (``non_torch_gib``);
@@ -84,7 +85,9 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile("vllm", (0, 12), (0, 16), "0.15.1", sampler_copies=9.7),
     EngineProfile("vllm", (0, 16), (0, 20), "0.19.1", sampler_copies=5.0),
     EngineProfile("vllm", (0, 20), (0, 21), "0.20.2", sampler_copies=5.0, graphs_in_budget=True),
-    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=3.0, non_torch_gib=0.2, graphs_in_budget=True),
+    # ~2 copies: Qwen3-32B at tp 2 on a 96 GB card under 0.27.1 left 1.66 GiB beside weights and KV in all,
+    # less than 3 copies of 1,024 sequences' logits alone (1.74 GiB).
+    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=2.0, non_torch_gib=0.2, graphs_in_budget=True),
     EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.0, non_torch_gib=0.25, graphs_in_budget=True,
                   default_util=0.92, a100_is_small=False),
 )

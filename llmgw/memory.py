@@ -73,8 +73,10 @@ VLLM_BATCHED_TOKENS = 8192  # the KV window's tokens in flight (sliding layers),
 LLAMACPP_UBATCH = 512
 # CUDA graphs, per rank (fitted on the logs' "Graph capturing finished … took X GiB" and "Estimated
 # CUDA graph memory"): a base, each captured layer's output buffers at the largest capture size
-# (min(512, 2 x max_num_seqs) tokens x hidden x 2 B), the fused-MoE workspaces of each MoE layer,
-# and the custom all-reduce's registered buffers when the replica is split.
+# (min(512, 2 x max_num_seqs) tokens x hidden x 2 B), the fused-MoE workspaces of each MoE layer
+# (0.03 GiB at that largest size of 512, in proportion below it: Qwen3-235B-A22B at tp 4 with 32
+# sequences captured 0.32 GiB in all, where a fixed 0.03 a layer said 3.2), and the custom
+# all-reduce's registered buffers when the replica is split.
 GRAPH_BASE_BYTES = int(0.1 * 1024**3)
 GRAPH_CAPTURE_MAX = 512
 GRAPH_BYTES_PER_ELEMENT = 2
@@ -597,7 +599,7 @@ def cuda_graph_bytes_per_gpu(info: m.ModelInfo, tp: int, pp: int = 1, max_num_se
     moe_layers = sum(1 for i in layers if i >= info.first_dense_layers) if info.num_experts else 0
     split = GRAPH_ALLREDUCE_BYTES if tp * pp > 1 else 0
     return (GRAPH_BASE_BYTES + len(layers) * capture * info.hidden_size * GRAPH_BYTES_PER_ELEMENT
-            + moe_layers * GRAPH_MOE_LAYER_BYTES + split)
+            + moe_layers * GRAPH_MOE_LAYER_BYTES * capture // GRAPH_CAPTURE_MAX + split)
 
 
 def gib(b: float) -> float:

@@ -58,7 +58,7 @@ def test_profiles_cover_every_version_once_and_say_what_changed() -> None:
         assert a.until == b.since  # no gap, no overlap
     assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
     assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, False, True, True, True]
-    assert [p.sampler_copies for p in VLLM_PROFILES] == [3.0, 9.7, 9.7, 5.0, 5.0, 3.0, 3.0]
+    assert [p.sampler_copies for p in VLLM_PROFILES] == [3.0, 9.7, 9.7, 5.0, 5.0, 2.0, 3.0]
     assert profile_for("llama.cpp", "4567").engine == "llama.cpp"
     with pytest.raises(PlanError, match="no version number"):
         parse_version("latest")
