@@ -334,8 +334,10 @@ def ignored(info: m.ModelInfo) -> frozenset[tuple[str, int]]:
     out = set()
     for t in tensors(info):
         for hf in _HF_NAMES.get(t.name, ()):
-            full = f"model.layers.{t.layer}.{hf}"
-            if any(_matches(p, full) for p in info.quant_ignore):
+            # A multimodal wrapper's checkpoint names its language model's layers one level deeper.
+            names = (f"model.layers.{t.layer}.{hf}", f"model.language_model.layers.{t.layer}.{hf}",
+                     f"language_model.model.layers.{t.layer}.{hf}")
+            if any(_matches(p, full) for p in info.quant_ignore for full in names):
                 out.add((t.name, t.layer))
     return frozenset(out)
 

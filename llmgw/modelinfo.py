@@ -276,7 +276,7 @@ class Quantization(msgspec.Struct, frozen=True):
     kv_cache_dtype: str = ""
 
 
-SUPPORTED_QUANT = "compressed-tensors (fp8, int8, int4, fp4), fp8, mxfp4 (gpt-oss), awq, gptq and bitsandbytes"
+SUPPORTED_QUANT = "compressed-tensors (fp8, int8, int4, fp4), ModelOpt (FP8, NVFP4), fp8, mxfp4 (gpt-oss), awq, gptq and bitsandbytes"
 
 
 def _num(d: dict[str, Any], key: str, default: float) -> float:
@@ -297,6 +297,8 @@ def quantization(qc: Any, name: str) -> Quantization:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         return _compressed_tensors(qc, name)
+    if method == "modelopt":
+        return _modelopt(qc, name)
     if method == "fp8":
         # Per-tensor or per-block (DeepSeek-V3: 128 x 128) scales: a few bits per million weights.
         block = qc.get("weight_block_size")
@@ -341,7 +343,8 @@ def _compressed_tensors(qc: dict[str, Any], name: str) -> Quantization:
     if label is None:
         raise ModelError(f"{name}: compressed-tensors weights of {bits:g}-bit {kind}; the planner sizes "
                          "8-bit float or int, 4-bit int and 4-bit float weights")
-    strategy = str(weights.get("strategy", "tensor")).lower()
+    # ModelOpt's copy of the scheme states a group_size and no strategy: grouped.
+    strategy = str(weights.get("strategy", "group" if _num(weights, "group_size", 0) > 0 else "tensor")).lower()
     extra = 0.0
     if strategy == "group":
         group = _num(weights, "group_size", 128)
@@ -350,6 +353,26 @@ def _compressed_tensors(qc: dict[str, Any], name: str) -> Quantization:
     kv = qc.get("kv_cache_scheme")
     kv_dtype = "fp8" if isinstance(kv, dict) and int(_num(kv, "num_bits", 16)) == 8 and kv.get("type") == "float" else ""
     return Quantization(label, bits + extra, _names(qc.get("ignore")), "compressed-tensors", kv_dtype)
+
+
+def _modelopt(qc: dict[str, Any], name: str) -> Quantization:
+    """NVIDIA ModelOpt checkpoints (nvidia/…-FP8, …-NVFP4): newer ones state a compressed-tensors-like
+    ``config_groups``; older ones only ``quant_algo`` (FP8, NVFP4: 4-bit floats with an fp8 scale per 16)."""
+    ignore = _names(qc.get("ignore")) + _names(qc.get("exclude_modules"))
+    kv_algo = str(qc.get("kv_cache_quant_algo") or "").upper()
+    if isinstance(qc.get("config_groups"), dict) and qc["config_groups"]:
+        q = _compressed_tensors(qc, name)
+        return msgspec.structs.replace(q, ignore=ignore, format="modelopt",
+                                       kv_cache_dtype=q.kv_cache_dtype or ("fp8" if kv_algo == "FP8" else ""))
+    algo = str(qc.get("quant_algo") or "").upper()
+    kv = "fp8" if kv_algo == "FP8" or isinstance(qc.get("kv_cache_scheme"), dict) else ""
+    if algo == "FP8":
+        return Quantization("fp8", 8.0, ignore, "modelopt", kv)
+    if algo == "NVFP4":
+        group = _num(qc, "group_size", 16)
+        return Quantization("fp4", 4 + 8 / max(group, 1), ignore, "modelopt", kv)
+    raise ModelError(f"{name}: a ModelOpt checkpoint of {algo or 'no stated'} quant_algo; the planner sizes its FP8 and "
+                     "NVFP4 checkpoints")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -506,6 +529,17 @@ def _finish(info: ModelInfo, params: int | None, source: str) -> ModelInfo:
     return msgspec.structs.replace(info, params=architecture_params(info), params_source="architecture")
 
 
+def with_hf_quant_config(cfg: dict[str, Any], quant: Path | None) -> dict[str, Any]:
+    """A config.json with the quantization an older NVIDIA ModelOpt checkpoint states beside it, in
+    ``hf_quant_config.json`` (as vLLM reads it), when the config itself states none."""
+    if quant is None or cfg.get("quantization_config") or cfg.get("compression_config") or not quant.is_file():
+        return cfg
+    section = _read_json(quant).get("quantization")
+    if not isinstance(section, dict):
+        return cfg
+    return {**cfg, "quantization_config": {"quant_method": "modelopt", **section}}
+
+
 def load_dir(path: Path, *, name: str | None = None, source: str | None = None, params: int | None = None) -> ModelInfo:
     """A model from a directory holding config.json (and maybe an index or .safetensors files)."""
     cfg_path = path / "config.json"
@@ -515,8 +549,8 @@ def load_dir(path: Path, *, name: str | None = None, source: str | None = None, 
     # A folder named Org__Name (as in examples/models) stands for the repo Org/Name.
     default_name = path.resolve().name.replace("__", "/", 1)
     # Absolute: engines run on other nodes, from another working directory, than the one planned in.
-    info = from_config(_read_json(cfg_path), name=name or default_name, source=source or str(path.resolve()),
-                       where=str(cfg_path))
+    cfg = with_hf_quant_config(_read_json(cfg_path), path / "hf_quant_config.json")
+    info = from_config(cfg, name=name or default_name, source=source or str(path.resolve()), where=str(cfg_path))
     if params:
         return _finish(info, params, "--params")
     index = path / "model.safetensors.index.json"
@@ -622,7 +656,10 @@ def _load_hub(model: str, md: Path | None, params: int | None, *, offline: bool)
             + f"; fetch it once with `hf download {model} config.json model.safetensors.index.json`, "
             "or pass a local directory holding its config.json"
         )
-    info = from_config(_read_json(cfg), name=model, source=model, where=f"config.json of {model}")
+    raw = _read_json(cfg)
+    if not (raw.get("quantization_config") or raw.get("compression_config")):  # maybe an older ModelOpt checkpoint
+        raw = with_hf_quant_config(raw, _hf_file(model, "hf_quant_config.json", offline))
+    info = from_config(raw, name=model, source=model, where=f"config.json of {model}")
     if params:
         return _finish(info, params, "--params")
     index = _hf_file(model, "model.safetensors.index.json", offline)

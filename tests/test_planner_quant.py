@@ -122,9 +122,11 @@ def test_other_checkpoint_formats(qc: dict[str, Any], precision: str, bits: floa
 
 
 def test_a_method_the_planner_cannot_size_is_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match="is a modelopt checkpoint, which the planner cannot size; it sizes "
+    with pytest.raises(ModelError, match="is a hqq checkpoint, which the planner cannot size; it sizes "
                                          "compressed-tensors .* plan the 16-bit repository"):
-        quantized("Qwen__Qwen3-8B", {"quant_method": "modelopt"}, tmp_path)
+        quantized("Qwen__Qwen3-8B", {"quant_method": "hqq"}, tmp_path)
+    with pytest.raises(ModelError, match="a ModelOpt checkpoint of no stated quant_algo"):
+        modelinfo.quantization({"quant_method": "modelopt"}, "nvidia/x")
 
 
 def real(name: str) -> dict[str, Any]:
@@ -233,3 +235,35 @@ def test_mxfp4_outside_moe_experts_is_refused(tmp_path: Path) -> None:
     # vLLM runs mxfp4 only in fused MoE experts; a dense model's linears would load as bf16.
     with pytest.raises(ModelError, match="mxfp4 .* MoE experts"):
         quantized("Qwen__Qwen3-8B", {"quant_method": "mxfp4"}, tmp_path)
+
+
+def test_modelopt_nvfp4_keeps_what_it_ignores_in_16_bits() -> None:
+    """nvidia/Gemma-4-31B-IT-NVFP4: 4-bit floats with an fp8 scale per 16, every layer's attention and
+    the vision tower left in bf16 under the multimodal wrapper's names, an fp8 KV cache."""
+    cfg = real("nvidia__Gemma-4-31B-IT-NVFP4")
+    info = modelinfo.from_config(cfg, name="nvidia/Gemma-4-31B-IT-NVFP4", source="x")
+    assert (info.quantization, info.quant_bits, info.quant_format, info.kv_cache_dtype) == ("fp4", 4.5, "modelopt", "fp8")
+    kept = M.ignored(info)
+    layers = cfg["text_config"]["num_hidden_layers"]
+    assert {(n, i) for n in ("attn_q", "attn_k", "attn_v", "attn_output") for i in range(layers)} == kept
+    p = M.precision("fp4")
+    bits = {t.name: M.tensor_bits(p, t, info) / t.params for t in M.tensors(info) if t.layer == 0}
+    assert bits["attn_q"] == 16 and bits["ffn_up"] == 4.5
+
+
+def test_an_older_modelopt_checkpoint_states_its_quantization_beside_its_config(tmp_path: Path) -> None:
+    """nvidia/Llama-3.1-70B-Instruct-FP8: config.json says nothing, hf_quant_config.json says FP8 (as vLLM reads it)."""
+    folder = tmp_path / "nvidia__Llama-3.1-70B-Instruct-FP8"
+    folder.mkdir()
+    (folder / "config.json").write_text((MODELS / "meta-llama__Llama-3.3-70B-Instruct" / "config.json").read_text())
+    (folder / "hf_quant_config.json").write_text((QUANTIZED / "nvidia__Llama-3.1-70B-Instruct-FP8.hf_quant_config.json").read_text())
+    info = modelinfo.load_dir(folder)
+    assert (info.quantization, info.quant_bits, info.quant_format, info.kv_cache_dtype) == ("fp8", 8.0, "modelopt", "fp8")
+    assert info.quant_ignore == ("lm_head",)
+    plan = P.plan(info, FLEET, m.PlanRequest(model=info.name, tp=(2,)))
+    served = [c for c in plan.candidates if c.engine == "vllm"]
+    assert served and {c.precision for c in served} == {"fp8"}
+    assert all("--quantization" not in c.command and "--kv-cache-dtype fp8" in c.command for c in served)
+    (folder / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "W4A8_AWQ"}}')
+    with pytest.raises(ModelError, match="ModelOpt checkpoint of W4A8_AWQ quant_algo"):
+        modelinfo.load_dir(folder)
