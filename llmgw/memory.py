@@ -478,6 +478,12 @@ class KvShape(NamedTuple):
     window_per_layer: int = 0  # bytes per token per windowed layer when they differ from the others' (Gemma 4)
 
     @property
+    def uniform(self) -> bool:
+        """Every layer keeps every token alike: vLLM's count of KV tokens is then this shape's tokens. (With
+        sliding or linear-attention layers its hybrid allocator counts blocks of one layer group instead.)"""
+        return not self.window_layers and not self.state
+
+    @property
     def _window_bytes(self) -> int:
         return self.window_per_layer or self.per_layer
 

@@ -195,6 +195,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
     kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
     estimated = kv_tokens
+    if observed is not None and not kv.uniform:
+        observed = None  # vLLM counted another unit (a layer group's blocks): not comparable, the estimate stands
     if observed is not None and kv.bytes_per_token:
         # An engine of this very spec ran here: what it reserved replaces the estimate.
         kv_tokens = observed

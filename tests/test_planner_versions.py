@@ -250,6 +250,19 @@ def test_an_observed_reservation_counts_only_for_its_engine_version() -> None:
     assert asked.observed_kv_tokens is None
 
 
+def test_vllms_token_count_of_a_sliding_window_model_does_not_replace_the_estimate() -> None:
+    """gpt-oss (sliding and full layers): vLLM's hybrid allocator counts blocks of one layer group, about
+    twice the tokens of every layer; taken as this plan's tokens it doubled the KV budget, a fit that dies."""
+    info = modelinfo.load_dir(MOE.parent / "openai__gpt-oss-20b")
+    state = fleet(node("n1", "fa", count=1))
+    req = m.PlanRequest(model=info.name, tp=(1,), gpu_memory_utilization=0.9, engine_version="0.17.1")
+    plain = P.plan(info, state, req).candidates[0]
+    key = O.observation_key(info.source, plain.precision, 1, 1, "H100-80GB", 0.9, "auto", "0.17.1")
+    seen = P.plan(info, state, req, observed={key: 2 * plain.kv_tokens}).candidates[0]
+    assert seen.observed_kv_tokens is None and seen.kv_tokens == plain.kv_tokens
+    assert seen.kv_gib_per_gpu == plain.kv_gib_per_gpu
+
+
 def test_a_correction_an_engine_reports_never_crosses_versions() -> None:
     # The whole loop: a spec planned for 0.17.1 runs, its agent reports what the engine reserved,
     # and only a plan for 0.17.1 (asked for, or the fleet's) is corrected by it.
