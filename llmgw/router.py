@@ -228,6 +228,10 @@ class Router:
         self._cache_use: dict[str, list[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wish_tasks: set[asyncio.Task[None]] = set()
+        # This router's last idle map from before this boot, read once for both _recall and _quota_start.
+        self._before: tuple[int, bytes] | None = None
+        self._before_read = False
+        self._before_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self.url = ""
@@ -388,7 +392,7 @@ class Router:
         and since when it served those never asked; a replica it had not seen stays unknown.
         """
         try:
-            got = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+            got = await self._last_map_before()
         except LlmgwError as e:
             log.warning("router %s: its last idle map could not be read (%s); idle times start from now", self.name, e)
             return
@@ -411,6 +415,15 @@ class Router:
                 rep.pooled_at = min(rep.pooled_at, at.timestamp())
         log.info("router %s: took up its last map (tick %d): %d requests, %d served since", self.name, event.tick,
                  len(event.last_request), len(event.serving_since))
+
+    async def _last_map_before(self) -> tuple[int, bytes] | None:
+        """This router's own last idle map as it was before this boot published any (one direct get, kept;
+        a failed read is not kept, so the caller's retry reads again)."""
+        async with self._before_lock:
+            if not self._before_read:
+                self._before = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+                self._before_read = True
+            return self._before
 
     async def stop(self) -> None:
         """Stop serving; a last idle map carries the requests since the last tick."""
@@ -475,7 +488,7 @@ class Router:
                 if today in days:
                     self.quotas.used(key, days[today][1], time.time())
             return c.cursor.positions.get(subjects.STREAM_USAGE, 0) + 1
-        own = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+        own = await self._last_map_before()
         return own[0] if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
 
     async def _follow_usage(self) -> None:
