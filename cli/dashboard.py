@@ -28,9 +28,12 @@ from llmgw.dashboard import Dashboard, Limits
 @click.option("--max-pages-per-client", type=click.IntRange(min=1), default=Limits().pages_per_client,
               show_default=True, help="Open pages from one address (an IPv6 /64); past it 429. Behind a proxy "
                                       "every page comes from the proxy's address: raise it to --max-pages.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=1), default=Limits().connections_per_client,
+              show_default=True, help="Open sockets from one address, pages or not; past it a new one is closed at "
+                                      "once. Behind a proxy every socket is the proxy's: raise it.")
 @nats_options
 def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int, max_pages: int,
-              max_pages_per_client: int, settings: Settings) -> None:
+              max_pages_per_client: int, max_connections_per_client: int, settings: Settings) -> None:
     """Serve a live, read-only web page of the fleet; prints its URL on the first line.
 
     Capacity per GPU class, free whole nodes per fabric, models and replicas,
@@ -48,7 +51,8 @@ def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int,
 
     async def main() -> None:
         bus = await Bus.connect(settings, "llmgw-dashboard")
-        limits = Limits(pages=max_pages, pages_per_client=max_pages_per_client)
+        limits = Limits(pages=max_pages, pages_per_client=max_pages_per_client,
+                        connections_per_client=max_connections_per_client)
         board = Dashboard(bus, api_keys=keys, interval_s=interval_s, events=events, limits=limits)
         try:
             url = await board.start(host, port)

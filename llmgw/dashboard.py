@@ -72,10 +72,51 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
     pages: int = 256  # live event streams at once, all addresses together; past it 503
     pages_per_client: int = 32  # live event streams from one address (an IPv6 /64); past it 429
+    # Open sockets from one address, pages or not; past it a new one is closed at once (no file
+    # descriptors left to the rest of the world by one host opening thousands).
+    connections_per_client: int = 512
     idle_s: float = 10.0
     write_s: float = 10.0
     sessions: int = 1024  # logged-in sessions kept; past it the oldest is forgotten (it logs in again)
     session_ttl_s: float = 12 * 3600.0
+
+
+class _Capped(web.RequestHandler):
+    """aiohttp's connection handler, counted per client: past ``connections_per_client`` open sockets from
+    one address a new one is closed before a byte is read (a page's own cap, ``pages_per_client``, answers
+    429; this one is for sockets that never ask for a page)."""
+
+    def __init__(self, manager: web.Server, board: Dashboard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._board = board
+        self._client: str | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        client = client_of(peer[0] if isinstance(peer, tuple) and peer else None)
+        board = self._board
+        if board.connections[client] >= board.limits.connections_per_client:
+            board.refused_connections += 1
+            log.debug("dashboard: %s has %d sockets open already; closed another", client, board.connections[client])
+            if isinstance(transport, asyncio.WriteTransport):
+                transport.abort()  # at once: nothing was read, nothing is owed
+            else:
+                transport.close()
+            return
+        self._client = client
+        board.connections[client] += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        client = self._client
+        if client is None:
+            return  # refused in connection_made: aiohttp never saw it
+        self._client = None
+        counts = self._board.connections
+        counts[client] -= 1
+        if not counts[client]:
+            del counts[client]
+        super().connection_lost(exc)
 
 
 def client_of(remote: str | None) -> str:
@@ -447,6 +488,8 @@ class Dashboard:
         self.version = 0
         self.clients = 0  # live event streams: the pages being served
         self.per_client: Counter[str] = Counter()
+        self.connections: Counter[str] = Counter()  # open sockets per client
+        self.refused_connections = 0
         self.sessions = Sessions(self.limits.sessions, self.limits.session_ttl_s)
         self.url = ""
         self._changed = asyncio.Condition()
@@ -457,6 +500,7 @@ class Dashboard:
         self._tailed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
 
     # --- what the page shows -----------------------------------------------------------------------
 
@@ -741,20 +785,26 @@ class Dashboard:
                        asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
                        asyncio.create_task(self._poll(), name="dash-poll")]
         # handler_cancellation: a page that closes ends its event stream at once, not at the next write.
-        # keepalive_timeout: armed when a socket opens, so one that never finishes a request is closed too;
-        # lingering_time: an unread request body is waited for no longer than that.
+        # keepalive_timeout (on each connection, below): armed when a socket opens, so one that never
+        # finishes a request is closed too; lingering_time: an unread request body is waited for no longer.
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
-                                     shutdown_timeout=1, keepalive_timeout=self.limits.idle_s,
-                                     lingering_time=self.limits.idle_s)
+                                     shutdown_timeout=1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+
+        def connection() -> _Capped:
+            return _Capped(server, self, loop=loop, access_log=None, keepalive_timeout=self.limits.idle_s,
+                           lingering_time=self.limits.idle_s)
+
         try:
-            await site.start()
+            self._listener = await loop.create_server(connection, host or None, port, backlog=1024)
         except OSError as e:
             await self.stop()
             raise ConfigError(f"the dashboard cannot listen on {host}:{port} ({e.strerror}); pick another "
                               "--listen (port 0 picks a free one)") from e
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        bound = self._listener.sockets[0].getsockname()[1]
         shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("", "0.0.0.0") else host)
         self.url = f"http://{shown}:{bound}/"
         return self.url
@@ -766,6 +816,9 @@ class Dashboard:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
+        if self._listener is not None:
+            self._listener.close()  # no new sockets; the runner's cleanup closes the open ones
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -244,3 +244,32 @@ def test_sessions_expire_and_the_table_is_bounded() -> None:
 ])
 def test_a_client_is_its_address_or_its_ipv6_network(remote: str | None, client: str) -> None:
     assert client_of(remote) == client
+
+
+async def test_one_address_cannot_hold_every_socket(bus: Bus) -> None:
+    """Sockets that never ask for a page count too: past connections_per_client from one address a new
+    one is closed at once; the socket it was refused for, freed, is served again, and others are served."""
+    limits = Limits(connections_per_client=4, idle_s=30.0)
+    async with serving(bus, limits=limits) as board, from_address(OTHER) as other:
+        host, port = where(board.url)
+        held: list[asyncio.StreamWriter] = []
+        try:
+            for _ in range(limits.connections_per_client):
+                _, writer = await asyncio.open_connection(host, port, local_addr=(HOG, 0))
+                held.append(writer)
+            await until(lambda: board.connections[HOG] == limits.connections_per_client, "the sockets counted")
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(HOG, 0))
+            held.append(writer)
+            async with asyncio.timeout(5):  # closed long before idle_s
+                assert await reader.read() == b""
+            assert board.refused_connections == 1 and board.connections[HOG] == limits.connections_per_client
+            async with other.get(board.url + "static/dashboard.css") as r:
+                assert r.status == 200
+            held[0].close()
+            await until(lambda: board.connections[HOG] == limits.connections_per_client - 1, "a socket freed")
+            async with from_address(HOG) as hog, hog.get(board.url + "static/dashboard.css") as r:
+                assert r.status == 200
+        finally:
+            for writer in held:
+                writer.close()
+    assert not board.connections  # every socket counted out again
