@@ -581,23 +581,23 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
     width = qkv + 4 * info.hidden_size + 3 * _ffn_width(info) // tp
     tokens, seqs = batch or profile.large_batch
     activation = max(tokens * 2 * width, int(profile.copies(tokens) * seqs * info.vocab_size * 4))
-    activation += vision_profile_bytes(info, tokens)
+    activation += vision_profile_bytes(info, tokens, tp)
     allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
     return activation + int(profile.non_torch_gib * GIB) + allreduce
 
 
-def vision_profile_bytes(info: m.ModelInfo, batched_tokens: int) -> int:
+def vision_profile_bytes(info: m.ModelInfo, batched_tokens: int, tp: int = 1) -> int:
     """What vLLM's profiling run of a multimodal model's vision tower adds to its peak: as many of the
-    largest images as its encoder budget (max(max_num_batched_tokens, one image's tokens)) holds, at
-    ~(3 x hidden + MLP width) x 2 B per patch on every rank, on top of the language model's peak.
-    Fitted on Qwen3.5's tower (1,152 wide, MLP 4,304; one image = 65,536 patches): vLLM printed 0.89
-    GiB more than the language model's peak at a 16,384-token budget (9B on an L40S, vLLM 0.18; this
-    gives 0.95) and 2.34 at 40,000 (35B-A3B at tp 4, vLLM 0.26, two images; this gives 1.89). Towers of
-    other families: not modelled."""
+    largest items as its encoder budget (max(max_num_batched_tokens, one item's tokens)) holds, at
+    ~(3 x hidden + MLP width) x 2 B per patch, split by tp as the tower's linear layers are, on top of
+    the language model's peak. Fitted on the Qwen3.5 / Qwen3-VL tower (1,152 wide, MLP 4,304): Qwen3.5-9B
+    on an L40S under vLLM 0.18 (one 65,536-patch image) printed 0.89 GiB more than the language model's
+    peak, this gives 0.95; Qwen3-VL-30B-A3B at tp 4 on RTX 3090s under 0.11 (one 614,400-patch video)
+    ~2.2, this 2.22. Towers of other families: not modelled."""
     if not info.vision_item_tokens:
         return 0
     items = max(batched_tokens, info.vision_item_tokens) // info.vision_item_tokens
-    return items * info.vision_item_patches * info.vision_patch_width * 2
+    return items * info.vision_item_patches * info.vision_patch_width * 2 // max(1, tp)
 
 
 def cuda_graph_bytes_per_gpu(info: m.ModelInfo, tp: int, pp: int = 1, max_num_seqs: int = 256) -> float:

@@ -108,8 +108,11 @@ def _linear_layers(cfg: dict[str, Any], n: int, name: str, where: str) -> tuple[
     return ()
 
 
-# Qwen2-VL … Qwen3.5's processors take images up to 16,384 merged tokens (max_pixels): the item vLLM profiles.
+# The largest item vLLM profiles the tower with: an image of up to 16,384 merged tokens for Qwen2-VL …
+# Qwen3.5 ("profiled with 1 image items", Qwen3.5-9B under vLLM 0.18), a video of 153,600 for Qwen3-VL
+# ("a budget of 153600 tokens, and profiled with 1 video items", Qwen3-VL-30B-A3B under vLLM 0.11).
 QWEN_VL_ITEM_TOKENS = 16384
+QWEN3_VL_VIDEO_TOKENS = 153_600
 
 
 class _Vision(NamedTuple):
@@ -143,8 +146,9 @@ def _vision(vc: Any, text_hidden: int) -> _Vision:
     mergers = 1 + len(vc.get("deepstack_visual_indexes") or [])
     merger = mergers * (merged * merged + merged * out) if merge > 1 else d * out
     params = depth * block + embed + positions + merger
-    if merge > 1 and _positive(vc, "temporal_patch_size"):  # the Qwen-VL family: images of up to 16,384 tokens
-        return _Vision(params, QWEN_VL_ITEM_TOKENS, QWEN_VL_ITEM_TOKENS * merge * merge, 3 * d + inner)
+    if merge > 1 and _positive(vc, "temporal_patch_size"):  # the Qwen-VL family
+        item = QWEN3_VL_VIDEO_TOKENS if str(vc.get("model_type", "")).startswith("qwen3_vl") else QWEN_VL_ITEM_TOKENS
+        return _Vision(params, item, item * merge * merge, 3 * d + inner)
     return _Vision(params)
 
 

@@ -128,3 +128,13 @@ def test_vllms_profiling_of_the_vision_tower_is_charged_by_its_encoder_budget() 
         assert extra == images * per_image, tokens
     assert 0.85 * GIB < per_image < 1.0 * GIB
     assert M.overhead_bytes_per_gpu(info, "llama.cpp", 1) == M.overhead_bytes_per_gpu(text_only, "llama.cpp", 1)
+    # The tower's linear layers are split by tp, and so is what its profiling holds.
+    assert M.vision_profile_bytes(info, 2048, tp=4) == per_image // 4
+
+
+def test_qwen3_vl_is_profiled_with_a_video() -> None:
+    """Qwen3-VL-30B-A3B under vLLM 0.11: "a budget of 153600 tokens, and profiled with 1 video items"."""
+    info = load(CONFIGS / "Qwen__Qwen3-VL-30B-A3B-Instruct")
+    assert (info.vision_item_tokens, info.vision_item_patches) == (153_600, 614_400)
+    assert M.vision_profile_bytes(info, 2048, tp=4) == M.vision_profile_bytes(info, 153_600, tp=4) \
+        == 614_400 * (3 * 1152 + 4304) * 2 // 4
