@@ -201,7 +201,9 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         # An engine of this very spec ran here: what it reserved replaces the estimate.
         kv_tokens = observed
         kv_budget = float(observed * kv.bytes_per_token)
-    longest = kv.max_context(kv_budget) // slots
+    # Each llama.cpp slot keeps its own window of a sliding layer and its own recurrent state: a slot's
+    # share of the cache is what one sequence may hold.
+    longest = kv.max_context(kv_budget / slots)
     max_context = info.max_position_embeddings if longest >= info.max_position_embeddings else longest // block * block
     reason: str | None = None
     if kv_budget <= 0:
@@ -211,9 +213,9 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         chosen = context or info.max_position_embeddings
     elif context is not None:
         chosen = context
-        if kv.bytes_for(context * slots) > kv_budget:
+        if kv.bytes_for(context) * slots > kv_budget:
             each = f" in each of {slots} slots" if slots > 1 else ""
-            reason = (f"a {context}-token context{each} needs {gib(kv.bytes_for(context * slots))} GiB of KV cache "
+            reason = (f"a {context}-token context{each} needs {gib(kv.bytes_for(context) * slots)} GiB of KV cache "
                       f"per GPU; {gib(kv_budget)} GiB is left, enough for {max_context} tokens{each}")
     else:
         chosen = min(max_context, default_context(info))

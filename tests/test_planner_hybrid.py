@@ -138,3 +138,15 @@ def test_qwen3_vl_is_profiled_with_a_video() -> None:
     assert (info.vision_item_tokens, info.vision_item_patches) == (153_600, 614_400)
     assert M.vision_profile_bytes(info, 2048, tp=4) == M.vision_profile_bytes(info, 153_600, tp=4) \
         == 614_400 * (3 * 1152 + 4304) * 2 // 4
+
+
+def test_each_llama_cpp_slot_keeps_its_own_recurrent_state() -> None:
+    """llama.cpp sizes the recurrent state for -np sequences: four slots of Qwen3.5-27B hold four states."""
+    info = load(DENSE)
+    state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=1, mem=24135))
+    req = m.PlanRequest(model=info.name, precisions=("q4_K_M",), tp=(1,), context=32768, parallel=4, all=True)
+    c = P.plan(info, state, req).candidates[0]
+    shape = M.kv_shape(info, "llama.cpp", 1)
+    need = shape.bytes_for(32768) * 4
+    assert need - 4 * shape.state == 4 * 32768 * shape.bytes_per_token
+    assert not c.fits and f"needs {M.gib(need)} GiB of KV cache" in (c.reason or ""), c.reason
