@@ -59,11 +59,16 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
                    "keep-alive connection is kept); slower is closed.")
 @click.option("--wake-timeout", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="Seconds to hold a request for a parked model while it wakes; then 503 with Retry-After.")
+@click.option("--max-connections-per-client", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Open sockets one address (an IPv6 /64) may hold; past it a new one is closed at once. 0: no "
+                   "cap (behind a load balancer every socket is the balancer's); set it where clients connect "
+                   "directly, e.g. 512.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
-           wake_timeout: float, no_idle_tracking: bool, settings: Settings) -> None:
+           wake_timeout: float, max_connections_per_client: int, no_idle_tracking: bool,
+           settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
     Endpoints come from the control stream; an idle map goes to the usage
@@ -88,7 +93,8 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                max_body_bytes=limit,
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
-                               wake_timeout_s=wake_timeout, header_timeout_s=header_timeout)
+                               wake_timeout_s=wake_timeout, header_timeout_s=header_timeout,
+                               max_connections_per_client=max_connections_per_client)
         finally:
             await bus.close()
 

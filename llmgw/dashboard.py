@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import hmac
 import html
-import ipaddress
 import json
 import logging
 import secrets
@@ -39,6 +38,7 @@ from aiohttp import web
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.clientsockets import ClientSockets, CountedConnection, client_of
 from llmgw.errors import BusError, ConfigError, LlmgwError, NoServiceError
 
 log = logging.getLogger(__name__)
@@ -79,59 +79,6 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     write_s: float = 10.0
     sessions: int = 1024  # logged-in sessions kept; past it the oldest is forgotten (it logs in again)
     session_ttl_s: float = 12 * 3600.0
-
-
-class _Capped(web.RequestHandler):
-    """aiohttp's connection handler, counted per client: past ``connections_per_client`` open sockets from
-    one address a new one is closed before a byte is read (a page's own cap, ``pages_per_client``, answers
-    429; this one is for sockets that never ask for a page)."""
-
-    def __init__(self, manager: web.Server, board: Dashboard, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._board = board
-        self._client: str | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        peer = transport.get_extra_info("peername")
-        client = client_of(peer[0] if isinstance(peer, tuple) and peer else None)
-        board = self._board
-        if board.connections[client] >= board.limits.connections_per_client:
-            board.refused_connections += 1
-            log.debug("dashboard: %s has %d sockets open already; closed another", client, board.connections[client])
-            if isinstance(transport, asyncio.WriteTransport):
-                transport.abort()  # at once: nothing was read, nothing is owed
-            else:
-                transport.close()
-            return
-        self._client = client
-        board.connections[client] += 1
-        super().connection_made(transport)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        client = self._client
-        if client is None:
-            return  # refused in connection_made: aiohttp never saw it
-        self._client = None
-        counts = self._board.connections
-        counts[client] -= 1
-        if not counts[client]:
-            del counts[client]
-        super().connection_lost(exc)
-
-
-def client_of(remote: str | None) -> str:
-    """Whom a page counts against: its IPv4 address, or its IPv6 /64 (one host is given a whole /64)."""
-    if not remote:
-        return "unknown"
-    try:
-        addr = ipaddress.ip_address(remote)
-    except ValueError:
-        return remote
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
 
 
 class Sessions:
@@ -488,8 +435,7 @@ class Dashboard:
         self.version = 0
         self.clients = 0  # live event streams: the pages being served
         self.per_client: Counter[str] = Counter()
-        self.connections: Counter[str] = Counter()  # open sockets per client
-        self.refused_connections = 0
+        self.sockets = ClientSockets(self.limits.connections_per_client, "dashboard")  # open sockets per client
         self.sessions = Sessions(self.limits.sessions, self.limits.session_ttl_s)
         self.url = ""
         self._changed = asyncio.Condition()
@@ -794,9 +740,9 @@ class Dashboard:
         assert server is not None
         loop = asyncio.get_running_loop()
 
-        def connection() -> _Capped:
-            return _Capped(server, self, loop=loop, access_log=None, keepalive_timeout=self.limits.idle_s,
-                           lingering_time=self.limits.idle_s)
+        def connection() -> CountedConnection:
+            return CountedConnection(server, self.sockets, loop=loop, access_log=None,
+                                     keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.idle_s)
 
         try:
             self._listener = await loop.create_server(connection, host or None, port, backlog=1024)

@@ -42,6 +42,7 @@ from llmgw import messages as m
 from llmgw import openai_api as api
 from llmgw import prefixroute, subjects
 from llmgw.bus import Bus
+from llmgw.clientsockets import ClientSockets, CountedConnection
 from llmgw.endpoints import EndpointSink, Pool, Replica
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.idletracker import IdleFor, IdleTracker
@@ -144,15 +145,17 @@ def _reason(exc: BaseException | None, message: str | None = None) -> str:
     return " ".join(str(text).split())[:200]
 
 
-class _Connection(web.RequestHandler):
-    """aiohttp's connection, but a request its parser refuses is answered the router's way.
+class _Connection(CountedConnection):
+    """aiohttp's connection, counted per client (``--max-connections-per-client``), and a request its
+    parser refuses is answered the router's way.
 
     aiohttp answers one (a broken chunk that arrived with its headers, say) in text/plain
     before any handler runs, and logs a traceback for each: a client could fill the log at will.
     """
 
-    def __init__(self, manager: web.Server, refused: Callable[[str, str, bool], None], **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
+    def __init__(self, manager: web.Server, sockets: ClientSockets, refused: Callable[[str, str, bool], None],
+                 **kwargs: Any) -> None:
+        super().__init__(manager, sockets, **kwargs)
         self._refused = refused
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -186,6 +189,7 @@ class Router:
         body_timeout_s: float = 30.0,
         wake_timeout_s: float = 120.0,
         header_timeout_s: float = 30.0,
+        max_connections_per_client: int = 0,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -195,6 +199,8 @@ class Router:
             raise ConfigError(f"--header-timeout must be positive (got {header_timeout_s})")
         if max_body_bytes <= 0:
             raise ConfigError(f"--max-body must be positive (got {max_body_bytes} bytes)")
+        if max_connections_per_client < 0:
+            raise ConfigError(f"--max-connections-per-client must be 0 (no cap) or more (got {max_connections_per_client})")
         self.bus = bus
         self.name = name
         self.boot_id = uuid.uuid4().hex
@@ -203,6 +209,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self.header_timeout_s = header_timeout_s
+        self.sockets = ClientSockets(max_connections_per_client, f"router {name}")  # open sockets per client
         self.idle_tracking = idle_tracking
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool, on_change=self._pool_changed)
@@ -371,7 +378,7 @@ class Router:
             # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
             # head this long after it opened (or after its last answer), so headers sent a line
             # every few seconds (slow-loris) cannot hold sockets for aiohttp's default hour.
-            return _Connection(server, self._refused, loop=loop, access_log=None,
+            return _Connection(server, self.sockets, self._refused, loop=loop, access_log=None,
                                keepalive_timeout=self.header_timeout_s)
 
         try:

@@ -257,19 +257,19 @@ async def test_one_address_cannot_hold_every_socket(bus: Bus) -> None:
             for _ in range(limits.connections_per_client):
                 _, writer = await asyncio.open_connection(host, port, local_addr=(HOG, 0))
                 held.append(writer)
-            await until(lambda: board.connections[HOG] == limits.connections_per_client, "the sockets counted")
+            await until(lambda: board.sockets.open[HOG] == limits.connections_per_client, "the sockets counted")
             reader, writer = await asyncio.open_connection(host, port, local_addr=(HOG, 0))
             held.append(writer)
             async with asyncio.timeout(5):  # closed long before idle_s
                 assert await reader.read() == b""
-            assert board.refused_connections == 1 and board.connections[HOG] == limits.connections_per_client
+            assert board.sockets.refused == 1 and board.sockets.open[HOG] == limits.connections_per_client
             async with other.get(board.url + "static/dashboard.css") as r:
                 assert r.status == 200
             held[0].close()
-            await until(lambda: board.connections[HOG] == limits.connections_per_client - 1, "a socket freed")
+            await until(lambda: board.sockets.open[HOG] == limits.connections_per_client - 1, "a socket freed")
             async with from_address(HOG) as hog, hog.get(board.url + "static/dashboard.css") as r:
                 assert r.status == 200
         finally:
             for writer in held:
                 writer.close()
-    assert not board.connections  # every socket counted out again
+    assert not board.sockets.open  # every socket counted out again

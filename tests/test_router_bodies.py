@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 from running import engines as running_engines
+from running import until
 from test_router import in_pool, place
 
 from llmgw.bus import Bus
@@ -258,3 +259,37 @@ def test_cli_max_body_takes_a_size_and_refuses_nonsense() -> None:
 def test_a_router_limit_that_is_not_positive_is_refused(bus: Bus) -> None:
     with pytest.raises(ConfigError, match="--max-body must be positive"):
         Router(bus, "r", max_body_bytes=0)
+
+
+async def test_one_address_cannot_hold_every_socket_when_capped(bus: Bus, engines: dict[str, EngineProcess]) -> None:
+    """--max-connections-per-client 2: a third socket from one address is closed before a byte is read;
+    another address is served, and a freed socket is served again. 0 (the default) caps nothing."""
+    r = await started(bus, engines, max_connections_per_client=2)
+    held: list[asyncio.StreamWriter] = []
+    try:
+        parts = urlsplit(r.url)
+        host, port = parts.hostname or "", parts.port or 0
+        for _ in range(2):
+            _, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            held.append(writer)
+        await until(lambda: r.sockets.open["127.0.0.2"] == 2, "two sockets counted")
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+        held.append(writer)
+        async with asyncio.timeout(5):  # long before the 30 s header timeout
+            assert await reader.read() == b""
+        assert r.sockets.refused == 1
+        status, _, _ = await raw(r, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # from 127.0.0.1
+        assert status == 200
+        held[0].close()
+        await until(lambda: r.sockets.open["127.0.0.2"] == 1, "a socket freed")
+        reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+        held.append(writer)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        async with asyncio.timeout(5):
+            assert (await reader.read()).startswith(b"HTTP/1.1 200")
+    finally:
+        for w in held:
+            w.close()
+        await r.stop()
+    with pytest.raises(ConfigError, match="--max-connections-per-client must be 0"):
+        Router(bus, "bad", max_connections_per_client=-1)
