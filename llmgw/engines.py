@@ -179,8 +179,22 @@ class RotatingLog:
         self.path, self.max_bytes, self.keep = path, max(1, max_bytes), max(0, keep)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
+        self._failing = False
 
     def write(self, line: bytes) -> None:
+        """Append a line; a full or failing disk costs the file that line, never the engine its pipe
+        (the pump keeps reading, so the engine never blocks on a full stdout)."""
+        try:
+            self._write(line)
+            self._failing = False
+        except OSError as e:
+            if not self._failing:
+                log.warning("engine log %s: %s; lines are dropped from the file until it can be written", self.path, e)
+            self._failing = True
+
+    def _write(self, line: bytes) -> None:
+        if self._file.closed:
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
         mine = os.fstat(self._file.fileno())
         try:
             named = os.stat(self.path)

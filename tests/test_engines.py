@@ -422,3 +422,16 @@ def test_an_engine_log_rotates_by_size_and_keeps_the_newest(tmp_path: Path) -> N
     nothing.write(b"new\n")
     nothing.close()
     assert (tmp_path / "other.log").read_bytes() == b"new\n" and not (tmp_path / "other.log.1").exists()
+
+
+def test_a_full_disk_costs_the_log_its_lines_never_the_engine_its_pipe(caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/full answers every write with ENOSPC: the log says so once and the pump goes on."""
+    from llmgw.engines import RotatingLog
+
+    log = RotatingLog(Path("/dev/full"), max_bytes=1024, keep=1)
+    with caplog.at_level("WARNING", logger="llmgw.engines"):
+        for _ in range(3):
+            log.write(b"a line the engine printed\n")  # raises nothing
+    log.close()
+    warned = [r for r in caplog.records if "dropped from the file" in r.getMessage()]
+    assert len(warned) == 1 and "No space left" in warned[0].getMessage()
