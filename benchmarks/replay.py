@@ -158,6 +158,16 @@ class Cpu:
         return ", ".join(parts)
 
 
+async def fresh(bus: Bus) -> None:
+    """Empty streams (a server given by --nats-url may hold an earlier run's): delete them, declare them again."""
+    for spec in subjects.STREAMS:
+        try:
+            await bus.js.delete_stream(spec.name)
+        except Exception:  # noqa: BLE001 - absent is fine
+            pass
+    await bus.ensure_streams()
+
+
 async def raw_read(bus: Bus) -> tuple[int, float]:
     """Every history stream read concurrently with Bus.reader, nothing decoded."""
     count = 0
@@ -186,12 +196,7 @@ async def main(args: argparse.Namespace) -> None:
     settings = Settings(nats_url=url, request_timeout_s=30.0)  # a server busy with 1M messages answers slowly
     try:
         bus = await Bus.connect(settings, "llmgw-bench")
-        for spec in subjects.STREAMS:
-            try:
-                await bus.js.delete_stream(spec.name)
-            except Exception:  # noqa: BLE001 - absent is fine
-                pass
-        await bus.ensure_streams()
+        await fresh(bus)
         gen = history(args.events, args.nodes, args.gpus, args.days, args.routers, args.tick,
                       args.live_replicas, args.busy)
         n, secs = await publish(bus, gen, args.window)

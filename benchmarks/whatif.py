@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from replay import fresh, publish  # noqa: E402
 from replay import history as churn  # noqa: E402
-from replay import publish  # noqa: E402
 from whatif_world import history as world  # noqa: E402
 from whatif_world import spec  # noqa: E402
 
@@ -62,15 +62,6 @@ def timed_rss(*args: str) -> tuple[float, float, str]:
     if proc.returncode:
         raise SystemExit(f"llmgw {' '.join(args)} failed ({proc.returncode})")
     return secs, usage.ru_maxrss / 1024, out
-
-
-async def fresh(bus: Bus) -> None:
-    for s in subjects.STREAMS:
-        try:
-            await bus.js.delete_stream(s.name)
-        except Exception:  # noqa: BLE001 - absent is fine
-            pass
-    await bus.ensure_streams()
 
 
 async def settle(bus: Bus) -> int:
