@@ -11,6 +11,16 @@ from llmgw.fake_engine import spawn
 from llmgw.router import Router
 
 
+async def first_map(bus: Bus, name: str) -> m.IdleMapPublished:
+    """The first idle map a router of this name publishes once started (and stopped again)."""
+    router = Router(bus, name, tick_s=3600)
+    await router.start("127.0.0.1", 0)
+    try:
+        return await router.publish_idle_map()
+    finally:
+        await router.stop()
+
+
 async def test_idle_time_survives_a_router_restart(bus: Bus) -> None:
     asked, quiet = spawn("keep", name="asked"), spawn("keep", name="quiet")
     try:
@@ -32,23 +42,13 @@ async def test_idle_time_survives_a_router_restart(bus: Bus) -> None:
         before = await first.publish_idle_map()
         await first.stop()  # its last map, as on SIGTERM
 
-        second = Router(bus, "rt-restart", tick_s=3600)
-        await second.start("127.0.0.1", 0)
-        try:
-            after = await second.publish_idle_map()
-        finally:
-            await second.stop()
+        after = await first_map(bus, "rt-restart")
         assert after.boot_id != before.boot_id
         assert after.last_request["asked"] == before.last_request["asked"]
         assert after.serving_since["quiet"] == before.serving_since["quiet"]
         assert "quiet" not in after.last_request
         # Another router's name knows nothing of them: unknown is not idle.
-        other = Router(bus, "rt-other", tick_s=3600)
-        await other.start("127.0.0.1", 0)
-        try:
-            fresh = await other.publish_idle_map()
-        finally:
-            await other.stop()
+        fresh = await first_map(bus, "rt-other")
         assert "asked" not in fresh.last_request
         assert fresh.serving_since["quiet"] > before.serving_since["quiet"]
         assert isinstance(fresh, m.IdleMapPublished)
