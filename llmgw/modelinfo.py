@@ -179,8 +179,7 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     sliding = _sliding_layers(cfg, n)
     if window is not None and (window >= cfg["max_position_embeddings"] or not sliding):
         window, sliding = None, ()
-    # Older llm-compressor checkpoints name the section compression_config.
-    q = quantization(cfg.get("quantization_config") or cfg.get("compression_config"), name)
+    q = quantization(stated_quantization(cfg), name)
     if q.precision == "mxfp4" and not experts:
         raise ModelError(f"{name}: an mxfp4 checkpoint without MoE experts; vLLM runs mxfp4 only in MoE experts (gpt-oss)")
     mt = str(cfg.get("model_type", ""))
@@ -201,6 +200,7 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
     if full_kv and (heads % full_kv or full_kv > heads):
         raise ModelError(f"{where} of {name} states num_global_key_value_heads = {full_kv} for {heads} attention "
                          "heads; it must group them evenly: point MODEL at the model's own config.json")
+    ple = _positive(cfg, "hidden_size_per_layer_input")  # per-layer embeddings (Gemma 3n, small Gemma 4)
     shared_kv = _positive(cfg, "num_kv_shared_layers")
     if shared_kv >= n:
         raise ModelError(f"{where} of {name} shares the KV cache of {shared_kv} of its {n} layers; at least one "
@@ -240,9 +240,8 @@ def from_config(cfg: dict[str, Any], *, name: str, source: str, where: str = "co
             kv_shared_layers=shared_kv,
             dense_and_moe=bool(experts and (cfg.get("enable_moe_block") is True or cfg.get("use_second_mlp_block") is True)),
             double_wide_shared=bool(shared_kv and cfg.get("use_double_wide_mlp") is True),
-            per_layer_input_size=_positive(cfg, "hidden_size_per_layer_input"),
-            per_layer_vocab=(_positive(cfg, "vocab_size_per_layer_input") or cfg["vocab_size"])
-            if _positive(cfg, "hidden_size_per_layer_input") else 0,
+            per_layer_input_size=ple,
+            per_layer_vocab=(_positive(cfg, "vocab_size_per_layer_input") or cfg["vocab_size"]) if ple else 0,
             linear_layers=linear,
             linear_qk_heads=_positive(cfg, "linear_num_key_heads") if linear else 0,
             linear_value_heads=_positive(cfg, "linear_num_value_heads") if linear else 0,
@@ -533,10 +532,16 @@ def _finish(info: ModelInfo, params: int | None, source: str) -> ModelInfo:
     return msgspec.structs.replace(info, params=architecture_params(info), params_source="architecture")
 
 
+def stated_quantization(cfg: dict[str, Any]) -> Any:
+    """The quantization section a config.json states (older llm-compressor checkpoints name it
+    compression_config), or None."""
+    return cfg.get("quantization_config") or cfg.get("compression_config")
+
+
 def with_hf_quant_config(cfg: dict[str, Any], quant: Path | None) -> dict[str, Any]:
     """A config.json with the quantization an older NVIDIA ModelOpt checkpoint states beside it, in
     ``hf_quant_config.json`` (as vLLM reads it), when the config itself states none."""
-    if quant is None or cfg.get("quantization_config") or cfg.get("compression_config") or not quant.is_file():
+    if quant is None or stated_quantization(cfg) or not quant.is_file():
         return cfg
     section = _read_json(quant).get("quantization")
     if not isinstance(section, dict):
@@ -661,7 +666,7 @@ def _load_hub(model: str, md: Path | None, params: int | None, *, offline: bool)
             "or pass a local directory holding its config.json"
         )
     raw = _read_json(cfg)
-    if not (raw.get("quantization_config") or raw.get("compression_config")):  # maybe an older ModelOpt checkpoint
+    if not stated_quantization(raw):  # maybe an older ModelOpt checkpoint, stating it beside
         raw = with_hf_quant_config(raw, _hf_file(model, "hf_quant_config.json", offline))
     info = from_config(raw, name=model, source=model, where=f"config.json of {model}")
     if params:

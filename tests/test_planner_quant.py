@@ -142,7 +142,7 @@ def real(name: str) -> dict[str, Any]:
 ])
 def test_real_checkpoint_configs_are_read(name: str, precision: str, bits: float, kv: str) -> None:
     cfg = real(name)
-    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    qc = modelinfo.stated_quantization(cfg)
     q = modelinfo.quantization(qc, name)
     assert (q.precision, q.bits, q.kv_cache_dtype) == (precision, pytest.approx(bits), kv)
 
