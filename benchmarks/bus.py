@@ -22,8 +22,8 @@ import nats
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 

@@ -55,7 +55,7 @@ class Result:
 
     @property
     def profile(self) -> str:
-        from llmgw.engineprofiles import profile_for
+        from llmgw.engine.profiles import profile_for
 
         return profile_for("vllm", str(self.row.get("vllm_version") or "")).name if self.row.get("vllm_version") else "-"
 
@@ -65,7 +65,7 @@ def rows(path: Path = ROWS) -> list[dict[str, Any]]:
 
 
 def _info(row: dict[str, Any]) -> Any:
-    from llmgw import modelinfo
+    from llmgw.planner import modelinfo
 
     folder = next((d / row["config"] for d in CONFIG_DIRS if (d / row["config"] / "config.json").is_file()), None)
     if folder is None:
@@ -80,7 +80,7 @@ def _info(row: dict[str, Any]) -> Any:
 
 def evaluate(row: dict[str, Any]) -> Result:
     """One row: what the planner predicts for its model, card, split and settings, next to what vLLM printed."""
-    from llmgw import memory as M
+    from llmgw.planner import memory as M
 
     r = Result(row)
     if why := row.get("excluded"):
@@ -94,7 +94,7 @@ def evaluate(row: dict[str, Any]) -> Result:
     if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
         r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu) / GIB
         return r
-    from llmgw.engineprofiles import profile_for
+    from llmgw.engine.profiles import profile_for
 
     mem_gib = float(row["gpu_memory_gib"])
     profile = profile_for("vllm", str(row.get("vllm_version") or ""))
@@ -124,7 +124,7 @@ def evaluate(row: dict[str, Any]) -> Result:
 
 def by_profile(results: list[Result]) -> dict[str, list[Result]]:
     """The rows of each vLLM version range (its engine profile), oldest first."""
-    from llmgw.engineprofiles import VLLM_PROFILES
+    from llmgw.engine.profiles import VLLM_PROFILES
 
     order = {p.name: i for i, p in enumerate(VLLM_PROFILES)}
     out: dict[str, list[Result]] = {}

@@ -36,11 +36,11 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.agent.supervisor import descendants
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
-from llmgw.engines import descendants
 from llmgw.errors import NoServiceError
-from llmgw.natsserver import EmbeddedServer
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 TICK = os.sysconf("SC_CLK_TCK")

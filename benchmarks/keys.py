@@ -31,9 +31,9 @@ import aiohttp
 from llmgw import ctl
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.fake_engine import spawn
-from llmgw.natsserver import EmbeddedServer, free_port
+from llmgw.engine.fake import spawn
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -19,14 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw import fleetfile, modelinfo, planner
+from llmgw import fleetfile
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.cli.nats_cmd import declare_streams
 from llmgw.config import Settings
-from llmgw.fleet.fold import fold
-from llmgw.natsserver import EmbeddedServer
-from llmgw.planner_service import ask
+from llmgw.fleet.state import fold
+from llmgw.planner import candidates as planner
+from llmgw.planner import modelinfo
+from llmgw.planner.service import ask
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"

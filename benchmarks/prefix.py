@@ -39,11 +39,11 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.demomodel import write_demo_model
-from llmgw.metrics import usage_of_stream
-from llmgw.natsserver import EmbeddedServer, free_port
-from llmgw.router import Router
+from llmgw.engine.demomodel import write_demo_model
+from llmgw.router.metrics import usage_of_stream
+from llmgw.router.server import Router
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the", "tool", "returns", "json", "with", "fields", "user", "answer", "must", "never", "call", "when",

@@ -28,10 +28,10 @@ from replay import history, publish  # noqa: E402
 
 from llmgw import subjects  # noqa: E402
 from llmgw.bus import Bus, RawMsg  # noqa: E402
+from llmgw.bus.server import EmbeddedServer  # noqa: E402
 from llmgw.config import Settings  # noqa: E402
-from llmgw.fleet.checkpoint import encode_state  # noqa: E402
-from llmgw.fleet.fold import Cursor, FleetState  # noqa: E402
-from llmgw.natsserver import EmbeddedServer  # noqa: E402
+from llmgw.fleet.fold import encode_state  # noqa: E402
+from llmgw.fleet.state import Cursor, FleetState  # noqa: E402
 from llmgw.projections import store as S  # noqa: E402
 from llmgw.projections.runner import Projector  # noqa: E402
 

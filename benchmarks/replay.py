@@ -32,8 +32,8 @@ from pathlib import Path
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
 

@@ -30,9 +30,9 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
-from llmgw.fake_engine import EngineProcess, spawn
-from llmgw.natsserver import EmbeddedServer
+from llmgw.engine.fake import EngineProcess, spawn
 
 CHUNKS = 20
 HERE = str(Path(__file__).resolve())

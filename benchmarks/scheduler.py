@@ -17,9 +17,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from llmgw import messages as m
-from llmgw import scheduler as s
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.state import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.scheduler import placement as s
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 

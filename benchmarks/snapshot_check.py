@@ -25,11 +25,11 @@ from pathlib import Path
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import decode_state, encode
+from llmgw.fleet.fold import decode_state, encode
 from llmgw.fleet.replay import replay
-from llmgw.natsserver import EmbeddedServer
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -40,8 +40,8 @@ from replay import history, publish  # noqa: E402 - the replay benchmark's week,
 
 from llmgw import subjects  # noqa: E402
 from llmgw.bus import Bus  # noqa: E402
+from llmgw.bus.server import EmbeddedServer  # noqa: E402
 from llmgw.config import Settings  # noqa: E402
-from llmgw.natsserver import EmbeddedServer  # noqa: E402
 from llmgw.projections.runner import Projector  # noqa: E402
 from llmgw.projections.store import Store  # noqa: E402
 
@@ -198,9 +198,9 @@ async def measure_ctl(bus: Bus, url: str, args: argparse.Namespace) -> None:
 
 async def measure_startup(bus: Bus, args: argparse.Namespace) -> None:
     """The services' start-up folds: from the newest snapshot, and from sequence 1 beside it."""
-    from llmgw.endpoints import EndpointSink
-    from llmgw.planner_service import PlannerService
-    from llmgw.scheduler_service import FOLLOWED, SchedulerService
+    from llmgw.planner.service import PlannerService
+    from llmgw.router.endpoints import EndpointSink
+    from llmgw.scheduler.service import FOLLOWED, SchedulerService
 
     print("\nstart-up fold (in this process; median of --runs)")
     for use in (True, False):

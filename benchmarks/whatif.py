@@ -43,9 +43,9 @@ from whatif_world import spec  # noqa: E402
 from llmgw import messages as m  # noqa: E402
 from llmgw import subjects  # noqa: E402
 from llmgw.bus import Bus  # noqa: E402
+from llmgw.bus.server import EmbeddedServer  # noqa: E402
 from llmgw.config import Settings  # noqa: E402
 from llmgw.ctl import first_stored  # noqa: E402
-from llmgw.natsserver import EmbeddedServer  # noqa: E402
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 

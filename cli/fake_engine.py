@@ -7,7 +7,7 @@ import sys
 import click
 
 from llmgw.cli.options import run
-from llmgw.fake_engine import EngineOptions, bind, serve
+from llmgw.engine.fake import EngineOptions, bind, serve
 
 
 @click.command("fake-engine")
@@ -52,7 +52,7 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
         llmgw fake-engine --port 0 --model qwen --chunks 10 --die-after-chunks 3
     """
     if join_address:
-        from llmgw.fake_engine import join
+        from llmgw.engine.fake import join
 
         try:
             run(join(join_address, name or model))

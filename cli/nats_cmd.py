@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.cli.options import run
 from llmgw.config import Settings, data_dir
-from llmgw.natsserver import EmbeddedServer
 
 
 async def declare_streams(url: str, replicas: int = 1) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from llmgw import fleetfile, natsconf
+from llmgw import fleetfile
+from llmgw.bus import natsconf
 from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
 

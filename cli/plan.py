@@ -18,7 +18,7 @@ from llmgw.errors import LlmgwError
 def _params(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
-    from llmgw.modelinfo import parse_params
+    from llmgw.planner.modelinfo import parse_params
 
     try:
         return parse_params(value)

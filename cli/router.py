@@ -11,8 +11,8 @@ from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
-from llmgw.router import DEFAULT_MAX_BODY, serve_router
-from llmgw.upstream import Timeouts
+from llmgw.engine.upstream import Timeouts
+from llmgw.router.server import DEFAULT_MAX_BODY, serve_router
 
 
 def _listen(value: str) -> tuple[str, int]:

@@ -11,8 +11,8 @@ import click
 from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
-from llmgw.liveness import HeartbeatMonitor
-from llmgw.scheduler_service import SchedulerService
+from llmgw.scheduler.liveness import HeartbeatMonitor
+from llmgw.scheduler.service import SchedulerService
 
 
 async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float,
@@ -55,5 +55,5 @@ def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, 
         llmgw scheduler --nats-url nats://127.0.0.1:4222 --lease-ttl 10 --heartbeat-timeout 30
     """
     if logging.getLogger().level > logging.INFO:
-        logging.getLogger("llmgw.scheduler_service").setLevel(logging.INFO)
+        logging.getLogger("llmgw.scheduler.service").setLevel(logging.INFO)
     run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s, from_snapshot=from_snapshot))

@@ -23,6 +23,7 @@ from typing import IO
 
 import click
 
+from llmgw.bus.server import EmbeddedServer
 from llmgw.cli.options import run
 from llmgw.config import (
     DEFAULT_NATS_URL,
@@ -31,9 +32,8 @@ from llmgw.config import (
     read_credentials,
     write_credentials,
 )
-from llmgw.enginecmd import llmgw_program
+from llmgw.engine.argv import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
-from llmgw.natsserver import EmbeddedServer
 
 EXAMPLE_NAME = "qwen14"
 EXAMPLE_MODEL = "Qwen/Qwen2.5-14B-Instruct"
@@ -155,7 +155,7 @@ class ClosedBus:
     @property
     def server_env(self) -> dict[str, str]:
         """What nats.conf reads the passwords from ($LLMGW_PW_…), the system user's included."""
-        from llmgw import natsconf
+        from llmgw.bus import natsconf
 
         return {natsconf.password_env(u): pw for u, pw in self.passwords.items()}
 
@@ -164,7 +164,7 @@ class ClosedBus:
 
     @property
     def child_env(self) -> dict[str, dict[str, str]]:
-        from llmgw import natsconf
+        from llmgw.bus import natsconf
 
         out = {}
         for part, role in ROLES.items():
@@ -180,7 +180,7 @@ class ClosedBus:
 def closed_bus(store: Path, nodes: list[str]) -> ClosedBus:
     """nats.conf for `up` (no monitoring port, store in ``store``) and a password per user, kept from
     the last `up` on this directory where there was one (so shells holding them keep working)."""
-    from llmgw import natsconf
+    from llmgw.bus import natsconf
 
     users = [u for u, _, _ in natsconf.users(nodes, [ROUTER_NAME])] + [AGENTS_USER, "sys"]
     known = read_credentials(credentials_path(store.parent))
@@ -252,7 +252,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                                "(on GPU nodes run `llmgw agent` there instead)")
     if fleet_path is not None:
         engines = engines_choice(True, engines, engine_cmds)
-    from llmgw.enginecmd import parse_engine_cmds
+    from llmgw.engine.argv import parse_engine_cmds
 
     try:
         parse_engine_cmds(engine_cmds)

@@ -22,15 +22,15 @@ from typing import Any
 
 import msgspec
 
-from llmgw import gpuuse, subjects
 from llmgw import messages as m
+from llmgw import subjects
 from llmgw.bus import Bus, RawMsg, windows
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
-from llmgw.fleet import snapshots
+from llmgw.fleet import gpuuse, snapshots
 from llmgw.fleet import status as status_report
-from llmgw.fleet.checkpoint import Checkpoint, encode, fold_batch
-from llmgw.fleet.fold import FOLD_VERSION, Cursor, RouterView
+from llmgw.fleet.fold import Checkpoint, encode, fold_batch
 from llmgw.fleet.history import ModelHistory
+from llmgw.fleet.state import FOLD_VERSION, Cursor, RouterView
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
@@ -140,7 +140,7 @@ class Projector:
         self.read_batch = batch
         self.progress = progress
         checkpoint = store.load() if store is not None else Checkpoint()
-        # The fold and what the services keep beyond it (llmgw/fleet/checkpoint.py), one object.
+        # The fold and what the services keep beyond it (llmgw/fleet/fold.py), one object.
         self.checkpoint = checkpoint
         self.state, self.cursor = checkpoint.state, checkpoint.cursor  # the same objects, for the hot path
         # A checkpoint from an older version lacks the models' history and the services' memory.

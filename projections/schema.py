@@ -54,7 +54,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("events", "BIGINT", "rows in events plus rows in unprojected_events"),
         ("unprojected", "BIGINT", "messages that could not be decoded or were refused (ctl status counts them)"),
         ("checkpoint", "BLOB", "the folded state, its cursor, the models' history and the services' memory, "
-                               "msgpack (llmgw.fleet.checkpoint.Checkpoint)"),
+                               "msgpack (llmgw.fleet.fold.Checkpoint)"),
     ]),
     "events": ("History: one row per event folded.", [
         ("stream", "VARCHAR", None),

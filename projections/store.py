@@ -27,8 +27,8 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
-from llmgw.fleet.checkpoint import Checkpoint, decode_state
-from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView
+from llmgw.fleet.fold import Checkpoint, decode_state
+from llmgw.fleet.state import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView
 from llmgw.projections import schema
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.fleet.checkpoint import encode_state
-from llmgw.fleet.fold import Cursor, FleetState, apply
-from llmgw.nvml import ecc_finding, xid_finding
+from llmgw.agent.nvml import ecc_finding, xid_finding
+from llmgw.fleet.fold import encode_state
+from llmgw.fleet.state import Cursor, FleetState, apply
 from llmgw.projections.store import Batch, Store, add_event_rows
 
 T0 = datetime(2026, 3, 2, 8, 0, tzinfo=UTC)  # a Monday morning

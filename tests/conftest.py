@@ -18,8 +18,8 @@ import pytest
 from streams import fresh_streams
 
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -7,8 +7,8 @@ import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-from llmgw.agent import Agent
-from llmgw.fake_engine import EngineProcess, spawn
+from llmgw.agent.node import Agent
+from llmgw.engine.fake import EngineProcess, spawn
 
 
 async def until(cond: Callable[[], bool | Awaitable[bool]], what: str, limit_s: float = 10.0,

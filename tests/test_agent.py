@@ -16,16 +16,16 @@ from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent import Agent, detect_fabric, infiniband_subnet, simulated_agents
+from llmgw.agent.node import Agent, detect_fabric, infiniband_subnet, simulated_agents
+from llmgw.agent.nvml import GpuStatic
+from llmgw.agent.simnvml import SimNvml
 from llmgw.bus import Bus, Outbox
+from llmgw.bus.server import EmbeddedServer, port_free
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
-from llmgw.fleet.fold import fold
+from llmgw.fleet.state import fold
 from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
-from llmgw.natsserver import EmbeddedServer, port_free
-from llmgw.nvml import GpuStatic
-from llmgw.simnvml import SimNvml
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 XID79 = ("xid 79: GPU has fallen off the bus",)

@@ -21,7 +21,7 @@ from analyst_history import at, history, project
 from projection_events import small_fleet, t
 
 from llmgw import messages as m
-from llmgw.nvml import GPU_LOST, POWER_BRAKE, THERMAL, ecc_finding, xid_finding
+from llmgw.agent.nvml import GPU_LOST, POWER_BRAKE, THERMAL, ecc_finding, xid_finding
 from llmgw.projections import schema
 from llmgw.projections.store import Store
 

@@ -16,9 +16,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg, windows
 from llmgw.bus.reader import StreamReader
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
 from llmgw.errors import ConnectError, ServiceError
-from llmgw.natsserver import EmbeddedServer
 
 T0 = datetime(2026, 11, 1, 10, 0, tzinfo=UTC)
 

@@ -52,7 +52,7 @@ def test_every_excluded_row_says_why() -> None:
 
 def test_every_engine_profile_is_pinned_on_its_own_logs() -> None:
     """Each vLLM version range has KV rows of its own, and they hold the goal on their own."""
-    from llmgw.engineprofiles import VLLM_PROFILES
+    from llmgw.engine.profiles import VLLM_PROFILES
 
     groups = calibration.by_profile([r for r in calibration.evaluate_all() if not r.excluded])
     for p in VLLM_PROFILES:

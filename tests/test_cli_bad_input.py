@@ -22,12 +22,14 @@ import pytest
 from click.testing import CliRunner, Result
 from streams import stored
 
-from llmgw import fleetfile, modelinfo, planner, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.errors import PlanError
-from llmgw.fleet.fold import fold
+from llmgw.fleet.state import fold
+from llmgw.planner import candidates as planner
+from llmgw.planner import modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "examples" / "fleet.toml"

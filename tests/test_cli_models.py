@@ -17,7 +17,7 @@ from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.ctl import plan_locally
-from llmgw.planner_service import PlannerService
+from llmgw.planner.service import PlannerService
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "examples" / "fleet.toml"
@@ -133,7 +133,7 @@ async def test_scale_and_remove(bus: Bus, nats_url: str) -> None:
 
 async def test_deploy_routing_is_in_the_spec_and_changes_no_run(bus: Bus, nats_url: str) -> None:
     """--routing is the routers' business: a spec that differs only there runs as the same replicas."""
-    from llmgw.scheduler import same_run
+    from llmgw.scheduler.placement import same_run
 
     r = await invoke(nats_url, *deploy_args("--candidate", "1", "--routing", "least-outstanding"))
     assert r.exit_code == 0, r.output

@@ -22,11 +22,11 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
-from llmgw.fleet.checkpoint import Checkpoint, fold_batch
+from llmgw.fleet.fold import Checkpoint, fold_batch
 from llmgw.fleet.history import ModelHistory
 from llmgw.fleet.replay import replay
 from llmgw.projections import schema
-from llmgw.router import Router
+from llmgw.router.server import Router
 
 MODEL = "sleepy"
 T0 = datetime(2026, 3, 2, 10, 0, tzinfo=UTC)

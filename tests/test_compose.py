@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from llmgw import natsconf
+from llmgw.bus import natsconf
 from llmgw.cli.main import cli
 
 ROOT = Path(__file__).resolve().parent.parent

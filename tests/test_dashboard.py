@@ -19,7 +19,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
-from llmgw.dashboard import Dashboard, bar, duration
+from llmgw.dashboard.app import Dashboard, bar, duration
 from llmgw.projections.runner import Projector
 
 EVIL = "<script>alert(1)</script>"

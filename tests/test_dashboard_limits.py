@@ -25,7 +25,7 @@ from test_dashboard import serving
 from llmgw import messages as m
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
-from llmgw.dashboard import Limits, Sessions, client_of
+from llmgw.dashboard.app import Limits, Sessions, client_of
 
 HOG, OTHER, THIRD = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 

@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from llmgw import messages as m
-from llmgw import scheduler as s
 from llmgw import subjects
 from llmgw.fleet import demand
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.state import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.scheduler import placement as s
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 STREAM_OF = {"fleet": subjects.STREAM_FLEET, "control": subjects.STREAM_CONTROL, "usage": subjects.STREAM_USAGE}

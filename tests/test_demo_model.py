@@ -12,10 +12,11 @@ import pytest
 from click.testing import CliRunner
 from llama import call, llama_server, llama_server_bin  # noqa: F401 - the fixture is used by name
 
-from llmgw import memory, modelinfo, planner
 from llmgw.cli.main import cli
-from llmgw.demomodel import write_demo_model
+from llmgw.engine.demomodel import write_demo_model
 from llmgw.errors import ConfigError
+from llmgw.planner import candidates as planner
+from llmgw.planner import memory, modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = str(ROOT / "examples" / "fleet.toml")

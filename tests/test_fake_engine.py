@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw.cli.main import cli
-from llmgw.fake_engine import spawn
+from llmgw.engine.fake import spawn
 
 
 async def test_answers_the_openai_routes_and_names_itself() -> None:

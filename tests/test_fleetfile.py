@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from llmgw import fleetfile
 from llmgw.errors import FleetFileError
-from llmgw.fleet.fold import fold
+from llmgw.fleet.state import fold
 
 AT = datetime(2026, 11, 1, tzinfo=UTC)
 

@@ -13,7 +13,7 @@ from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
 from llmgw.bus.frames import RawMsg
-from llmgw.fleet.checkpoint import (
+from llmgw.fleet.fold import (
     EVERY,
     Checkpoint,
     Memories,
@@ -21,7 +21,7 @@ from llmgw.fleet.checkpoint import (
     encode_state,
     fold_batch,
 )
-from llmgw.fleet.fold import Cursor, FleetState, fold
+from llmgw.fleet.state import Cursor, FleetState, fold
 from llmgw.subjects import stream_for_subject
 
 QWEN = spec("qwen-8b")
@@ -246,7 +246,7 @@ def test_newest_request_follows_the_maps(maps: list[tuple[str, bool, dict[str, i
 
 
 def test_a_replica_over_two_nodes_is_healthy_only_when_both_parts_are() -> None:
-    from llmgw.endpoints import Pool
+    from llmgw.router.endpoints import Pool
 
     s = spec("big")
     two = m.ReplicaPlaced(at=t(0), replica_id="big-r1", model="big", nodes=("n1", "n2"), spec=s, fabric="ib-a",
@@ -328,10 +328,10 @@ def test_an_event_is_refused_when_its_subject_or_placement_disagrees(subject: st
 
 
 def _keeps() -> dict[str, Memories]:
-    from llmgw.endpoints import ROUTER_KEEPS
-    from llmgw.engines import ENGINES_KEEP
-    from llmgw.liveness import LIVENESS_KEEPS
-    from llmgw.planner_service import PLANNER_KEEPS
+    from llmgw.agent.supervisor import ENGINES_KEEP
+    from llmgw.planner.service import PLANNER_KEEPS
+    from llmgw.router.endpoints import ROUTER_KEEPS
+    from llmgw.scheduler.liveness import LIVENESS_KEEPS
 
     return {"every": EVERY, "planner": PLANNER_KEEPS, "router": ROUTER_KEEPS, "liveness": LIVENESS_KEEPS,
             "engines": ENGINES_KEEP, "none": Memories(history=False, demand=False, observed=False, pool=False, lost=False)}
@@ -388,7 +388,7 @@ def test_a_replica_takes_state_only_from_its_own_node() -> None:
 
 def test_the_routers_pool_takes_state_only_from_a_placed_replicas_nodes() -> None:
     """The router's fold refuses a stranger's report before its pool sees it (the one rule, fold_batch)."""
-    from llmgw.endpoints import ROUTER_KEEPS
+    from llmgw.router.endpoints import ROUTER_KEEPS
 
     c = Checkpoint()
     refused = 0

@@ -14,15 +14,15 @@ from streams import publish, stored
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent import Agent, gpu_sample
+from llmgw.agent.node import Agent, gpu_sample
+from llmgw.agent.nvml import GpuUse
+from llmgw.agent.simnvml import IDLE_MIB, SimNvml
+from llmgw.agent.supervisor import EngineConfig, EngineSupervisor, descendants
 from llmgw.bus import Bus, RawMsg
-from llmgw.engines import EngineConfig, EngineSupervisor, descendants
-from llmgw.fleet.fold import fold
+from llmgw.fleet.gpuuse import GpuSamples, summarize
+from llmgw.fleet.state import fold
 from llmgw.fleetfile import load
-from llmgw.gpuuse import GpuSamples, summarize
-from llmgw.nvml import GpuUse
 from llmgw.projections.runner import Projector
-from llmgw.simnvml import IDLE_MIB, SimNvml
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -244,9 +244,9 @@ async def test_status_shows_gpu_use_from_the_heartbeat_stream(bus: Bus, tmp_path
 
 
 def test_one_answer_carries_at_most_node_rows_nodes_but_every_class(monkeypatch: pytest.MonkeyPatch) -> None:
-    import llmgw.gpuuse
+    import llmgw.fleet.gpuuse
 
-    monkeypatch.setattr(llmgw.gpuuse, "NODE_ROWS", 1)
+    monkeypatch.setattr(llmgw.fleet.gpuuse, "NODE_ROWS", 1)
     state = fold(small_fleet())
     use, nodes = summarize(state, {"n1": beat("n1", sample(0, 10, 1)), "n4": beat("n4", sample(0, 30, 1))}, nodes=True)
     assert [n.node for n in nodes] == ["n1"]  # an answer stays under NATS's payload limit on any fleet

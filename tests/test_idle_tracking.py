@@ -19,11 +19,11 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
-from llmgw.endpoints import Pool
-from llmgw.fake_engine import EngineProcess
-from llmgw.fleet.fold import FleetState, apply
-from llmgw.idletracker import IdleFor, IdleTracker
-from llmgw.router import Router
+from llmgw.engine.fake import EngineProcess
+from llmgw.fleet.state import FleetState, apply
+from llmgw.router.endpoints import Pool
+from llmgw.router.idle import IdleFor, IdleTracker
+from llmgw.router.server import Router
 
 
 def placement(rid: str, model: str, node: str) -> m.ReplicaPlaced:

@@ -19,10 +19,10 @@ from test_router import place
 from llmgw import ctl, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
-from llmgw.fake_engine import spawn
+from llmgw.engine.fake import spawn
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
-from llmgw.router import Router
+from llmgw.router.server import Router
 
 
 def declared(name: str, **kw: object) -> tuple[str, m.KeyDeclared]:
@@ -310,8 +310,8 @@ def test_status_sums_each_tenants_use_and_names_the_keys_near_their_limit() -> N
     """Today and seven days per tenant, from the routers' maps as the fold keeps them; the dashboard shows it."""
     from datetime import timedelta
 
-    from llmgw.dashboard import tenants_section
-    from llmgw.fleet.fold import fold
+    from llmgw.dashboard.app import tenants_section
+    from llmgw.fleet.state import fold
     from llmgw.fleet.status import report
 
     now = m.utcnow()

@@ -12,11 +12,11 @@ from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent import Agent
+from llmgw.agent.node import Agent
+from llmgw.agent.simnvml import SimNvml
 from llmgw.bus import Bus
 from llmgw.fleetfile import FleetNode, load
-from llmgw.liveness import HeartbeatMonitor
-from llmgw.simnvml import SimNvml
+from llmgw.scheduler.liveness import HeartbeatMonitor
 
 TIMEOUT_S = 1.0
 

@@ -10,8 +10,8 @@ from projection_events import T0, placed, small_fleet, spec, t
 
 from llmgw import messages as m
 from llmgw.cli.replay import describe
-from llmgw.fleet.fold import fold
 from llmgw.fleet.history import RECENT_EVENTS, ModelHistory, split_by_day
+from llmgw.fleet.state import fold
 from llmgw.fleet.status import model_summaries, report
 
 DAY = date(2026, 3, 2)

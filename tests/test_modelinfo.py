@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from llmgw import memory as M
-from llmgw import modelinfo
 from llmgw.errors import ModelError
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"

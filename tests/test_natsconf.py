@@ -18,13 +18,13 @@ import pytest
 from click.testing import CliRunner
 from nats.aio.msg import Msg
 
-from llmgw import fleetfile, natsconf, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
-from llmgw.bus import Bus
+from llmgw.bus import Bus, natsconf
+from llmgw.bus.server import EmbeddedServer
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ConfigError, ConnectError, PermissionDeniedError
-from llmgw.natsserver import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = fleetfile.load(ROOT / "examples" / "fleet.toml")
@@ -342,9 +342,9 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     from llmgw.ctl import replay_state
     from llmgw.fleet import snapshots
-    from llmgw.fleet.checkpoint import encode_state
+    from llmgw.fleet.fold import encode_state
     from llmgw.fleet.replay import replay
-    from llmgw.scheduler_service import Lease
+    from llmgw.scheduler.service import Lease
 
     spec = m.ModelSpec(name="qwen", source="q", precision="bf16", engine="vllm", gpu_class="H100-80GB", context=4096)
     buses = {u: await secured.connect(u) for u in ("agent-h100-a-01", "router-gw-1", "projector", "planner",

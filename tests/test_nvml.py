@@ -17,12 +17,12 @@ import pynvml as real
 import pytest
 from click.testing import CliRunner
 
+from llmgw.agent.nvml import GPU_LOST, GpuUse, RealNvml, assess, gpu_class, xid_finding
+from llmgw.agent.simnvml import SimNvml
 from llmgw.cli.main import cli
 from llmgw.errors import NvmlError
 from llmgw.fleetfile import load
 from llmgw.messages import GPU_CLASS_PATTERN
-from llmgw.nvml import GPU_LOST, GpuUse, RealNvml, assess, gpu_class, xid_finding
-from llmgw.simnvml import SimNvml
 
 CLUSTER = bytes(range(1, 17))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from llmgw import memory as M
-from llmgw import modelinfo
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 GIB = 1024**3
 MOE = Path(__file__).resolve().parent / "data" / "calibration" / "google__gemma-4-26B-A4B"

@@ -15,11 +15,11 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from llmgw import memory as M
 from llmgw import messages as m
-from llmgw import modelinfo
-from llmgw import planner as P
 from llmgw.errors import ModelError
+from llmgw.planner import candidates as P
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_planner_math import fleet, node  # noqa: E402

@@ -10,14 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw import fleetfile, modelinfo
-from llmgw import memory as M
+from llmgw import fleetfile
 from llmgw import messages as m
-from llmgw import planner as P
-from llmgw.engineprofiles import profile_for
+from llmgw.engine.profiles import profile_for
 from llmgw.errors import PlanError
 from llmgw.fleet import observed as O
-from llmgw.fleet.fold import FleetState, fold
+from llmgw.fleet.state import FleetState, fold
+from llmgw.planner import candidates as P
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
-from llmgw import fleetfile, modelinfo
-from llmgw import memory as M
+from llmgw import fleetfile
 from llmgw import messages as m
-from llmgw import planner as P
 from llmgw.errors import ModelError, PlanError
-from llmgw.fleet.fold import fold
+from llmgw.fleet.state import fold
+from llmgw.planner import candidates as P
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"

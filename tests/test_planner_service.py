@@ -14,14 +14,15 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
-from llmgw import fleetfile, modelinfo, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
-from llmgw.agent import simulated_agents
+from llmgw.agent.node import simulated_agents
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import ServiceError
-from llmgw.planner_service import PlannerService, ask
+from llmgw.planner import modelinfo
+from llmgw.planner.service import PlannerService, ask
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -189,7 +190,7 @@ async def test_an_unknown_repo_behind_a_silent_hub_is_refused_in_bounded_time_an
 
 
 async def test_the_planner_learns_what_a_simulated_engine_reserved(service: PlannerService, bus: Bus) -> None:
-    from llmgw.engines import EngineConfig, EngineSupervisor
+    from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
 
     request = m.PlanRequest(model="Qwen/Qwen2.5-14B-Instruct", precisions=("bf16",), tp=(1,), context=8192)
     first = next(c for c in (await ask(bus, request)).candidates if c.gpu_class == "H100-80GB")

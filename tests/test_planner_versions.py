@@ -9,14 +9,14 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from llmgw import memory as M
 from llmgw import messages as m
-from llmgw import modelinfo
-from llmgw import planner as P
-from llmgw.enginecmd import parse_version_output, version_argv
-from llmgw.engineprofiles import NEWEST, VLLM_PROFILES, fleet_version, parse_version, profile_for
+from llmgw.engine.argv import parse_version_output, version_argv
+from llmgw.engine.profiles import NEWEST, VLLM_PROFILES, fleet_version, parse_version, profile_for
 from llmgw.errors import PlanError
 from llmgw.fleet import observed as O
+from llmgw.planner import candidates as P
+from llmgw.planner import memory as M
+from llmgw.planner import modelinfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_planner_math import EXAMPLES, LLAMA8, MODELS, QWEN3, fleet, model, node  # noqa: E402
@@ -130,7 +130,7 @@ def test_vllm_0_10_warms_a_large_cards_sampler_as_0_11_does() -> None:
     """gpt-oss-120b on one H100 under vLLM 0.10.1 with every default (vllm issue 23278): weights 65.97 GiB
     and -2.14 GiB of KV cache, so it refused to start. A large card's 1,024 sequences held ~9.7 vocab-sized
     copies there too; a small card's batch (the A100 logs of 0.10.1) ~3."""
-    from llmgw.engineprofiles import profile_for
+    from llmgw.engine.profiles import profile_for
 
     info = modelinfo.load_dir(Path(__file__).resolve().parent / "data" / "calibration" / "openai__gpt-oss-120b",
                               name="openai/gpt-oss-120b", source="openai/gpt-oss-120b")

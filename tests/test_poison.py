@@ -13,15 +13,16 @@ import pytest
 from projection_events import inventory, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw import scheduler, subjects
+from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.fleet import demand
 from llmgw.fleet import status as status_report
-from llmgw.fleet.checkpoint import Checkpoint, encode_state
-from llmgw.fleet.fold import MAX_AHEAD, MAX_BEHIND, FleetState, apply, clamp_times, fold, stored_at
+from llmgw.fleet.fold import Checkpoint, encode_state
 from llmgw.fleet.replay import replay
+from llmgw.fleet.state import MAX_AHEAD, MAX_BEHIND, FleetState, apply, clamp_times, fold, stored_at
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Batch, Store
+from llmgw.scheduler import placement as scheduler
 
 AT = "2026-03-02T10:00:00Z"
 

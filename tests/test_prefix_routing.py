@@ -16,10 +16,10 @@ from running import engines as running_engines
 from test_router import now, set_state
 
 from llmgw import messages as m
-from llmgw import prefixroute as pr
 from llmgw.bus import Bus
-from llmgw.fake_engine import EngineProcess, PrefixCache
-from llmgw.router import Router
+from llmgw.engine.fake import EngineProcess, PrefixCache
+from llmgw.router import prefix as pr
+from llmgw.router.server import Router
 
 CHAT = "/v1/chat/completions"
 

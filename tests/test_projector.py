@@ -25,7 +25,7 @@ from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.errors import ProjectionError
 from llmgw.fleet import status as status_report
-from llmgw.fleet.checkpoint import encode_state
+from llmgw.fleet.fold import encode_state
 from llmgw.fleet.replay import replay
 from llmgw.projections.runner import (
     COMMITS_IN_FLIGHT,

@@ -24,11 +24,11 @@ from llmgw import subjects
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
-from llmgw.endpoints import Pool
+from llmgw.engine.fake import EngineProcess, spawn
+from llmgw.engine.upstream import Timeouts
 from llmgw.errors import ConfigError
-from llmgw.fake_engine import EngineProcess, spawn
-from llmgw.router import Router
-from llmgw.upstream import Timeouts
+from llmgw.router.endpoints import Pool
+from llmgw.router.server import Router
 
 MODEL = "qwen-test"
 

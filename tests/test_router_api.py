@@ -20,9 +20,9 @@ from test_router import in_pool, place, sample, scrape
 
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
-from llmgw.fake_engine import EngineProcess
-from llmgw.metrics import ERROR_KINDS, LATENCY_BUCKETS, Metrics
-from llmgw.router import Router
+from llmgw.engine.fake import EngineProcess
+from llmgw.router.metrics import ERROR_KINDS, LATENCY_BUCKETS, Metrics
+from llmgw.router.server import Router
 
 MODEL = "api-model"
 SLASHED = "org/slashed-model"  # a Hugging Face style name: the client percent-encodes the slash

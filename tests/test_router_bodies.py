@@ -24,9 +24,9 @@ from test_router import in_pool, place
 
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
+from llmgw.engine.fake import EngineProcess
 from llmgw.errors import ConfigError
-from llmgw.fake_engine import EngineProcess
-from llmgw.router import Router
+from llmgw.router.server import Router
 
 MODEL = "body-model"
 MiB = 1024 * 1024
@@ -132,7 +132,7 @@ async def test_a_body_that_is_not_the_gzip_it_claims_is_a_400_and_one_log_line(
         assert err["type"] == "invalid_request_error" and err["code"] == "malformed_request"
         assert "gzip" in str(err["message"])
     records = logged(caplog)
-    assert [(r.name, r.levelname) for r in records] == [("llmgw.router", "WARNING")] * 3
+    assert [(r.name, r.levelname) for r in records] == [("llmgw.router.server", "WARNING")] * 3
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     assert all("\n" not in r.getMessage() and "gzip" in r.getMessage() for r in records)
     assert await engine_requests(engines["E"]) == before
@@ -156,7 +156,7 @@ async def test_a_malformed_chunked_body_is_a_400_and_one_log_line(
         err = openai_error(got)
         assert err["type"] == "invalid_request_error" and err["code"] == "malformed_request"
     records = logged(caplog)
-    assert [(r.name, r.levelname) for r in records] == [("llmgw.router", "WARNING")] * 4
+    assert [(r.name, r.levelname) for r in records] == [("llmgw.router.server", "WARNING")] * 4
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     assert all("\n" not in r.getMessage() for r in records)
     assert await engine_requests(engines["E"]) == before

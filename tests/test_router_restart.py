@@ -7,8 +7,8 @@ from test_router import in_pool, place
 
 from llmgw import messages as m
 from llmgw.bus import Bus
-from llmgw.fake_engine import spawn
-from llmgw.router import Router
+from llmgw.engine.fake import spawn
+from llmgw.router.server import Router
 
 
 async def first_map(bus: Bus, name: str) -> m.IdleMapPublished:

@@ -21,7 +21,7 @@ from streams import stored
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
-from llmgw.router import Router
+from llmgw.router.server import Router
 
 MODEL = "parked-model"
 

@@ -7,10 +7,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from llmgw import messages as m
-from llmgw import scheduler as s
 from llmgw.fleet import demand
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.state import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
+from llmgw.scheduler import placement as s
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -11,9 +11,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
-from llmgw.fleet.fold import FleetState, apply
+from llmgw.fleet.state import FleetState, apply
 from llmgw.fleetfile import FleetNode, inventory
-from llmgw.scheduler_service import SchedulerService
+from llmgw.scheduler.service import SchedulerService
 
 
 def spec(name: str, tp: int, replicas: int = 1, pp: int = 1) -> m.ModelSpec:
@@ -126,7 +126,7 @@ async def test_malformed_event_is_skipped_and_placement_goes_on(bus: Bus, settin
 
 async def test_node_lost_from_silence_is_re_placed(bus: Bus, settings: Settings) -> None:
     """Heartbeats stop → the liveness monitor records NodeLost → the replica moves to the live node."""
-    from llmgw.liveness import HeartbeatMonitor
+    from llmgw.scheduler.liveness import HeartbeatMonitor
 
     for name in ("a-quiet", "b-chatty"):
         await bus.publish(inventory(FleetNode(name=name, fabric="f", gpu_class="H100-80GB", gpu_count=2, gpu_memory_mib=81559), m.utcnow()))

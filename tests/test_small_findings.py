@@ -19,15 +19,16 @@ from click.testing import CliRunner, Result
 from live_projector import publish_fresh
 from projection_events import inventory, placed, small_fleet, spec, t
 
-from llmgw import fleetfile, modelinfo, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
-from llmgw.agent import detect_fabric
+from llmgw.agent.node import detect_fabric
+from llmgw.agent.nvml import GpuStatic, gpu_class
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.errors import FleetFileError, ModelError
 from llmgw.fleet.replay import replay
-from llmgw.nvml import GpuStatic, gpu_class
+from llmgw.planner import modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "examples" / "fleet.toml"

@@ -21,19 +21,20 @@ from running import until
 from streams import fresh_streams, publish
 
 from llmgw import messages as m
-from llmgw import scheduler, subjects
+from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
-from llmgw.endpoints import EndpointSink
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import Checkpoint, encode, encode_state
-from llmgw.fleet.fold import FOLD_VERSION
+from llmgw.fleet.fold import Checkpoint, encode, encode_state
 from llmgw.fleet.pool import Pool
 from llmgw.fleet.replay import replay
+from llmgw.fleet.state import FOLD_VERSION
 from llmgw.fleet.status import idle_rows, report
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
-from llmgw.scheduler_service import FOLLOWED, SchedulerService
+from llmgw.router.endpoints import EndpointSink
+from llmgw.scheduler import placement as scheduler
+from llmgw.scheduler.service import FOLLOWED, SchedulerService
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 EXAMPLE_MODELS = Path(__file__).resolve().parent.parent / "examples" / "models"
@@ -338,7 +339,7 @@ async def test_the_scheduler_places_by_the_streams_never_by_a_snapshot(bus: Bus)
     """A snapshot is checked for placements and endpoints, not for the models, nodes and demand the
     scheduler decides from: a forged model with engine arguments must never be placed, so by default
     the scheduler folds from sequence 1 (``--from-snapshot`` trusts the snapshot writer)."""
-    from llmgw.fleet.fold import ModelView
+    from llmgw.fleet.state import ModelView
 
     await fresh_streams(bus)
     events = small_fleet()
@@ -423,8 +424,8 @@ async def test_a_scheduler_starts_from_the_newest_snapshot_and_decides_as_one_fr
 async def test_a_planner_starts_from_the_newest_snapshot_and_sees_the_fleet_as_one_from_sequence_1(
     bus: Bus, tmp_path: Path,
 ) -> None:
-    from llmgw import planner
-    from llmgw.planner_service import PlannerService
+    from llmgw.planner import candidates as planner
+    from llmgw.planner.service import PlannerService
 
     events = small_fleet()
     await snapshot_then_more(bus, tmp_path, events[:15], events[15:])
@@ -446,7 +447,7 @@ async def test_a_planner_started_from_a_snapshot_plans_for_the_engine_version_th
     bus: Bus, tmp_path: Path,
 ) -> None:
     """The versions are in the fold: no inventory after the snapshot is needed to know what the fleet runs."""
-    from llmgw.planner_service import PlannerService
+    from llmgw.planner.service import PlannerService
 
     events = [msgspec.structs.replace(e, vllm_version="0.17.1") if isinstance(e, m.NodeInventoryReported) else e
               for e in small_fleet()]
@@ -497,7 +498,7 @@ async def test_a_router_starts_from_the_newest_snapshot_with_the_pool_of_one_fro
 async def test_a_liveness_monitor_starts_from_the_newest_snapshot_with_the_lost_nodes_of_one_from_1(
     bus: Bus, tmp_path: Path,
 ) -> None:
-    from llmgw.liveness import HeartbeatMonitor
+    from llmgw.scheduler.liveness import HeartbeatMonitor
 
     events = small_fleet()  # n5 is lost in it
     at = events[-1].at

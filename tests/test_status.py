@@ -5,7 +5,7 @@ from __future__ import annotations
 from projection_events import inventory, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.fleet.fold import fold
+from llmgw.fleet.state import fold
 from llmgw.fleet.status import UNKNOWN_IDLE, report
 
 

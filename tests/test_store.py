@@ -13,8 +13,8 @@ from projection_events import small_fleet, t
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
-from llmgw.fleet.checkpoint import Checkpoint, encode_state
-from llmgw.fleet.fold import Cursor, FleetState, apply
+from llmgw.fleet.fold import Checkpoint, encode_state
+from llmgw.fleet.state import Cursor, FleetState, apply
 from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected
 
 TS_NS = 1_772_445_600_000_000_000  # when "NATS stored" the messages below

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from llmgw import messages as m
-from llmgw import natsconf, subjects
-from llmgw.bus import Bus
+from llmgw import subjects
+from llmgw.bus import Bus, natsconf
+from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
 from llmgw.errors import ConnectError
-from llmgw.natsserver import EmbeddedServer
 
 OPENSSL = shutil.which("openssl")
 

@@ -21,9 +21,9 @@ from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.ctl import first_stored
-from llmgw.fleet.checkpoint import Checkpoint, fold_batch
-from llmgw.whatif import Outcome, Policy, Replay
-from llmgw.whatif_run import WINDOW_KEEPS
+from llmgw.fleet.fold import Checkpoint, fold_batch
+from llmgw.whatif.policies import Outcome, Policy, Replay
+from llmgw.whatif.window import WINDOW_KEEPS
 
 
 class _At:

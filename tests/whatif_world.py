@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
-from llmgw import scheduler, subjects
-from llmgw.fleet.checkpoint import Checkpoint, Memories, fold_batch
+from llmgw import subjects
+from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
+from llmgw.scheduler import placement as scheduler
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
 ROUTER = "gw"

@@ -1,12 +1,12 @@
 """The fleet core: the one fold of the history streams and the pure queries over it.
 
 Every reader (the projector, a replay, the scheduler, the planner, the routers'
-pool, the liveness monitor) folds by one function, ``checkpoint.fold_batch``, and
+pool, the liveness monitor) folds by one function, ``fold.fold_batch``, and
 differs only in which of the memories beside the fold it keeps (``history``,
 ``demand``, ``observed``, ``pool``); ``projections/`` only writes DuckDB.
 """
 
-from llmgw.fleet.fold import (
+from llmgw.fleet.state import (
     FleetState,
     GpuView,
     ModelView,

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.fleet.fold import FleetState
+from llmgw.fleet.state import FleetState
 
 # The autoscaler's windows, in router ticks of the fleet's clock (not in maps: several routers
 # publish several maps a tick): scale up once every map of the last UP_SAMPLES ticks asks for

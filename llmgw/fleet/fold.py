@@ -1,505 +1,175 @@
-"""The pure fold: ``apply(state, event)`` for every event of the history streams.
+"""A fold and where its reader stood, as bytes: the projector's checkpoint row and the bus's snapshots.
 
-One fold serves the projector, the planner, the scheduler and ``ctl status
---replay``, so that they can never disagree. It reads no clock and does no I/O;
-``at`` comes from the events. For speed it mutates the state it is given.
-
-Each stream folds into its own part of the state (fleet → nodes, control →
-models and replicas, usage → idle), and the views that join them (used, free,
-idle) are computed when asked. So the result does not depend on how the
-streams' events interleave, only on each stream's own order, which JetStream
-fixes: a live projector and a fresh replay agree.
+Besides the fleet state, a checkpoint carries what the long-running services
+keep beyond it, folded from the same events at the same positions: the models'
+history (status), the scheduler's demand memory, the planner's observed KV
+reservations, the routers' pool and the liveness monitor's lost nodes. A service
+then starts from the newest snapshot and reads only what came after it
+(``fold_batch`` is the one rule every reader folds by: the projector, a
+replay, the scheduler, the planner, the routers' pool and the liveness monitor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+import logging
+import typing
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from itertools import compress
-from operator import attrgetter, ne
-from typing import Any
 
 import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
-
-# Bumped whenever apply() folds any event differently, or a checkpoint carries more: a
-# snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
-# it is folded again. 2: the models' history, the scheduler's and the planner's memory travel
-# in it; 3: the routers' pool too; 4: the liveness monitor's lost nodes too; 6: the models'
-# history carries the cold-start ledger, the pool each model's routing policy, and each
-# replica the prompt tokens its engine had cached; the planner's observed reservations are
-# keyed by the engine version their spec was planned for, and each node keeps its engines' versions;
-# the API keys (ctl key).
-FOLD_VERSION = 6
-
-OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
+from llmgw.fleet import demand, observed
+from llmgw.fleet.history import ModelHistory
+from llmgw.fleet.pool import Pool
+from llmgw.fleet.state import FOLD_VERSION, Cursor, FleetState, apply, clamp_times, refusal
 
 
 @dataclass
-class GpuView:
-    node: str
-    index: int
-    uuid: str
-    name: str
-    gpu_class: str
-    memory_mib: int
-    healthy: bool = True
-    reasons: tuple[str, ...] = ()
-    since: datetime | None = None
+class Checkpoint:
+    """The folded state, where its reader stood in each stream, and what the services keep beyond it.
 
-
-@dataclass
-class NodeView:
-    name: str
-    fabric: str
-    fabric_source: str
-    boot_id: str
-    gpus: dict[int, GpuView]
-    lost: bool = False
-    lost_at: datetime | None = None
-    simulated: bool = False
-    updated_at: datetime | None = None
-    # What the engines its agent starts say they are (its last inventory): what plans are made for.
-    vllm_version: str = ""
-    llamacpp_version: str = ""
-
-
-@dataclass
-class ModelView:
-    spec: m.ModelSpec
-    replicas_wanted: int
-    declared_at: datetime
-    unplaceable_reason: str | None = None
-    unplaceable_at: datetime | None = None
-    # Who set replicas_wanted last: "declared", "operator" (ctl model scale) or "autoscaler".
-    replicas_by: str = "declared"
-
-
-@dataclass
-class ReplicaView:
-    replica_id: str
-    model: str
-    nodes: tuple[str, ...]
-    gpus: tuple[m.GpuRef, ...]
-    fabric: str
-    spec: m.ModelSpec
-    placed_at: datetime
-    state: str = "placed"  # placed | starting | healthy | unhealthy | failed
-    state_at: datetime | None = None
-    endpoint: str = ""
-    detail: str = ""
-    restarts: int = 0
-    observed_kv_tokens: int = 0  # what its engine reserved, as its agent last reported (0: unknown)
-    # Over several nodes: each node's part, as its own agent reports it. The replica is
-    # healthy only when every part is; its endpoint is the head's (the first node).
-    parts: dict[str, str] = field(default_factory=dict)
-    head_address: str = ""
-    # GPU memory its engine's processes hold, per node, as each node's agent last observed it (MiB).
-    observed_memory_mib: dict[str, int] = field(default_factory=dict)
-    # Where the control stream holds the placement and the report that set the endpoint: a reader
-    # that starts from a snapshot checks both against the stream (llmgw.fleet.snapshots).
-    placed_seq: int = 0
-    endpoint_seq: int = 0
-    # Prompt tokens its engine reported through every router's maps, and of them cached (issue 27).
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class RouterView:
-    boot_id: str
-    tick: int
-    at: datetime
-    serving_since: dict[str, datetime] = field(default_factory=dict)
-    # This router's own latest map, so the idle history can record only what changed.
-    last_request: dict[str, datetime] = field(default_factory=dict)
-
-
-@dataclass
-class Cursor:
-    """Where a reader of the history streams stands; kept beside a FleetState, never touched by ``apply``."""
-
-    # The last sequence folded per stream, and events that could not be decoded (skipped).
-    positions: dict[str, int] = field(default_factory=dict)
-    unprojected: int = 0
-    # Events folded at the time their stream stored them, their own being too far from it (``clamp_times``).
-    clamped: int = 0
-    # When JetStream created each stream read (its identity: a stream deleted and
-    # declared again restarts at sequence 1 under the same name).
-    stream_created: dict[str, str] = field(default_factory=dict)
-    # When the server stored the message at each position (ns): where a snapshot sits in time.
-    stored_ns: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class FleetState:
-    """Everything the history streams say, as of the last event applied."""
-
-    nodes: dict[str, NodeView] = field(default_factory=dict)
-    models: dict[str, ModelView] = field(default_factory=dict)
-    replicas: dict[str, ReplicaView] = field(default_factory=dict)
-    routers: dict[str, RouterView] = field(default_factory=dict)
-    last_request: dict[str, datetime] = field(default_factory=dict)
-    as_of: datetime | None = None
-    # API keys by name (ctl key …): the live ones; a revoked key is dropped (its usage stays in history).
-    keys: dict[str, m.KeyDeclared] = field(default_factory=dict)
-    # Per key, per UTC day (the last KEY_USAGE_DAYS): [requests, tokens] the routers' maps reported.
-    key_usage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-
-    # --- derived views, computed when asked ----------------------------------
-
-    def held_gpus(self) -> dict[tuple[str, int], str]:
-        """(node, gpu index) → the replica holding it."""
-        return {(g.node, g.index): r.replica_id for r in self.replicas.values() for g in r.gpus}
-
-    def gpus(self) -> Iterator[GpuView]:
-        for node in self.nodes.values():
-            yield from node.gpus.values()
-
-    def usable(self, gpu: GpuView) -> bool:
-        """Healthy on a node that is not lost: the only GPUs that are used or free."""
-        return gpu.healthy and not self.nodes[gpu.node].lost
-
-    def free_gpus(self, node: NodeView, held: Container[tuple[str, int]] | None = None) -> list[GpuView]:
-        """Healthy GPUs of a live node that no replica holds: the one definition of free, for
-        the planner's pools, the scheduler's placements and the status report."""
-        if node.lost:
-            return []
-        held = self.held_gpus() if held is None else held
-        return [g for g in node.gpus.values() if g.healthy and (node.name, g.index) not in held]
-
-    def model_states(self) -> dict[str, str]:
-        """Each declared model's cold-start state (``model_state``)."""
-        healthy: dict[str, bool] = {}
-        for r in self.replicas.values():
-            healthy[r.model] = healthy.get(r.model, False) or r.state == "healthy"
-        return {name: model_state(healthy=healthy.get(name, False), placed=name in healthy,
-                                  replicas_wanted=v.replicas_wanted, replicas_by=v.replicas_by,
-                                  unplaceable=v.unplaceable_reason)
-                for name, v in self.models.items()}
-
-    def idle_since(self, replica_id: str) -> datetime | None:
-        """Since when nobody has asked for a replica, or None when no router knows.
-
-        The last request any router ever reported for this placement of the replica,
-        else the earliest time a router's latest map says it began routing to it with no
-        request since. A router's ``serving_since`` is no request: a router that starts
-        (a new name: a rolled-out pod, another machine) has seen none, so it neither
-        moves a last request nor restarts the idle time the other routers' maps give.
-        Anything from before the replica was placed (its id's earlier life) is ignored.
-        """
-        replica = self.replicas.get(replica_id)
-        placed = replica.placed_at if replica is not None else None
-        last = self.last_request.get(replica_id)
-        if last is not None and (placed is None or last >= placed):
-            return last
-        serving = [r.serving_since[replica_id] for r in self.routers.values() if replica_id in r.serving_since]
-        if placed is not None:
-            serving = [t for t in serving if t >= placed]
-        return min(serving) if serving else None
-
-
-def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
-    """Fold one event into the state and return it; ``seq`` is where its stream stores it."""
-    at = event.at
-    if state.as_of is None or at > state.as_of:
-        state.as_of = at
-    match event:  # the frequent kinds first: each case is one isinstance check
-        case m.GpuHealthChanged():
-            node = state.nodes.get(event.node)
-            changed = node.gpus.get(event.gpu_index) if node else None
-            if node is not None and changed is not None:
-                changed.healthy, changed.reasons, changed.since = event.healthy, event.reasons, event.at
-                node.updated_at = event.at
-        case m.ReplicaStateChanged():
-            replica = state.replicas.get(event.replica_id)
-            # Only a node the replica was placed on speaks for it (``speaks_for``).
-            if replica is not None and event.state != "stopped" and event.node in replica.nodes:
-                if len(replica.nodes) > 1:
-                    _part_changed(replica, event)
-                else:
-                    replica.state, replica.state_at = event.state, event.at
-                    replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
-                if event.node == replica.nodes[0]:
-                    replica.endpoint_seq = seq  # only the head (or only node) sets the endpoint
-                if event.observed_kv_tokens > 0:
-                    replica.observed_kv_tokens = event.observed_kv_tokens
-                if 0 < event.observed_memory_mib <= OBSERVED_MIB_MAX:
-                    replica.observed_memory_mib[event.node] = event.observed_memory_mib
-        case m.ReplicaPlaced():
-            state.replicas[event.replica_id] = ReplicaView(
-                replica_id=event.replica_id,
-                model=event.model,
-                nodes=event.nodes,
-                gpus=event.gpus,
-                fabric=event.fabric,
-                spec=event.spec,
-                placed_at=event.at,
-                state_at=event.at,
-                placed_seq=seq,
-            )
-            model = state.models.get(event.model)
-            if model is not None:
-                model.unplaceable_reason = model.unplaceable_at = None
-        case m.ReplicaStopped():
-            state.replicas.pop(event.replica_id, None)
-        case m.IdleMapPublished():
-            before = state.routers.get(event.router)
-            # The event's own dicts: nothing mutates them (a copy each was ~3 µs a map).
-            state.routers[event.router] = RouterView(
-                boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=event.serving_since,
-                last_request=event.last_request,
-            )
-            # The newest request per replica only grows, so an entry this router already
-            # reported last tick is in it already: look only at what moved (in C, a few a tick).
-            lr = event.last_request
-            fresh = lr if before is None else compress(lr, map(ne, lr.values(), map(before.last_request.get, lr)))
-            for rid in fresh:
-                t = lr[rid]
-                known = state.last_request.get(rid)
-                if known is None or t > known:
-                    state.last_request[rid] = t
-            if before is not None and before.boot_id == event.boot_id:
-                _forget_gone(state, event, before)
-            if event.callers:
-                _count_key_usage(state, event)
-            for rid, use in event.cache_use.items():  # only replicas answered this tick: a few
-                replica = state.replicas.get(rid)
-                if replica is not None:
-                    replica.prompt_tokens += use.prompt_tokens
-                    replica.cached_tokens += min(use.cached_tokens, use.prompt_tokens)
-        case m.NodeInventoryReported():
-            old = state.nodes.get(event.node)
-            state.nodes[event.node] = NodeView(
-                name=event.node,
-                fabric=event.fabric,
-                fabric_source=event.fabric_source,
-                boot_id=event.boot_id,
-                gpus={
-                    g.index: GpuView(
-                        node=event.node,
-                        index=g.index,
-                        uuid=g.uuid,
-                        name=g.name,
-                        gpu_class=g.gpu_class,
-                        memory_mib=g.memory_mib,
-                        healthy=g.healthy,
-                        reasons=g.reasons,
-                        since=event.at,
-                    )
-                    for g in event.gpus
-                },
-                # An inventory is the agent speaking: the node is not lost.
-                lost=False,
-                simulated=event.simulated,
-                updated_at=event.at,
-                vllm_version=event.vllm_version,
-                llamacpp_version=event.llamacpp_version,
-            )
-            if old is not None:
-                for idx, gpu in state.nodes[event.node].gpus.items():
-                    prev = old.gpus.get(idx)
-                    if prev is not None and prev.uuid == gpu.uuid and (prev.healthy, prev.reasons) == (gpu.healthy, gpu.reasons):
-                        gpu.since = prev.since
-        case m.NodeLost():
-            node = state.nodes.get(event.node)
-            if node is not None:
-                node.lost, node.lost_at, node.updated_at = True, event.at, event.at
-        case m.NodeReturned():
-            node = state.nodes.get(event.node)
-            if node is not None:
-                node.lost, node.lost_at, node.updated_at = False, None, event.at
-        case m.NodeRetired():
-            state.nodes.pop(event.node, None)  # its next inventory, if ever, brings it back
-        case m.ModelDeclared(spec=spec):
-            state.models[spec.name] = ModelView(spec=spec, replicas_wanted=spec.replicas, declared_at=event.at)
-        case m.ModelScaled() | m.ModelAutoscaled():
-            model = state.models.get(event.name)
-            if model is not None:
-                model.replicas_wanted = event.replicas
-                model.replicas_by = "operator" if type(event) is m.ModelScaled else "autoscaler"
-                # A new count is a new question: whether it fits is the scheduler's to say again.
-                model.unplaceable_reason = model.unplaceable_at = None
-        case m.ModelRemoved():
-            state.models.pop(event.name, None)
-        case m.KeyDeclared():
-            state.keys[event.name] = event
-        case m.KeyRevoked():
-            state.keys.pop(event.name, None)
-        case m.ModelUnplaceable():
-            model = state.models.get(event.name)
-            if model is not None:
-                model.unplaceable_reason, model.unplaceable_at = event.reason, event.at
-        case _:
-            pass  # heartbeats and anything newer than this fold: not part of history
-    return state
-
-
-def model_state(*, healthy: bool, placed: bool, replicas_wanted: int, replicas_by: str, unplaceable: str | None) -> str:
-    """A declared model's cold-start state: serving, starting, stopped, unplaceable or parked.
-
-    Serving: a replica is healthy. Starting: replicas are placed, none healthy
-    yet. Stopped: the operator scaled it to 0, and only a scale brings it back.
-    Unplaceable: none placed and the scheduler said why. Parked: none placed,
-    stopped for idleness or scaled to zero by the autoscaler: a request wakes it.
-    The fold and the router's pool both ask this, each from its own view.
+    ``fold_version`` is stamped when it is encoded: a decoded one of an older version
+    (0: written before it was stamped) lacks the history and the services' memory, and
+    whoever resumes from it folds them again up to its cursor (``llmgw.fleet.replay``).
     """
-    if healthy:
-        return "serving"
-    if placed:
-        return "starting"
-    if replicas_wanted == 0 and replicas_by != "autoscaler":
-        return "stopped"
-    return "unplaceable" if unplaceable else "parked"
+
+    state: FleetState = field(default_factory=FleetState)
+    cursor: Cursor = field(default_factory=Cursor)
+    history: ModelHistory = field(default_factory=ModelHistory)
+    demand: demand.SchedulerMemory = field(default_factory=demand.SchedulerMemory)
+    observed: dict[str, int] = field(default_factory=dict)  # KV tokens by planner.observation_key
+    pool: Pool = field(default_factory=Pool)  # the routers' (pooled_at 0: a router stamps its own start)
+    # The liveness monitor's: each node lost and not returned, and where its NodeLost is stored in the
+    # fleet stream (NodeReturned's msg id answers it). A node's inventory does not clear it here.
+    lost_at_seq: dict[str, int] = field(default_factory=dict)
+    fold_version: int = field(default=0, compare=False)  # metadata: not part of what two folds agree on
+    # KV reservations this reader refused (implausible, or not from the replica's node): its counter,
+    # not part of the fold (not a field, never in a snapshot).
+    refused_observations = 0
+
+    def complete(self) -> bool:
+        """Whether it carries everything this version folds (a fresh one, or one decoded from this version)."""
+        return self.fold_version == FOLD_VERSION or not any(self.cursor.positions.values())
 
 
-# How bad a part's state is: the replica is as bad as its worst part.
-_PART_RANK = {"failed": 0, "unhealthy": 1, "starting": 2, "placed": 3, "healthy": 4}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Checkpoint)
 
 
-def part_state(nodes: tuple[str, ...], parts: dict[str, str]) -> str:
-    """A multi-node replica's state from its parts': healthy only when every node's part is."""
-    if any(n not in parts for n in nodes):
-        worst = min((parts[n] for n in nodes if n in parts), key=_PART_RANK.__getitem__, default="placed")
-        return worst if _PART_RANK[worst] < _PART_RANK["starting"] else "starting"
-    return min((parts[n] for n in nodes), key=_PART_RANK.__getitem__)
+def encode_state(state: FleetState, cursor: Cursor, history: ModelHistory | None = None) -> bytes:
+    """A state, its cursor and the models' history as bytes (msgpack), without the services' memory:
+    not stamped with the fold version, so whoever resumes from it folds that memory again."""
+    return _ENCODER.encode(Checkpoint(state, cursor, history if history is not None else ModelHistory()))
 
 
-def _part_changed(replica: ReplicaView, event: m.ReplicaStateChanged) -> None:
-    replica.parts[event.node] = event.state
-    if event.node == replica.nodes[0]:
-        replica.endpoint, replica.head_address = event.endpoint, event.head_address
-    replica.detail = f"{event.node}: {event.detail}" if event.detail else replica.detail
-    replica.restarts = max(replica.restarts, event.restarts)
-    replica.state, replica.state_at = part_state(replica.nodes, replica.parts), event.at
+def encode(checkpoint: Checkpoint) -> bytes:
+    checkpoint.fold_version = FOLD_VERSION  # this code folded it: all of it is there
+    return _ENCODER.encode(checkpoint)
 
 
-def speaks_for(nodes: tuple[str, ...], event: m.ReplicaStateChanged) -> str | None:
-    """Why a replica placed on ``nodes`` does not take this state report, or None when it does.
+class Stored(typing.Protocol):
+    """Where a stream holds a message: what a fold needs of it besides the decoded event."""
 
-    An agent may publish state for any replica id on its own node's subject; only
-    a node the replica was placed on (any of them, for a multi-node replica) is
-    believed, or one agent could point a model's traffic at an endpoint of its
-    choosing. The fold and the router's pool both ask this.
+    @property
+    def seq(self) -> int: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def ts_ns(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Memories:
+    """Which of the services' memories a reader keeps. Whatever it keeps, it refuses, clamps
+    and applies exactly as every other reader: only what it remembers differs."""
+
+    history: bool = True  # the models' latest events and GPU-hours (status)
+    demand: bool = True  # the scheduler's
+    observed: bool = True  # the planner's KV reservations
+    pool: bool = True  # the routers'
+    lost: bool = True  # the liveness monitor's
+
+
+EVERY = Memories()
+Before = typing.Callable[[int, m.Event], None]
+
+
+def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], events: list[typing.Any], *,
+               keep: Memories = EVERY, now: float = 0.0, before: Before | None = None) -> list[str | None]:
+    """Fold a batch of one stream's decoded events, in stream order, by the one rule every reader folds by.
+
+    For each event: a subject its payload disagrees with is refused; its time is clamped to
+    when the stream stored it (``clamp_times``, in place in ``events``); a state report from a
+    node its replica is not on is refused; then a control event is noted in the models'
+    history, the memories kept see it on the state before it, ``before(i, event)`` is called
+    (a writer's hook), and ``apply`` folds it. The cursor moves past each. Returns, per event,
+    why it was refused, or None when it was folded. ``now`` is the wall clock a router's pool
+    stamps on a replica it takes in (0: a reader's fold, the same in every process).
     """
-    if event.node in nodes:
-        return None
-    return (f"state {event.state!r} for replica {event.replica_id!r} from node {event.node!r}, "
-            f"which it was not placed on (placed on {', '.join(nodes) or 'no node'})")
-
-
-def refusal(state: FleetState, subject: str, event: m.Event, *, subject_checked: bool = False) -> str | None:
-    """Why a reader records an event as refused instead of folding it, or None.
-
-    Its subject names another node than its payload (``subjects.disagrees``), or
-    it is a state report for a replica from a node it was not placed on. Asked
-    before ``apply`` on the state so far, so a live projector and a replay refuse
-    the same events (each stream's order alone decides).
-    """
-    why = None if subject_checked else subjects.disagrees(subject, event)
-    if why is None and type(event) is m.ReplicaStateChanged:
-        replica = state.replicas.get(event.replica_id)
-        if replica is not None:
-            why = speaks_for(replica.nodes, event)
+    n = len(events)
+    why: list[str | None] = [subjects.disagrees(x.subject, e) for x, e in zip(stored, events, strict=True)]
+    fresh = [i for i in range(n) if why[i] is None]
+    cursor = c.cursor
+    if len(fresh) == n:
+        cursor.clamped += clamp_times(events, [x.ts_ns for x in stored])
+    elif fresh:
+        some = [events[i] for i in fresh]
+        cursor.clamped += clamp_times(some, [stored[i].ts_ns for i in fresh])
+        for i, event in zip(fresh, some, strict=True):
+            events[i] = event
+    note = c.history.note if keep.history and stream == subjects.STREAM_CONTROL else None
+    # The routers' part of the cold-start ledger comes on the usage stream.
+    answered = c.history.note_answered if keep.history and stream == subjects.STREAM_USAGE else None
+    state, positions, stored_ns = c.state, cursor.positions, cursor.stored_ns
+    for i in range(n):
+        x, event = stored[i], events[i]
+        if why[i] is None:
+            why[i] = refusal(state, x.subject, event, subject_checked=True)
+        if why[i] is None:
+            if note is not None:  # a refused report is no part of a model's history (`ctl model show`)
+                note(x.seq, event)
+            elif answered is not None and type(event) is _ANSWERED:
+                answered(event)
+            _observe(c, keep, x.seq, x.subject, event, now)
+            if before is not None:
+                before(i, event)
+            apply(state, event, x.seq)
+        else:
+            cursor.unprojected += 1
+        if x.seq > positions.get(stream, 0):
+            positions[stream], stored_ns[stream] = x.seq, x.ts_ns
     return why
 
 
-KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"
+def _observe(c: Checkpoint, keep: Memories, seq: int, subject: str, event: m.Event, now: float) -> None:
+    """The memories kept, of an event not refused, before ``apply`` folds it into the state."""
+    kind = type(event)
+    if kind is _IDLE_MAP:  # most of the usage stream, so the most frequent: straight to its case
+        if keep.demand:
+            demand.observe_idle_map(c.demand, event, subject)  # type: ignore[arg-type]
+    elif kind is m.NodeLost:
+        if keep.lost:
+            c.lost_at_seq[event.node] = seq  # type: ignore[attr-defined]
+    elif kind is m.NodeReturned or kind is m.NodeRetired:
+        if keep.lost:
+            c.lost_at_seq.pop(event.node, None)  # type: ignore[attr-defined]
+    elif kind is not _HEALTH:  # the most frequent fleet event: no memory reads it
+        if keep.demand:
+            demand.observe(c.demand, event, c.state, seq, subject)
+        if kind is m.ReplicaStateChanged and keep.observed and \
+                observed.record_observation(c.observed, c.state, event) is False:  # type: ignore[arg-type]
+            c.refused_observations += 1
+            log.warning("seq %d: KV reservation %d from %s for %s refused (implausible, or not its replica's "
+                        "node)", seq, event.observed_kv_tokens, event.node, event.replica_id)  # type: ignore[attr-defined]
+        if kind in _CONTROL and keep.pool:
+            c.pool.apply(event, now, seq)  # type: ignore[arg-type]
 
 
-def _count_key_usage(state: FleetState, event: m.IdleMapPublished) -> None:
-    """What each key asked over a router's tick, added to its day (UTC); days past the window are dropped."""
-    day = event.at.astimezone(UTC).strftime("%Y-%m-%d")
-    oldest = (event.at.astimezone(UTC) - timedelta(days=KEY_USAGE_DAYS - 1)).strftime("%Y-%m-%d")
-    for key, per in event.callers.items():
-        days = state.key_usage.setdefault(key, {})
-        row = days.setdefault(day, [0, 0])
-        for use in per.values():
-            row[0] += use.requests
-            row[1] += use.prompt_tokens + use.completion_tokens
-        for old in [d for d in days if d < oldest]:
-            del days[old]
+log = logging.getLogger(__name__)
+_IDLE_MAP, _HEALTH, _ANSWERED = m.IdleMapPublished, m.GpuHealthChanged, m.WakeAnswered
+_CONTROL = frozenset(typing.get_args(m.ControlEvent))
 
 
-def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterView) -> None:
-    """Drop the newest request of replicas that just left the last router map listing them.
-
-    A router drops a stopped replica from its map, so without this the state
-    would keep one entry per replica the fleet ever ran (150k after the replay
-    benchmark's week), and every checkpoint would carry them all. Only a router
-    that kept its boot is evidence: one that restarted and knows nothing yet
-    says nothing about what stopped. The usage stream alone decides, so the
-    result does not depend on how the streams interleave. A replica comes
-    back only with a newer request or serving time, so idleness is never
-    overstated; one that left every map while unhealthy is unknown until then.
-    """
-    if before.last_request.keys() == event.last_request.keys() and before.serving_since.keys() == event.serving_since.keys():
-        return  # the same replicas as last tick (most ticks): nothing left
-    gone = (before.last_request.keys() | before.serving_since.keys()) - (
-        event.last_request.keys() | event.serving_since.keys())
-    others = [r for name, r in state.routers.items() if name != event.router]
-    for rid in gone:
-        if not any(rid in r.last_request or rid in r.serving_since for r in others):
-            state.last_request.pop(rid, None)
-
-
-# Event times come from the publisher's clock; the stream's own (the server's, when it
-# stored the message) bounds them. An event dated more than MAX_AHEAD after it was
-# stored, or more than MAX_BEHIND before, is folded at the time it was stored and
-# counted: one host with a wrong clock (or one forged date, 9999-12-31) must not set
-# the fleet's clock for good. Late delivery (an outbox after an outage, an import of
-# old history) is normal, hence the wide window behind.
-MAX_AHEAD = timedelta(minutes=5)
-MAX_BEHIND = timedelta(days=3650)
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def stored_at(ts_ns: int) -> datetime:
-    """A stream's store time (ns since the epoch) as an aware datetime, to the microsecond."""
-    return _EPOCH + timedelta(microseconds=ts_ns // 1000)
-
-
-def clamp_times(events: list[Any], stored_ns: list[int]) -> int:
-    """Replace, in ``events``, each one dated outside its store time's window by a copy at that time.
-
-    ``stored_ns[i]`` is when the stream stored ``events[i]``. Returns how many were
-    replaced. Whether an event is clamped depends on it alone, never on the batch
-    it came in, so every reader (projector, replay, scheduler, planner) folds the
-    same times.
-    """
-    if not events:
-        return 0
-    return _clamp(events, list(map(_AT, events)), stored_ns, 0, len(events))
-
-
-_AT = attrgetter("at")
-
-
-def _clamp(events: list[Any], ats: list[datetime], stored_ns: list[int], i: int, j: int) -> int:
-    # A run whose latest time is within the window of its earliest store time (and whose earliest
-    # within that of its latest) holds no event outside its own window: a few C-level passes
-    # decide it. Otherwise halve it; a short run is judged event by event.
-    part, stored = ats[i:j], stored_ns[i:j]
-    if max(part) <= stored_at(min(stored)) + MAX_AHEAD and min(part) >= stored_at(max(stored)) - MAX_BEHIND:
-        return 0
-    if j - i > 16:
-        k = (i + j) // 2
-        return _clamp(events, ats, stored_ns, i, k) + _clamp(events, ats, stored_ns, k, j)
-    clamped = 0
-    for x in range(i, j):
-        t = stored_at(stored_ns[x])
-        if not t - MAX_BEHIND <= ats[x] <= t + MAX_AHEAD:
-            events[x] = msgspec.structs.replace(events[x], at=t)
-            clamped += 1
-    return clamped
-
-
-def fold(events: Iterable[m.Event], state: FleetState | None = None) -> FleetState:
-    """Fold many events; a fresh state when none is given."""
-    state = FleetState() if state is None else state
-    for event in events:
-        apply(state, event)
-    return state
+def decode_state(data: bytes) -> Checkpoint:
+    return _DECODER.decode(data)

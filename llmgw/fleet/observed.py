@@ -8,7 +8,7 @@ plans from it (``llmgw.planner.plan``).
 from __future__ import annotations
 
 from llmgw import messages as m
-from llmgw.fleet.fold import FleetState
+from llmgw.fleet.state import FleetState
 
 MAX_OBSERVED_TOKENS = 10**10  # no card holds more; a larger figure is a broken or lying agent
 MAX_OBSERVED_RATIO = 4  # nor does an engine reserve 4 x what the plan left for the cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmgw import messages as m
-from llmgw.fleet.fold import model_state, part_state
+from llmgw.fleet.state import model_state, part_state
 
 
 @dataclass(eq=False)

@@ -18,9 +18,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.checkpoint import Checkpoint, fold_batch
-from llmgw.fleet.fold import Cursor
+from llmgw.fleet.fold import Checkpoint, fold_batch
 from llmgw.fleet.snapshots import Warn
+from llmgw.fleet.state import Cursor
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus

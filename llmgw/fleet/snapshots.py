@@ -39,8 +39,8 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import BusError
-from llmgw.fleet.checkpoint import Checkpoint, decode_state
-from llmgw.fleet.fold import FOLD_VERSION, Cursor
+from llmgw.fleet.fold import Checkpoint, decode_state
+from llmgw.fleet.state import FOLD_VERSION, Cursor
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
-from llmgw.fleet.fold import Cursor, FleetState, ReplicaView
 from llmgw.fleet.history import ModelHistory, split_by_day
+from llmgw.fleet.state import Cursor, FleetState, ReplicaView
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 

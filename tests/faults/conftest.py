@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.natsserver import Cluster, start_cluster
+from llmgw.bus.server import Cluster, start_cluster
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import Cluster
 from llmgw.config import Settings
 from llmgw.errors import BusError
-from llmgw.natsserver import Cluster
 
 T0 = datetime(2026, 5, 1, tzinfo=UTC)
 

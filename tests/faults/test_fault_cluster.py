@@ -18,9 +18,9 @@ from faultkit import (
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
+from llmgw.bus.server import Cluster
 from llmgw.errors import PublishError
-from llmgw.fleet.fold import fold
-from llmgw.natsserver import Cluster
+from llmgw.fleet.state import fold
 
 pytestmark = pytest.mark.slow
 FLEET = subjects.STREAM_FLEET

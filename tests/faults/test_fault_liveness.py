@@ -13,13 +13,13 @@ from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent import Agent
+from llmgw.agent.node import Agent
+from llmgw.agent.simnvml import SimNvml
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
 from llmgw.fleetfile import load
-from llmgw.liveness import HeartbeatMonitor
-from llmgw.natsserver import EmbeddedServer, free_port
-from llmgw.simnvml import SimNvml
+from llmgw.scheduler.liveness import HeartbeatMonitor
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 1.0

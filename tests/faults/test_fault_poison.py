@@ -29,7 +29,7 @@ from llmgw.cli.main import cli
 from llmgw.config import Settings
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
-from llmgw.scheduler_service import SchedulerService
+from llmgw.scheduler.service import SchedulerService
 
 NOW = datetime.now(UTC)
 NODES = ["n1", "n2", "n3-foreign", "x" * m.NAME_MAX]

@@ -27,8 +27,8 @@ from streams import fresh_streams
 from llmgw import fleetfile, subjects
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer, free_port
 from llmgw.projections.store import Store
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from faultkit import caught_up, health_event
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus, RawMsg
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
 FLEET = subjects.STREAM_FLEET

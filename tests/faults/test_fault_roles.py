@@ -23,19 +23,19 @@ import pytest
 from click.testing import CliRunner
 from faultkit import tables
 
-from llmgw import fleetfile, natsconf, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
-from llmgw.bus import Bus
+from llmgw.bus import Bus, natsconf
+from llmgw.bus.server import EmbeddedServer
 from llmgw.cli.natsconf import declare_streams
 from llmgw.config import Settings
 from llmgw.ctl import replay_state
-from llmgw.endpoints import EndpointSink
 from llmgw.errors import PermissionDeniedError
 from llmgw.fleet.replay import replay
 from llmgw.fleet.status import report
-from llmgw.natsserver import EmbeddedServer
 from llmgw.projections import runner
 from llmgw.projections.store import Store
+from llmgw.router.endpoints import EndpointSink
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

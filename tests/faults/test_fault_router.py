@@ -14,9 +14,9 @@ import pytest
 from running import until
 
 from llmgw.bus import Bus
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer, free_port
-from llmgw.router import Router
+from llmgw.router.server import Router
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,11 @@ import pytest
 from faultkit import tables
 from running import until
 
-from llmgw import fleetfile, natsconf, subjects
+from llmgw import fleetfile, subjects
 from llmgw import messages as m
-from llmgw.bus import Bus, RawMsg
+from llmgw.bus import Bus, RawMsg, natsconf
+from llmgw.bus.server import EmbeddedServer, free_port
 from llmgw.config import Settings
-from llmgw.natsserver import EmbeddedServer, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import ProjectionError
-from llmgw.fleet.checkpoint import encode_state
-from llmgw.fleet.fold import Cursor, FleetState
+from llmgw.fleet.fold import encode_state
+from llmgw.fleet.state import Cursor, FleetState
 from llmgw.projections.store import Batch
 from llmgw.projections.writer import ProcessWriter
 

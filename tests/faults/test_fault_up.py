@@ -19,9 +19,9 @@ from streams import stored
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
+from llmgw.bus.server import free_port
 from llmgw.config import Settings, credentials_path, read_credentials
 from llmgw.errors import BusError, LlmgwError
-from llmgw.natsserver import free_port
 
 pytestmark = pytest.mark.slow
 LLMGW = str(Path(sys.executable).parent / "llmgw")

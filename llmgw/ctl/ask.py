@@ -1,0 +1,290 @@
+"""What ``ctl`` asks: status, models, idle replicas and the stored history, from the projector or folded here."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.config import Settings
+from llmgw.errors import LlmgwError
+from llmgw.fleet.state import FleetState
+from llmgw.fleet.status import IdleRow, idle_rows, nobody_asked
+
+if TYPE_CHECKING:
+    from llmgw.bus import Bus
+
+CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before ``idle`` replays
+STATUS_WAIT_S = 3.0  # … and before ``status`` says it lags
+
+Notice = Callable[[str], None]  # a line for the operator (the CLI prints it to stderr)
+Progress = Callable[[int, int], None] | None
+
+
+
+async def connect(settings: Settings, name: str) -> Bus:
+    from llmgw.bus import Bus
+
+    return await Bus.connect(settings, name, reconnect=False)
+
+
+async def replay_state(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS, *,
+                       use_snapshots: bool = True, notice: Notice | None = None) -> FleetState:
+    """The fold of every stored event of ``streams`` up to now: what ``ctl`` commands decide on."""
+    from llmgw.fleet.replay import replay
+
+    return (await replay(bus, streams=streams, use_snapshots=use_snapshots, warn=notice)).state
+
+
+async def stream_heads(bus: Bus) -> dict[str, int]:
+    """The last sequence of every history stream now: what an answer asked for now must include."""
+    return {s: await bus.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+
+
+# --- status ------------------------------------------------------------------------------------------
+
+
+async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None = None,
+                       at_seq: tuple[str, int] | None = None, progress: Progress = None, replicas: bool = False,
+                       model: str = "", use_snapshots: bool = True, notice: Notice | None = None) -> m.StatusReport:
+    """The report from the projector's status service, once it has folded what is stored now; or, with
+    ``replay``, ``at`` or ``at_seq``, by folding the streams here (in memory, no DuckDB), from the
+    newest fold snapshot before that point unless ``use_snapshots`` is off.
+
+    ``replicas`` adds every replica, ``model`` that model in full (``model_detail``).
+    """
+    bus = await connect(settings, "llmgw-ctl-status")
+    try:
+        if not replay:
+            req = m.StatusRequest(idle_threshold_s=threshold_s, wait_for=await stream_heads(bus), wait_s=STATUS_WAIT_S,
+                                  replicas=replicas, model=model)
+            data = await bus.request(subjects.STATUS, m.encode(req), timeout=STATUS_WAIT_S + settings.request_timeout_s,
+                                     service="projector (status service; run `llmgw project` or use --replay)")
+            return m.STATUS_REPORT_DECODER.decode(data)
+        return await _replayed_report(bus, threshold_s, at=at, at_seq=at_seq, progress=progress, replicas=replicas,
+                                      model=model, use_snapshots=use_snapshots, notice=notice)
+    finally:
+        await bus.close()
+
+
+async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None = None,
+                           at_seq: tuple[str, int] | None = None, progress: Progress = None, replicas: bool = False,
+                           model: str = "", use_snapshots: bool = True,
+                           notice: Notice | None = None) -> m.StatusReport:
+    """The report the status service gives, from the streams folded here: the same fold, the same history."""
+    from llmgw.fleet.replay import replay as fold_streams
+    from llmgw.fleet.status import report
+
+    c = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots, warn=notice)
+    if at is not None and not c.cursor.positions:  # nothing stored by then: before the history, or none yet
+        first = await first_stored(bus)
+        if first is not None and at < first:
+            from llmgw.errors import ProjectionError
+
+            raise ProjectionError(
+                f"--at {at:%Y-%m-%d %H:%M:%S} UTC is before the first event stored ({first:%Y-%m-%d %H:%M:%S} UTC), "
+                "when the fleet had no history; give a time from then to now, or leave --at out for the fleet now")
+    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model)
+
+
+async def first_stored(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> datetime | None:
+    """When the server stored the oldest message the history streams still hold; None when they hold none."""
+    from llmgw.fleet.state import stored_at
+
+    firsts: list[int] = []
+    for stream in streams:
+        last = await bus.stream_last_seq(stream)
+        if not last:
+            continue
+        reader = bus.reader(stream, 1, batch=1, stop_at=last, purpose="first stored")
+        async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+            async for msgs in batches:
+                if msgs:
+                    firsts.append(msgs[0].ts_ns)
+                    break
+    return stored_at(min(firsts)) if firsts else None
+
+
+# --- models ------------------------------------------------------------------------------------------
+
+
+async def _model_report(settings: Settings, *, replay: bool, model: str = "",
+                        notice: Notice = lambda _: None) -> m.StatusReport:
+    """The status report for the model commands: from the projector, or replayed here when asked or when none runs."""
+    from llmgw.errors import NoServiceError
+
+    if not replay:
+        try:
+            return await fetch_status(settings, 1800.0, replay=False, model=model)
+        except NoServiceError:
+            notice("no projector is running: replaying the streams here (slower on a long history)")
+    return await fetch_status(settings, 1800.0, replay=True, model=model)
+
+
+def _older_projector(report: m.StatusReport) -> None:
+    if report.models and not report.model_list:
+        raise LlmgwError("the projector that answered is an older version that does not list models; "
+                         "restart it (`llmgw project`, or `llmgw up`), or use --replay")
+
+
+async def list_models(settings: Settings, *, replay: bool = False,
+                      notice: Notice = lambda _: None) -> tuple[m.ModelSummary, ...]:
+    """Every declared model: state, replicas healthy/placed/wanted, split, idle, GPU-hours today, KV figures."""
+    report = await _model_report(settings, replay=replay, notice=notice)
+    _older_projector(report)
+    return report.model_list
+
+
+async def show_model(settings: Settings, name: str, *, replay: bool = False,
+                     notice: Notice = lambda _: None) -> m.ModelDetail:
+    """One declared model in full: spec and plan figures, replicas, latest control events."""
+    report = await _model_report(settings, replay=replay, model=name, notice=notice)
+    _older_projector(report)
+    if report.model_detail is None:
+        names = ", ".join(s.name for s in report.model_list) or "none"
+        raise LlmgwError(f"no model named {name!r} is declared (declared: {names}); "
+                         "see `llmgw ctl model list`, or deploy it with `llmgw ctl model deploy NAME MODEL --from-plan`")
+    return report.model_detail
+
+
+# --- idle --------------------------------------------------------------------------------------------
+
+
+async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
+                     notice: Notice = lambda _: None, use_snapshots: bool = True,
+                     model: str | None = None) -> tuple[list[IdleRow], datetime, str]:
+    """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
+
+    From the projector's status service when one answers with every event
+    stored when we asked folded in (a projector that is behind would see old
+    idle maps and overstate idleness); otherwise, or with ``replay``, by
+    folding the streams here, which takes longer the longer the history.
+    With ``model``, only that model's replicas; a model not declared is an error.
+    """
+    now = now or m.utcnow()
+    bus = await connect(settings, "llmgw-ctl-idle")
+    try:
+        found = None if replay else await _idle_from_projector(bus, older_than_s, now, notice)
+        if found is None:
+            state = await replay_state(bus, use_snapshots=use_snapshots, notice=notice)
+    finally:
+        await bus.close()
+    if found is not None:
+        (rows, declared), source = found, "projector"
+    else:
+        rows = [r for r in idle_rows(state, now) if nobody_asked(r, older_than_s)]
+        declared, source = sorted(state.models), "replay"
+    if model is not None:
+        # An older projector lists no models: then only its rows can say a name exists.
+        if declared and model not in declared and all(r.model != model for r in rows):
+            raise LlmgwError(f"no model named {model!r} is declared (declared: {', '.join(declared)}); "
+                             "see `llmgw ctl model list`")
+        rows = [r for r in rows if r.model == model]
+    return rows, now, source
+
+
+async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime,
+                               notice: Notice) -> tuple[list[IdleRow], list[str]] | None:
+    """The projector's idle rows and declared models once it has folded what is stored now; None: no projector, or it lags."""
+    from llmgw.errors import NoServiceError, ServiceError
+
+    req = m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=await stream_heads(bus), wait_s=CATCH_UP_S)
+    try:
+        data = await bus.request(subjects.STATUS, m.encode(req), service="projector (status service)",
+                                 timeout=CATCH_UP_S + bus.settings.request_timeout_s)
+        report = m.STATUS_REPORT_DECODER.decode(data)
+    except NoServiceError:
+        notice("no projector is running: replaying the streams here (slower on a long history)")
+        return None
+    except (ServiceError, msgspec.DecodeError) as e:  # behind, no answer in time, an error, another version
+        notice(f"the projector could not answer ({e}): replaying the streams here")
+        return None
+    # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
+    return ([IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None,
+                     r.idle_since) for r in report.idle], sorted(s.name for s in report.model_list))
+
+
+class Entry(NamedTuple):
+    """One stored message, decoded when it could be."""
+
+    at: datetime
+    stream: str
+    seq: int
+    subject: str
+    stored_at: datetime
+    event: m.Event | None
+    raw: bytes
+    error: str
+
+
+def involves_node(event: m.Event, node: str) -> bool:
+    if getattr(event, "node", None) == node:
+        return True
+    if node in getattr(event, "nodes", ()):
+        return True
+    return any(g.node == node for g in getattr(event, "gpus", ()) if isinstance(g, m.GpuRef))
+
+
+def involves_model(event: m.Event, model: str) -> bool:
+    if isinstance(event, m.ModelDeclared):
+        return event.spec.name == model
+    if isinstance(event, m.IdleMapPublished):
+        return False
+    return model in (getattr(event, "model", None), getattr(event, "name", None))
+
+
+async def read_entries(settings: Settings, streams: tuple[str, ...], subject: str | None,
+                       since: datetime | None, until: datetime | None, node: str | None,
+                       model: str | None, progress: Progress = None) -> list[Entry]:
+    """Every stored message that passes the filters, raw and decoded where it could be, in event-time order."""
+    bus = await connect(settings, "llmgw-replay")
+    out: list[Entry] = []
+    try:
+        stops = {s: await bus.stream_last_seq(s) for s in streams}
+        total = sum(stops.values())
+        done = 0
+        for stream, last in stops.items():
+            if last == 0:
+                continue
+            reader = bus.reader(stream, 1, stop_at=last, filter_subjects=[subject] if subject else [])
+            async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+                async for msgs in batches:
+                    for x in msgs:
+                        out.extend(_entry(stream, x.seq, x.subject, x.data, x.ts_ns, since, until, node, model))
+                    done += len(msgs)
+                    if progress is not None:
+                        progress(done, total)
+    finally:
+        await bus.close()
+    out.sort(key=lambda e: (e.at, e.stream, e.seq))
+    return out
+
+
+def _entry(stream: str, seq: int, subject: str, data: bytes, ts_ns: int, since: datetime | None,
+           until: datetime | None, node: str | None, model: str | None) -> Iterator[Entry]:
+    stored = datetime.fromtimestamp(ts_ns / 1e9, UTC)
+    try:
+        event: m.Event | None = subjects.DECODERS[stream].decode(data)
+        error = ""
+    except m.DECODE_ERRORS as e:
+        event, error = None, str(e) or type(e).__name__
+    at = event.at if event is not None else stored
+    if (since and at < since) or (until and at > until):
+        return
+    if event is None:
+        if not node and not model:
+            yield Entry(at, stream, seq, subject, stored, None, data, error)
+        return
+    if node and not involves_node(event, node):
+        return
+    if model and not involves_model(event, model):
+        return
+    yield Entry(at, stream, seq, subject, stored, event, data, "")
+
+
+# --- plans -------------------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""What ``ctl`` publishes: declarations, stops, keys, retired nodes, faults, and ``up``'s first model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.config import Settings
+from llmgw.ctl.ask import connect, replay_state
+from llmgw.ctl.plan import plan_locally
+from llmgw.errors import LlmgwError
+from llmgw.fleet.status import IdleRow
+
+if TYPE_CHECKING:
+    pass
+
+
+
+
+async def stop_idle(settings: Settings, rows: list[IdleRow]) -> list[int]:
+    """Publish ``ReplicaStopped`` reason ``idle`` for each row; the stream sequences."""
+    bus = await connect(settings, "llmgw-ctl-idle")
+    seqs = []
+    try:
+        for r in rows:
+            # reason "idle" as before codes: ctl what-if tells an operator's stop from the scheduler's by it.
+            event = m.ReplicaStopped(at=m.utcnow(), replica_id=r.replica_id, model=r.model, code="idle", reason="idle")
+            # The scheduler stops a replica under the same id: one stop, whoever was first.
+            seqs.append((await bus.publish(event, msg_id=f"ReplicaStopped:{r.replica_id}")).seq)
+    finally:
+        await bus.close()
+    return seqs
+
+
+
+
+
+async def publish_control(settings: Settings, event: m.Event, *, must_exist: str | None = None) -> int:
+    """Publish one control event; with ``must_exist``, only if that model is declared now. Its sequence."""
+    bus = await connect(settings, "llmgw-ctl-model")
+    try:
+        if must_exist is not None:
+            state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+            if must_exist not in state.models:
+                names = ", ".join(sorted(state.models)) or "none"
+                raise LlmgwError(f"no model named {must_exist!r} is declared (declared: {names}); "
+                                 f"deploy it first with `llmgw ctl model deploy {must_exist} MODEL --from-plan`")
+        return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+# --- declarations -----------------------------------------------------------------------------------------
+
+# What the planner derives rather than the operator asks: a re-plan moves them (the observed-memory
+# calibration, another engine version on the fleet) while nothing the operator said changed. A
+# declaration keeps the figures it was first declared with until an input changes (or --replan).
+DERIVED = ("gib_per_gpu", "kv_tokens", "engine_version", "gpu_memory_utilization")
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "(none)"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1_000:
+        return f"{value:,}"
+    return "(none)" if value is None else str(value)
+
+
+def spec_changes(old: m.ModelSpec, new: m.ModelSpec) -> tuple[list[str], list[str]]:
+    """What differs, as ``field old → new``: (the operator's inputs, the plan's derived figures)."""
+    inputs: list[str] = []
+    derived: list[str] = []
+    for f in msgspec.structs.fields(m.ModelSpec):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a != b:
+            (derived if f.name in DERIVED else inputs).append(f"{f.name} {_shown(a)} → {_shown(b)}")
+    return inputs, derived
+
+
+@dataclass(frozen=True)
+class Declaration:
+    spec: m.ModelSpec  # what is declared now
+    seq: int | None  # the ModelDeclared published; None: unchanged, nothing published
+    changes: tuple[str, ...] = ()  # the operator's inputs that changed (empty for a new model)
+    moved: tuple[str, ...] = ()  # the plan's figures that moved and were kept as declared (or replanned)
+    new: bool = False
+    rolls: bool = False  # what its replicas run with changed: the scheduler replaces them, one by one
+
+
+async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False) -> Declaration:
+    """Declare ``spec`` unless it is what is declared already: apply the same declaration twice, get one.
+
+    A declared model whose inputs are unchanged keeps its declaration (and its running replicas),
+    even when the plan's derived figures moved since; ``replan`` publishes them too.
+    """
+    bus = await connect(settings, "llmgw-ctl-model")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+        view = state.models.get(spec.name)
+        if view is None:
+            return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
+        inputs, derived = spec_changes(view.spec, spec)
+        if not inputs and not (replan and derived):
+            return Declaration(view.spec, None, moved=tuple(derived))
+        # An input changed: the new plan's figures are the ones for it.
+        from llmgw.scheduler.placement import same_run
+
+        seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq
+        return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
+    finally:
+        await bus.close()
+
+
+# --- keys -------------------------------------------------------------------------------------------------
+
+
+def new_key_secret() -> tuple[str, str, str, str]:
+    """A fresh key: (secret to print once, key id, salt, salted digest), from the OS's randomness."""
+    import secrets
+
+    key_id, salt = secrets.token_hex(8), secrets.token_hex(16)
+    secret = f"{m.KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+    return secret, key_id, salt, key_digest(salt, secret)
+
+
+def key_digest(salt: str, secret: str) -> str:
+    """sha256(salt || secret), hex: what the stream holds instead of the secret."""
+    import hashlib
+
+    return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
+
+
+async def keys(settings: Settings) -> dict[str, m.KeyDeclared]:
+    """The live keys, folded from the control stream here."""
+    bus = await connect(settings, "llmgw-ctl-key")
+    try:
+        return dict(sorted((await replay_state(bus, (subjects.STREAM_CONTROL,))).keys.items()))
+    finally:
+        await bus.close()
+
+
+async def publish_key(settings: Settings, event: m.KeyDeclared | m.KeyRevoked, *, must_exist: bool) -> int:
+    """Publish a key's declaration or revocation as admin (keys are the admin role's alone); its sequence."""
+    bus = await connect(settings.with_local_login("admin"), "llmgw-ctl-key")
+    try:
+        known = (await replay_state(bus, (subjects.STREAM_CONTROL,))).keys
+        if must_exist and event.name not in known:
+            names = ", ".join(sorted(known)) or "none"
+            raise LlmgwError(f"no key named {event.name!r} (keys: {names}); create it with `llmgw ctl key create "
+                             f"{event.name}`")
+        if not must_exist and event.name in known:
+            raise LlmgwError(f"a key named {event.name!r} exists; change it with `llmgw ctl key update "
+                             f"{event.name} …`, or revoke it first")
+        return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+# --- nodes ------------------------------------------------------------------------------------------------
+
+
+async def retire_node(settings: Settings, node: str, reason: str, *, force: bool = False) -> int:
+    """Publish NodeRetired for a node that is gone (admin's); its fleet sequence.
+
+    Refused for a node no agent ever reported, and (unless ``force``) for one that is not lost:
+    a live node's next inventory would only bring it back. Its last heartbeat is purged too, so
+    that no liveness monitor started later judges it lost again.
+    """
+    bus = await connect(settings.with_local_login("admin"), "llmgw-ctl-node")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_FLEET,))
+        view = state.nodes.get(node)
+        if view is None:
+            names = ", ".join(sorted(state.nodes)) or "none"
+            raise LlmgwError(f"no node named {node!r} is in the fleet (nodes: {names}); see `llmgw ctl status`")
+        if not view.lost and not force:
+            raise LlmgwError(f"node {node} is not lost: its agent still reports, and its next inventory would bring it "
+                             "back; stop its agent and wait until `llmgw ctl status` shows it lost, or pass --force")
+        seq = (await bus.publish(m.NodeRetired(at=m.utcnow(), node=node, reason=reason))).seq
+        await bus.purge_subject(subjects.STREAM_HEARTBEAT, subjects.heartbeat(node))
+        return seq
+    finally:
+        await bus.close()
+
+
+# --- the agents and llmgw up ---------------------------------------------------------------------------
+
+
+async def inject_fault(settings: Settings, cmd: m.InjectFault) -> m.FaultInjected:
+    """Ask the agent of ``cmd.node`` to inject (simulated) or clear a GPU fault; its answer."""
+    bus = await connect(settings, "llmgw-agent-fault")
+    try:
+        data = await bus.request(subjects.agent_fault(cmd.node), m.encode(cmd), timeout=15,
+                                 service=f"agent of {cmd.node} (llmgw agent …)")
+    finally:
+        await bus.close()
+    return msgspec.json.decode(data, type=m.FaultInjected)
+
+
+async def prepare_up(settings: Settings, fleet_path: Path | None, models_dir: str | None, *,
+                     name: str, model: str) -> str:
+    """Declare the streams; with a fleet file, declare the example model ``name`` once, if the fleet has room.
+    A line saying what was done (empty when nothing was asked)."""
+    bus = await connect(settings, "llmgw-up")
+    try:
+        await bus.ensure_streams()
+        if fleet_path is None:
+            return ""
+        last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+        if last:
+            async for batch in bus.reader(subjects.STREAM_CONTROL, 1, stop_at=last).batches():
+                if any(r.subject == subjects.model(name, "declared") for r in batch):
+                    return f"{name} was declared before; not declaring it again"
+        try:
+            reply = plan_locally(model, fleet_path, m.PlanRequest(model=model, context=8192), models_dir)
+        except LlmgwError as e:
+            return f"no example model declared ({e})"
+        fitting = [c for c in reply.candidates if c.fits]
+        if not fitting:
+            return f"no example model declared: {model} does not fit this fleet"
+        spec = fitting[0].spec(name)
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec), msg_id=f"up:example:{name}")
+        return f"declared {name}: {model} {spec.precision} on {spec.tp} × {spec.gpu_class}, context {spec.context:,}"
+    finally:
+        await bus.close()

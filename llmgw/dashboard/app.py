@@ -1,0 +1,770 @@
+"""The web dashboard: one read-only page of the fleet, kept live with Server-Sent Events.
+
+One process serves any number of pages from one view of the fleet: it follows
+the tail of the fleet and control streams for the timeline, and asks the
+projector's status service only while a page is open: at once when one of
+those events arrives (at most every ``MIN_GAP_S``), else once an interval for
+GPU use and idle times. So twenty open pages cost the projector what one does. Every section is rendered
+here, with every value escaped; the page's script only swaps in the sections
+that changed. When the projector does not answer, the page says
+"reconnecting" and shows what it said last, until it answers again.
+
+No client can hold it for the others (``Limits``): only live event streams
+count as pages, one address may hold only its share of them, and a socket
+that sends nothing, sends a request too slowly or reads nothing is closed
+after a bound. The login cookie holds a random session id, never the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import html
+import json
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.clientsockets import ClientSockets, CountedConnection, client_of
+from llmgw.errors import BusError, ConfigError, LlmgwError, NoServiceError
+
+log = logging.getLogger(__name__)
+
+COOKIE = "llmgw_session"
+OLD_COOKIE = "llmgw_key"  # held the key itself before sessions; cleared wherever it still is
+MIN_GAP_S = 0.5  # between two status requests, however many events arrive
+FIRST_EVENTS_WAIT_S = 2.0  # the first page waits at most this long for the latest events to be read
+SECTIONS = ("conn", "summary", "capacity", "fabrics", "models", "gpus", "events")
+STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
+SECURITY_HEADERS = {
+    # No inline script or style anywhere: even a value that escaped escaping could not run.
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one dashboard gives its clients: past a limit a client is refused or dropped, never waited on.
+
+    ``idle_s`` is aiohttp's keep-alive timeout, which it arms when a connection
+    opens and re-arms only after an answer: it closes a socket that has not sent
+    a whole request within ``idle_s`` of connecting (however slowly it trickles
+    bytes) or of its last answer. A request body (the login form) gets the same
+    bound. ``write_s`` bounds each write: a page that does not take an update
+    (or the page itself) within it is dropped, and its slot freed.
+    """
+
+    pages: int = 256  # live event streams at once, all addresses together; past it 503
+    pages_per_client: int = 32  # live event streams from one address (an IPv6 /64); past it 429
+    # Open sockets from one address, pages or not; past it a new one is closed at once (no file
+    # descriptors left to the rest of the world by one host opening thousands).
+    connections_per_client: int = 512
+    idle_s: float = 10.0
+    write_s: float = 10.0
+    sessions: int = 1024  # logged-in sessions kept; past it the oldest is forgotten (it logs in again)
+    session_ttl_s: float = 12 * 3600.0
+
+
+class Sessions:
+    """Logged-in browsers: random ids, each until it expires; past ``size`` the oldest is forgotten."""
+
+    def __init__(self, size: int, ttl_s: float) -> None:
+        self.size = max(1, size)
+        self.ttl_s = ttl_s
+        self._expires: OrderedDict[str, float] = OrderedDict()  # oldest first, and so soonest to expire
+
+    def __len__(self) -> int:
+        return len(self._expires)
+
+    def open(self, now: float) -> str:
+        while self._expires and next(iter(self._expires.values())) <= now:
+            self._expires.popitem(last=False)
+        sid = secrets.token_urlsafe(32)
+        self._expires[sid] = now + self.ttl_s
+        while len(self._expires) > self.size:
+            self._expires.popitem(last=False)
+        return sid
+
+    def valid(self, sid: str, now: float) -> bool:
+        expires = self._expires.get(sid)
+        if expires is None:
+            return False
+        if expires <= now:
+            del self._expires[sid]
+            return False
+        return True
+
+    def close(self, sid: str) -> None:
+        self._expires.pop(sid, None)
+
+
+# --- HTML, escaped by default ---------------------------------------------------------------
+
+
+class Safe(str):
+    """HTML that is already escaped (made here by ``el``); any other str is escaped where it is used."""
+
+
+def esc(value: object) -> Safe:
+    return value if isinstance(value, Safe) else Safe(html.escape(str(value), quote=True))
+
+
+def el(tag: str, *children: object, **attrs: object) -> Safe:
+    """``<tag attrs>children</tag>``; text children and every attribute value escaped (``cls`` is ``class``)."""
+    attr = "".join(f' {"class" if k == "cls" else k.replace("_", "-")}="{esc(v)}"'
+                   for k, v in attrs.items() if v is not None and v is not False)
+    return Safe(f"<{tag}{attr}>{''.join(esc(c) for c in children)}</{tag}>")
+
+
+def join(parts: Iterable[object]) -> Safe:
+    return Safe("".join(esc(p) for p in parts))
+
+
+def duration(seconds: float | None) -> str:
+    """``3m 12s``, ``2h 05m``, ``4d 03h``; ``-`` for unknown (never a duration anyone could act on)."""
+    if seconds is None or seconds < 0:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def clock(t: datetime | None) -> str:
+    return t.astimezone(UTC).strftime("%H:%M:%S") if t is not None else "-"
+
+
+def gib(mib: float) -> str:
+    return f"{mib / 1024:,.0f} GiB" if mib >= 10 * 1024 else f"{mib / 1024:,.1f} GiB"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+# --- the sections -------------------------------------------------------------------------------
+
+
+def bar(parts: Iterable[tuple[str, int]], total: int) -> Safe:
+    """A stacked bar as SVG (attributes, not inline styles, so the CSP needs no exception).
+
+    A used or unhealthy GPU always shows: each non-empty part is at least 1% wide.
+    """
+    x = 0.0
+    rects = []
+    for cls, n in parts:
+        if n <= 0 or total <= 0:
+            continue
+        w = max(100 * n / total, 1.0)
+        w = min(w, 100 - x)
+        rects.append(el("rect", cls=cls, x=f"{x:.2f}", y="0", width=f"{w:.2f}", height="10"))
+        x += w
+    return el("svg", *rects, cls="bar", viewBox="0 0 100 10", preserveAspectRatio="none", role="img")
+
+
+def capacity_section(r: m.StatusReport) -> Safe:
+    use = {u.gpu_class: u for u in r.gpu_use}
+    rows = []
+    for c in r.capacity:
+        u = use.get(c.gpu_class)
+        util = "-" if u is None or u.utilization_pct is None else f"{u.utilization_pct:.0f}%"
+        mem = "-" if u is None or not u.memory_total_mib else f"{gib(u.memory_used_mib)} of {gib(u.memory_total_mib)}"
+        rows.append(el(
+            "div",
+            el("div", el("span", c.gpu_class, cls="name"),
+               el("span", f"{c.used} used · {c.free} free · {c.unhealthy} unhealthy · {c.lost} lost · {c.total} total",
+                  cls="counts"), cls="row-head"),
+            bar((("used", c.used), ("free", c.free), ("unhealthy", c.unhealthy), ("lost", c.lost)), c.total),
+            el("div", f"utilization {util} · memory in use {mem}", cls="use"),
+            cls="capacity", data_class=c.gpu_class,
+        ))
+    return join(rows) if rows else el("p", "no GPUs reported yet: start an agent", cls="empty")
+
+
+def tenants_section(r: m.StatusReport) -> Safe:
+    """Requests and tokens per tenant, today and over seven days; keys at 80 % of their daily tokens."""
+    if not r.tenants:
+        return el("p", "no API key used yet (", el("code", "llmgw ctl key create"), ")", cls="empty")
+    head = el("tr", *(el("th", h) for h in ("tenant", "today", "7 days")))
+    body = [el("tr", el("td", t.tenant or "-"),
+               el("td", f"{t.requests_today:,} req · {t.tokens_today:,} tok", cls="num"),
+               el("td", f"{t.requests_7d:,} req · {t.tokens_7d:,} tok", cls="num")) for t in r.tenants]
+    near = [el("li", f"{k.name} ({k.tenant or '-'}): {k.tokens_today:,} of {k.tokens_per_day:,} tokens today",
+               cls="near") for k in r.near_limits]
+    return join([el("table", el("thead", head), el("tbody", *body)),
+                 *([el("ul", *near, cls="near-limits")] if near else [])])
+
+
+def fabrics_section(r: m.StatusReport) -> Safe:
+    if not r.free_nodes:
+        return el("p", "no nodes", cls="empty")
+    head = el("tr", *(el("th", h) for h in ("fabric", "GPU class", "free whole nodes", "live nodes")))
+    body = [el("tr", el("td", f.fabric), el("td", f.gpu_class), el("td", f.free_nodes, cls="num"),
+               el("td", f.live_nodes, cls="num")) for f in r.free_nodes]
+    return el("table", el("thead", head), el("tbody", *body))
+
+
+STATE_CLASS = {"serving": "good", "healthy": "good", "starting": "warn", "placed": "warn", "parked": "info",
+               "unhealthy": "bad", "failed": "bad", "unplaceable": "bad", "stopped": "info"}
+
+
+def badge(state: str) -> Safe:
+    return el("span", state, cls=f"badge {STATE_CLASS.get(state, 'info')}")
+
+
+def cached(x: m.ReplicaRow) -> str:
+    """`` · 84% cached``: the share of its prompt tokens its engine served from its prefix cache."""
+    return f" · {x.cached_tokens / x.prompt_tokens:.0%} cached" if x.prompt_tokens else ""
+
+
+def models_section(r: m.StatusReport) -> Safe:
+    """Every declared model (healthy of wanted, as ``ctl model list``), its replicas under it."""
+    replicas: dict[str, list[m.ReplicaRow]] = {}
+    for rep in r.replica_list:
+        replicas.setdefault(rep.model, []).append(rep)
+    summaries = {s.name: s for s in r.model_list}
+    names = sorted({*summaries, *replicas})
+    if not names:
+        return el("p", "no models declared: ", el("code", "llmgw ctl model deploy …"), cls="empty")
+    rows = []
+    for name in names:
+        reps = sorted(replicas.get(name, []), key=lambda x: x.replica_id)
+        summary = summaries.get(name)
+        state = summary.state if summary is not None else "undeclared"
+        healthy = summary.healthy if summary is not None else sum(x.state == "healthy" for x in reps)
+        wanted = summary.wanted if summary is not None else len(reps)
+        why = (summary.unplaceable or "") if summary is not None else ""
+        rows.append(el("tr", el("td", name, cls="model"), el("td", badge(state)),
+                       el("td", f"{healthy}/{wanted} healthy", cls="num"),
+                       el("td", why, cls="reason"), cls="model-row"))
+        for x in reps:
+            idle = "idle -" if x.idle_s < 0 else f"idle {duration(x.idle_s)}"
+            rows.append(el("tr", el("td", x.replica_id, cls="replica"), el("td", badge(x.state)),
+                           el("td", f"{plural(len(x.gpus), 'GPU')} on {', '.join(x.nodes)}", cls="num"),
+                           el("td", idle + cached(x), cls="idle"), cls="replica-row"))
+    head = el("tr", *(el("th", h) for h in ("model / replica", "state", "healthy / GPUs", "why / idle")))
+    return el("table", el("thead", head), el("tbody", *rows))
+
+
+def gpus_section(r: m.StatusReport) -> Safe:
+    lost = set(r.lost_nodes)
+    if not r.node_gpus and not lost:
+        return el("p", "no GPU samples yet (agents send them with each heartbeat)", cls="empty")
+    rows = []
+    for n in r.node_gpus:
+        cells = []
+        for g in n.gpus:
+            u = g.utilization_pct
+            level = "unknown" if u is None else f"u{min(10, (u + 5) // 10)}"
+            mem = "-" if g.memory_used_mib is None or not g.memory_total_mib else \
+                f"{gib(g.memory_used_mib)} / {gib(g.memory_total_mib)}"
+            title = (f"GPU {g.index}: {'-' if u is None else f'{u}%'} busy, {mem}, "
+                     f"{'-' if g.temperature_c is None else f'{g.temperature_c}°C'}, "
+                     f"{'-' if g.power_w is None else f'{g.power_w:.0f} W'}")
+            bad = n.unhealthy.get(g.index)
+            if bad is not None:  # an XID'd GPU is not an idle one: marked, with why
+                cells.append(el("span", "✕", cls="gpu bad", title=f"GPU {g.index} UNHEALTHY: {bad}"))
+                continue
+            cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}", title=title))
+        rows.append(el("div", el("span", n.node, cls="node"), el("span", n.gpu_class, cls="cls"),
+                       el("span", *cells, cls="cells"), cls="node-row"))
+    for name in sorted(lost):
+        rows.append(el("div", el("span", name, cls="node"), el("span", "lost", cls="badge bad"), cls="node-row"))
+    more = r.nodes - len(lost) - len(r.node_gpus)
+    if more > 0:
+        rows.append(el("p", f"… and {plural(more, 'more node')} (all are in the capacity figures)", cls="empty"))
+    return join(rows)
+
+
+def describe(event: m.Event) -> tuple[str, str, str]:
+    """(severity, subject, what happened) of an event, for the timeline."""
+    match event:
+        case m.NodeInventoryReported(node=node, gpus=gpus, fabric=fabric):
+            kinds = Counter(g.gpu_class for g in gpus)
+            bad = sum(not g.healthy for g in gpus)
+            what = ", ".join(f"{n} × {k}" for k, n in sorted(kinds.items())) or "no GPUs"
+            return ("warn" if bad else "info", node,
+                    f"reported {what} on fabric {fabric}" + (f", {bad} unhealthy" if bad else ""))
+        case m.GpuHealthChanged(node=node, gpu_index=i, healthy=ok, reasons=why):
+            return ("good" if ok else "bad", node,
+                    f"GPU {i} healthy again" if ok and not why else f"GPU {i} {'healthy' if ok else 'unhealthy'}: "
+                    + "; ".join(why))
+        case m.NodeLost(node=node, timeout_s=timeout):
+            return "bad", node, f"lost: no heartbeat for {timeout:g}s"
+        case m.NodeReturned(node=node):
+            return "good", node, "returned"
+        case m.NodeRetired(node=node):
+            return "info", node, "retired by an operator"
+        case m.ModelDeclared(spec=s):
+            return ("info", s.name, f"declared: {s.source} {s.precision}, tp {s.tp} × pp {s.pp} on {s.gpu_class}, "
+                                    f"{plural(s.replicas, 'replica')}")
+        case m.ModelScaled(name=name, replicas=n):
+            return "info", name, f"scaled to {plural(n, 'replica')}"
+        case m.ModelAutoscaled(name=name, replicas=n, reason=why):
+            return "info", name, f"autoscaled to {plural(n, 'replica')}" + (f": {why}" if why else "")
+        case m.ModelRemoved(name=name):
+            return "info", name, "removed"
+        case m.ModelUnplaceable(name=name, reason=why):
+            return "bad", name, f"unplaceable: {why}"
+        case m.ReplicaPlaced(replica_id=rid, nodes=nodes, gpus=gpus, fabric=fabric):
+            return "info", rid, f"placed on {plural(len(gpus), 'GPU')} of {', '.join(nodes)}" + (
+                f" (fabric {fabric})" if fabric else "")
+        case m.ReplicaStateChanged(replica_id=rid, node=node, state=state, detail=detail):
+            sev = STATE_CLASS.get(state, "info")
+            return sev, rid, f"{state} on {node}" + (f": {detail}" if detail else "")
+        case m.ReplicaStopped(replica_id=rid, reason=why):
+            return "info", rid, f"stopped: {why}"
+    return "info", "", type(event).__name__
+
+
+def events_section(events: Iterable[m.Event]) -> Safe:
+    rows = []
+    for e in events:
+        sev, who, what = describe(e)
+        rows.append(el("li", el("time", clock(e.at), datetime=e.at.isoformat()), el("span", type(e).__name__, cls="kind"),
+                       el("span", who, cls="who"), el("span", what, cls="what"), cls=f"event {sev}"))
+    return el("ol", *rows, cls="timeline") if rows else el("p", "no events yet", cls="empty")
+
+
+def summary_section(r: m.StatusReport) -> Safe:
+    by_state = ", ".join(f"{n} {s}" for s, n in r.replicas_by_state.items()) or "none"
+    parts = [plural(r.nodes, "node"), f"{len(r.lost_nodes)} lost", plural(r.models, "model"),
+             f"{plural(r.replicas, 'replica')} ({by_state})"]
+    if r.unprojected_events:
+        parts.append(f"{plural(r.unprojected_events, 'event')} not projected")
+    return el("p", " · ".join(parts), cls="summary")
+
+
+def conn_section(ok: bool, why: str, at: float | None) -> Safe:
+    when = datetime.fromtimestamp(at, UTC) if at else None
+    if ok:
+        return el("span", f"live · {clock(when)} UTC", cls="conn live")
+    last = f"; showing what it said at {clock(when)} UTC" if when else ""
+    return el("span", f"reconnecting: {why}{last}", cls="conn reconnecting")
+
+
+def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool, why: str,
+           at: float | None) -> dict[str, str]:
+    """Every section of the page as escaped HTML, by element id."""
+    out: dict[str, str] = {"conn": conn_section(ok, why, at), "events": events_section(events)}
+    if report is None:
+        waiting = el("p", "waiting for the projector…", cls="empty")
+        out |= {k: waiting for k in ("summary", "capacity", "fabrics", "tenants", "models", "gpus")}
+        return out
+    out |= {"summary": summary_section(report), "capacity": capacity_section(report),
+            "fabrics": fabrics_section(report), "tenants": tenants_section(report), "models": models_section(report),
+            "gpus": gpus_section(report)}
+    return out
+
+
+PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole nodes per fabric",
+               "tenants": "Usage per tenant", "models": "Models and replicas", "gpus": "GPU utilization per node",
+               "events": "Recent events"}
+
+
+def page(sections: dict[str, str], *, logout: bool = False) -> str:
+    """The whole page, server-rendered: it reads right before (and without) its script."""
+    blocks = [el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
+              for k in ("capacity", "fabrics", "tenants", "models", "gpus", "events")]
+    leave = el("form", Safe('<button type="submit">log out</button>'), method="post", action="logout") if logout else ""
+    return "<!doctype html>" + el(
+        "html",
+        el("head", Safe('<meta charset="utf-8">'), Safe('<meta name="viewport" content="width=device-width">'),
+           el("title", "llmgw dashboard"), Safe('<link rel="stylesheet" href="static/dashboard.css">'),
+           Safe('<script src="static/dashboard.js" defer></script>')),
+        el("body", el("header", el("h1", "llmgw"), el("div", Safe(sections["conn"]), id="conn"),
+                      el("div", Safe(sections["summary"]), id="summary"), leave),
+           el("main", *blocks)),
+        lang="en")
+
+
+def login_page(problem: str = "") -> str:
+    form = el("form", el("label", "API key ", Safe('<input type="password" name="key" autofocus required>')),
+              Safe('<button type="submit">open</button>'), method="post", action="login")
+    note = el("p", problem, cls="error") if problem else ""
+    return "<!doctype html>" + el("html", el("head", Safe('<meta charset="utf-8">'), el("title", "llmgw dashboard"),
+                                             Safe('<link rel="stylesheet" href="static/dashboard.css">')),
+                                  el("body", el("main", el("h1", "llmgw"), note, form, cls="login")), lang="en")
+
+
+# --- the server ------------------------------------------------------------------------------------
+
+
+class Dashboard:
+    """The dashboard's view of the fleet and its aiohttp app; ``start`` serves it, ``stop`` ends it."""
+
+    def __init__(self, bus: Bus, *, api_keys: Iterable[str] = (), interval_s: float = 5.0, events: int = 50,
+                 request_timeout_s: float = 5.0, limits: Limits | None = None) -> None:
+        if interval_s <= 0:
+            raise ConfigError(f"--interval must be positive (got {interval_s})")
+        self.limits = limits or Limits()
+        if bad := [f"{k}={v:g}" for k, v in msgspec.structs.asdict(self.limits).items() if v <= 0]:
+            raise ConfigError(f"the dashboard's limits must be positive (got {', '.join(bad)})")
+        self.bus = bus
+        self.keys = tuple(api_keys)
+        self.interval_s = interval_s
+        self.max_events = max(1, events)
+        self.request_timeout_s = request_timeout_s
+        self.report: m.StatusReport | None = None
+        self.ok = False
+        self.why = "not asked yet"
+        self.answered_at: float | None = None  # wall clock of the last answer
+        self.asked = 0  # status requests made: what the projector pays
+        self.events: list[m.Event] = []
+        self.sections: dict[str, str] = render(None, (), ok=False, why=self.why, at=None)
+        self.version = 0
+        self.clients = 0  # live event streams: the pages being served
+        self.per_client: Counter[str] = Counter()
+        self.sockets = ClientSockets(self.limits.connections_per_client, "dashboard")  # open sockets per client
+        self.sessions = Sessions(self.limits.sessions, self.limits.session_ttl_s)
+        self.url = ""
+        self._changed = asyncio.Condition()
+        self._refresh_lock = asyncio.Lock()
+        self._last_refresh = -1e9
+        self._poke = asyncio.Event()  # a fleet or control event arrived: ask again soon
+        self._behind: set[str] = set()  # streams whose latest events are not read yet; the first page waits
+        self._tailed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+
+    # --- what the page shows -----------------------------------------------------------------------
+
+    async def refresh(self, max_age_s: float = MIN_GAP_S) -> None:
+        """Ask the projector unless its last answer is younger than ``max_age_s`` (askers at once share one)."""
+        async with self._refresh_lock:
+            if time.monotonic() - self._last_refresh < max_age_s:
+                return
+            req = m.StatusRequest(idle_threshold_s=0, gpus=True, wait_s=0, replicas=True)
+            self.asked += 1
+            try:
+                data = await self.bus.request(subjects.STATUS, m.encode(req), timeout=self.request_timeout_s,
+                                              service="projector (llmgw project)")
+                self.report = m.STATUS_REPORT_DECODER.decode(data)
+                self.ok, self.why, self.answered_at = True, "", time.time()
+            except NoServiceError:
+                self.ok, self.why = False, "no projector answers on the bus"
+            except LlmgwError as e:
+                self.ok, self.why = False, str(e)
+            except m.DECODE_ERRORS as e:
+                self.ok, self.why = False, f"the projector's answer cannot be read ({e})"
+            except Exception as e:  # noqa: BLE001 - the bus between reconnects, anything: the page says so
+                self.ok, self.why = False, f"the bus: {e or type(e).__name__}"
+            self._last_refresh = time.monotonic()
+            await self._publish()
+
+    async def _publish(self) -> None:
+        sections = render(self.report, reversed(self.events), ok=self.ok, why=self.why, at=self.answered_at)
+        if sections != self.sections:
+            self.sections = sections
+            async with self._changed:
+                self.version += 1
+                self._changed.notify_all()
+
+    def _keep(self, events: Iterable[m.Event]) -> None:
+        self.events.extend(events)
+        self.events.sort(key=lambda e: e.at)
+        del self.events[:-self.max_events]
+
+    async def _tail(self, stream: str, decoder: msgspec.json.Decoder[Any]) -> None:
+        """The last events of a history stream, then every new one; a bus outage is waited out."""
+        start: int | None = None
+        delay = 0.5
+        while True:
+            try:
+                if start is None:
+                    last = await self.bus.stream_last_seq(stream)
+                    start = max(1, last - self.max_events + 1)
+                    if last == 0:
+                        self._caught_up(stream)
+                follower = self.bus.follow(stream, decoder, start, who="dashboard")
+                try:
+                    async for batch in follower.batches():
+                        self._keep(d.event for d in batch)
+                        if stream in self._behind and follower.last_seq >= last:
+                            self._caught_up(stream)
+                        delay = 0.5
+                        if self.clients:
+                            self._poke.set()  # the fleet changed: what status says has too
+                            await self._publish()
+                finally:
+                    start = follower.last_seq + 1
+            except BusError as e:
+                log.warning("dashboard: reading %s: %s; again in %.1fs", stream, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def _caught_up(self, stream: str) -> None:
+        self._behind.discard(stream)
+        if not self._behind:
+            self._tailed.set()
+
+    async def _poll(self) -> None:
+        while True:
+            self._poke.clear()
+            if self.clients:
+                await self.refresh()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._poke.wait()
+            await asyncio.sleep(max(0.0, self._last_refresh + MIN_GAP_S - time.monotonic()))
+
+    # --- HTTP -------------------------------------------------------------------------------------------
+
+    def _session(self, request: web.Request) -> str | None:
+        """The request's session id, if this dashboard gave it out and it has not expired."""
+        sid = request.cookies.get(COOKIE, "")
+        return sid if sid and self.sessions.valid(sid, time.monotonic()) else None
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.keys:
+            return True
+        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer":
+            return self._valid(key.strip())
+        return self._session(request) is not None
+
+    def _valid(self, key: str) -> bool:
+        if not key:
+            return False
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        ok = False
+        for k in self.keys:  # every key compared, so timing says nothing about which matched
+            ok |= hmac.compare_digest(digest, k)
+        return ok
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        public = request.path.startswith("/static/") or request.path in ("/login", "/logout")
+        if not public and not self._authorized(request):
+            if request.path == "/":
+                resp: web.StreamResponse = web.Response(status=401, text=login_page(), content_type="text/html")
+                if OLD_COOKIE in request.cookies:  # the key itself, from before sessions: no longer sent
+                    resp.del_cookie(OLD_COOKIE, path="/")
+            else:
+                resp = web.json_response({"error": "missing or invalid API key; send `Authorization: Bearer <key>`"},
+                                         status=401)
+        else:
+            resp = await handler(request)
+        if not resp.prepared:  # an event stream sent its own
+            resp.headers.update(SECURITY_HEADERS)
+            try:
+                async with asyncio.timeout(self.limits.write_s):
+                    await resp.prepare(request)
+                    await resp.write_eof()
+            except TimeoutError:
+                self._drop(request, "its answer")
+            except ConnectionError:
+                pass  # it went away: aiohttp finds so too, and says nothing
+        return resp
+
+    def _drop(self, request: web.Request, what: str) -> None:
+        """Close a client that did not take ``what`` within ``write_s``; what it was sent is thrown away."""
+        log.debug("dashboard: %s did not take %s within %gs; dropped", request.remote, what, self.limits.write_s)
+        if request.transport is not None:
+            request.transport.abort()
+
+    async def _index(self, request: web.Request) -> web.Response:
+        # The first page right after a start: not "no events yet" while the latest are being read.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_EVENTS_WAIT_S):
+                await self._tailed.wait()
+        self._tailed.set()  # only the first page ever waits (a bus away at start must not slow every page)
+        if not self.clients:  # nobody polls while no page is open: ask now
+            await self.refresh()
+        body = page(self.sections, logout=bool(self.keys) and self._session(request) is not None)
+        return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+    async def _login(self, request: web.Request) -> web.Response:
+        try:
+            async with asyncio.timeout(self.limits.idle_s):
+                form = await request.post()
+        except TimeoutError:
+            late = web.Response(status=408, text=f"the login form did not arrive within {self.limits.idle_s:g}s; "
+                                                 "send it again")
+            late.force_close()
+            return late
+        key = str(form.get("key", "")).strip()
+        if not self._valid(key):
+            return web.Response(status=401, text=login_page("that key is not accepted"), content_type="text/html")
+        resp = web.Response(status=303, headers={"Location": "./"})
+        # The browser keeps a random id; the server alone knows it stands for a good key.
+        resp.set_cookie(COOKIE, self.sessions.open(time.monotonic()), httponly=True, samesite="Strict",
+                        secure=request.secure, path="/", max_age=int(self.limits.session_ttl_s))
+        if OLD_COOKIE in request.cookies:
+            resp.del_cookie(OLD_COOKIE, path="/")
+        return resp
+
+    async def _logout(self, request: web.Request) -> web.Response:
+        sid = request.cookies.get(COOKIE, "")
+        if sid:
+            self.sessions.close(sid)
+            async with self._changed:
+                self._changed.notify_all()  # its open pages are told now, not at their next keep-alive
+        resp = web.Response(status=303, headers={"Location": "./"})
+        resp.del_cookie(COOKIE, path="/")
+        if OLD_COOKIE in request.cookies:
+            resp.del_cookie(OLD_COOKIE, path="/")
+        return resp
+
+    async def _static(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        body = resources.files("llmgw.dashboard").joinpath("static", name).read_bytes()
+        return web.Response(body=body, content_type=STATIC[name], headers={"Cache-Control": "max-age=300"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        """The same data as the page, as JSON, for scripts."""
+        if not self.clients:
+            await self.refresh()
+        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(self.report),
+                "events": [msgspec.to_builtins(e) for e in reversed(self.events)]}
+        return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
+
+    def _refusal(self, client: str) -> web.Response | None:
+        """Why a new page is not served now, if it is not: one address's share first, then the whole cap."""
+        if self.per_client[client] >= self.limits.pages_per_client:
+            return web.Response(status=429, text=f"{self.limits.pages_per_client} pages are open from {client} "
+                                                 "already, the most one address may have; close one")
+        if self.clients >= self.limits.pages:
+            return web.Response(status=503, text=f"{self.limits.pages} pages are open already, the most this "
+                                                 "dashboard serves; close one")
+        return None
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """One write of an event stream; a page that does not take it within ``write_s`` is dropped."""
+        try:
+            async with asyncio.timeout(self.limits.write_s):
+                if not resp.prepared:
+                    await resp.prepare(request)
+                await resp.write(data)
+        except TimeoutError:
+            self._drop(request, "an update")
+            raise ConnectionResetError("dropped: it reads too slowly") from None
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events: the sections that changed, whenever something did."""
+        client = client_of(request.remote)
+        refused = self._refusal(client)
+        if refused is not None:
+            return refused
+        # Counted before the first await, so streams opening at once cannot all pass the check.
+        self.clients += 1
+        self.per_client[client] += 1
+        sid = self._session(request) if self.keys else None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                           "X-Accel-Buffering": "no"})
+        resp.headers.update(SECURITY_HEADERS)
+        sent: dict[str, str] = {}
+        seen = -1
+        try:
+            await self._write(request, resp, b"retry: 2000\n\n")  # the browser's wait before it reconnects
+            if time.monotonic() - self._last_refresh >= self.interval_s:
+                self._poke.set()
+            while True:
+                if sid is not None and not self.sessions.valid(sid, time.monotonic()):
+                    await self._write(request, resp, b"event: logout\ndata: {}\n\n")  # the page asks for the key
+                    break
+                changed = {k: v for k, v in self.sections.items() if sent.get(k) != v}
+                seen = self.version
+                if changed:
+                    data = json.dumps({"v": seen, "sections": changed})
+                    await self._write(request, resp, f"event: update\ndata: {data}\n\n".encode())
+                    sent.update(changed)
+                async with self._changed:
+                    try:
+                        async with asyncio.timeout(15):
+                            await self._changed.wait_for(self._woken(seen, sid))
+                        quiet = False
+                    except TimeoutError:
+                        quiet = True
+                if quiet:  # written outside the lock: a page that reads nothing must not hold up the others
+                    await self._write(request, resp, b": keep-alive\n\n")
+        except ConnectionError:
+            pass  # the page went away, or was dropped
+        finally:
+            self.clients -= 1
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
+        return resp
+
+    def _woken(self, version: int, sid: str | None) -> Callable[[], bool]:
+        return lambda: self.version != version or (sid is not None and not self.sessions.valid(sid, time.monotonic()))
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard], client_max_size=16 * 1024)  # a login form at most
+        app.router.add_get("/", self._index)
+        app.router.add_post("/login", self._login)
+        app.router.add_post("/logout", self._logout)
+        app.router.add_get("/events", self._events)
+        app.router.add_get("/api/status", self._status)
+        app.router.add_get("/static/{name}", self._static)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Follow the streams, ask the projector, listen; returns the page's URL."""
+        self._behind = {subjects.STREAM_FLEET, subjects.STREAM_CONTROL}
+        self._tasks = [asyncio.create_task(self._tail(subjects.STREAM_FLEET, m.FLEET_DECODER), name="dash-fleet"),
+                       asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
+                       asyncio.create_task(self._poll(), name="dash-poll")]
+        # handler_cancellation: a page that closes ends its event stream at once, not at the next write.
+        # keepalive_timeout (on each connection, below): armed when a socket opens, so one that never
+        # finishes a request is closed too; lingering_time: an unread request body is waited for no longer.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=1)
+        await self._runner.setup()
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+
+        def connection() -> CountedConnection:
+            return CountedConnection(server, self.sockets, loop=loop, access_log=None,
+                                     keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.idle_s)
+
+        try:
+            self._listener = await loop.create_server(connection, host or None, port, backlog=1024)
+        except OSError as e:
+            await self.stop()
+            raise ConfigError(f"the dashboard cannot listen on {host}:{port} ({e.strerror}); pick another "
+                              "--listen (port 0 picks a free one)") from e
+        bound = self._listener.sockets[0].getsockname()[1]
+        shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("", "0.0.0.0") else host)
+        self.url = f"http://{shown}:{bound}/"
+        return self.url
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        if self._listener is not None:
+            self._listener.close()  # no new sockets; the runner's cleanup closes the open ones
+            self._listener = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

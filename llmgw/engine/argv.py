@@ -1,0 +1,192 @@
+"""What an engine is started with (vLLM, llama.cpp, Ray parts, the fake engine), and what it says it reserved.
+
+Pure: command lines from a spec and a port, and the KV cache figures parsed from
+an engine's /metrics (vLLM) or /props (llama.cpp). The supervisor that runs them
+is llmgw/agent/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from llmgw import messages as m
+from llmgw.errors import ConfigError
+from llmgw.planner.modelinfo import is_repo_id
+
+ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
+# What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
+JOINED_MARKERS = ("Ray runtime started", "joined ")
+
+
+def llmgw_program() -> list[str]:
+    exe = Path(sys.executable).parent / "llmgw"
+    if exe.is_file():
+        return [str(exe)]
+    found = shutil.which("llmgw")
+    return [found] if found else [sys.executable, "-m", "llmgw"]
+
+
+def default_commands() -> dict[str, list[str]]:
+    """The program prefix each engine starts with, before llmgw's arguments."""
+    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*llmgw_program(), "fake-engine"],
+            "ray": ["ray"]}
+
+
+def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
+    """``vllm=/opt/vllm/bin/vllm serve`` → {"vllm": [...]}; a bad one is a ConfigError naming it."""
+    out = default_commands()
+    for raw in values:
+        key, sep, cmd = raw.partition("=")
+        key = key.strip()
+        if not sep or key not in ENGINE_KEYS or not cmd.strip():
+            raise ConfigError(
+                f"--engine-cmd {raw!r}: expected ENGINE=CMD with ENGINE one of {', '.join(ENGINE_KEYS)}, "
+                "e.g. --engine-cmd 'vllm=/opt/vllm/bin/vllm serve'"
+            )
+        argv = shlex.split(cmd)
+        if key == "vllm" and Path(argv[-1]).name == "vllm":
+            argv.append("serve")  # `vllm=/opt/vllm/bin/vllm` names the program; the subcommand is implied
+        out[key] = argv
+    return out
+
+
+def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "",
+                startup_s: float = 0.0, models_dir: Path | None = None) -> list[str]:
+    """The command line for one replica's engine."""
+    if simulate:
+        return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
+                *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
+                # A plausible reservation: a little under the plan, as a real engine's often is.
+                *(("--kv-tokens", str(spec.kv_tokens_planned * 97 // 100)) if spec.kv_tokens_planned > 0 else ())]
+    if spec.engine == "vllm":
+        argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
+        if spec.pp > 1:
+            argv += ["--pipeline-parallel-size", str(spec.pp), "--distributed-executor-backend", "ray"]
+        if spec.quantization:
+            argv += ["--quantization", spec.quantization]
+        if spec.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
+        if spec.parallel:
+            argv += ["--max-num-seqs", str(spec.parallel)]
+        argv += [
+            "--max-model-len", str(spec.context),
+            "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",
+            "--host", host, "--port", str(port),
+            "--served-model-name", spec.name,
+        ]
+        return [*argv, *spec.engine_args]
+    # llama.cpp's -c is the KV pool its -np slots share: each slot gets the declared context.
+    argv = [*cmds["llama.cpp"], *gguf_location(spec, models_dir), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
+            "-ngl", "999", "--host", host, "--port", str(port), "--alias", spec.name]
+    return [*argv, *spec.engine_args]
+
+
+def gguf_location(spec: m.ModelSpec, models_dir: Path | None = None) -> list[str]:
+    """Where llama-server finds a spec's GGUF: ``-m PATH``, or ``--hf-repo/--hf-file`` to download it.
+
+    A file path is taken as it is; a bare file name lives in the model's directory when the
+    source is one (the planner records the file's name, and the agent runs in another
+    directory than the one the operator planned in), or in ``Org__Name`` under the agent's
+    models directory when the source is a repository id; only what is in neither is downloaded
+    (which needs a llama-server built with curl: scripts/llama-server.sh builds one without).
+    """
+    source = Path(spec.source).expanduser()
+    if spec.file is None:
+        return ["-m", str(source)]
+    file = Path(spec.file).expanduser()
+    if file.is_absolute():
+        return ["-m", str(file)]
+    if source.is_absolute() or not is_repo_id(spec.source):
+        return ["-m", str(source / file)]
+    if models_dir is not None and (local := models_dir / spec.source.replace("/", "__") / file).is_file():
+        return ["-m", str(local)]
+    return ["--hf-repo", spec.source, "--hf-file", spec.file]
+
+
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def kv_tokens_from_metrics(text: str) -> int:
+    """num_gpu_blocks x block_size from vLLM's Prometheus ``vllm:cache_config_info``; 0 when absent."""
+    found = _CACHE_INFO.search(text)
+    if found is None:
+        return 0
+    labels = dict(_LABEL.findall(found.group(1)))
+    try:
+        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0
+
+
+def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool,
+               name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0) -> list[list[str]]:
+    """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
+
+    vLLM: a Ray cluster per replica. The head (rank 0) runs ``ray start --head`` and then
+    ``vllm serve … --distributed-executor-backend ray``, which finds it through RAY_ADDRESS;
+    every other node runs ``ray start --address HEAD --block`` (``--block``: killing it
+    takes down what it started). Simulated: the head's fake engine waits on a TCP port for
+    the other parts; each other part connects to it and holds the connection.
+    """
+    if simulate:
+        if rank == 0:
+            return [[*engine_argv(spec, port, host, cmds, simulate=True, name=name, startup_s=startup_s),
+                     "--parts", str(spec.pp), "--rendezvous-port", str(rendezvous_port)]]
+        return [[*cmds["fake"], "--model", spec.name, "--name", f"{name}/part{rank}", "--join", head_address]]
+    gpus = str(spec.tp)
+    if rank == 0:
+        return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
+                engine_argv(spec, port, host, cmds, simulate=False, name=name)]
+    return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
+
+
+def kv_tokens_from_props(text: str) -> int:
+    """The KV cells llama-server allocated, from its /props: each slot's context
+    (``default_generation_settings.n_ctx``, or a top-level ``n_ctx``) x ``total_slots``; 0 when absent.
+
+    With -np N it splits -c into N slots (the context is capped at the model's training
+    context), so this is what it was asked for, never what the card would hold.
+    """
+    try:
+        props = json.loads(text)
+        settings = props.get("default_generation_settings") or {}
+        n = settings.get("n_ctx", props.get("n_ctx", 0))
+        slots = props.get("total_slots", 1)
+        if not (isinstance(n, int) and 0 < n <= 1 << 32 and isinstance(slots, int) and 0 < slots <= m.MAX_PARALLEL):
+            return 0
+        return n * slots
+    except (ValueError, AttributeError):
+        return 0
+
+
+_VERSION_TEXT = re.compile(r"v?(\d+(?:\.\d+){0,3}[\w.+-]*)")
+
+
+def version_argv(engine: str, cmds: Mapping[str, list[str]]) -> list[str]:
+    """The command that asks an engine its version: ``vllm --version``, ``llama-server --version``."""
+    argv = list(cmds[engine])
+    if engine == "vllm" and argv and argv[-1] == "serve":
+        argv = argv[:-1]  # the program, not its serve subcommand
+    return [*argv, "--version"]
+
+
+def parse_version_output(text: str) -> str:
+    """The version in what ``--version`` printed (vLLM: ``0.17.1``, after any log lines; llama-server:
+    ``version: 4567 (abc1234)``), or "" when there is none."""
+    for raw in text.splitlines():
+        line = raw.strip()
+        low = line.lower()
+        if "version" in low:
+            found = _VERSION_TEXT.search(line[low.rindex("version") + len("version"):])
+        else:
+            found = _VERSION_TEXT.match(line)
+        if found:
+            return found.group(1)[:100]
+    return ""

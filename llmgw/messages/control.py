@@ -1,0 +1,252 @@
+"""The control stream (``llmgw.control.*``): models, replicas and API keys."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from llmgw.messages.base import (
+    MAX_GPUS,
+    MAX_REPLICAS,
+    Event,
+    FabricRef,
+    GpuClassRef,
+    GpuIndex,
+    Label,
+    ModelName,
+    Parallel,
+    Ref,
+    ReplicaId,
+    Replicas,
+    Seconds,
+    Split,
+    Text,
+    Time,
+)
+
+# --- control stream: llmgw.control.model.<name>.*, llmgw.control.replica.<id>.* --
+
+Engine = Literal["vllm", "llama.cpp"]
+
+
+Routing = Literal["prefix", "least-outstanding"]
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to run one replica of a declared model."""
+
+    name: ModelName
+    source: Text
+    precision: Label
+    engine: Engine
+    gpu_class: GpuClassRef
+    context: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
+    tp: Split = 1
+    pp: Split = 1
+    replicas: Replicas = 1
+    quantization: Label | None = None
+    file: Text | None = None
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.9
+    engine_args: Annotated[tuple[Text, ...], msgspec.Meta(max_length=256)] = ()
+    gib_per_gpu: Annotated[float, msgspec.Meta(ge=0, le=1 << 20)] = 0.0
+    idle_ttl_s: Seconds | None = None
+    # Autoscaling (both bounds set): the scheduler keeps between min and max replicas,
+    # aiming at ``target_in_flight`` requests per replica; min 0 scales to zero and a
+    # request wakes it. Unset: ``replicas`` is fixed, as before.
+    min_replicas: Replicas | None = None
+    max_replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] | None = None
+    target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
+    kv_cache_dtype: Label = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
+    kv_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
+    # Sequences served at once. llama.cpp: -np slots, each with ``context`` (-c is their shared
+    # pool, parallel x context); vLLM: --max-num-seqs (its paged cache needs no more memory).
+    parallel: Parallel = 0
+    engine_version: Label = ""  # the engine version the plan was made for ("": not recorded)
+    # How routers pick its replica (llmgw/router/prefix.py): "prefix" sends prompts that begin alike
+    # to the same replica (its KV cache has them), within a load bound; "least-outstanding" by load alone.
+    routing: Routing = "prefix"
+
+    @property
+    def slots(self) -> int:
+        """llama.cpp's -np: one slot unless more were asked for."""
+        return max(1, self.parallel)
+
+    @property
+    def kv_tokens_planned(self) -> int:
+        """The KV cache its engine should report: llama.cpp allocates exactly its -c (slots x context),
+        whatever else the card holds (older declarations recorded the card's capacity)."""
+        return self.context * self.slots if self.engine == "llama.cpp" else self.kv_tokens
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None and self.max_replicas is not None
+
+
+class ModelDeclared(Event, tag="ModelDeclared", frozen=True, kw_only=True):
+    """An operator asked for a model to serve with this spec."""
+
+    spec: ModelSpec
+
+
+class ModelScaled(Event, tag="ModelScaled", frozen=True, kw_only=True):
+    """An operator changed how many replicas a model should have."""
+
+    name: Ref
+    replicas: Replicas
+
+
+class ModelAutoscaled(Event, tag="ModelAutoscaled", frozen=True, kw_only=True):
+    """The scheduler changed how many replicas an autoscaled model has, and says why."""
+
+    name: Ref
+    replicas: Replicas
+    reason: Text = ""
+    code: Label = ""  # AUTOSCALE_CODES; "" before codes
+
+
+class ModelRemoved(Event, tag="ModelRemoved", frozen=True, kw_only=True):
+    """An operator asked for a model to stop serving everywhere."""
+
+    name: Ref
+
+
+class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True):
+    """The scheduler could not place replicas of a model, and says why."""
+
+    name: Ref
+    reason: Text
+    missing_replicas: Replicas = 1
+    code: Label = ""  # UNPLACEABLE_CODES; "" before codes
+
+
+class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU a replica holds."""
+
+    node: Ref
+    index: GpuIndex
+    uuid: Label
+
+
+class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
+    """The scheduler put a replica on these GPUs (tp per node, pp nodes)."""
+
+    replica_id: ReplicaId
+    model: Ref
+    nodes: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=MAX_GPUS)]
+    gpus: Annotated[tuple[GpuRef, ...], msgspec.Meta(max_length=MAX_GPUS * 16)]
+    spec: ModelSpec
+    fabric: FabricRef = ""
+    reason: Text = ""
+    # Why the scheduler placed it, as a code: "wake" (a request woke a parked model), "scale-up"
+    # (the autoscaler asked for more), "" (a declaration, a re-placement, a roll). The cold-start
+    # ledger counts the first two; older events carry "" and are judged by their reason.
+    cause: Label = ""
+
+
+ReplicaState = Literal["starting", "healthy", "unhealthy", "failed", "stopped"]
+
+
+class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only=True):
+    """An agent reports how the engine of a replica is doing."""
+
+    replica_id: Ref
+    model: Ref
+    node: Ref
+    state: ReplicaState
+    endpoint: Label = ""
+    detail: Text = ""
+    restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+    # What a healthy engine actually reserved for KV cache, in tokens (vLLM: num_gpu_blocks x
+    # block_size from /metrics); 0 when unknown. Bounded only to what a checkpoint can hold:
+    # a figure out of a sane range must not cost the state change; the planner ignores and counts it.
+    observed_kv_tokens: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
+    # A replica over several nodes (pp > 1): each node reports its own part; the head's part
+    # (the first node) says where the others join it (Ray's head, host:port).
+    head_address: Label = ""
+    # GPU memory the engine's processes (and their children) hold on this node, as NVML lists them,
+    # in MiB; 0 when unknown. Bounded as observed_kv_tokens is; readers clamp.
+    observed_memory_mib: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
+
+
+# Why a replica stops, as a code the scheduler decides on and analysts group by; ``reason`` is the
+# sentence for people. "" on events written before codes (readers derive one: ``stop_code``).
+STOP_CODES = ("idle", "scaled_down", "spec_changed", "removed", "gpu_unhealthy", "node_lost", "engine_failed",
+              "requested")
+# Why a model cannot be placed: no GPU of its class anywhere, or not enough free ones (or whole nodes).
+UNPLACEABLE_CODES = ("no_such_class", "no_room")
+# Why the autoscaler changed a count.
+AUTOSCALE_CODES = ("woken", "scaled_up", "scaled_down", "bounds")
+
+
+class ReplicaStopped(Event, tag="ReplicaStopped", frozen=True, kw_only=True):
+    """A replica must stop and give its GPUs back (idle, removed, re-placed, …): ``code`` (STOP_CODES) and why."""
+
+    replica_id: Ref
+    model: Ref
+    reason: Text
+    code: Label = ""
+
+    @property
+    def stop_code(self) -> str:
+        """The code, or for an event written before codes, the one its reason's wording implies."""
+        if self.code:
+            return self.code
+        for prefix, code in STOP_PREFIXES:
+            if self.reason.startswith(prefix):
+                return code
+        return ""
+
+
+# How the scheduler worded each stop before codes (ctl idle --stop wrote "idle").
+STOP_PREFIXES = (("idle", "idle"), ("scaled down", "scaled_down"), ("spec changed", "spec_changed"),
+                  ("model removed", "removed"), ("failed", "engine_failed"),
+                  ("re-placing: node", "node_lost"), ("re-placing: GPU", "gpu_unhealthy"))
+
+
+# --- keys: llmgw.control.key.<name>.* (admin only) ------------------------------
+
+KEY_PREFIX = "llmgw-"  # a secret is llmgw-<key id, 16 hex>-<secret, 43 url-safe base64>
+KeyId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$", max_length=16)]
+Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$", max_length=64)]
+Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$", max_length=32)]
+Priority = Literal["high", "normal", "low"]
+
+
+class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
+    """An API key and its limits (``ctl key create|update``); the stream holds a salted digest, never the secret.
+
+    Declared again under the same name it replaces the record (``update``); the digest is
+    sha256(salt || secret) in hex, and a router finds the record by ``lookup_id`` (the id in the secret).
+    """
+
+    name: Ref
+    lookup_id: KeyId
+    salt: Hex32
+    digest: Hex64
+    tenant: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    models: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=256)] = ()  # empty: every model
+    requests_per_minute: Annotated[int, msgspec.Meta(ge=1, le=10**15)] | None = None
+    tokens_per_day: Annotated[int, msgspec.Meta(ge=1, le=10**15)] | None = None
+    priority: Priority = "normal"
+    expires_at: Time | None = None
+
+
+class KeyRevoked(Event, tag="KeyRevoked", frozen=True, kw_only=True):
+    """An API key no router accepts any more (``ctl key revoke``); its usage stays in history."""
+
+    name: Ref
+
+
+ControlEvent = (
+    KeyDeclared
+    | KeyRevoked
+    | ModelDeclared
+    | ModelScaled
+    | ModelAutoscaled
+    | ModelRemoved
+    | ModelUnplaceable
+    | ReplicaPlaced
+    | ReplicaStateChanged
+    | ReplicaStopped
+)

@@ -1,0 +1,269 @@
+"""The status service's bodies (``llmgw.status``, request/reply, not stored)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+import msgspec
+
+from llmgw.messages.control import ControlEvent, GpuRef, ModelSpec
+from llmgw.messages.fleet import GpuSample
+
+# --- status service: llmgw.status (request/reply) ------------------------------
+
+
+class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the projector for the fleet status; idle is judged against this threshold."""
+
+    idle_threshold_s: float = 1800.0
+    # Judge idle against this time (the asker's clock, e.g. ``ctl idle``) instead of the
+    # time of the last event folded, which stands still while nothing happens.
+    now: Annotated[datetime, msgspec.Meta(tz=True)] | None = None
+    # Answer only once the projector has folded these stream sequences (what the asker saw
+    # stored when it asked), waiting up to ``wait_s``: status reads its own writes.
+    wait_for: dict[str, Annotated[int, msgspec.Meta(ge=0)]] = {}
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=30)] = 5.0
+    # Also every replica (``StatusReport.replica_list``), and one model in full (``model_detail``).
+    replicas: bool = False
+    model: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # Also every node's latest GPU samples (``StatusReport.node_gpus``): the dashboard's, not ``ctl status``'s.
+    gpus: bool = False
+
+
+class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
+    """GPUs of one class: used + free + unhealthy + lost == total."""
+
+    gpu_class: str
+    total: int
+    used: int
+    free: int
+    unhealthy: int
+    lost: int = 0
+
+
+class FabricNodes(msgspec.Struct, frozen=True, kw_only=True):
+    """Whole nodes of one class on one fabric with every GPU healthy and free."""
+
+    fabric: str
+    gpu_class: str
+    free_nodes: int
+    live_nodes: int
+
+
+class UnplaceableModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A declared model the scheduler could not place, and why."""
+
+    name: str
+    reason: str
+    since: datetime | None = None
+
+
+class IdleReplica(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica nobody asked for; ``idle_s`` < 0 means no router knows."""
+
+    replica_id: str
+    model: str
+    gpus: int
+    nodes: tuple[str, ...]
+    state: str
+    idle_s: float
+    idle_since: datetime | None = None
+    # Prompt tokens its engine reported through the routers, and of them cached (0, 0: none reported).
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One declared model at a glance: a row of ``ctl model list`` and of ``ctl status``.
+
+    ``idle_s`` is since anyone asked for any of its replicas: -1 when a replica
+    no router knows could have been asked (unknown is not idle) or none is placed.
+    KV tokens: the plan's per replica, and what its engines last reported reserving
+    since it was declared, kept when its replicas stop (0: none reported).
+    """
+
+    name: str
+    state: str  # serving | starting | parked | unplaceable | stopped
+    healthy: int
+    placed: int
+    wanted: int
+    set_by: str  # who set ``wanted`` last: declared | operator | autoscaler
+    min_replicas: int | None
+    max_replicas: int | None
+    target_in_flight: float | None  # None: a fixed replica count
+    idle_ttl_s: float | None
+    source: str
+    precision: str
+    engine: str
+    quantization: str | None
+    gpu_class: str
+    tp: int
+    pp: int  # nodes per replica
+    gpus_per_replica: int
+    context: int
+    unplaceable: str | None
+    kv_tokens_planned: int
+    kv_tokens_observed: int
+    unplaceable_since: datetime | None = None
+    declared_at: datetime | None = None
+    gpus_held: int = 0
+    idle_s: float = -1.0
+    idle_since: datetime | None = None
+    gpu_hours_today: float = 0.0  # GPUs its replicas held since midnight UTC of ``now``, stopped ones too
+
+
+class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica as the fold knows it; ``idle_s`` < 0: no router knows, ``kv_tokens_observed`` 0: not reported.
+
+    ``kv_error`` is (planned - observed) / observed, as ``ctl model plan`` states the
+    estimate's error; None when either is unknown.
+    """
+
+    replica_id: str
+    model: str
+    state: str  # placed | starting | healthy | unhealthy | failed
+    nodes: tuple[str, ...]
+    gpus: tuple[GpuRef, ...]
+    fabric: str
+    endpoint: str
+    restarts: int
+    detail: str
+    placed_at: datetime | None
+    state_at: datetime | None
+    idle_s: float
+    idle_since: datetime | None
+    kv_tokens_planned: int
+    kv_tokens_observed: int
+    kv_error: float | None = None
+    # GPU memory the engine's processes hold, per node, as its agent read NVML (empty: not reported).
+    observed_memory_mib: dict[str, int] = {}
+    # Prompt tokens its engine reported through every router since it was placed, and how many it
+    # served from its prefix cache (the routers' maps, ``cache_use``); 0 and 0: none reported.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ModelEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One control-stream event about a model, where the stream stored it."""
+
+    seq: int
+    event: ControlEvent
+
+
+class ColdStart(msgspec.Struct, frozen=True, kw_only=True):
+    """One wake or scale-up of a model: each phase at its event's time, None where nothing reported it.
+
+    wanted (the first request held, by the router) → placed (the scheduler) → started (the
+    engine process, by the agent) → healthy (the agent) → released (the router sent the held
+    requests on) → first byte (the router had the first answer). A scale-up is wanted when placed.
+    """
+
+    replica_id: str
+    model: str
+    cause: str  # wake | scale-up
+    placed_at: datetime
+    wanted_at: datetime | None = None
+    started_at: datetime | None = None
+    healthy_at: datetime | None = None
+    released_at: datetime | None = None
+    first_byte_at: datetime | None = None
+    requests: int = 0  # requests held for it (0: none known)
+    waits_s: tuple[float, ...] = ()  # each held request's wait until released (sorted, the first 1,024)
+
+    @property
+    def total_s(self) -> float | None:
+        """From wanted (else placed) to the first byte (else healthy); None until healthy."""
+        end = self.first_byte_at or self.healthy_at
+        return None if end is None else (end - (self.wanted_at or self.placed_at)).total_seconds()
+
+
+class ModelDetail(msgspec.Struct, frozen=True, kw_only=True):
+    """``ctl model show``: a model's spec (the plan's figures in it), its replicas and its latest control events."""
+
+    now: datetime | None
+    positions: dict[str, int]
+    summary: ModelSummary
+    spec: ModelSpec
+    replicas: tuple[ReplicaRow, ...]
+    events: tuple[ModelEvent, ...]
+    # Its cold starts, oldest first (the latest 64), and how many the history holds in all.
+    cold_starts: tuple[ColdStart, ...] = ()
+    cold_start_count: int = 0
+
+
+class ClassGpuUse(msgspec.Struct, frozen=True, kw_only=True):
+    """What the GPUs of one class are doing, from the agents' latest samples of live nodes."""
+
+    gpu_class: str
+    sampled: int  # GPUs with a recent sample
+    utilization_pct: float | None  # mean over the sampled GPUs that report it; None: none does
+    memory_used_mib: int
+    memory_total_mib: int
+
+
+class NodeGpus(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's latest GPU samples (processes left out) and when its agent took them."""
+
+    node: str
+    gpu_class: str
+    at: datetime
+    gpus: tuple[GpuSample, ...]
+    # GPUs the fold holds unhealthy (an XID, ECC, lost from the bus), index → why: never drawn as idle.
+    unhealthy: dict[int, str] = {}
+
+
+class TenantUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's API keys, summed: requests and tokens today (UTC) and over the last seven days."""
+
+    tenant: str  # "" for keys without one
+    requests_today: int
+    tokens_today: int
+    requests_7d: int
+    tokens_7d: int
+
+
+class KeyNearLimit(msgspec.Struct, frozen=True, kw_only=True):
+    """A key that has used 80 % or more of its tokens for today (UTC)."""
+
+    name: str
+    tenant: str
+    tokens_today: int
+    tokens_per_day: int
+
+
+class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The fleet at ``now``, computed only from the events folded up to ``positions``."""
+
+    now: datetime | None
+    idle_threshold_s: float
+    positions: dict[str, int]
+    nodes: int
+    lost_nodes: tuple[str, ...]
+    capacity: tuple[ClassCapacity, ...]
+    free_nodes: tuple[FabricNodes, ...]
+    models: int
+    replicas: int
+    replicas_by_state: dict[str, int]
+    unplaceable: tuple[UnplaceableModel, ...]
+    idle: tuple[IdleReplica, ...]
+    unknown_idle: int
+    unprojected_events: int
+    # Each declared model: serving, starting, parked (a request wakes it), unplaceable or stopped.
+    model_states: dict[str, str] = {}
+    model_list: tuple[ModelSummary, ...] = ()
+    replica_list: tuple[ReplicaRow, ...] = ()  # only when asked (``StatusRequest.replicas``)
+    model_detail: ModelDetail | None = None  # only when asked (``StatusRequest.model``), and declared
+    # Events folded at the time their stream stored them: their own was too far from it.
+    clamped_events: int = 0
+    # GPU use from the agents' latest heartbeats (live only: empty in a replay): per class, and
+    # per node when the request asked for ``gpus``.
+    gpu_use: tuple[ClassGpuUse, ...] = ()
+    node_gpus: tuple[NodeGpus, ...] = ()
+    # The API keys' use by tenant (ctl key), and the keys near their daily token limit.
+    tenants: tuple[TenantUsage, ...] = ()
+    near_limits: tuple[KeyNearLimit, ...] = ()
+
+
+STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
+STATUS_REQUEST_DECODER = msgspec.json.Decoder(StatusRequest)

@@ -1,0 +1,399 @@
+"""Pure placement: what should run where, decided from the folded fleet state.
+
+``decide(state, memory, now)`` returns the events a scheduler should publish
+(``ReplicaStopped``, ``ReplicaPlaced``, ``ModelUnplaceable``), each paired
+with a deterministic ``Nats-Msg-Id``: two schedulers that see the same history
+make the same decisions under the same ids, and JetStream keeps one of each.
+
+A replica takes ``tp`` healthy free GPUs of its class on one node, or, with
+``pp > 1``, ``tp`` GPUs on each of ``pp`` nodes of ONE fabric; never across.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
+from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView
+
+# Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
+BACKOFF_BASE_S = 5.0
+BACKOFF_MAX_S = 300.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One event to publish and the id that makes publishing it idempotent."""
+
+    event: m.Event
+    msg_id: str
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds to wait before placing a model again after ``failures`` failed replicas."""
+    if failures <= 0:
+        return 0.0
+    return min(BACKOFF_BASE_S * 2 ** (failures - 1), BACKOFF_MAX_S)
+
+
+def replica_id(model: str, n: int) -> str:
+    """The n-th replica ever placed for a model: the same in every scheduler that folds the same history."""
+    return f"{model}-r{n}"
+
+
+def _lost_reason(state: FleetState, replica: ReplicaView) -> tuple[str, str] | None:
+    """Why a replica can no longer run where it is (code, sentence), or None when its GPUs are fine."""
+    for ref in replica.gpus:
+        node = state.nodes.get(ref.node)
+        if node is None:
+            return "node_lost", f"node {ref.node} is unknown"
+        if node.lost:
+            return "node_lost", f"node {ref.node} lost (no heartbeat)"
+        gpu = node.gpus.get(ref.index)
+        if gpu is None or gpu.uuid != ref.uuid:
+            return "gpu_unhealthy", f"GPU {ref.index} ({ref.uuid}) on {ref.node} is gone"
+        if not gpu.healthy:
+            why = ", ".join(gpu.reasons) or "no reason given"
+            return "gpu_unhealthy", f"GPU {ref.index} ({ref.uuid}) on {ref.node} unhealthy: {why}"
+    return None
+
+
+def _free_by_node(state: FleetState, held: set[tuple[str, int]], gpu_class: str) -> dict[str, list[GpuView]]:
+    out: dict[str, list[GpuView]] = {}
+    for node in state.nodes.values():
+        free = sorted((g for g in state.free_gpus(node, held) if g.gpu_class == gpu_class), key=lambda g: g.index)
+        if free:
+            out[node.name] = free
+    return out
+
+
+def place(
+    state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]], avoid: set[str] | frozenset[str] = frozenset(),
+    free: dict[str, list[GpuView]] | None = None,
+) -> tuple[tuple[str, ...], tuple[m.GpuRef, ...], str] | None:
+    """Nodes, GPUs and fabric for one replica of ``spec``, or None when nothing fits.
+
+    Best fit: the node (or fabric) with the fewest free GPUs that still fits,
+    so large holes stay open for large models; nodes in ``avoid`` (already
+    serving this model) come last, so one lost node does not take every replica.
+    ``free`` is the class's free GPUs by node when the caller keeps it current.
+    """
+    free = _free_by_node(state, held, spec.gpu_class) if free is None else free
+    fits = [n for n, gpus in free.items() if len(gpus) >= spec.tp]
+    if spec.pp <= 1:
+        if not fits:
+            return None
+        best = min(fits, key=lambda n: (n in avoid, len(free[n]), n))
+        gpus = free[best][: spec.tp]
+        refs = tuple(m.GpuRef(node=best, index=g.index, uuid=g.uuid) for g in gpus)
+        return (best,), refs, state.nodes[best].fabric
+    by_fabric: dict[str, list[str]] = defaultdict(list)
+    for n in fits:
+        by_fabric[state.nodes[n].fabric].append(n)
+    options = []
+    for fabric, nodes in by_fabric.items():
+        if len(nodes) < spec.pp:
+            continue
+        chosen = sorted(nodes, key=lambda n: (n in avoid, len(free[n]), n))[: spec.pp]
+        options.append((sum(len(free[n]) for n in chosen), fabric, chosen))
+    if not options:
+        return None
+    _, fabric, chosen = min(options)
+    refs = tuple(m.GpuRef(node=n, index=g.index, uuid=g.uuid) for n in chosen for g in free[n][: spec.tp])
+    return tuple(chosen), refs, fabric
+
+
+def class_fabrics(state: FleetState, cls: str) -> dict[str, list[NodeView]]:
+    """The nodes with GPUs of a class, by fabric."""
+    fabrics: dict[str, list[NodeView]] = defaultdict(list)
+    for node in state.nodes.values():
+        if any(g.gpu_class == cls for g in node.gpus.values()):
+            fabrics[node.fabric].append(node)
+    return fabrics
+
+
+def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]],
+                       free: dict[str, list[GpuView]] | None = None,
+                       fabrics: dict[str, list[NodeView]] | None = None) -> str:
+    """Why a replica does not fit, with what each fabric has free, and what to do next.
+
+    ``free`` is the class's free GPUs by node when the caller keeps it current (``place``), and
+    ``fabrics`` its nodes by fabric (``class_fabrics``) when the caller has them.
+    """
+    cls = spec.gpu_class
+    if spec.pp <= 1:
+        need = f"needs {spec.tp} × {cls} on one node"
+    else:
+        need = f"needs {spec.pp} nodes with {spec.tp} × {cls} each, in one fabric"
+    fabrics = class_fabrics(state, cls) if fabrics is None else fabrics
+    if not fabrics:
+        classes = sorted({g.gpu_class for g in state.gpus()})
+        have = ", ".join(classes) if classes else "none reported yet"
+        return f"{need}; no node has {cls} GPUs (classes in the fleet: {have}); deploy with another --gpu-class"
+    free = _free_by_node(state, held, cls) if free is None else free
+    parts = []
+    for fabric in sorted(fabrics):
+        nodes = sorted(n.name for n in fabrics[fabric] if n.name in free)
+        if not nodes:
+            lost = sum(1 for n in fabrics[fabric] if n.lost)
+            extra = f" ({lost} node{'s' if lost != 1 else ''} lost)" if lost else ""
+            parts.append(f"fabric {fabric} has none free{extra}")
+        else:
+            first, *rest = nodes
+            tail = "".join(f", {len(free[n])} on {n}" for n in rest)
+            parts.append(f"fabric {fabric} has {len(free[first])} free on {first}{tail}")
+    return f"{need}; " + "; ".join(parts) + "; free cards with `llmgw ctl idle --stop` or choose a smaller plan candidate"
+
+
+def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
+    """Whether a replica of spec ``a`` runs what ``b`` declares: how many, and when to stop, aside."""
+    return _run_part(a) == _run_part(b)
+
+
+def _run_part(spec: m.ModelSpec) -> m.ModelSpec:
+    # kv_tokens is the plan's figure (or what an engine reserved), not something the engine runs with;
+    # routing is the routers' business: changing it restarts no engine.
+    return msgspec.structs.replace(spec, replicas=0, idle_ttl_s=None, min_replicas=None, max_replicas=None,
+                                   target_in_flight=1.0, kv_tokens=0, routing="prefix")
+
+
+def _recommend(spec: m.ModelSpec, demand: int) -> int:
+    """Replicas for this demand: one per ``target_in_flight`` requests, within the bounds."""
+    assert spec.min_replicas is not None and spec.max_replicas is not None
+    return min(max(math.ceil(demand / spec.target_in_flight), spec.min_replicas), spec.max_replicas)
+
+
+def autoscale(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[tuple[m.ModelAutoscaled, str]]:
+    """The autoscaler's changes (with their ids): wake on a wish, then up or down with the load.
+
+    A model scaled to zero wakes when a router wanted it after seeing that
+    scale (its control sequence is at or after it). Up needs every map of the
+    last UP_SAMPLES router ticks to ask for more, down every map of the last
+    DOWN_SAMPLES ticks to ask for fewer: the long window down is the hysteresis.
+    Ticks of time, not maps: five routers publish five maps a tick.
+    """
+    out = []
+    for name in sorted(state.models):
+        model = state.models[name]
+        spec = model.spec
+        if not spec.autoscaled or (model.replicas_wanted == 0 and model.replicas_by == "operator"):
+            continue  # an operator's 0 is "off" until they scale again
+        assert spec.min_replicas is not None
+        current = model.replicas_wanted
+        new, reason, code = current, "", ""
+        wish = memory.wished.get(name)
+        zeroed = memory.zeroed_at.get(name)
+        # Only maps from routers that had seen the count's last change: the stabilization
+        # windows start again at every change, and the comparison of sequences does not
+        # depend on how the usage and control streams interleave.
+        since = memory.count_changed_at.get(name, 0)
+        window = memory.windows.get(name, [])
+        ups = agreeing(window, since, UP_SAMPLES) if window else None
+        downs = agreeing(window, since, DOWN_SAMPLES) if window else None
+        tick = window[-1][3] if window else 0.0
+        if current == 0 and zeroed is not None and wish is not None and wish.control_seq >= zeroed:
+            new, code = max(spec.min_replicas, 1), "woken"
+            reason = f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
+        elif ups and (up := min(_recommend(spec, x) for x in ups)) > current:
+            new, code = up, "scaled_up"
+            per = ups[-1] / max(current, 1)
+            reason = (f"scaled up: {per:.1f} in flight per replica > {spec.target_in_flight:g} "
+                      f"for {UP_SAMPLES} router ticks ({UP_SAMPLES * tick:g}s)")
+        elif downs and (down := max(_recommend(spec, x) for x in downs)) < current:
+            new, code = down, "scaled_down"
+            per = max(downs) / max(current, 1)
+            reason = (f"scaled down: at most {per:.1f} in flight per replica < {spec.target_in_flight:g} "
+                      f"for {DOWN_SAMPLES} router ticks ({DOWN_SAMPLES * tick:g}s)")
+        elif not spec.min_replicas <= current <= (spec.max_replicas or current):
+            new, code = min(max(current, spec.min_replicas), spec.max_replicas or current), "bounds"
+            reason = f"kept within min {spec.min_replicas} and max {spec.max_replicas}"
+        if new != current:
+            event = m.ModelAutoscaled(at=now, name=name, replicas=new, reason=reason, code=code)
+            out.append((event, f"ModelAutoscaled:{name}:{memory.autoscalings.get(name, 0)}:{new}:{_key(model.declared_at)}"))
+    return out
+
+
+def _key(*parts: object) -> str:
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=12).hexdigest()
+
+
+def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[Decision]:
+    """Everything to publish now so that the fleet converges on what was declared."""
+    out: list[Decision] = []
+    # The autoscaler's changes count at once, so a wake places in the same pass.
+    target: dict[str, int] = {}
+    why: dict[str, str] = {}
+    cause: dict[str, str] = {}  # the ledger's code for the placements an autoscale causes
+    for event_a, msg_id in autoscale(state, memory, now):
+        out.append(Decision(event_a, msg_id))
+        target[event_a.name] = event_a.replicas
+        if event_a.replicas > (before := state.models[event_a.name].replicas_wanted):
+            why[event_a.name] = event_a.reason
+            cause[event_a.name] = "wake" if before == 0 else "scale-up"
+    held = {(g.node, g.index) for r in state.replicas.values() for g in r.gpus}
+    live: dict[str, list[ReplicaView]] = defaultdict(list)
+    # Stops decided in this pass count as if already folded: an idle stop parks
+    # the replica and a failure starts the back-off now, not one pass later.
+    parked_now: dict[str, int] = defaultdict(int)
+    failed_now: set[str] = set()
+
+    # Free GPUs by class and node, computed once and kept current: recomputing
+    # them for every replica made a first pass over 4000 GPUs take seconds.
+    free_by_class: dict[str, dict[str, list[GpuView]]] = {}
+    fabrics_by_class: dict[str, dict[str, list[NodeView]]] = {}  # for the reasons; GPUs held change nothing in it
+    stopped_models: set[str] = set()
+
+    def free_for(cls: str) -> dict[str, list[GpuView]]:
+        if cls not in free_by_class:
+            free_by_class[cls] = _free_by_node(state, held, cls)
+        return free_by_class[cls]
+
+    def stop(replica: ReplicaView, code: str, reason: str) -> None:
+        event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason, code=code)
+        out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
+        held.difference_update((g.node, g.index) for g in replica.gpus)
+        free_by_class.pop(replica.spec.gpu_class, None)
+        stopped_models.add(replica.model)
+
+    for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
+        model = state.models.get(replica.model)
+        if model is None:
+            stop(replica, "removed", "model removed")
+            continue
+        if (lost := _lost_reason(state, replica)) is not None:
+            stop(replica, lost[0], f"re-placing: {lost[1]}")
+            continue
+        if replica.state == "failed":
+            stop(replica, "engine_failed", f"failed: {replica.detail or 'the engine did not start'}")
+            failed_now.add(replica.model)
+            continue
+        ttl = model.spec.idle_ttl_s
+        if ttl is not None and ttl > 0:
+            since = state.idle_since(replica.replica_id)
+            # Unknown idle time is never idle: without a router's word, nothing is stopped.
+            if since is not None and (now - since).total_seconds() >= ttl:
+                stop(replica, "idle", f"idle: no request for {(now - since).total_seconds():.0f}s (idle_ttl {ttl:g}s)")
+                parked_now[replica.model] += 1
+                continue
+        live[replica.model].append(replica)
+
+    for name in sorted(state.models):
+        model = state.models[name]
+        spec = model.spec
+        running = live.get(name, [])
+        replicas_wanted = target.get(name, model.replicas_wanted)
+        wanted = max(replicas_wanted - memory.parked(name) - parked_now[name], 0)
+        by_age = sorted(running, key=lambda r: (r.placed_at, r.replica_id))
+        current = [r for r in by_age if same_run(r.spec, spec)]
+        outdated = [r for r in by_age if not same_run(r.spec, spec)]
+        if len(current) > wanted:
+            def scale_stop(r: ReplicaView, n: int = replicas_wanted) -> None:
+                stop(r, "scaled_down", f"scaled down to {n}")
+
+            current = _scale_down(state, memory, current, len(current) - wanted, scale_stop)
+        # A re-declared spec rolls: an old replica stops only once a new one is
+        # healthy in its place, so a redeploy never takes a model offline.
+        healthy_new = sum(1 for r in current if r.state == "healthy")
+        retire = max(len(outdated) - max(wanted - healthy_new, 0), 0)
+        for replica in outdated[:retire]:
+            stop(replica, "spec_changed", "spec changed: replaced by a replica of the new spec")
+        outdated = outdated[retire:]
+        running = current + outdated
+        missing = wanted - len(current)
+        if missing <= 0:
+            continue
+        if name in failed_now:
+            continue
+        failures = memory.failures.get(name, 0)
+        failed_at = memory.failed_at.get(name)
+        if failures and failed_at is not None and now < failed_at + timedelta(seconds=backoff_s(failures)):
+            continue  # backing off: a replica that keeps failing must not loop hot
+        n = memory.placed.get(name, 0)
+        avoid = {node for r in running for node in r.nodes}
+        placed_now = 0
+        for _ in range(missing):
+            free = free_for(spec.gpu_class)
+            where = place(state, spec, held, avoid, free)
+            if where is None:
+                break
+            nodes, gpus, fabric = where
+            taken = {(g.node, g.index) for g in gpus}
+            for node in nodes:
+                left = [g for g in free[node] if (node, g.index) not in taken]
+                if left:
+                    free[node] = left
+                else:
+                    del free[node]
+            n += 1
+            rid = replica_id(name, n)
+            woken = "" if name in why else _woken(memory, name, running)
+            reason = why.get(name) or woken or f"{len(running) + placed_now} of {wanted} running"
+            event = m.ReplicaPlaced(
+                at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
+                cause=cause.get(name, "wake" if woken else ""),
+            )
+            out.append(Decision(event, f"ReplicaPlaced:{rid}"))
+            held.update((g.node, g.index) for g in gpus)
+            avoid.update(nodes)
+            placed_now += 1
+        if placed_now < missing and outdated and name not in stopped_models:
+            # No room to surge: free the oldest replica of the old spec; the next pass places the new one.
+            stop(outdated[0], "spec_changed", "spec changed: making room for the new spec")
+            continue
+        if placed_now < missing and state.nodes:
+            # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
+            # The pass's own free map: recomputing it for every short model made a replay of a
+            # week with unplaceable models spend most of its time here.
+            cls = spec.gpu_class
+            if cls not in fabrics_by_class:
+                fabrics_by_class[cls] = class_fabrics(state, cls)
+            reason = unplaceable_reason(state, spec, held, free_for(cls), fabrics_by_class[cls])
+            if reason != model.unplaceable_reason:
+                short = missing - placed_now
+                code = "no_room" if fabrics_by_class[cls] else "no_such_class"  # some node has the class, or none
+                event_u = m.ModelUnplaceable(at=now, name=name, reason=reason, missing_replicas=short, code=code)
+                # The count's last change is in the id: a scale clears "unplaceable" in the fold, and the
+                # same reason said again after it must be stored, not dropped as a duplicate of the first.
+                key = _key(reason, model.declared_at, memory.count_changed_at.get(name, 0))
+                out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{key}"))
+    return out
+
+
+def _scale_down(state: FleetState, memory: SchedulerMemory, current: list[ReplicaView], extra: int,
+                stop: Callable[[ReplicaView], None]) -> list[ReplicaView]:
+    """Stop ``extra`` replicas, those nobody is using first; never one with a request in flight.
+
+    Not yet healthy first (nothing to lose), then the longest idle; a replica
+    any router reports busy stays until a later pass finds it idle. Returns
+    the replicas that keep running, oldest first.
+    """
+    far = datetime.max.replace(tzinfo=UTC)
+
+    def key(r: ReplicaView) -> tuple[bool, datetime, float, str]:
+        return r.state == "healthy", state.idle_since(r.replica_id) or far, -r.placed_at.timestamp(), r.replica_id
+
+    stopped: set[str] = set()
+    for r in sorted(current, key=key):
+        if len(stopped) == extra:
+            break
+        if memory.busy(r.replica_id):
+            continue
+        stop(r)
+        stopped.add(r.replica_id)
+    return [r for r in current if r.replica_id not in stopped]
+
+
+def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> str:
+    """"woken by <router>" when nothing runs and a router wanted the model after its last idle stop."""
+    wish, stop = memory.wished.get(name), memory.last_idle_stop.get(name)
+    if running or wish is None or stop is None or wish.control_seq < stop:
+        return ""
+    return f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
