@@ -56,6 +56,19 @@ def test_inventories_fold_into_a_fleet_with_the_bad_gpu(fleet_file: Path) -> Non
         (GOOD + GOOD, "f.toml: nodes[1].name repeats node 'n1'"),
         (GOOD.replace("81559", "12"), "f.toml: nodes[0].gpu_memory_mib must be between 1024 and 4194304 MiB (got 12)"),
         ("nodes = 3", "f.toml: nodes must be a non-empty array of tables ([[nodes]])"),
+        ("", "f.toml: nodes must be a non-empty array of tables ([[nodes]])"),
+        ("nodes = [1]", "f.toml: nodes[0] must be a table"),
+        (GOOD.replace("gpu_count = 8", "gpu_count = true"), "f.toml: nodes[0].gpu_count must be a positive integer (got True)"),
+        (GOOD.replace("gpu_count = 8", "gpu_count = 8.0"), "f.toml: nodes[0].gpu_count must be a positive integer (got 8.0)"),
+        (GOOD.replace("81559", "2048.0"), "f.toml: nodes[0].gpu_memory_mib must be a positive integer (MiB) (got 2048.0)"),
+        (GOOD + "unhealthy = 3\n", "f.toml: nodes[0].unhealthy must be an array of GPU indices (got 3)"),
+        (GOOD + "unhealthy = [1, -1]\n", "f.toml: nodes[0].unhealthy[1] must be a GPU index from 0 to 7 (got -1)"),
+        (GOOD + 'unhealthy = ["a"]\n', "f.toml: nodes[0].unhealthy[0] must be a GPU index from 0 to 7 (got 'a')"),
+        (GOOD.replace('"n1"', '"n 1"'), "f.toml: nodes[0].name a node name must be 1 to 128 letters, digits, '.', '_' or '-', "
+                                        "starting with a letter or digit (got 'n 1')"),
+        (GOOD + f'gpu_name = "{"x" * 300}"\n', "f.toml: nodes[0].gpu_name must be at most 200 characters (got 300)"),
+        (GOOD + 'vllm_version = "abc"\n', "f.toml: nodes[0].vllm_version must be a version such as \"0.17.1\" (got 'abc')"),
+        (GOOD + "vllm_version = 17\n", "f.toml: nodes[0].vllm_version must be a string, e.g. \"0.17.1\" (got 17)"),
     ],
 )
 def test_each_mistake_is_one_line_with_file_field_value(text: str, message: str) -> None:
@@ -63,6 +76,20 @@ def test_each_mistake_is_one_line_with_file_field_value(text: str, message: str)
         fleetfile.parse(text, "f.toml")
     assert str(err.value) == message
     assert "\n" not in str(err.value)
+
+
+def test_a_fleet_of_more_than_max_nodes_is_one_line() -> None:
+    text = "".join(GOOD.replace('"n1"', f'"n{i}"') for i in range(fleetfile.MAX_NODES + 1))
+    with pytest.raises(FleetFileError) as err:
+        fleetfile.parse(text, "f.toml")
+    assert str(err.value) == "f.toml: nodes lists 10,001 nodes; a fleet file holds at most 10,000"
+
+
+def test_deep_nesting_is_one_line() -> None:
+    """tomllib raises RecursionError on it: a traceback unless caught."""
+    with pytest.raises(FleetFileError) as err:
+        fleetfile.parse("nodes = " + "[" * 100_000 + "]" * 100_000, "f.toml")
+    assert str(err.value) == "f.toml: is nested too deeply to be a fleet file"
 
 
 def test_invalid_toml_and_missing_file(tmp_path: Path) -> None:

@@ -47,6 +47,11 @@ def test_schedule_is_parsed() -> None:
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = 0\n', "f.toml: faults[0].clear_after_s must be more than 0 seconds (got 0)"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nkind = "ecc"\n', "f.toml: faults[0].after_s is missing"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nwhen = 2\n', "f.toml: faults[0].when is not a known field (known: after_s, clear_after_s, gpu, kind, node)"),
+        ('[[faults]]\nnode = 3\ngpu = 0\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].node must be a node name (got 3)"),
+        ('[[faults]]\nnode = "n1"\ngpu = "0"\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].gpu must be a GPU index from 0 to 7 (got '0')"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = true\nkind = "ecc"\n', "f.toml: faults[0].after_s must be a number of seconds, from 0 to ten years (got True)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = 3\n', "f.toml: faults[0].kind must be a string like \"xid=79\" (got 3)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = -1\n', "f.toml: faults[0].clear_after_s must be a number of seconds, from 0 to ten years (got -1)"),
     ],
 )
 def test_bad_schedules_name_file_field_and_value(extra: str, message: str) -> None:
@@ -59,6 +64,9 @@ def test_faults_must_be_tables() -> None:
     with pytest.raises(FleetFileError) as e:
         faults(parse("faults = 3\n" + NODES, "f.toml"))
     assert str(e.value) == "f.toml: faults must be an array of tables ([[faults]])"
+    with pytest.raises(FleetFileError) as e:
+        faults(parse("faults = [1]\n" + NODES, "f.toml"))
+    assert str(e.value) == "f.toml: faults[0] must be a table"
 
 
 @pytest.mark.parametrize(
