@@ -1,40 +1,51 @@
 """The fleet file (TOML): a fleet described without touching one.
 
-Simulated agents run it and the planner plans against it (what-if). Every
-mistake is reported as one line naming the file, the field and the value.
+Simulated agents run it and the planner plans against it (what-if). Its shape is the
+Structs below, decoded by msgspec; what a Struct cannot say (names that repeat, indices
+below another field's count) is checked after. Every mistake is reported as one line
+naming the file, the field and the value.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
-from dataclasses import dataclass
+import types
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
+
+import msgspec
+import msgspec.toml
+from msgspec import Meta
 
 from llmgw import messages as m
 from llmgw.errors import FleetFileError
 
-_CLASS = re.compile(m.GPU_CLASS_PATTERN)  # as the inventory decoder takes it: what this file writes, agents publish
 # A fleet file is read whole by every command that takes one: bounded, so that a
 # wrong file (a log, a disk image) is refused at once instead of parsed for minutes.
 MAX_BYTES = 8 * 1024 * 1024  # about 60,000 nodes written as in examples/fleet.toml
 MAX_NODES = 10_000
-TABLES = ("nodes", "faults")  # the top-level tables a fleet file may hold
+_TEN_YEARS_S = 10 * 365 * 86400  # messages.Seconds' bound
+
+# Every field's description is what its error line says it must be: "nodes[0].gpu_count
+# must be a positive integer of at most 64 (got 0)". A GPU index is bounded by its node's
+# gpu_count after the decode, so that its error can name the number.
+_GpuOfNode = Annotated[int, Meta(description="a GPU index from 0 to gpu_count - 1")]
 
 
-@dataclass(frozen=True)
-class FleetNode:
-    name: str
-    fabric: str
-    gpu_class: str
-    gpu_count: int
-    gpu_memory_mib: int
-    unhealthy: tuple[int, ...] = ()
-    gpu_name: str = ""
-    vllm_version: str = ""  # what `vllm --version` says on the node: the planner plans for it
+class FleetNode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``[[nodes]]`` table: one node of the fleet."""
+
+    name: Annotated[m.Name, Meta(description=m.NAME_RULE)]
+    fabric: Annotated[m.Fabric, Meta(description=m.FABRIC_RULE)]  # as the inventory decoder takes it: agents publish it
+    gpu_class: Annotated[m.GpuClass, Meta(description="a GPU class like H100-80GB (model, '-', memory in GB)")]
+    gpu_count: Annotated[int, Meta(ge=1, le=64, description="a positive integer of at most 64")]
+    gpu_memory_mib: Annotated[int, Meta(ge=1024, le=4 * 1024 * 1024, description="a whole number of MiB between 1024 and 4194304")]
+    unhealthy: Annotated[tuple[_GpuOfNode, ...], Meta(description="an array of GPU indices")] = ()
+    gpu_name: Annotated[str, Meta(max_length=200, description="a GPU name of at most 200 characters")] = ""
+    # What `vllm --version` says on the node: the planner plans for it.
+    vllm_version: Annotated[str, Meta(max_length=100, pattern=r"\A\Z|\d", description='a version such as "0.17.1"')] = ""
 
     def gpu_uuid(self, index: int) -> str:
         """A stable, UUID-shaped id for a simulated GPU."""
@@ -47,11 +58,59 @@ class FleetNode:
         return self.gpu_name or f"NVIDIA {model} {mem}"
 
 
-@dataclass(frozen=True)
-class Fleet:
+class _FaultRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``[[faults]]`` table as written; ``parse`` checks it against the nodes and reads its kind."""
+
+    node: Annotated[str, Meta(description="the name of a node of this file")]
+    gpu: Annotated[int, Meta(description="a GPU index of that node, from 0 to its gpu_count - 1")]
+    after_s: Annotated[m.Seconds, Meta(description="a number of seconds, from 0 to ten years")]
+    kind: Annotated[str, Meta(description="one of xid=N, ecc, lost, thermal, clear")]
+    clear_after_s: Annotated[float, Meta(gt=0, le=_TEN_YEARS_S,
+                                          description="a number of seconds, more than 0 and at most ten years")] | None = None
+
+
+class _Document(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole file: its tables."""
+
+    nodes: Annotated[tuple[FleetNode, ...], Meta(min_length=1, max_length=MAX_NODES,
+                                                  description=f"an array of 1 to {MAX_NODES:,} tables ([[nodes]])")]
+    faults: Annotated[tuple[_FaultRow, ...], Meta(description="an array of tables ([[faults]])")] = ()
+
+
+# --- [[faults]]: a schedule of injected faults for simulated agents ----------------
+
+FAULT_KINDS = ("xid", "ecc", "lost", "thermal", "clear")
+
+
+class FaultSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One fault a simulated agent injects ``after_s`` after it starts, optionally cleared later."""
+
+    node: str
+    gpu: int
+    after_s: float
+    kind: str  # xid | ecc | lost | thermal | clear
+    xid: int = 0
+    clear_after_s: float | None = None
+
+
+def parse_fault_kind(text: str) -> tuple[str, int]:
+    """``xid=79`` → ("xid", 79); ``ecc`` → ("ecc", 0); ValueError says what is accepted."""
+    kind, _, arg = text.strip().partition("=")
+    if kind == "xid":
+        if not re.fullmatch(r"[0-9]{1,3}", arg) or not 0 < int(arg) < 1000:  # not str.isdigit: "²" is a digit to it
+            raise ValueError(f"xid needs a number, like xid=79 (got {text!r})")
+        return kind, int(arg)
+    if kind in FAULT_KINDS and not arg:
+        return kind, 0
+    raise ValueError(f"must be one of xid=N, ecc, lost, thermal, clear (got {text!r})")
+
+
+class Fleet(msgspec.Struct, frozen=True, kw_only=True):
+    """A checked fleet file: its nodes and its fault schedule."""
+
     path: str
     nodes: tuple[FleetNode, ...]
-    raw: dict[str, Any]  # the whole document, for sections later modules read (faults, …)
+    schedule: tuple[FaultSpec, ...] = ()  # the [[faults]] tables, checked against the nodes
 
     def node(self, name: str) -> FleetNode:
         for n in self.nodes:
@@ -61,17 +120,95 @@ class Fleet:
         raise FleetFileError(self.path, "", f"has no node named {name!r} (nodes: {names}{', …' if len(self.nodes) > 5 else ''})")
 
 
-def _shown(value: str) -> str:
-    """A value as an error line shows it: whole when short, else its start and its length."""
-    return repr(value) if len(value) <= 60 else f"{value[:40]!r}… ({len(value):,} characters)"
+def faults(fleet: Fleet) -> tuple[FaultSpec, ...]:
+    """The validated ``[[faults]]`` schedule of a fleet file (empty when it has none)."""
+    return fleet.schedule
 
 
-def _field(path: str, where: str, value: Any, kind: type, problem: str) -> Any:
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise FleetFileError(path, where, f"{problem} (got {value!r})")
-    if kind is str and not isinstance(value, str):
-        raise FleetFileError(path, where, f"{problem} (got {value!r})")
-    return value
+# --- reading: the decoder's errors as lines naming file, field and value ----------------
+
+
+def _shown(value: Any) -> str:
+    """A value as an error line shows it: whole when short, else what it is and how long."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 60 else f"{value[:40]!r}… ({len(value):,} characters)"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):  # never repr'd whole: it may be long or nested past repr's recursion limit
+        short = len(value) <= 8 and not any(isinstance(v, list | dict) for v in value)
+        return repr(value) if short and len(repr(value)) <= 60 else f"an array of {len(value):,}"
+    return repr(value)
+
+
+def _key(key: str) -> str:
+    """A key as a field path shows it: bare when TOML would write it bare, else quoted on one line."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]{1,60}", key) else _shown(key)
+
+
+def _bare(t: Any) -> tuple[Any, str]:
+    """The type under Annotated and ``| None``, and the description its Meta gives."""
+    description = ""
+    while True:
+        if get_origin(t) is Annotated:
+            t, *metas = get_args(t)
+            description = next((x.description for x in metas if isinstance(x, Meta) and x.description), description)
+        elif get_origin(t) in (Union, types.UnionType):
+            t = next(a for a in get_args(t) if a is not type(None))
+        else:
+            return t, description
+
+
+def _wanted(t: Any) -> str:
+    bare, description = _bare(t)
+    return description or ("a table" if isinstance(bare, type) and issubclass(bare, msgspec.Struct) else "")
+
+
+def _fields(struct: Any) -> dict[str, Any]:
+    return {f.name: f.type for f in msgspec.structs.fields(struct)}
+
+
+_AT = re.compile(r"(?s)(.*?)(?: - at `\$((?:\.\w+|\[\d+\])*)`)?\Z")  # msgspec's "<what> - at `$.nodes[3].gpu_count`"
+_MISSING = re.compile(r"Object missing required field `(\w+)`")
+
+
+def _translated(path: str, doc: dict[str, Any], e: msgspec.ValidationError) -> FleetFileError:
+    """The one line for a decoder error: the type and the value at its path give the words."""
+    what, at = _AT.fullmatch(str(e)).groups()  # type: ignore[union-attr]  # (?s).*? matches any text
+    try:
+        return _line(path, doc, what, at or "")
+    except (KeyError, IndexError, TypeError, StopIteration):  # a message this reading does not know: shown as it came
+        return FleetFileError(path, "", f"does not fit the fleet file format: {e}")
+
+
+def _line(path: str, doc: dict[str, Any], what: str, at: str) -> FleetFileError:
+    t: Any = _Document
+    value: Any = doc
+    where = ""
+    for name, index in re.findall(r"\.(\w+)|\[(\d+)\]", at):
+        bare, _ = _bare(t)
+        if name:
+            t, value = _fields(bare)[name], value[name]
+            where = f"{where}.{name}" if where else name
+        else:
+            t, value = get_args(bare)[0], value[int(index)]
+            where = f"{where}[{index}]"
+    table, _ = _bare(t)
+    if what.startswith("Object contains unknown field"):
+        known = _fields(table)
+        key = next(k for k in value if k not in known)  # the decoder stops at the first, in the file's order
+        return FleetFileError(path, f"{where}.{_key(key)}" if where else _key(key),
+                              f"is not a known {'field' if where else 'table'} (known: {', '.join(sorted(known))})")
+    if missing := _MISSING.fullmatch(what):
+        field = _fields(table)[missing.group(1)]
+        where = f"{where}.{missing.group(1)}" if where else missing.group(1)
+        bare, _ = _bare(field)
+        rows = get_args(bare)[0] if get_origin(bare) is tuple else None
+        if isinstance(rows, type) and issubclass(rows, msgspec.Struct):  # a missing table also says how it is written
+            return FleetFileError(path, where, f"is missing; it must be {_wanted(field)}")
+        return FleetFileError(path, where, "is missing")
+    if wanted := _wanted(t):
+        return FleetFileError(path, where, f"must be {wanted} (got {_shown(value)})")
+    return FleetFileError(path, where, f"is not what a fleet file holds: {what} (got {_shown(value)})")
 
 
 def parse(text: str, path: str = "<fleet>") -> Fleet:
@@ -80,77 +217,42 @@ def parse(text: str, path: str = "<fleet>") -> Fleet:
         raise FleetFileError(path, "", f"is larger than {MAX_BYTES // 2**20} MiB; a fleet file describes at most "
                              f"{MAX_NODES:,} nodes")
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        doc = msgspec.toml.decode(text)  # untyped first: an error line shows the value it names
+    except msgspec.DecodeError as e:
         raise FleetFileError(path, "", f"is not valid TOML: {e}") from e
-    except RecursionError:
+    except RecursionError:  # tomllib's, on arrays or tables nested some hundred deep
         raise FleetFileError(path, "", "is nested too deeply to be a fleet file") from None
-    for key in doc:
-        if key not in TABLES:
-            raise FleetFileError(path, key, f"is not a known table (known: {', '.join(TABLES)})")
-    nodes_raw = doc.get("nodes")
-    if not isinstance(nodes_raw, list) or not nodes_raw:
-        raise FleetFileError(path, "nodes", "must be a non-empty array of tables ([[nodes]])")
-    if len(nodes_raw) > MAX_NODES:
-        raise FleetFileError(path, "nodes", f"lists {len(nodes_raw):,} nodes; a fleet file holds at most {MAX_NODES:,}")
-    known = {"name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib", "unhealthy", "gpu_name", "vllm_version"}
+    try:
+        shape = msgspec.convert(doc, type=_Document)
+    except msgspec.ValidationError as e:
+        raise _translated(path, doc, e) from e
     nodes: list[FleetNode] = []
     seen: set[str] = set()
-    for i, raw in enumerate(nodes_raw):
-        at = f"nodes[{i}]"
-        if not isinstance(raw, dict):
-            raise FleetFileError(path, at, "must be a table")
-        for key in raw:
-            if key not in known:
-                raise FleetFileError(path, f"{at}.{key}", f"is not a known field (known: {', '.join(sorted(known))})")
-        for key in ("name", "fabric", "gpu_class", "gpu_count", "gpu_memory_mib"):
-            if key not in raw:
-                raise FleetFileError(path, f"{at}.{key}", "is missing")
-        name = _field(path, f"{at}.name", raw["name"], str, "must be a string")
-        if (why := m.name_problem(name, "a node name")) is not None:
-            raise FleetFileError(path, f"{at}.name", why)
-        if name in seen:
-            raise FleetFileError(path, f"{at}.name", f"repeats node {name!r}")
-        seen.add(name)
-        fabric = _field(path, f"{at}.fabric", raw["fabric"], str, "must be a string")
-        if m.fabric_problem(fabric) is not None:  # the decoders' rule (messages.Fabric): agents publish it
-            raise FleetFileError(path, f"{at}.fabric", f"must be {m.FABRIC_RULE} (got {_shown(fabric)})")
-        gpu_class = _field(path, f"{at}.gpu_class", raw["gpu_class"], str, "must be a string")
-        if not _CLASS.match(gpu_class):
-            raise FleetFileError(path, f"{at}.gpu_class", f"must look like H100-80GB (model, '-', memory in GB) (got {_shown(gpu_class)})")
-        count = _field(path, f"{at}.gpu_count", raw["gpu_count"], int, "must be a positive integer")
-        if not 1 <= count <= 64:
-            raise FleetFileError(path, f"{at}.gpu_count", f"must be a positive integer of at most 64 (got {count!r})")
-        mem = _field(path, f"{at}.gpu_memory_mib", raw["gpu_memory_mib"], int, "must be a positive integer (MiB)")
-        if not 1024 <= mem <= 4 * 1024 * 1024:
-            raise FleetFileError(path, f"{at}.gpu_memory_mib", f"must be between 1024 and 4194304 MiB (got {mem!r})")
-        unhealthy_raw = raw.get("unhealthy", [])
-        if not isinstance(unhealthy_raw, list):
-            raise FleetFileError(path, f"{at}.unhealthy", f"must be an array of GPU indices (got {unhealthy_raw!r})")
-        for j, idx in enumerate(unhealthy_raw):
-            if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < count:
-                raise FleetFileError(path, f"{at}.unhealthy[{j}]", f"must be a GPU index from 0 to {count - 1} (got {idx!r})")
-        gpu_name = _field(path, f"{at}.gpu_name", raw.get("gpu_name", ""), str, "must be a string")
-        if len(gpu_name) > 200:
-            raise FleetFileError(path, f"{at}.gpu_name", f"must be at most 200 characters (got {len(gpu_name):,})")
-        vllm_version = _field(path, f"{at}.vllm_version", raw.get("vllm_version", ""), str, "must be a string, e.g. \"0.17.1\"")
-        if len(vllm_version) > 100 or (vllm_version and not re.search(r"\d", vllm_version)):
-            raise FleetFileError(path, f"{at}.vllm_version", f"must be a version such as \"0.17.1\" (got {_shown(vllm_version)})")
-        nodes.append(
-            FleetNode(
-                name=name,
-                fabric=fabric,
-                gpu_class=gpu_class,
-                gpu_count=count,
-                gpu_memory_mib=mem,
-                unhealthy=tuple(sorted(set(unhealthy_raw))),
-                gpu_name=gpu_name,
-                vllm_version=vllm_version,
-            )
-        )
-    fleet = Fleet(path=path, nodes=tuple(nodes), raw=doc)
-    faults(fleet)  # every command that reads the file refuses a bad schedule, not only the agent that runs it
-    return fleet
+    for i, node in enumerate(shape.nodes):
+        if node.name in seen:
+            raise FleetFileError(path, f"nodes[{i}].name", f"repeats node {node.name!r}")
+        seen.add(node.name)
+        for j, idx in enumerate(node.unhealthy):
+            if not 0 <= idx < node.gpu_count:
+                raise FleetFileError(path, f"nodes[{i}].unhealthy[{j}]",
+                                     f"must be a GPU index from 0 to {node.gpu_count - 1} (got {idx!r})")
+        nodes.append(msgspec.structs.replace(node, unhealthy=tuple(sorted(set(node.unhealthy)))))
+    by_name = {n.name: n for n in nodes}
+    schedule: list[FaultSpec] = []
+    # Every command that reads the file refuses a bad schedule, not only the agent that runs it.
+    for i, row in enumerate(shape.faults):
+        at = f"faults[{i}]"
+        if (of := by_name.get(row.node)) is None:
+            raise FleetFileError(path, f"{at}.node", f"names no node of this file (got {_shown(row.node)})")
+        if not 0 <= row.gpu < of.gpu_count:
+            raise FleetFileError(path, f"{at}.gpu", f"must be a GPU index from 0 to {of.gpu_count - 1} (got {row.gpu!r})")
+        try:
+            kind, xid = parse_fault_kind(row.kind)
+        except ValueError as e:
+            raise FleetFileError(path, f"{at}.kind", str(e)) from e
+        schedule.append(FaultSpec(node=row.node, gpu=row.gpu, after_s=row.after_s, kind=kind, xid=xid,
+                                  clear_after_s=row.clear_after_s))
+    return Fleet(path=path, nodes=tuple(nodes), schedule=tuple(schedule))
 
 
 def load(path: str | Path) -> Fleet:
@@ -199,77 +301,3 @@ def inventory(node: FleetNode, at: datetime, boot_id: str = "fleet-file") -> m.N
 def inventories(fleet: Fleet, at: datetime) -> list[m.NodeInventoryReported]:
     """Every node's inventory: what the planner folds in what-if mode."""
     return [inventory(n, at) for n in fleet.nodes]
-
-
-# --- [[faults]]: a schedule of injected faults for simulated agents ----------------
-
-FAULT_KINDS = ("xid", "ecc", "lost", "thermal", "clear")
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """One fault a simulated agent injects ``after_s`` after it starts, optionally cleared later."""
-
-    node: str
-    gpu: int
-    after_s: float
-    kind: str  # xid | ecc | lost | thermal | clear
-    xid: int = 0
-    clear_after_s: float | None = None
-
-
-def parse_fault_kind(text: str) -> tuple[str, int]:
-    """``xid=79`` → ("xid", 79); ``ecc`` → ("ecc", 0); ValueError says what is accepted."""
-    kind, _, arg = text.strip().partition("=")
-    if kind == "xid":
-        if not re.fullmatch(r"[0-9]{1,3}", arg) or not 0 < int(arg) < 1000:  # not str.isdigit: "²" is a digit to it
-            raise ValueError(f"xid needs a number, like xid=79 (got {text!r})")
-        return kind, int(arg)
-    if kind in FAULT_KINDS and not arg:
-        return kind, 0
-    raise ValueError(f"must be one of xid=N, ecc, lost, thermal, clear (got {text!r})")
-
-
-def _seconds(path: str, where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10 * 365 * 86400:
-        raise FleetFileError(path, where, f"must be a number of seconds, from 0 to ten years (got {value!r})")
-    return float(value)
-
-
-def faults(fleet: Fleet) -> tuple[FaultSpec, ...]:
-    """The validated ``[[faults]]`` schedule of a fleet file (empty when it has none)."""
-    path, raw_list = fleet.path, fleet.raw.get("faults", [])
-    if not isinstance(raw_list, list):
-        raise FleetFileError(path, "faults", "must be an array of tables ([[faults]])")
-    known = {"node", "gpu", "after_s", "kind", "clear_after_s"}
-    out: list[FaultSpec] = []
-    for i, raw in enumerate(raw_list):
-        at = f"faults[{i}]"
-        if not isinstance(raw, dict):
-            raise FleetFileError(path, at, "must be a table")
-        for key in raw:
-            if key not in known:
-                raise FleetFileError(path, f"{at}.{key}", f"is not a known field (known: {', '.join(sorted(known))})")
-        for key in ("node", "gpu", "after_s", "kind"):
-            if key not in raw:
-                raise FleetFileError(path, f"{at}.{key}", "is missing")
-        name = _field(path, f"{at}.node", raw["node"], str, "must be a node name")
-        node = next((n for n in fleet.nodes if n.name == name), None)
-        if node is None:
-            raise FleetFileError(path, f"{at}.node", f"names no node of this file (got {name!r})")
-        gpu = raw["gpu"]
-        if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < node.gpu_count:
-            raise FleetFileError(path, f"{at}.gpu", f"must be a GPU index from 0 to {node.gpu_count - 1} (got {gpu!r})")
-        after = _seconds(path, f"{at}.after_s", raw["after_s"])
-        kind_text = _field(path, f"{at}.kind", raw["kind"], str, "must be a string like \"xid=79\"")
-        try:
-            kind, xid = parse_fault_kind(kind_text)
-        except ValueError as e:
-            raise FleetFileError(path, f"{at}.kind", str(e)) from e
-        clear_after = None
-        if "clear_after_s" in raw:
-            clear_after = _seconds(path, f"{at}.clear_after_s", raw["clear_after_s"])
-            if clear_after <= 0:
-                raise FleetFileError(path, f"{at}.clear_after_s", f"must be more than 0 seconds (got {raw['clear_after_s']!r})")
-        out.append(FaultSpec(node=name, gpu=gpu, after_s=after, kind=kind, xid=xid, clear_after_s=clear_after))
-    return tuple(out)

@@ -48,27 +48,31 @@ def test_inventories_fold_into_a_fleet_with_the_bad_gpu(fleet_file: Path) -> Non
     ("text", "message"),
     [
         (GOOD.replace("gpu_count = 8", "gpu_count = 0"), "f.toml: nodes[0].gpu_count must be a positive integer of at most 64 (got 0)"),
-        (GOOD.replace("gpu_count = 8", 'gpu_count = "8"'), "f.toml: nodes[0].gpu_count must be a positive integer (got '8')"),
-        (GOOD.replace('gpu_class = "H100-80GB"', 'gpu_class = "H100"'), "f.toml: nodes[0].gpu_class must look like H100-80GB (model, '-', memory in GB) (got 'H100')"),
+        (GOOD.replace("gpu_count = 8", 'gpu_count = "8"'), "f.toml: nodes[0].gpu_count must be a positive integer of at most 64 (got '8')"),
+        (GOOD.replace('gpu_class = "H100-80GB"', 'gpu_class = "H100"'), "f.toml: nodes[0].gpu_class must be a GPU class like H100-80GB (model, '-', memory in GB) (got 'H100')"),
         (GOOD.replace('fabric = "ib-a"\n', ""), "f.toml: nodes[0].fabric is missing"),
         (GOOD + 'unhealthy = [9]\n', "f.toml: nodes[0].unhealthy[0] must be a GPU index from 0 to 7 (got 9)"),
         (GOOD + 'gpus = 8\n', "f.toml: nodes[0].gpus is not a known field (known: fabric, gpu_class, gpu_count, gpu_memory_mib, gpu_name, name, unhealthy, vllm_version)"),
         (GOOD + GOOD, "f.toml: nodes[1].name repeats node 'n1'"),
-        (GOOD.replace("81559", "12"), "f.toml: nodes[0].gpu_memory_mib must be between 1024 and 4194304 MiB (got 12)"),
-        ("nodes = 3", "f.toml: nodes must be a non-empty array of tables ([[nodes]])"),
-        ("", "f.toml: nodes must be a non-empty array of tables ([[nodes]])"),
-        ("nodes = [1]", "f.toml: nodes[0] must be a table"),
-        (GOOD.replace("gpu_count = 8", "gpu_count = true"), "f.toml: nodes[0].gpu_count must be a positive integer (got True)"),
-        (GOOD.replace("gpu_count = 8", "gpu_count = 8.0"), "f.toml: nodes[0].gpu_count must be a positive integer (got 8.0)"),
-        (GOOD.replace("81559", "2048.0"), "f.toml: nodes[0].gpu_memory_mib must be a positive integer (MiB) (got 2048.0)"),
+        (GOOD + '"gpu\\ncount" = 8\n', "f.toml: nodes[0].'gpu\\ncount' is not a known field (known: fabric, gpu_class, gpu_count, "
+                                        "gpu_memory_mib, gpu_name, name, unhealthy, vllm_version)"),
+        (GOOD.replace("81559", "12"), "f.toml: nodes[0].gpu_memory_mib must be a whole number of MiB between 1024 and 4194304 (got 12)"),
+        ("nodes = 3", "f.toml: nodes must be an array of 1 to 10,000 tables ([[nodes]]) (got 3)"),
+        ("", "f.toml: nodes is missing; it must be an array of 1 to 10,000 tables ([[nodes]])"),
+        ("nodes = []", "f.toml: nodes must be an array of 1 to 10,000 tables ([[nodes]]) (got [])"),
+        ("nodes = [1]", "f.toml: nodes[0] must be a table (got 1)"),
+        ("nodes = [[[[1]]]]", "f.toml: nodes[0] must be a table (got an array of 1)"),
+        (GOOD.replace("gpu_count = 8", "gpu_count = true"), "f.toml: nodes[0].gpu_count must be a positive integer of at most 64 (got True)"),
+        (GOOD.replace("gpu_count = 8", "gpu_count = 8.0"), "f.toml: nodes[0].gpu_count must be a positive integer of at most 64 (got 8.0)"),
+        (GOOD.replace("81559", "2048.0"), "f.toml: nodes[0].gpu_memory_mib must be a whole number of MiB between 1024 and 4194304 (got 2048.0)"),
         (GOOD + "unhealthy = 3\n", "f.toml: nodes[0].unhealthy must be an array of GPU indices (got 3)"),
         (GOOD + "unhealthy = [1, -1]\n", "f.toml: nodes[0].unhealthy[1] must be a GPU index from 0 to 7 (got -1)"),
-        (GOOD + 'unhealthy = ["a"]\n', "f.toml: nodes[0].unhealthy[0] must be a GPU index from 0 to 7 (got 'a')"),
-        (GOOD.replace('"n1"', '"n 1"'), "f.toml: nodes[0].name a node name must be 1 to 128 letters, digits, '.', '_' or '-', "
+        (GOOD + 'unhealthy = ["a"]\n', "f.toml: nodes[0].unhealthy[0] must be a GPU index from 0 to gpu_count - 1 (got 'a')"),
+        (GOOD.replace('"n1"', '"n 1"'), "f.toml: nodes[0].name must be 1 to 128 letters, digits, '.', '_' or '-', "
                                         "starting with a letter or digit (got 'n 1')"),
-        (GOOD + f'gpu_name = "{"x" * 300}"\n', "f.toml: nodes[0].gpu_name must be at most 200 characters (got 300)"),
+        (GOOD + f'gpu_name = "{"x" * 300}"\n', "f.toml: nodes[0].gpu_name must be a GPU name of at most 200 characters (got 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'… (300 characters))"),
         (GOOD + 'vllm_version = "abc"\n', "f.toml: nodes[0].vllm_version must be a version such as \"0.17.1\" (got 'abc')"),
-        (GOOD + "vllm_version = 17\n", "f.toml: nodes[0].vllm_version must be a string, e.g. \"0.17.1\" (got 17)"),
+        (GOOD + "vllm_version = 17\n", "f.toml: nodes[0].vllm_version must be a version such as \"0.17.1\" (got 17)"),
     ],
 )
 def test_each_mistake_is_one_line_with_file_field_value(text: str, message: str) -> None:
@@ -82,7 +86,7 @@ def test_a_fleet_of_more_than_max_nodes_is_one_line() -> None:
     text = "".join(GOOD.replace('"n1"', f'"n{i}"') for i in range(fleetfile.MAX_NODES + 1))
     with pytest.raises(FleetFileError) as err:
         fleetfile.parse(text, "f.toml")
-    assert str(err.value) == "f.toml: nodes lists 10,001 nodes; a fleet file holds at most 10,000"
+    assert str(err.value) == "f.toml: nodes must be an array of 1 to 10,000 tables ([[nodes]]) (got an array of 10,001)"
 
 
 def test_deep_nesting_is_one_line() -> None:

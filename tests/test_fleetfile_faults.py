@@ -44,14 +44,14 @@ def test_schedule_is_parsed() -> None:
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = -1\nkind = "ecc"\n', "f.toml: faults[0].after_s must be a number of seconds, from 0 to ten years (got -1)"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "melt"\n', "f.toml: faults[0].kind must be one of xid=N, ecc, lost, thermal, clear (got 'melt')"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "xid=x"\n', "f.toml: faults[0].kind xid needs a number, like xid=79 (got 'xid=x')"),
-        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = 0\n', "f.toml: faults[0].clear_after_s must be more than 0 seconds (got 0)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = 0\n', "f.toml: faults[0].clear_after_s must be a number of seconds, more than 0 and at most ten years (got 0)"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nkind = "ecc"\n', "f.toml: faults[0].after_s is missing"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nwhen = 2\n', "f.toml: faults[0].when is not a known field (known: after_s, clear_after_s, gpu, kind, node)"),
-        ('[[faults]]\nnode = 3\ngpu = 0\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].node must be a node name (got 3)"),
-        ('[[faults]]\nnode = "n1"\ngpu = "0"\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].gpu must be a GPU index from 0 to 7 (got '0')"),
+        ('[[faults]]\nnode = 3\ngpu = 0\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].node must be the name of a node of this file (got 3)"),
+        ('[[faults]]\nnode = "n1"\ngpu = "0"\nafter_s = 1\nkind = "ecc"\n', "f.toml: faults[0].gpu must be a GPU index of that node, from 0 to its gpu_count - 1 (got '0')"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = true\nkind = "ecc"\n', "f.toml: faults[0].after_s must be a number of seconds, from 0 to ten years (got True)"),
-        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = 3\n', "f.toml: faults[0].kind must be a string like \"xid=79\" (got 3)"),
-        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = -1\n', "f.toml: faults[0].clear_after_s must be a number of seconds, from 0 to ten years (got -1)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = 3\n', "f.toml: faults[0].kind must be one of xid=N, ecc, lost, thermal, clear (got 3)"),
+        ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "ecc"\nclear_after_s = -1\n', "f.toml: faults[0].clear_after_s must be a number of seconds, more than 0 and at most ten years (got -1)"),
     ],
 )
 def test_bad_schedules_name_file_field_and_value(extra: str, message: str) -> None:
@@ -63,10 +63,10 @@ def test_bad_schedules_name_file_field_and_value(extra: str, message: str) -> No
 def test_faults_must_be_tables() -> None:
     with pytest.raises(FleetFileError) as e:
         faults(parse("faults = 3\n" + NODES, "f.toml"))
-    assert str(e.value) == "f.toml: faults must be an array of tables ([[faults]])"
+    assert str(e.value) == "f.toml: faults must be an array of tables ([[faults]]) (got 3)"
     with pytest.raises(FleetFileError) as e:
         faults(parse("faults = [1]\n" + NODES, "f.toml"))
-    assert str(e.value) == "f.toml: faults[0] must be a table"
+    assert str(e.value) == "f.toml: faults[0] must be a table (got 1)"
 
 
 @pytest.mark.parametrize(
@@ -77,8 +77,8 @@ def test_faults_must_be_tables() -> None:
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = 1\nkind = "xid=\u00b2"\n', "faults[0].kind xid needs a number"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = nan\nkind = "ecc"\n', "faults[0].after_s must be a number of seconds"),
         ('[[faults]]\nnode = "n1"\ngpu = 0\nafter_s = inf\nkind = "ecc"\n', "faults[0].after_s must be a number of seconds"),
-        ('[[fault]]\nnode = "n1"\n', "fault is not a known table (known: nodes, faults)"),
-        ('[scheduler]\ntick = 1\n', "scheduler is not a known table (known: nodes, faults)"),
+        ('[[fault]]\nnode = "n1"\n', "fault is not a known table (known: faults, nodes)"),
+        ('[scheduler]\ntick = 1\n', "scheduler is not a known table (known: faults, nodes)"),
     ],
 )
 def test_every_reader_of_a_fleet_file_refuses_a_bad_schedule_or_table(extra: str, message: str) -> None:
