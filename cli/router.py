@@ -12,7 +12,7 @@ from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
 from llmgw.engine.upstream import Timeouts
-from llmgw.router.server import DEFAULT_MAX_BODY, serve_router
+from llmgw.router import DEFAULT_MAX_BODY, serve_router
 
 
 def _listen(value: str) -> tuple[str, int]:

@@ -9,6 +9,9 @@ refused with 429: ``rate_limit_exceeded`` (requests per minute) or
 ``insufficient_quota`` (tokens per day, UTC), as OpenAI's own API names them,
 with ``Retry-After``.
 
+What a key asked of each model here since this router's last map (``KeyUseCounter``,
+added to by each of its requests) is what that map's ``callers`` carry to the others.
+
 The bound on overshoot: another router's traffic is known one of its ticks late
 (10 s by default), so N routers may together let through at most one tick's worth
 of each other's requests past a limit; and a request's tokens count once its
@@ -22,9 +25,11 @@ from collections import deque
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
+from llmgw.router.metrics import Usage
 
 WINDOW_S = 60.0
 BUCKET_S = 1.0  # requests are counted per second; the minute is the last 60 of them
+TOKENS_MAX = 1 << 40  # the most a map carries for one key's model or one replica (KeyUse's and CacheUse's bound)
 
 
 class KeyCounts:
@@ -127,3 +132,49 @@ class Quotas:
             c = self._of(key)
             c.add_requests(at, sum(u.requests for u in per.values()))
             c.add_tokens(utc_day(at), sum(u.prompt_tokens + u.completion_tokens for u in per.values()))
+
+
+class KeyUseCounter:
+    """One key's use of one model since the router's last published map."""
+
+    __slots__ = ("requests", "errors", "prompt", "completion", "cached", "ttft_s", "latency_s")
+
+    def __init__(self) -> None:
+        self.requests = self.errors = self.prompt = self.completion = self.cached = 0
+        self.ttft_s = self.latency_s = 0.0
+
+    def add_request(self, status: int, seconds: float) -> None:
+        self.requests += 1
+        self.errors += status >= 400
+        self.latency_s += seconds
+
+    def add_tokens(self, usage: Usage) -> None:
+        self.prompt += usage.prompt_tokens
+        self.completion += usage.completion_tokens
+        self.cached += usage.cached_tokens
+
+    def message(self) -> m.KeyUse:
+        cap = TOKENS_MAX
+        return m.KeyUse(requests=min(self.requests, cap), errors=min(self.errors, cap), prompt_tokens=min(self.prompt, cap),
+                        completion_tokens=min(self.completion, cap), cached_tokens=min(self.cached, cap),
+                        ttft_s=min(self.ttft_s, 1e12), latency_s=min(self.latency_s, 1e12))
+
+    def take(self, sent: m.KeyUse) -> bool:
+        """Take off what a published map carried; True when nothing is left."""
+        self.requests -= sent.requests
+        self.errors -= sent.errors
+        self.prompt -= sent.prompt_tokens
+        self.completion -= sent.completion_tokens
+        self.cached -= sent.cached_tokens
+        self.ttft_s -= sent.ttft_s
+        self.latency_s -= sent.latency_s
+        return self.requests <= 0 and self.prompt <= 0 and self.completion <= 0
+
+
+def key_use_of(key_use: dict[str, dict[str, KeyUseCounter]], key: str, model: str) -> KeyUseCounter:
+    """``key``'s counter for ``model`` in ``key_use``, made by its first request since the last map."""
+    per_model = key_use.setdefault(key, {})
+    use = per_model.get(model)
+    if use is None:
+        use = per_model[model] = KeyUseCounter()
+    return use

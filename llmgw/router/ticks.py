@@ -1,0 +1,201 @@
+"""Once per tick: the idle map, what each key and each replica's cache used since the last one, the recall at start.
+
+* Once a tick the router publishes one ``IdleMapPublished``; a replica with no
+  request since this router started is absent from ``last_request``: unknown is not
+  idle. Requests leave what the map needs where it costs them nothing (a timestamp
+  in ``IdleTracker``, sums in ``key_use`` and ``cache_use``); a published map takes
+  off what it carried, and one not published leaves it for the next (maps are
+  cumulative).
+* With the map go the wakes answered since the last one and, while a model stays
+  parked, its wish again (``wake.Wake``); prefixes nobody sent lately expire.
+* At start the router takes up its own last map from before it (re)started, read
+  once for the idle recall and the quota start alike, and then follows every
+  router's maps on the usage stream: what a key asked anywhere counts here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.errors import LlmgwError
+from llmgw.router import prefix as prefixroute
+from llmgw.router.endpoints import EndpointSink, Pool
+from llmgw.router.idle import IdleTracker
+from llmgw.router.quotas import TOKENS_MAX, KeyUseCounter, Quotas, utc_day
+from llmgw.router.wake import Wake
+
+log = logging.getLogger(__name__)
+
+class Ticks:
+    """The ticker and what it publishes; the usage stream followed for the keys' quotas."""
+
+    def __init__(self, *, bus: Bus, name: str, boot_id: str, pool: Pool, sink: EndpointSink, quotas: Quotas,
+                 idle: IdleTracker, prefixes: dict[str, prefixroute.PrefixTable], wake: Wake, tick_s: float) -> None:
+        self.bus = bus
+        self.name = name
+        self.boot_id = boot_id
+        self.pool = pool
+        self.sink = sink
+        self.quotas = quotas
+        self.idle = idle
+        self.prefixes = prefixes
+        self.wake = wake
+        self.tick_s = tick_s
+        self.idle_maps = 0
+        # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
+        self.key_use: dict[str, dict[str, KeyUseCounter]] = {}
+        # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
+        self.cache_use: dict[str, list[Any]] = {}
+        # This router's last idle map from before this boot, read once for both recall and _quota_start.
+        self._before: tuple[int, bytes] | None = None
+        self._before_read = False
+        self._before_lock = asyncio.Lock()
+        self._usage_seq = 0  # the next usage stream sequence to read; 0: not started (where to start is found first)
+
+    async def run(self) -> None:
+        """Publish a map every ``tick_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self.publish_idle_map()
+            except LlmgwError as e:
+                # The next map carries everything this one would have: maps are cumulative.
+                log.warning("router %s: idle map not published: %s", self.name, e)
+
+    async def publish_idle_map(self) -> m.IdleMapPublished:
+        """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
+        event = self._idle_map()
+        await self.bus.publish(event, timeout=max(1.0, self.tick_s))
+        self._published(event)
+        now = time.monotonic()
+        for table in self.prefixes.values():
+            table.expire(now)  # prefixes nobody sent for prefixroute.WINDOW_S
+        for answered in self.wake.ledger.drain(self.name, self.boot_id):
+            await self.bus.publish(answered, timeout=max(1.0, self.tick_s))
+        self.wake.wish_parked()
+        return event
+
+    async def publish_last(self) -> None:
+        """The map a stopping router leaves: the requests since the last tick, and the wakes answered since."""
+        event = self._idle_map()
+        await self.bus.publish(event, timeout=2.0)
+        self._published(event)
+        for answered in self.wake.ledger.drain(self.name, self.boot_id):  # the ledger's router part too
+            await self.bus.publish(answered, timeout=2.0)
+
+    def _idle_map(self) -> m.IdleMapPublished:
+        """This tick's map, with the prompt tokens each replica's engine reported since the last one."""
+        event = self.idle.idle_map(self.name, self.boot_id, self.pool, m.utcnow(), self.wake.queued(), self.tick_s,
+                                   self.sink.applied_seq)
+        changes: dict[str, Any] = {}
+        if self.cache_use:
+            changes["cache_use"] = {rid: m.CacheUse(model, min(p, TOKENS_MAX), min(c, p, TOKENS_MAX))
+                                    for rid, (model, p, c) in sorted(self.cache_use.items())}
+        if self.key_use:
+            changes["callers"] = {key: {model: use.message() for model, use in sorted(per.items())}
+                                  for key, per in sorted(self.key_use.items())}
+        return msgspec.structs.replace(event, **changes) if changes else event
+
+    def _published(self, event: m.IdleMapPublished) -> None:
+        """What a published map carried is taken off; a map not published leaves it for the next."""
+        self.idle_maps += 1
+        for key, per in event.callers.items():
+            for model, sent in per.items():
+                counter = self.key_use.get(key, {}).get(model)
+                if counter is not None and counter.take(sent):
+                    del self.key_use[key][model]
+            if not self.key_use.get(key):
+                self.key_use.pop(key, None)
+        for rid, use in event.cache_use.items():
+            left = self.cache_use.get(rid)
+            if left is not None:
+                left[1] -= use.prompt_tokens
+                left[2] -= use.cached_tokens
+                if left[1] <= 0 or rid not in self.pool.replicas:
+                    del self.cache_use[rid]
+
+    # --- at start ---------------------------------------------------------------
+
+    async def recall(self) -> None:
+        """Take up this router's last idle map from before it (re)started, so idle time survives a restart.
+
+        A restarted router knew no request, so every replica looked served-since-now ("idle 5s")
+        however long nobody had asked. Its own last map says when each replica was last asked
+        and since when it served those never asked; a replica it had not seen stays unknown.
+        """
+        try:
+            got = await self._last_map_before()
+        except LlmgwError as e:
+            log.warning("router %s: its last idle map could not be read (%s); idle times start from now", self.name, e)
+            return
+        if got is None:
+            return
+        try:
+            event = m.USAGE_DECODER.decode(got[1])
+        except m.DECODE_ERRORS as e:
+            log.warning("router %s: its last idle map is unreadable (%s); idle times start from now", self.name, e)
+            return
+        if not isinstance(event, m.IdleMapPublished) or event.router != self.name:
+            return
+        now = time.time()
+        for rid, at in event.last_request.items():
+            if rid in self.pool.replicas and rid not in self.idle.last:
+                self.idle.last[rid] = min(at.timestamp(), now)
+        for rid, at in event.serving_since.items():
+            rep = self.pool.replicas.get(rid)
+            if rep is not None and rep.in_pool and rid not in self.idle.last:
+                rep.pooled_at = min(rep.pooled_at, at.timestamp())
+        log.info("router %s: took up its last map (tick %d): %d requests, %d served since", self.name, event.tick,
+                 len(event.last_request), len(event.serving_since))
+
+    async def _last_map_before(self) -> tuple[int, bytes] | None:
+        """This router's own last idle map as it was before this boot published any (one direct get, kept;
+        a failed read is not kept, so the caller's retry reads again)."""
+        async with self._before_lock:
+            if not self._before_read:
+                self._before = await self.bus.last_message(subjects.STREAM_USAGE, subjects.usage_idle(self.name))
+                self._before_read = True
+            return self._before
+
+    async def _quota_start(self) -> int:
+        """Where the quotas' reading of the usage stream starts, having taken up what came before it.
+
+        From the newest fold snapshot: its per-key tokens of today, and every map after it (its
+        own earlier ones too: a restart mid-minute or mid-day keeps every window). Without one,
+        from this router's own last map (the last tick of its own use, and the others' since).
+        """
+        from llmgw.fleet import snapshots
+
+        found = await snapshots.newest(self.bus, f"router {self.name}", (subjects.STREAM_USAGE,))
+        if found is not None:
+            c = found[0]
+            today = utc_day(time.time())
+            for key, days in c.state.key_usage.items():
+                if today in days:
+                    self.quotas.used(key, days[today][1], time.time())
+            return c.cursor.positions.get(subjects.STREAM_USAGE, 0) + 1
+        own = await self._last_map_before()
+        return own[0] if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
+
+    async def follow_usage(self) -> None:
+        """The routers' maps, as they are published: what each key asked anywhere counts here too.
+
+        Reads until the bus fails; called again, it goes on after the last map it read.
+        """
+        if not self._usage_seq:
+            self._usage_seq = await self._quota_start()
+        follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, self._usage_seq, who=f"router {self.name}",
+                                   keep=lambda raw: raw.subject.endswith(".idle"))
+        async for batch in follower.batches():
+            for d in batch:
+                if type(d.event) is m.IdleMapPublished and d.event.boot_id != self.boot_id:
+                    self.quotas.other_map(d.event)  # (this boot's own use is counted as it happens)
+            self._usage_seq = follower.last_seq + 1
