@@ -15,60 +15,7 @@ from llmgw.cli.progress import parse_time, progress
 from llmgw.cli.status import parse_stream
 from llmgw.config import Settings
 from llmgw.ctl import Entry
-
-
-def describe(event: m.Event) -> str:
-    """One line a person can read: what happened, with the numbers."""
-    match event:
-        case m.NodeInventoryReported():
-            bad = [str(g.index) for g in event.gpus if not g.healthy]
-            classes = ",".join(sorted({g.gpu_class for g in event.gpus})) or "-"
-            extra = f", unhealthy: {' '.join(bad)}" if bad else ""
-            return f"node {event.node} reported {len(event.gpus)} × {classes} on fabric {event.fabric}{extra}"
-        case m.GpuHealthChanged():
-            word = "healthy again" if event.healthy else "UNHEALTHY"
-            why = f" ({', '.join(event.reasons)})" if event.reasons else ""
-            return f"node {event.node} GPU {event.gpu_index} {word}{why}"
-        case m.NodeLost():
-            return f"node {event.node} LOST (no heartbeat for {event.timeout_s:.0f}s)"
-        case m.NodeReturned():
-            return f"node {event.node} returned"
-        case m.NodeRetired():
-            return f"node {event.node} retired by an operator" + (f": {event.reason}" if event.reason else "")
-        case m.ModelDeclared(spec=s):
-            return (f"model {s.name} declared: {s.replicas} × {s.gpu_class} tp{s.tp} pp{s.pp} "
-                    f"{s.precision} ({s.engine})")
-        case m.ModelScaled():
-            return f"model {event.name} scaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}"
-        case m.ModelAutoscaled():
-            return (f"model {event.name} autoscaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}: "
-                    f"{event.reason}")
-        case m.ModelWanted():
-            return (f"router {event.router} wants model {event.model}: {event.waiting} request"
-                    f"{'s' if event.waiting != 1 else ''} waiting (it had seen control up to #{event.control_seq})")
-        case m.ModelRemoved():
-            return f"model {event.name} removed"
-        case m.ModelUnplaceable():
-            return f"model {event.name} UNPLACEABLE ({event.missing_replicas} missing): {event.reason}"
-        case m.ReplicaPlaced():
-            why = f" ({event.reason})" if event.reason else ""
-            return (f"replica {event.replica_id} of {event.model} placed on {','.join(event.nodes)} "
-                    f"({len(event.gpus)} GPU{'s' if len(event.gpus) != 1 else ''}, fabric {event.fabric or '-'}){why}")
-        case m.ReplicaStateChanged():
-            detail = f": {event.detail}" if event.detail else ""
-            kv = f" (reserved {event.observed_kv_tokens:,} KV tokens)" if event.observed_kv_tokens > 0 else ""
-            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
-        case m.ReplicaStopped():
-            return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
-        case m.WakeAnswered():
-            held = (event.released_at - event.held_since).total_seconds()
-            return (f"router {event.router} sent {event.requests} held request{'s' if event.requests != 1 else ''} "
-                    f"for {event.model} on to {event.replica_id} (held {held:.2f}s; first byte "
-                    f"{(event.at - event.released_at).total_seconds():.2f}s later)")
-        case m.IdleMapPublished():
-            return (f"router {event.router} tick {event.tick}: {len(event.last_request)} replicas with requests, "
-                    f"{len(event.serving_since)} without since routing began")
-    return type(event).__name__
+from llmgw.messages import describe  # noqa: F401 - `ctl model show` prints with it too
 
 
 def entry_json(e: Entry) -> dict[str, Any]:
@@ -123,7 +70,7 @@ def replay(settings: Settings, as_json: bool, stream_text: str | None, subject: 
             click.echo(json.dumps(entry_json(e), default=str))
         else:
             where = f"{e.stream.removeprefix('LLMGW_').lower()}:{e.seq}"
-            what = describe(e.event) if e.event is not None else f"UNDECODABLE on {e.subject}: {e.error}"
+            what = m.describe(e.event) if e.event is not None else f"UNDECODABLE on {e.subject}: {e.error}"
             click.echo(f"{e.at:%Y-%m-%d %H:%M:%S}  {where:<14}  {what}")
     if not entries and not as_json:
         click.echo("no events match; widen --since/--until or drop a filter", err=True)

@@ -30,8 +30,8 @@ from llmgw.fleet import gpuuse, snapshots
 from llmgw.fleet import status as status_report
 from llmgw.fleet.fold import Checkpoint, encode, fold_batch
 from llmgw.fleet.history import ModelHistory
-from llmgw.fleet.state import FOLD_VERSION, Cursor, RouterView
-from llmgw.projections.store import Batch, Store, add_event_rows, add_unprojected, idle_payload
+from llmgw.fleet.state import FOLD_VERSION, Cursor
+from llmgw.projections.store import Batch, Store, add_unprojected, idle_payload
 from llmgw.projections.writer import ProcessWriter
 
 log = logging.getLogger(__name__)
@@ -183,13 +183,11 @@ class Projector:
         goes in as columns (the common case, kept lean), one with a refusal event by event."""
         state, store = self.state, self.store
         payloads = [x.data for x in msgs]  # idle maps' replaced by what changed in them
-        prevs: dict[int, RouterView | None] = {}
         idle = m.IdleMapPublished
 
-        def before(i: int, event: m.Event) -> None:
+        def before(i: int, event: m.Event, moved: list[str] | None) -> None:
             if type(event) is idle:
-                prevs[i] = prev = state.routers.get(event.router)
-                payloads[i] = idle_payload(event, prev)
+                payloads[i] = idle_payload(event, state.routers.get(event.router), moved)
 
         clamped = self.cursor.clamped
         why = fold_batch(self.checkpoint, stream, msgs, decoded, before=before if store is not None else None)
@@ -205,25 +203,20 @@ class Projector:
             self.batch.add_raw(stream, [x.seq for x in msgs], [x.subject for x in msgs], [x.ts_ns for x in msgs],
                                payloads)
             return
-        for i, (raw, event) in enumerate(zip(msgs, decoded, strict=True)):
-            if why[i] is None:
-                add_event_rows(self.batch, stream, raw.seq, raw.subject, raw.data, raw.ts_ns, event, prevs.get(i))
+        for i, raw in enumerate(msgs):
+            if why[i] is None:  # an idle map's payload is its changes already (``before``)
+                self.batch.add_raw(stream, [raw.seq], [raw.subject], [raw.ts_ns], [payloads[i]])
             else:
                 add_unprojected(self.batch, stream, raw.seq, raw.subject, raw.data, why[i] or "")
 
     def _ingest_one_by_one(self, stream: str, msgs: list[RawMsg]) -> None:
         """A batch with an event that cannot be decoded: those are kept raw, the rest folded as ever."""
-        good: list[RawMsg] = []
-        decoded: list[Any] = []
-        for raw in msgs:
-            try:
-                decoded.append(DECODERS[stream].decode(raw.data))
-                good.append(raw)
-            except m.DECODE_ERRORS as e:
-                log.warning("%s:%d (%s) cannot be decoded, kept in unprojected_events: %s", stream, raw.seq,
-                            raw.subject, e)
-                add_unprojected(self.batch, stream, raw.seq, raw.subject, raw.data, str(e))
-                self.cursor.unprojected += 1
+        def skip(raw: RawMsg, e: Exception) -> None:
+            add_unprojected(self.batch, stream, raw.seq, raw.subject, raw.data, str(e))
+            self.cursor.unprojected += 1
+
+        good, decoded = m.decode_each(stream, msgs, DECODERS[stream].decode, skip, who="projector",
+                                    skipped="kept in unprojected_events")
         if good:
             self._fold(stream, good, decoded)
         self._folded(stream, msgs)

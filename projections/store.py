@@ -28,7 +28,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
 from llmgw.fleet.fold import Checkpoint, decode_state
-from llmgw.fleet.state import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView
+from llmgw.fleet.state import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView, requests_moved
 from llmgw.projections import schema
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
 _IDLE_ENCODER = msgspec.json.Encoder()
 
 
-def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
+def idle_payload(event: m.IdleMapPublished, prev: RouterView | None, moved: list[str] | None = None) -> bytes:
     """An idle map as DuckDB gets it: a change per replica whose entry appeared, moved, or vanished.
 
     ``prev`` is the router's map this one follows. Repeating an unchanged entry
@@ -255,7 +255,8 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
     the same history and an idle stretch is the gap between two of them. A busy
     fleet changes tens of entries a tick, so Python only finds which (the fold
     has the previous map at hand) and encodes them in one call; DuckDB turns
-    them into idle_history rows and computes ``idle_s``.
+    them into idle_history rows and computes ``idle_s``. ``moved`` is the map's
+    ``requests_moved``, which the fold computed already.
     """
     last, serving = event.last_request, event.serving_since
     if prev is not None and prev.boot_id == event.boot_id:
@@ -264,7 +265,7 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None) -> bytes:
             changed: set[str] = set()  # the common quiet tick: nothing moved
         else:
             # Appeared or moved, then vanished; iterated in C, since most entries are unchanged.
-            changed = set(compress(last, map(ne, last.values(), map(plast.get, last))))
+            changed = set(moved if moved is not None else requests_moved(event, prev))
             changed.update(compress(serving, map(ne, serving.values(), map(pserving.get, serving))))
             changed.update(plast.keys() - last.keys(), pserving.keys() - serving.keys())
     else:  # a first map, or a restarted router: everything it says (or forgot) is news

@@ -13,7 +13,6 @@ projector commits what it folded and then closes the pipe, which ends it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import signal
 import time
@@ -23,9 +22,9 @@ from pathlib import Path
 import msgspec
 
 from llmgw.errors import ProjectionError
+from llmgw.proc import die_with_parent
 from llmgw.projections.store import Batch, Chunk, Store
 
-_PR_SET_PDEATHSIG = 1
 # What goes down the pipe per commit: (rows per staging table, chunks, events, state).
 # msgpack, not pickle: a busy week's idle history is millions of short rows, and
 # msgspec encodes them five times faster.
@@ -33,13 +32,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(tuple[dict[str, list[tuple]], list[Chunk], int, bytes])
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):  # Linux only; elsewhere the pipe's EOF ends the child
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _main(path: str, conn: Connection, copy_path: str | None, copy_interval_s: float) -> None:
-    _die_with_parent()
+    die_with_parent()  # Linux only; elsewhere the pipe's EOF ends the child
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop
     try:

@@ -9,10 +9,10 @@ import pytest
 from projection_events import T0, placed, small_fleet, spec, t
 
 from llmgw import messages as m
-from llmgw.cli.replay import describe
 from llmgw.fleet.history import RECENT_EVENTS, ModelHistory, split_by_day
 from llmgw.fleet.state import fold
 from llmgw.fleet.status import model_summaries, report
+from llmgw.messages import describe
 
 DAY = date(2026, 3, 2)
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import shlex
 import signal
 import socket
-import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from llmgw.engine.argv import (
 )
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
+from llmgw.proc import die_with
 
 log = logging.getLogger(__name__)
 
@@ -52,35 +51,6 @@ log = logging.getLogger(__name__)
 ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
 
 CHECK_S = 10.0  # one health check or reading, all of it
-
-
-_PR_SET_PDEATHSIG = 1
-_libc: ctypes.CDLL | None = None
-if sys.platform == "linux":
-    with contextlib.suppress(OSError):
-        _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child between fork and exec only calls it
-
-
-def die_with(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child die with ``parent`` (Linux: PR_SET_PDEATHSIG); None elsewhere.
-
-    An engine in its own session is not reached by the signals that end its agent, and a
-    SIGKILLed agent stops nothing: without this the engine lives on under init, and the
-    next agent starts a second one on the same GPUs. The kernel sends SIGKILL when the
-    thread that forked the child exits, so engines are started from the event loop's
-    thread, which lives as long as the agent does. A parent that died before the call
-    (the child was already orphaned) is checked for after it.
-    """
-    if _libc is None:
-        return None
-    prctl = _libc.prctl
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
@@ -546,7 +516,7 @@ class EngineSupervisor:
                 out.append((proc.pid, run.gpu_indexes, round(run.placed.spec.gib_per_gpu * 1024)))
         return out
 
-    def _note(self, _: int, event: m.Event) -> None:
+    def _note(self, _: int, event: m.Event, _moved: list[str] | None) -> None:
         """What this node's engines need of a control event the one fold took (``fold_batch``'s hook)."""
         match event:
             case m.ReplicaPlaced() if self.node in event.nodes:
@@ -608,7 +578,8 @@ class EngineSupervisor:
                 # The one fold every reader folds by: a placement on another subject than its own,
                 # or a head's address from a node its replica is not on, never starts anything here.
                 why = fold_batch(self.checkpoint, subjects.STREAM_CONTROL, [d.raw for d in batch],
-                                 [d.event for d in batch], keep=ENGINES_KEEP, before=self._note)
+                                 [d.event for d in batch], keep=ENGINES_KEEP, before=self._note,
+                                 subjects_checked=True)
                 for d, refused in zip(batch, why, strict=True):
                     if refused is not None:
                         log.warning("control seq %d refused: %s", d.raw.seq, refused)

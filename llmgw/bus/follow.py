@@ -4,7 +4,9 @@ A follower reads a stream in order and hands out each batch decoded. A
 message that cannot be decoded, or whose payload names another node than its
 subject (``subjects.disagrees``), is logged with its stream, sequence and
 subject, counted, and skipped: one bad event never stops a component, and
-every component says so the same way.
+every component says so the same way (``messages.decode_each``: the one
+decode-or-skip step, which the projector, a replay and what-if run on the
+batches they read themselves).
 """
 
 from __future__ import annotations
@@ -53,29 +55,27 @@ class Follower(Generic[T]):
         self.skipped = 0
         self.last_seq = start - 1
 
-    def _skip(self, raw: RawMsg, error: Exception, what: str) -> None:
+    def _skip(self, raw: RawMsg, error: Exception) -> None:
         self.skipped += 1
-        log.warning("%s: %s seq %d (%s) %s, skipped: %s", self.who, self.stream, raw.seq, raw.subject, what, error)
         if self.on_skip is not None:
             self.on_skip(raw, error)
 
     async def batches(self) -> AsyncIterator[list[Decoded[T]]]:
+        """Each batch's messages that decode and agree with their subjects: what a reader may hand to
+        ``fold_batch(..., subjects_checked=True)``, which then checks no subject again."""
         reader = self.bus.reader(self.stream, self.start, stop_at=self.stop_at, idle_expires_s=self.idle_expires_s,
                                  purpose=self.who)
-        decode = self.decoder.decode
+        decode, keep = self.decoder.decode, self.keep
         async for batch in reader.batches():
+            wanted = batch if keep is None else [raw for raw in batch if keep(raw)]
+            stored, events = m.decode_each(self.stream, wanted, decode, self._skip, who=self.who)
             out: list[Decoded[T]] = []
-            for raw in batch:
-                if self.keep is not None and not self.keep(raw):
-                    continue
-                try:
-                    event = decode(raw.data)
-                except m.DECODE_ERRORS as e:
-                    self._skip(raw, e, "cannot be decoded")
-                    continue
+            for raw, event in zip(stored, events, strict=True):
                 why = subjects.disagrees(raw.subject, event)  # type: ignore[arg-type]
                 if why is not None:
-                    self._skip(raw, ValueError(why), "refused")
+                    log.warning("%s: %s seq %d (%s) refused, skipped: %s", self.who, self.stream, raw.seq, raw.subject,
+                                why)
+                    self._skip(raw, ValueError(why))
                     continue
                 out.append(Decoded(raw, event))
             self.last_seq = batch[-1].seq

@@ -22,7 +22,15 @@ from llmgw import subjects
 from llmgw.fleet import demand, observed
 from llmgw.fleet.history import ModelHistory
 from llmgw.fleet.pool import Pool
-from llmgw.fleet.state import FOLD_VERSION, Cursor, FleetState, apply, clamp_times, refusal
+from llmgw.fleet.state import (
+    FOLD_VERSION,
+    Cursor,
+    FleetState,
+    apply,
+    clamp_times,
+    refusal,
+    requests_moved,
+)
 
 
 @dataclass
@@ -92,23 +100,28 @@ class Memories:
 
 
 EVERY = Memories()
-Before = typing.Callable[[int, m.Event], None]
+# A writer's hook, called with each event about to be folded (and an idle map's ``requests_moved``).
+Before = typing.Callable[[int, m.Event, list[str] | None], None]
 
 
 def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], events: list[typing.Any], *,
-               keep: Memories = EVERY, now: float = 0.0, before: Before | None = None) -> list[str | None]:
+               keep: Memories = EVERY, now: float = 0.0, before: Before | None = None,
+               subjects_checked: bool = False) -> list[str | None]:
     """Fold a batch of one stream's decoded events, in stream order, by the one rule every reader folds by.
 
     For each event: a subject its payload disagrees with is refused; its time is clamped to
     when the stream stored it (``clamp_times``, in place in ``events``); a state report from a
     node its replica is not on is refused; then a control event is noted in the models'
     history, the memories kept see it on the state before it, ``before(i, event)`` is called
-    (a writer's hook), and ``apply`` folds it. The cursor moves past each. Returns, per event,
+    (a writer's hook, with an idle map's ``requests_moved``: the map's one diff), and ``apply`` folds it. The cursor moves past each. Returns, per event,
     why it was refused, or None when it was folded. ``now`` is the wall clock a router's pool
     stamps on a replica it takes in (0: a reader's fold, the same in every process).
+    ``subjects_checked``: the reader's follower refused every event its subject disagrees with
+    already (``bus.Follower``), so none is checked twice.
     """
     n = len(events)
-    why: list[str | None] = [subjects.disagrees(x.subject, e) for x, e in zip(stored, events, strict=True)]
+    why: list[str | None] = [None] * n if subjects_checked else \
+        [subjects.disagrees(x.subject, e) for x, e in zip(stored, events, strict=True)]
     fresh = [i for i in range(n) if why[i] is None]
     cursor = c.cursor
     if len(fresh) == n:
@@ -132,9 +145,10 @@ def fold_batch(c: Checkpoint, stream: str, stored: typing.Sequence[Stored], even
             elif answered is not None and type(event) is _ANSWERED:
                 answered(event)
             _observe(c, keep, x.seq, x.subject, event, now)
+            moved = requests_moved(event, state.routers.get(event.router)) if type(event) is _IDLE_MAP else None
             if before is not None:
-                before(i, event)
-            apply(state, event, x.seq)
+                before(i, event, moved)
+            apply(state, event, x.seq, moved)
         else:
             cursor.unprojected += 1
         if x.seq > positions.get(stream, 0):

@@ -89,19 +89,11 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
 
 def _decoded(cursor: Cursor, stream: str, msgs: list[RawMsg]) -> tuple[list[RawMsg], list[Any]]:
     """The messages that decode, and their events; one that does not is folded past, as the projector does."""
-    decode = subjects.DECODERS[stream].decode
-    stored: list[RawMsg] = []
-    events: list[Any] = []
-    for x in msgs:
-        try:
-            events.append(decode(x.data))
-        except m.DECODE_ERRORS as e:
-            log.warning("replay: %s seq %d (%s) cannot be decoded, skipped: %s", stream, x.seq, x.subject, e)
-            cursor.unprojected += 1
-            _advance(cursor, stream, x)
-            continue
-        stored.append(x)
-    return stored, events
+    def skip(raw: RawMsg, _: Exception) -> None:
+        cursor.unprojected += 1
+        _advance(cursor, stream, raw)
+
+    return m.decode_each(stream, msgs, subjects.DECODERS[stream].decode, skip, who="replay")
 
 
 def _advance(cursor: Cursor, stream: str, raw: RawMsg) -> None:

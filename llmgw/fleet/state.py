@@ -202,8 +202,25 @@ class FleetState:
         return min(serving) if serving else None
 
 
-def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
-    """Fold one event into the state and return it; ``seq`` is where its stream stores it."""
+def requests_moved(event: m.IdleMapPublished, before: RouterView | None) -> list[str]:
+    """The replicas whose newest request an idle map reports first or later than its router's last map.
+
+    The one diff of an idle map, computed once per map by ``fold_batch`` and handed to
+    everything that reads it: the fold, DuckDB's idle history, what-if. The newest request
+    per replica only grows, so an entry the router reported last tick is unchanged: in C,
+    only what moved (a few a tick) comes out.
+    """
+    lr = event.last_request
+    if before is None:
+        return list(lr)
+    return list(compress(lr, map(ne, lr.values(), map(before.last_request.get, lr))))
+
+
+def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | None = None) -> FleetState:
+    """Fold one event into the state and return it; ``seq`` is where its stream stores it.
+
+    ``moved``: an idle map's ``requests_moved``, when the caller has it already.
+    """
     at = event.at
     if state.as_of is None or at > state.as_of:
         state.as_of = at
@@ -253,11 +270,8 @@ def apply(state: FleetState, event: m.Event, seq: int = 0) -> FleetState:
                 boot_id=event.boot_id, tick=event.tick, at=event.at, serving_since=event.serving_since,
                 last_request=event.last_request,
             )
-            # The newest request per replica only grows, so an entry this router already
-            # reported last tick is in it already: look only at what moved (in C, a few a tick).
             lr = event.last_request
-            fresh = lr if before is None else compress(lr, map(ne, lr.values(), map(before.last_request.get, lr)))
-            for rid in fresh:
+            for rid in moved if moved is not None else requests_moved(event, before):
                 t = lr[rid]
                 known = state.last_request.get(rid)
                 if known is None or t > known:

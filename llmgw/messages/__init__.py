@@ -80,6 +80,7 @@ from llmgw.messages.control import (  # noqa: F401
     ReplicaStopped,
     Routing,
 )
+from llmgw.messages.describe import describe
 from llmgw.messages.fleet import (  # noqa: F401
     MIB_MAX,
     FaultInjected,
@@ -143,6 +144,7 @@ from llmgw.messages.wire import (  # noqa: F401
     HEARTBEAT_DECODER,
     USAGE_DECODER,
     AnyEvent,
+    decode_each,
     decode_event,
     encode,
 )
@@ -260,7 +262,9 @@ __all__ = [
     "UnplaceableModel",
     "UsageEvent",
     "WakeAnswered",
+    "decode_each",
     "decode_event",
+    "describe",
     "encode",
     "fabric_problem",
     "name_problem",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
 import msgspec
 
 from llmgw.messages.base import ErrorReply
@@ -37,3 +41,42 @@ def encode(message: msgspec.Struct) -> bytes:
 def decode_event(data: bytes) -> AnyEvent:
     """An event from bytes of any stream; raises msgspec.DecodeError or ValidationError."""
     return ANY_DECODER.decode(data)
+
+
+class Stored(Protocol):
+    """A message as a stream stores it: what decoding needs of it."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def data(self) -> bytes: ...
+
+
+S = TypeVar("S", bound=Stored)
+T = TypeVar("T")
+Skip = Callable[[Any, Exception], None]
+
+
+def decode_each(stream: str, msgs: Sequence[S], decode: Callable[[bytes], T], skip: Skip, *,
+                who: str = "reader", skipped: str = "skipped") -> tuple[list[S], list[T]]:
+    """The messages of one batch that decode, and their events, in stream order.
+
+    Each that cannot be decoded is logged (``who``: the reader; ``skipped``: what becomes of it)
+    and handed to ``skip``; it never stops the batch.
+    """
+    stored: list[S] = []
+    events: list[T] = []
+    for raw in msgs:
+        try:
+            events.append(decode(raw.data))
+        except DECODE_ERRORS as e:
+            log.warning("%s: %s seq %d (%s) cannot be decoded, %s: %s", who, stream, raw.seq, raw.subject, skipped, e)
+            skip(raw, e)
+            continue
+        stored.append(raw)
+    return stored, events
+
+
+log = logging.getLogger(__name__)

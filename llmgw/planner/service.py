@@ -117,7 +117,8 @@ class PlannerService:
         async for batch in follower.batches():
             c = self.checkpoint
             clamped = c.cursor.clamped
-            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch], keep=PLANNER_KEEPS)
+            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch], keep=PLANNER_KEEPS,
+                             subjects_checked=True)
             self.clamped += c.cursor.clamped - clamped
             self.refused += sum(w is not None for w in why)
             self._pools = None

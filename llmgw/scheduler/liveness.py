@@ -99,7 +99,7 @@ class HeartbeatMonitor:
                                        on_skip=self._skipped)
             async for batch in follower.batches():
                 fold_batch(c, subjects.STREAM_FLEET, [d.raw for d in batch], [d.event for d in batch],
-                           keep=LIVENESS_KEEPS)
+                           keep=LIVENESS_KEEPS, subjects_checked=True)
         self.lost = {node: _Lost(key="", stream_seq=seq) for node, seq in c.lost_at_seq.items()}
 
     # --- following heartbeats -------------------------------------------------------------

@@ -169,7 +169,7 @@ class SchedulerService:
         async for batch in follower.batches():
             c = self.checkpoint
             clamped = c.cursor.clamped
-            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch])
+            why = fold_batch(c, stream, [d.raw for d in batch], [d.event for d in batch], subjects_checked=True)
             self.stats.clamped += c.cursor.clamped - clamped
             self.stats.refused += sum(w is not None for w in why)
             self.stats.applied[stream] = follower.last_seq
@@ -212,7 +212,7 @@ class SchedulerService:
             self.stats.decisions += 1
             self.stats.duplicates += ack.duplicate
             out.append(d.event)
-            log.info("scheduler %s: %s", self.name, _describe(d.event))
+            log.info("scheduler %s: %s", self.name, m.describe(d.event))
         self.published.extend(out)
         await self._wait_applied(subjects.STREAM_CONTROL, last_seq, within_s=max(self.tick_s * 5, 5.0))
         return out
@@ -257,17 +257,3 @@ async def _first(*events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
-
-
-def _describe(event: m.Event) -> str:
-    match event:
-        case m.ReplicaPlaced():
-            where = ", ".join(f"{g.node}:{g.index}" for g in event.gpus)
-            return f"placed {event.replica_id} on {where} (fabric {event.fabric})"
-        case m.ReplicaStopped():
-            return f"stopped {event.replica_id}: {event.reason}"
-        case m.ModelUnplaceable():
-            return f"cannot place {event.name}: {event.reason}"
-        case m.ModelAutoscaled():
-            return f"autoscaled {event.name} to {event.replicas}: {event.reason}"
-    return type(event).__name__

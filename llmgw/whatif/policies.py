@@ -31,8 +31,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from itertools import compress
-from operator import ne
 
 import msgspec
 
@@ -495,12 +493,13 @@ class Replay:
         self.recent: dict[str, _Recent] = {}
         self.sims = [Sim(p, _DEC.decode(blob), start.state, since, self.starts, self.recent,
                          extra if p is not RECORDED else ()) for p in [RECORDED, *policies]]
-        self.maps: dict[str, m.IdleMapPublished] = {}
+        self.mapped: set[str] = set()  # the routers whose maps the window has shown
         self.requests: dict[str, dict[str, datetime]] = {}  # router → model → newest request
         self.now = since
 
-    def feed(self, stream: str, event: m.Event) -> None:
-        """One recorded event, folded already (times clamped, refused ones left out)."""
+    def feed(self, stream: str, event: m.Event, moved: list[str] | None = None) -> None:
+        """One recorded event, folded already (times clamped, refused ones left out); ``moved``: an idle
+        map's ``requests_moved``, as the fold computed it."""
         at = event.at
         if at > self.now:
             self.now = at
@@ -508,7 +507,7 @@ class Replay:
             sim.advance(self.now)
         kind = type(event)
         if kind is m.IdleMapPublished:
-            self._map(event)  # type: ignore[arg-type]
+            self._map(event, moved)  # type: ignore[arg-type]
         elif stream == subjects.STREAM_FLEET:
             for sim in self.sims:
                 sim.fleet(event)
@@ -566,11 +565,12 @@ class Replay:
             else:
                 sim.wish(event, 0)  # the requests are counted from the router's WakeAnswered
 
-    def _map(self, event: m.IdleMapPublished) -> None:
-        before = self.maps.get(event.router)
-        self.maps[event.router] = event
+    def _map(self, event: m.IdleMapPublished, moved: list[str] | None) -> None:
         lr = event.last_request
-        fresh = lr if before is None else list(compress(lr, map(ne, lr.values(), map(before.last_request.get, lr))))
+        # A router's first map in the window is news whole; after it, what the fold found moved.
+        first = event.router not in self.mapped
+        self.mapped.add(event.router)
+        fresh = lr if first or moved is None else moved
         seen = self.requests.setdefault(event.router, {})
         news: dict[str, tuple[datetime, int]] = {}
         for rid in fresh:

@@ -165,29 +165,29 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
     from llmgw.bus import windows
 
     done = events = undecodable = 0
+
+    def skip(_raw: RawMsg, _e: Exception) -> None:
+        nonlocal undecodable
+        undecodable += 1
+
     async with contextlib.aclosing(windows(readers, cuts)) as merged:  # type: ignore[type-var]
         async for window in merged:
-            runs = []
+            runs: list[list[tuple[int, int, str, RawMsg, Any, list[str] | None]]] = []
             for stream, msgs in window:
                 done += len(msgs)
-                decode = subjects.DECODERS[stream].decode
-                stored: list[RawMsg] = []
-                decoded: list[Any] = []
-                for x in msgs:
-                    try:
-                        decoded.append(decode(x.data))
-                        stored.append(x)
-                    except m.DECODE_ERRORS:
-                        undecodable += 1
+                stored, decoded = m.decode_each(stream, msgs, subjects.DECODERS[stream].decode, skip, who="what-if")
                 if stream == subjects.STREAM_FLEET:
-                    runs.append([(x.ts_ns, i, stream, x, e) for i, (x, e) in enumerate(zip(stored, decoded, strict=True))])
+                    runs.append([(x.ts_ns, i, stream, x, e, None) for i, (x, e) in
+                                 enumerate(zip(stored, decoded, strict=True))])
                     continue
-                why = fold_batch(c, stream, stored, decoded, keep=WINDOW_KEEPS)  # clamps the times in place
-                runs.append([(x.ts_ns, i, stream, x, e) for i, (x, e, w) in enumerate(zip(stored, decoded, why, strict=True))
-                             if w is None])
+                moved: dict[int, list[str] | None] = {}  # each idle map's one diff, as the fold computed it
+                why = fold_batch(c, stream, stored, decoded, keep=WINDOW_KEEPS,  # clamps the times in place
+                                 before=lambda i, _, diff: moved.__setitem__(i, diff))  # noqa: B023 - called here
+                runs.append([(x.ts_ns, i, stream, x, e, moved.get(i)) for i, (x, e, w) in
+                             enumerate(zip(stored, decoded, why, strict=True)) if w is None])
             # In the events' own order: a history imported at once was stored in microseconds, in no
             # order across its streams; a live one was stored as it happened, and this changes nothing.
-            for _, _, stream, x, event in heapq.merge(*runs, key=lambda r: (r[4].at, r[0])):
+            for _, _, stream, x, event, diff in heapq.merge(*runs, key=lambda r: (r[4].at, r[0])):
                 if stream == subjects.STREAM_FLEET:
                     one = [event]
                     if fold_batch(c, stream, [x], one, keep=WINDOW_KEEPS)[0] is not None:
@@ -199,7 +199,7 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
                     # history, not for one imported (or generated) at once. The first event says how far apart.
                     offset = last_offset
                     run = Replay(c, policies, since + offset, extra)
-                run.feed(stream, event)
+                run.feed(stream, event, diff)
                 events += 1
             if progress is not None:
                 progress(done, total)

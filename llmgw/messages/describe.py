@@ -1,0 +1,62 @@
+"""One line a person can read per event: what ``llmgw replay`` prints and the scheduler logs."""
+
+from __future__ import annotations
+
+from llmgw.messages import control as c
+from llmgw.messages import fleet as f
+from llmgw.messages import usage as u
+from llmgw.messages.base import Event
+
+
+def describe(event: Event) -> str:
+    """One line a person can read: what happened, with the numbers."""
+    match event:
+        case f.NodeInventoryReported():
+            bad = [str(g.index) for g in event.gpus if not g.healthy]
+            classes = ",".join(sorted({g.gpu_class for g in event.gpus})) or "-"
+            extra = f", unhealthy: {' '.join(bad)}" if bad else ""
+            return f"node {event.node} reported {len(event.gpus)} × {classes} on fabric {event.fabric}{extra}"
+        case f.GpuHealthChanged():
+            word = "healthy again" if event.healthy else "UNHEALTHY"
+            why = f" ({', '.join(event.reasons)})" if event.reasons else ""
+            return f"node {event.node} GPU {event.gpu_index} {word}{why}"
+        case f.NodeLost():
+            return f"node {event.node} LOST (no heartbeat for {event.timeout_s:.0f}s)"
+        case f.NodeReturned():
+            return f"node {event.node} returned"
+        case f.NodeRetired():
+            return f"node {event.node} retired by an operator" + (f": {event.reason}" if event.reason else "")
+        case c.ModelDeclared(spec=s):
+            return (f"model {s.name} declared: {s.replicas} × {s.gpu_class} tp{s.tp} pp{s.pp} "
+                    f"{s.precision} ({s.engine})")
+        case c.ModelScaled():
+            return f"model {event.name} scaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}"
+        case c.ModelAutoscaled():
+            return (f"model {event.name} autoscaled to {event.replicas} replica{'s' if event.replicas != 1 else ''}: "
+                    f"{event.reason}")
+        case u.ModelWanted():
+            return (f"router {event.router} wants model {event.model}: {event.waiting} request"
+                    f"{'s' if event.waiting != 1 else ''} waiting (it had seen control up to #{event.control_seq})")
+        case c.ModelRemoved():
+            return f"model {event.name} removed"
+        case c.ModelUnplaceable():
+            return f"model {event.name} UNPLACEABLE ({event.missing_replicas} missing): {event.reason}"
+        case c.ReplicaPlaced():
+            why = f" ({event.reason})" if event.reason else ""
+            return (f"replica {event.replica_id} of {event.model} placed on {','.join(event.nodes)} "
+                    f"({len(event.gpus)} GPU{'s' if len(event.gpus) != 1 else ''}, fabric {event.fabric or '-'}){why}")
+        case c.ReplicaStateChanged():
+            detail = f": {event.detail}" if event.detail else ""
+            kv = f" (reserved {event.observed_kv_tokens:,} KV tokens)" if event.observed_kv_tokens > 0 else ""
+            return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
+        case c.ReplicaStopped():
+            return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
+        case u.WakeAnswered():
+            held = (event.released_at - event.held_since).total_seconds()
+            return (f"router {event.router} sent {event.requests} held request{'s' if event.requests != 1 else ''} "
+                    f"for {event.model} on to {event.replica_id} (held {held:.2f}s; first byte "
+                    f"{(event.at - event.released_at).total_seconds():.2f}s later)")
+        case u.IdleMapPublished():
+            return (f"router {event.router} tick {event.tick}: {len(event.last_request)} replicas with requests, "
+                    f"{len(event.serving_since)} without since routing began")
+    return type(event).__name__
