@@ -1,6 +1,6 @@
 """The memory model against vLLM's own start-up logs (tests/data/vllm_observed.jsonl).
 
-The table ``benchmarks/calibration.py`` prints is in the README; this test fails when
+The table ``benchmarks/calibration.py`` prints is in docs/planning.md; this test fails when
 any verdict (starts or not) is wrong, or fewer than 85% of the KV figures are within
 max(10%, 0.75 GiB) of what vLLM printed, or a weights figure is off by more than 5%; and each
 vLLM version range (engine profile) is pinned on KV figures of its own.
