@@ -13,17 +13,14 @@ import click
 import msgspec
 
 from llmgw import messages as m
-from llmgw.agent.node import Agent
-from llmgw.agent.nvml import NvmlPort, RealNvml
-from llmgw.agent.simnvml import SimNvml
-from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
+from llmgw.agent import Agent, EngineConfig, EngineSupervisor, NvmlPort, RealNvml, SimNvml
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
 from llmgw.engine.argv import parse_engine_cmds
 from llmgw.errors import LlmgwError
 from llmgw.fleetfile import faults, load, parse_fault_kind
-from llmgw.scheduler.liveness import HeartbeatMonitor
+from llmgw.scheduler import HeartbeatMonitor
 
 
 def checked_fabric(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

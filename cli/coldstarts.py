@@ -7,7 +7,7 @@ from datetime import datetime
 from rich.console import Console
 
 from llmgw import messages as m
-from llmgw.fleet.history import percentile
+from llmgw.fleet import percentile
 
 
 def _after(t: datetime | None, since: datetime | None) -> str:

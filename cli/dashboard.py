@@ -12,7 +12,7 @@ from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.cli.router import _listen
 from llmgw.config import Settings
-from llmgw.dashboard.app import Dashboard, Limits
+from llmgw.dashboard import Dashboard, Limits
 
 
 @click.command("dashboard")

@@ -31,7 +31,7 @@ def export(dest: Path, db: Path | None, data_dir: Path | None) -> None:
         llmgw export --parquet out --db mine.duckdb
         duckdb -c "FROM read_parquet('out/idle_history/*/*.parquet', hive_partitioning = true)"
     """
-    from llmgw.projections.export import export_parquet
+    from llmgw.projections import export_parquet
 
     db = db or (data_dir or default_data_dir()) / "llmgw.duckdb"
     done = export_parquet(db, dest)

@@ -10,7 +10,7 @@ import click
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
-from llmgw.fleet.status import IdleRow
+from llmgw.fleet import IdleRow
 
 
 def _older_than(ctx: click.Context, param: click.Parameter, value: str) -> float:

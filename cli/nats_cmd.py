@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmgw.bus import Bus
-from llmgw.bus.server import EmbeddedServer
+from llmgw.bus import Bus, EmbeddedServer
 from llmgw.cli.options import run
 from llmgw.config import Settings, data_dir
 

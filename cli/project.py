@@ -15,9 +15,7 @@ from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.cli.progress import progress
 from llmgw.config import Settings, data_dir
-from llmgw.projections.export import analysts_copy_of
-from llmgw.projections.runner import Projector
-from llmgw.projections.store import Store
+from llmgw.projections import Projector, Store, analysts_copy_of
 
 
 async def project_db(settings: Settings, db: Path, *, once: bool, analysts_copy: Path | None,

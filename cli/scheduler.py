@@ -11,8 +11,7 @@ import click
 from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
-from llmgw.scheduler.liveness import HeartbeatMonitor
-from llmgw.scheduler.service import SchedulerService
+from llmgw.scheduler import HeartbeatMonitor, SchedulerService
 
 
 async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float,

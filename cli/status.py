@@ -48,7 +48,7 @@ EARLIEST_AT = datetime(2000, 1, 1, tzinfo=UTC)  # before any llmgw history: a ty
 def check_at(at: datetime, text: str, now: datetime | None = None) -> datetime:
     """``--at`` a moment the history can answer: not in the future (give or take the clock skew events
     may have, fold.MAX_AHEAD), not before 2000. The streams' own start is checked where they are read."""
-    from llmgw.fleet.state import MAX_AHEAD
+    from llmgw.fleet import MAX_AHEAD
 
     now = now_or(now)
     if at > now + MAX_AHEAD:

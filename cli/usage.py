@@ -32,8 +32,7 @@ def usage(by: str, since_days: int, db: Path | None, data_dir: Path | None, as_j
         llmgw ctl usage --by key --json
     """
     from llmgw.errors import ProjectionError
-    from llmgw.projections.export import existing_copy_of
-    from llmgw.projections.store import DatabaseHeldError, usage_rows
+    from llmgw.projections import DatabaseHeldError, existing_copy_of, usage_rows
 
     db = db or (data_dir or default_data_dir()) / "llmgw.duckdb"
     if not db.exists():

@@ -12,7 +12,7 @@ import msgspec
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import MAX_DURATION_S, human_duration, parse_duration, parse_time, progress
 from llmgw.config import Settings
-from llmgw.whatif.policies import Policy
+from llmgw.whatif import Policy
 
 FIGURES = (("gpu_hours", "GPU-hours held"), ("idle_gpu_hours", "GPU-hours idle"), ("cold_starts", "cold starts"),
            ("waited_requests", "requests that waited"), ("added_wait_s_p50", "added wait p50 (s)"),
@@ -111,7 +111,7 @@ def what_if(since: str, until: str | None, models: tuple[str, ...], ttls: tuple[
         llmgw ctl what-if --since 2026-03-02 --until 2026-03-09 --min-replicas 1 --max-replicas 4 --json
     """
     from llmgw import ctl
-    from llmgw.whatif.window import what_if as run_what_if
+    from llmgw.whatif import what_if as run_what_if
 
     now = datetime.now(UTC)
     start = parse_time(since, "--since", now)
@@ -150,7 +150,7 @@ def render(report: object, console: object, chart: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from llmgw.whatif.window import WhatIfReport
+    from llmgw.whatif import WhatIfReport
 
     assert isinstance(report, WhatIfReport) and isinstance(console, Console)
     f = report.fidelity
@@ -202,7 +202,7 @@ def _chart(report: object, console: object) -> None:
     """GPU-hours against cold starts, one bar pair per swept value: the trade-off at a glance."""
     from rich.console import Console
 
-    from llmgw.whatif.window import WhatIfReport
+    from llmgw.whatif import WhatIfReport
 
     assert isinstance(report, WhatIfReport) and isinstance(console, Console)
     rows = [("recorded", report.recorded.total), *((a.policy, a.total) for a in report.asked)]

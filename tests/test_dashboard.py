@@ -19,7 +19,8 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
-from llmgw.dashboard.app import Dashboard, bar, duration
+from llmgw.dashboard.app import Dashboard
+from llmgw.dashboard.page import bar, duration
 from llmgw.projections.runner import Projector
 
 EVIL = "<script>alert(1)</script>"

@@ -310,7 +310,7 @@ def test_status_sums_each_tenants_use_and_names_the_keys_near_their_limit() -> N
     """Today and seven days per tenant, from the routers' maps as the fold keeps them; the dashboard shows it."""
     from datetime import timedelta
 
-    from llmgw.dashboard.app import tenants_section
+    from llmgw.dashboard.page import tenants_section
     from llmgw.fleet.state import fold
     from llmgw.fleet.status import report
 

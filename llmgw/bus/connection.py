@@ -1,4 +1,9 @@
-"""The connection: log in, publish idempotently, request/reply, serve, declare streams, key-value."""
+"""The connection: log in, publish idempotently, request/reply, serve, declare streams, key-value.
+
+Over 600 lines: this is the one module that holds a nats-py client, so every call that
+translates a driver error into ours (``guarded``) lives here; the readers, the outbox and
+the buckets it hands out are their own modules.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,20 @@
 """The fleet core: the one fold of the history streams and the pure queries over it.
 
-Every reader (the projector, a replay, the scheduler, the planner, the routers'
-pool, the liveness monitor) folds by one function, ``fold.fold_batch``, and
-differs only in which of the memories beside the fold it keeps (``history``,
-``demand``, ``observed``, ``pool``); ``projections/`` only writes DuckDB.
+``state.apply(state, event)`` folds one event into a ``FleetState`` (nodes and GPUs,
+models and replicas, the routers' idle maps); ``fold.fold_batch`` is the one rule every
+reader folds a batch by (the projector, a replay, the scheduler, the planner, the
+routers' pool, the liveness monitor, the agents): refuse, clamp, note history, observe,
+apply. Readers differ only in which of the memories beside the fold they keep
+(``fold.Memories``: ``history``, ``demand``, ``observed``, ``pool``, ``lost``).
+``replay`` folds the streams up to any moment, from the newest fold snapshot
+(``snapshots``) before it; ``status`` and ``gpuuse`` answer ``ctl status`` from the
+state. ``projections/`` only writes DuckDB.
 """
 
+from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
+from llmgw.fleet.history import ModelHistory, percentile
 from llmgw.fleet.state import (
+    MAX_AHEAD,
     FleetState,
     GpuView,
     ModelView,
@@ -14,10 +22,14 @@ from llmgw.fleet.state import (
     ReplicaView,
     RouterView,
     apply,
-    fold,
     part_state,
     refusal,
     speaks_for,
 )
+from llmgw.fleet.status import IdleRow, idle_rows, nobody_asked
 
-__all__ = ["FleetState", "GpuView", "ModelView", "NodeView", "ReplicaView", "RouterView", "apply", "fold", "part_state", "refusal", "speaks_for"]
+__all__ = [
+    "MAX_AHEAD", "Checkpoint", "FleetState", "GpuView", "IdleRow", "Memories", "ModelHistory", "ModelView", "NodeView",
+    "ReplicaView", "RouterView", "apply", "fold_batch", "idle_rows", "nobody_asked", "part_state", "percentile",
+    "refusal", "speaks_for",
+]

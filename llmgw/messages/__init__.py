@@ -12,9 +12,6 @@ reaches each.
 """
 
 from llmgw.messages.base import (  # noqa: F401
-    _FABRIC,
-    _MODEL_NAME,
-    _NAME,
     FABRIC_PATTERN,
     FABRIC_RULE,
     GPU_CLASS_MAX,
@@ -80,7 +77,6 @@ from llmgw.messages.control import (  # noqa: F401
     ReplicaStopped,
     Routing,
 )
-from llmgw.messages.describe import describe
 from llmgw.messages.fleet import (  # noqa: F401
     MIB_MAX,
     FaultInjected,
@@ -97,6 +93,7 @@ from llmgw.messages.fleet import (  # noqa: F401
     NodeRetired,
     NodeReturned,
 )
+from llmgw.messages.lines import describe
 from llmgw.messages.plan import (  # noqa: F401
     PLAN_REPLY_DECODER,
     PLAN_REQUEST_DECODER,
@@ -132,7 +129,6 @@ from llmgw.messages.usage import (  # noqa: F401
     ModelWanted,
     UsageEvent,
     WakeAnswered,
-    _TokenCount,
 )
 from llmgw.messages.wire import (  # noqa: F401
     ANY_DECODER,
