@@ -17,11 +17,17 @@ from pathlib import Path
 
 from llmgw import messages as m
 from llmgw.errors import ConfigError
-from llmgw.planner.modelinfo import is_repo_id
 
 ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
 # What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
 JOINED_MARKERS = ("Ray runtime started", "joined ")
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    """``Org/Name``, as the Hugging Face Hub names a repository (not a path here)."""
+    return _REPO_ID.match(model) is not None
 
 
 def llmgw_program() -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import socket
 import struct
 import threading
@@ -24,19 +23,12 @@ from urllib.parse import urlparse
 
 import msgspec
 
+from llmgw.engine.argv import is_repo_id
 from llmgw.errors import ModelError
 from llmgw.messages import ModelInfo
 from llmgw.planner.memory import architecture_params
 
 __all__ = ["ModelInfo", "from_config", "load", "parse_params", "hf_cache_dir"]
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def is_repo_id(model: str) -> bool:
-    """``Org/Name``, as the Hugging Face Hub names a repository (not a path here)."""
-    return _REPO_ID.match(model) is not None
-
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 _MAX_HEADER = 100 * 1024**2
@@ -601,7 +593,7 @@ def local_dir(model: str, models_dir_: Path | None) -> Path | None:
     except (OSError, ValueError) as e:  # a name too long (ENAMETOOLONG), a NUL byte
         raise ModelError(f"{_shown(model)} cannot be a model directory ({getattr(e, 'strerror', None) or e}); "
                          "give a shorter path or a Hugging Face repo id (Org/Name)") from None
-    if models_dir_ is not None and _REPO_ID.match(model):
+    if models_dir_ is not None and is_repo_id(model):
         candidate = models_dir_ / model.replace("/", "__")
         if _is_file(candidate / "config.json"):
             return candidate
@@ -630,7 +622,7 @@ def load(model: str, *, models_dir_: str | Path | None = None, params: int | Non
         # Org__Name under the models directory stands for the repo Org/Name; a path, for itself.
         repo = model if found != Path(model).expanduser() else None
         return load_dir(found, name=repo, source=repo, params=params)
-    if not _REPO_ID.match(model):
+    if not is_repo_id(model):
         raise ModelError(f"{_shown(model)} is neither a directory with a config.json nor a Hugging Face repo id "
                          "(Org/Name); check the path or the name")
     if (why := hub_problem(model)) is not None:
