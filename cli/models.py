@@ -404,7 +404,8 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     kv.add_column(overflow="fold")
     rows: list[tuple[str, str]] = [
         ("source", spec.source + (f" (file {spec.file})" if spec.file else "")),
-        ("runs", f"{runs_text(spec)}, tp {spec.tp} × pp {spec.pp} = {gpus} per replica "
+        ("runs", f"{runs_text(spec)}{f' (--dtype {spec.dtype})' if spec.dtype != 'auto' else ''}, "
+                 f"tp {spec.tp} × pp {spec.pp} = {gpus} per replica "
                  f"({spec.pp} node{'s' if spec.pp != 1 else ''}) of {spec.gpu_class}"),
         ("context", f"{spec.context:,} tokens"),
         ("scaling", scaling_text(s)),

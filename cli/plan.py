@@ -80,7 +80,9 @@ def render(reply: m.PlanReply, model: str) -> None:
         console.print(f"{', '.join(map(str, numbers)):>3}  {line}", soft_wrap=True)
     first = next((i for i, c in enumerate(reply.candidates, 1) if c.fits), None)
     if first is not None:
-        name = reply.model.rstrip("/").split("/")[-1].lower()
+        from llmgw.planner.candidates import plan_name
+
+        name = plan_name(reply.model)  # the name its command serves it under
         spec = reply.candidates[first - 1].spec(name)
         console.print(f"\ndeclaration for candidate {first} "
                       f"(`llmgw ctl model deploy {name} {model} --from-plan --candidate {first}` with the same flags):")

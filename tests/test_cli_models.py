@@ -141,3 +141,23 @@ async def test_deploy_routing_is_in_the_spec_and_changes_no_run(bus: Bus, nats_u
     assert isinstance(declared, m.ModelDeclared) and declared.spec.routing == "least-outstanding"
     assert same_run(declared.spec, msgspec.structs.replace(declared.spec, routing="prefix"))
     assert not same_run(declared.spec, msgspec.structs.replace(declared.spec, context=declared.spec.context // 2))
+
+
+async def test_deploy_of_another_16_bit_type_declares_it_and_show_says_so(bus: Bus, nats_url: str) -> None:
+    """An fp16 plan of a bf16 checkpoint runs as fp16: the spec carries --dtype, and a changed one rolls the replicas."""
+    from llmgw.scheduler.placement import same_run
+
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    r = await invoke(nats_url, *deploy_args("--precision", "fp16", "--tp", "1", "--gpu-class", "H100-80GB", model=llama))
+    assert r.exit_code == 0, r.output
+    (declared,) = await control(bus)
+    assert isinstance(declared, m.ModelDeclared)
+    assert (declared.spec.precision, declared.spec.dtype) == ("fp16", "float16")
+    assert not same_run(declared.spec, msgspec.structs.replace(declared.spec, dtype="auto"))
+    r = await invoke(nats_url, "ctl", "model", "show", "qwen", "--replay")
+    assert r.exit_code == 0, r.output
+    runs = next(line.split(None, 1)[1] for line in r.output.splitlines() if line.strip().startswith("runs "))
+    assert runs.startswith("fp16 vllm (--dtype float16), tp 1 × pp 1 ")
+    # Asked again, unchanged: the dtype is what the operator's precision made it, not a figure a re-plan moves.
+    r = await invoke(nats_url, *deploy_args("--precision", "fp16", "--tp", "1", "--gpu-class", "H100-80GB", model=llama))
+    assert r.exit_code == 0 and r.output.startswith("unchanged qwen"), r.output

@@ -82,8 +82,11 @@ def test_table_for_people() -> None:
     assert lines[1] == "engine: vLLM 0.31.0 (profile vllm 0.29+; no agent reports one: the newest profile)"
     assert any("H100-80GB" in line and "bf16" in line and "vllm" in line for line in lines)
     assert (f"vllm serve {MODELS / 'google__gemma-2-9b-it'} --tensor-parallel-size 1 --max-num-seqs 1024 "
-            "--max-model-len 8192 --gpu-memory-utilization 0.92") in out
-    assert "llama-server -m gemma-2-9b-it-Q8_0.gguf -c 8192 -np 1 -ngl 999   # download gemma-2-9b-it-Q8_0.gguf" in out
+            "--max-model-len 8192 --gpu-memory-utilization 0.92 --host 0.0.0.0 --port 8000 "
+            "--served-model-name gemma-2-9b-it") in out
+    # The file where the agent looks for it: in the model's directory, not wherever the command is typed.
+    assert (f"llama-server -m {MODELS / 'google__gemma-2-9b-it' / 'gemma-2-9b-it-Q8_0.gguf'} -c 8192 -np 1 -ngl 999 "
+            "--host 0.0.0.0 --port 8000 --alias gemma-2-9b-it   # download gemma-2-9b-it-Q8_0.gguf") in out
     assert "declaration for candidate 1" in out and '"engine":"vllm"' in out
 
 

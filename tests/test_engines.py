@@ -98,6 +98,8 @@ def test_engine_command_lines() -> None:
         "--alias", "qwen"]
     vllm_seqs = engine_argv(spec(parallel=64), 1, "h", cmds, simulate=False)
     assert vllm_seqs[vllm_seqs.index("--max-num-seqs") + 1] == "64"
+    fp16 = engine_argv(spec(precision="fp16", dtype="float16"), 1, "h", cmds, simulate=False)
+    assert fp16[5:7] == ["--dtype", "float16"] and "--dtype" not in argv  # "auto": the checkpoint's own
     sim = engine_argv(spec(), 7, "h", default_commands(), simulate=True, name="qwen-r1")
     assert sim[-9:] == ["fake-engine", "--host", "h", "--port", "7", "--model", "qwen", "--name", "qwen-r1"]
     assert parse_engine_cmds(["vllm=/opt/v/bin/vllm"])["vllm"] == ["/opt/v/bin/vllm", "serve"]

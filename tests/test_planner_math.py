@@ -228,7 +228,8 @@ def test_llama70_bf16_fits_on_two_h100_at_8k_and_not_on_one() -> None:
     assert tp2.kv_tokens == int((0.95 * H100_MIB * MIB - weights - overhead) // 163_840) // 16 * 16
     assert tp2.cuda_graphs == "slack" and tp2.engine_version == V011 and tp2.engine_profile == "vllm 0.11"
     assert tp2.command == ("vllm serve meta-llama/Llama-3.3-70B-Instruct --tensor-parallel-size 2 "
-                           "--max-num-seqs 1024 --max-model-len 8192 --gpu-memory-utilization 0.95")
+                           "--max-num-seqs 1024 --max-model-len 8192 --gpu-memory-utilization 0.95 "
+                           "--host 0.0.0.0 --port 8000 --served-model-name llama-3.3-70b-instruct")
     # From 0.21 vLLM takes its CUDA graphs from the budget: the same card holds less KV cache.
     newer = one(P.plan(info, two, msgspec.structs.replace(req, engine_version="0.27.1")).candidates, tp=2, precision="bf16")
     graphs = M.cuda_graph_bytes_per_gpu(info, 2, 1, 1024)
@@ -312,7 +313,9 @@ def test_seed_mistake_gguf_emitted_as_vllm_profile() -> None:
     for c in reply.candidates:
         if c.precision in M.GGUF_NAMES:
             assert c.engine == "llama.cpp" and c.quantization is None and c.pp == 1
-            assert c.command.startswith(f"llama-server -m Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf -c ")
+            # A node holding no copy has llama-server download it from the repository.
+            assert c.command.startswith(f"llama-server --hf-repo Qwen/Qwen2.5-14B-Instruct "
+                                        f"--hf-file Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf -c ")
             assert c.file == f"Qwen2.5-14B-Instruct-{c.precision.upper()}.gguf" and c.file_gib
         else:
             assert c.engine == "vllm" and c.command.startswith("vllm serve Qwen/Qwen2.5-14B-Instruct ")

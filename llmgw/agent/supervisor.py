@@ -35,6 +35,7 @@ from llmgw.engine.argv import (
     JOINED_MARKERS,
     default_commands,
     engine_argv,
+    head_env,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
     parse_version_output,
@@ -273,8 +274,7 @@ class EngineRun:
         argvs = part_argvs(spec, self.rank, self.port, host, self.config.cmds, simulate=self.config.simulate,
                            name=self.replica_id, head_address=self.head_address, rendezvous_port=rendezvous,
                            startup_s=self.config.fake_startup_s)
-        # vLLM on the head joins the Ray cluster its own `ray start --head` made.
-        return argvs, {"RAY_ADDRESS": f"{self.config.check_host}:{rendezvous}"} if self.rank == 0 else {}
+        return argvs, head_env(self.config.check_host, rendezvous) if self.rank == 0 else {}
 
     async def _start(self) -> list[asyncio.Task[None]]:
         argvs, extra_env = self._argvs()

@@ -2,7 +2,8 @@
 
 Pure: command lines from a spec and a port, and the KV cache figures parsed from
 an engine's /metrics (vLLM) or /props (llama.cpp). The supervisor that runs them
-is llmgw/agent/supervisor.py.
+is llmgw/agent/supervisor.py; the planner prints the same command lines, with what
+only a node knows filled in one fixed way (``shown_command``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import shlex
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from llmgw import messages as m
@@ -21,6 +22,8 @@ from llmgw.errors import ConfigError
 ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
 # What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
 JOINED_MARKERS = ("Ray runtime started", "joined ")
+# The programs as installed on PATH, before llmgw's arguments (``--engine-cmd`` names others).
+PROGRAMS: Mapping[str, tuple[str, ...]] = {"vllm": ("vllm", "serve"), "llama.cpp": ("llama-server",), "ray": ("ray",)}
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -40,8 +43,7 @@ def llmgw_program() -> list[str]:
 
 def default_commands() -> dict[str, list[str]]:
     """The program prefix each engine starts with, before llmgw's arguments."""
-    return {"vllm": ["vllm", "serve"], "llama.cpp": ["llama-server"], "fake": [*llmgw_program(), "fake-engine"],
-            "ray": ["ray"]}
+    return {**{key: list(argv) for key, argv in PROGRAMS.items()}, "fake": [*llmgw_program(), "fake-engine"]}
 
 
 def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str]]:
@@ -62,7 +64,7 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
     return out
 
 
-def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool, name: str = "",
+def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool, name: str = "",
                 startup_s: float = 0.0, models_dir: Path | None = None) -> list[str]:
     """The command line for one replica's engine."""
     if simulate:
@@ -76,6 +78,8 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, list
             argv += ["--pipeline-parallel-size", str(spec.pp), "--distributed-executor-backend", "ray"]
         if spec.quantization:
             argv += ["--quantization", spec.quantization]
+        if spec.dtype != "auto":
+            argv += ["--dtype", spec.dtype]
         if spec.kv_cache_dtype != "auto":
             argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
         if spec.parallel:
@@ -131,7 +135,7 @@ def kv_tokens_from_metrics(text: str) -> int:
         return 0
 
 
-def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, list[str]], *, simulate: bool,
+def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool,
                name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0) -> list[list[str]]:
     """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
 
@@ -151,6 +155,54 @@ def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping
         return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
                 engine_argv(spec, port, host, cmds, simulate=False, name=name)]
     return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
+
+
+def head_env(local_host: str, rendezvous_port: int) -> dict[str, str]:
+    """What the head's processes run with: its vLLM joins the Ray cluster its own ``ray start --head`` made."""
+    return {"RAY_ADDRESS": f"{local_host}:{rendezvous_port}"}
+
+
+# --- what only a node knows, as a plan prints it ----------------------------------------------------
+# A plan's command is ``engine_argv`` of its candidate's spec, with these in place of what the agent
+# fills in where it runs: the programs as installed on PATH (PROGRAMS), every interface (the agent's
+# default host), vLLM's default port; for a GGUF, the location of a node that holds no copy in its
+# models directory; over several nodes, Ray's default port, the head's address as HEAD, and the
+# address the head's engine reaches its own Ray at.
+SHOWN_HOST = "0.0.0.0"
+SHOWN_PORT = 8000
+SHOWN_RAY_PORT = 6379
+SHOWN_HEAD_ADDRESS = f"HEAD:{SHOWN_RAY_PORT}"
+SHOWN_LOCAL_HOST = "127.0.0.1"
+
+
+def shown_argv(spec: m.ModelSpec) -> list[str]:
+    """The engine's command line for ``spec`` as a plan prints it: ``engine_argv`` with the shown node parts."""
+    return engine_argv(spec, SHOWN_PORT, SHOWN_HOST, PROGRAMS, simulate=False)
+
+
+def shown_command(spec: m.ModelSpec) -> str:
+    return shlex.join(shown_argv(spec))
+
+
+def shown_part_argvs(spec: m.ModelSpec, rank: int) -> list[list[str]]:
+    """``part_argvs`` of one node of a replica over ``spec.pp`` nodes, with the shown node parts."""
+    return part_argvs(spec, rank, SHOWN_PORT, SHOWN_HOST, PROGRAMS, simulate=False, name=spec.name,
+                      head_address=SHOWN_HEAD_ADDRESS, rendezvous_port=SHOWN_RAY_PORT)
+
+
+def shown_node_commands(spec: m.ModelSpec) -> tuple[str, ...]:
+    """What each node of a replica over ``spec.pp`` nodes runs, the head first, one shell line per node:
+    ``node 1 (head): ray start --head … & RAY_ADDRESS=127.0.0.1:6379 vllm serve …``; () on one node."""
+    if spec.pp <= 1 or spec.engine != "vllm":
+        return ()
+    lines = []
+    for rank in range(spec.pp):
+        *before, engine = shown_part_argvs(spec, rank)
+        env = head_env(SHOWN_LOCAL_HOST, SHOWN_RAY_PORT) if rank == 0 else {}
+        words = [*(f"{shlex.join(argv)} &" for argv in before), *(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+                 shlex.join(engine)]
+        lines.append(f"node {rank + 1}{' (head)' if rank == 0 else ''}: {' '.join(words)}")
+    return tuple(lines)
 
 
 def kv_tokens_from_props(text: str) -> int:

@@ -32,6 +32,9 @@ Engine = Literal["vllm", "llama.cpp"]
 
 Routing = Literal["prefix", "least-outstanding"]
 
+# vLLM's --dtype, the type weights and activations compute in; "auto" is the checkpoint's own.
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to run one replica of a declared model."""
@@ -58,6 +61,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] | None = None
     target_in_flight: Annotated[float, msgspec.Meta(gt=0, le=100_000)] = 4.0
     kv_cache_dtype: Label = "auto"  # vLLM --kv-cache-dtype (fp8 halves the cache)
+    # vLLM --dtype: a 16-bit precision other than the checkpoint's own (an fp16 plan of a bf16
+    # checkpoint); "auto", as every spec ran before the field, runs the checkpoint's.
+    dtype: Dtype = "auto"
     kv_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
     # Sequences served at once. llama.cpp: -np slots, each with ``context`` (-c is their shared
     # pool, parallel x context); vLLM: --max-num-seqs (its paged cache needs no more memory).

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from llmgw.messages.base import Dim, Label, Parallel, Split, Text
-from llmgw.messages.control import Engine, ModelSpec
+from llmgw.messages.control import Dtype, Engine, ModelSpec
 
 # --- plan service: llmgw.plan (request/reply) --------------------------------
 
@@ -119,6 +119,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: int
     max_context: int
     replicas_now: int
+    # What an agent runs for ``spec(name)`` of the name the plan shows, with what only a node knows
+    # (programs, host, port) written one fixed way (llmgw/engine/argv.py, ``shown_command``).
     command: str
     source: str = ""
     context: int = 0  # the max_model_len the command sets
@@ -133,7 +135,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     # figure and the estimate is ``estimated_kv_tokens``); None: never run here.
     observed_kv_tokens: int | None = None
     estimated_kv_tokens: int = 0
-    # Over several nodes: what each node runs, the head first (``command`` is the head's vLLM).
+    # Over several nodes: what each node runs, the head first (``command`` is the head's vLLM), likewise.
     node_commands: tuple[str, ...] = ()
     parallel: int = 0  # as asked (PlanRequest.parallel); llama.cpp's KV pool is max(1, parallel) x context
     engine_version: str = ""  # the engine version the plan was made for (vLLM; llama.cpp: as reported)
@@ -145,6 +147,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: str = ""
     graph_note: str | None = None  # why charged or eager, and what the other choice costs
     enforce_eager: bool = False
+    dtype: Dtype = "auto"  # vLLM's --dtype: "auto" runs the checkpoint's own 16-bit type
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -163,6 +166,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             gpu_memory_utilization=self.gpu_memory_utilization,
             gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
             kv_cache_dtype=self.kv_cache_dtype,
+            dtype=self.dtype,
             # llama.cpp allocates exactly its -c (slots x context), whatever else the card would hold.
             kv_tokens=self.context * max(1, self.parallel) if self.engine == "llama.cpp" else self.kv_tokens,
             # vLLM runs with the --max-num-seqs it was planned for (its sampler's profiling pass depends on it).

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from llmgw import messages as m
+from llmgw.engine.argv import shown_command, shown_node_commands
 from llmgw.engine.profiles import (
     EngineProfile,
     fleet_version,
@@ -28,6 +29,7 @@ from llmgw.engine.profiles import (
 from llmgw.errors import PlanError
 from llmgw.fleet.observed import observation_key
 from llmgw.fleet.state import FleetState
+from llmgw.messages.control import Dtype
 from llmgw.planner.memory import (
     BY_NAME,
     CUDA_CONTEXT_BYTES,
@@ -57,39 +59,21 @@ def gguf_file(info: m.ModelInfo, p: Precision) -> str:
     return f"{info.name.rstrip('/').split('/')[-1]}-{p.name.upper()}.gguf"
 
 
-def command(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float, kv_dtype: str = "auto",
-            parallel: int = 0, eager: bool = False) -> str:
-    """The engine command line this candidate would run."""
-    if p.engine == "llama.cpp":
-        slots = max(1, parallel)  # -c is the pool the -np slots share
-        return f"llama-server -m {gguf_file(info, p)} -c {context * slots} -np {slots} -ngl 999"
-    parts = ["vllm serve", info.source, f"--tensor-parallel-size {tp}"]
-    if pp > 1:
-        parts += [f"--pipeline-parallel-size {pp}", "--distributed-executor-backend ray"]
-    q = quantization_flag(info, p)
-    if q:
-        parts.append(f"--quantization {q}")
-    native = "fp16" if info.torch_dtype == "float16" else "bf16"
-    if p.kind == "16bit" and p.name != native:
-        parts.append(f"--dtype {'float16' if p.name == 'fp16' else 'bfloat16'}")
-    if kv_dtype != "auto":
-        parts.append(f"--kv-cache-dtype {kv_dtype}")
-    if parallel:
-        parts.append(f"--max-num-seqs {parallel}")
-    if eager:
-        parts.append("--enforce-eager")
-    parts += [f"--max-model-len {context}", f"--gpu-memory-utilization {util:g}"]
-    return " ".join(parts)
+def plan_name(model: str) -> str:
+    """The name a plan serves a model under in its commands and declaration: its repository's last part, lower case."""
+    return model.rstrip("/").split("/")[-1].lower()
 
 
-def node_commands(info: m.ModelInfo, p: Precision, tp: int, pp: int, context: int, util: float,
-                  kv_dtype: str = "auto", parallel: int = 0, eager: bool = False) -> tuple[str, ...]:
-    """A replica over ``pp`` nodes: one Ray cluster per replica, the head serving (as the agents run it)."""
-    if pp <= 1 or p.engine != "vllm":
-        return ()
-    head = (f"node 1 (head): ray start --head --port 6379 --num-gpus {tp} --block & "
-            f"RAY_ADDRESS=127.0.0.1:6379 {command(info, p, tp, pp, context, util, kv_dtype, parallel, eager)}")
-    return (head, *(f"node {i + 1}: ray start --address HEAD:6379 --num-gpus {tp} --block" for i in range(1, pp)))
+def own_16bit(info: m.ModelInfo) -> str:
+    """The checkpoint's own 16-bit precision: fp16 where it holds float16, else bf16."""
+    return "fp16" if info.torch_dtype == "float16" else "bf16"
+
+
+def dtype_for(info: m.ModelInfo, p: Precision) -> Dtype:
+    """vLLM's ``--dtype``: named only for a 16-bit precision other than the checkpoint's own."""
+    if p.kind != "16bit" or p.name == own_16bit(info):
+        return "auto"
+    return "float16" if p.name == "fp16" else "bfloat16"
 
 
 def quantization_flag(info: m.ModelInfo, p: Precision) -> str | None:
@@ -227,8 +211,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         max_context = max(max_context, chosen)  # a context that fits is never above the reported maximum
     file = gguf_file(info, p) if p.kind == "gguf" else None
     vllm_seqs = seqs if p.engine == "vllm" else 0
-    shown_parallel = vllm_seqs or parallel
-    return m.Candidate(
+    c = m.Candidate(
         gpu_class=split.gpu_class,
         fabric=split.fabric,
         nodes=pp,
@@ -245,8 +228,7 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         kv_tokens=kv_tokens,
         max_context=max_context,
         replicas_now=replicas_now if fits else 0,
-        command=command(info, p, tp, pp, chosen, util, kv_dtype, shown_parallel, eager),
-        node_commands=node_commands(info, p, tp, pp, chosen, util, kv_dtype, shown_parallel, eager),
+        command="",
         parallel=parallel,
         kv_cache_dtype=kv_dtype,
         observed_kv_tokens=observed,
@@ -266,7 +248,11 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         cuda_graphs=mode,
         graph_note=graph_note,
         enforce_eager=eager,
+        dtype=dtype_for(info, p),
     )
+    # What it prints is what an agent runs for its declaration: one builder, from the spec alone.
+    spec = c.spec(plan_name(info.name))
+    return msgspec.structs.replace(c, command=shown_command(spec), node_commands=shown_node_commands(spec))
 
 
 # --- the fleet as pools -----------------------------------------------------------------------------
@@ -346,7 +332,7 @@ def available_precisions(info: m.ModelInfo) -> tuple[Precision, ...]:
     if q:
         own: tuple[str, ...] = (q,)
     else:
-        own = ("fp16" if info.torch_dtype == "float16" else "bf16", "fp8")
+        own = (own_16bit(info), "fp8")
     return tuple(BY_NAME[n.lower()] for n in (*own, *GGUF_NAMES))
 
 
