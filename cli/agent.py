@@ -17,7 +17,7 @@ from llmgw.agent import Agent, EngineConfig, EngineSupervisor, NvmlPort, RealNvm
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
-from llmgw.engine.argv import parse_engine_cmds
+from llmgw.engine import parse_engine_cmds
 from llmgw.errors import LlmgwError
 from llmgw.fleetfile import faults, load, parse_fault_kind
 from llmgw.scheduler import HeartbeatMonitor

@@ -10,7 +10,7 @@ import click
 from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
-from llmgw.cli.router import _listen
+from llmgw.cli.router import listen_address
 from llmgw.config import Settings
 from llmgw.dashboard import Dashboard, Limits
 
@@ -46,7 +46,7 @@ def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int,
         llmgw dashboard --listen 127.0.0.1:8081
         llmgw dashboard --listen 0.0.0.0:8081 --api-keys keys.sha256
     """
-    host, port = _listen(listen)
+    host, port = listen_address(listen)
     keys = load_api_keys(api_keys) if api_keys else frozenset()
 
     async def main() -> None:

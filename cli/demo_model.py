@@ -38,7 +38,7 @@ def demo_model(directory: Path, context: int, layers: int, embd: int, heads: int
         llmgw demo-model models/demo-big --layers 4 --embd 256 --context 4096
         llmgw ctl model plan models/llmgw-demo --fleet examples/fleet.toml
     """
-    from llmgw.engine.demomodel import write_demo_model
+    from llmgw.engine import write_demo_model
 
     try:
         made = write_demo_model(directory, context=context, layers=layers, embd=embd, heads=heads,

@@ -7,7 +7,7 @@ import sys
 import click
 
 from llmgw.cli.options import run
-from llmgw.engine.fake import EngineOptions, bind, serve
+from llmgw.engine import fake
 
 
 @click.command("fake-engine")
@@ -52,24 +52,22 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
         llmgw fake-engine --port 0 --model qwen --chunks 10 --die-after-chunks 3
     """
     if join_address:
-        from llmgw.engine.fake import join
-
         try:
-            run(join(join_address, name or model))
+            run(fake.join(join_address, name or model))
         except OSError as e:
             raise click.ClickException(f"cannot join the head at {join_address} ({e}); is its part running?") from e
         raise SystemExit(5)  # the head went away
     try:
-        sock = bind(host, port)
+        sock = fake.bind(host, port)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or use --port 0") from e
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"http://{shown}:{bound}")
     sys.stdout.flush()
-    opts = EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
+    opts = fake.EngineOptions(model=model, name=name or f"{model}@{bound}", latency_ms=latency_ms, chunks=chunks,
                          chunk_interval_ms=chunk_interval_ms, die_after_chunks=die_after_chunks,
                          die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
                          kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port,
                          cache_slots=cache_slots, prefill_ms_per_token=prefill_ms_per_token)
-    run(serve(opts, sock, host))
+    run(fake.serve(opts, sock, host))

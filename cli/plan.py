@@ -18,7 +18,7 @@ from llmgw.errors import LlmgwError
 def _params(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:
         return None
-    from llmgw.planner.modelinfo import parse_params
+    from llmgw.planner import parse_params
 
     try:
         return parse_params(value)
@@ -80,7 +80,7 @@ def render(reply: m.PlanReply, model: str) -> None:
         console.print(f"{', '.join(map(str, numbers)):>3}  {line}", soft_wrap=True)
     first = next((i for i, c in enumerate(reply.candidates, 1) if c.fits), None)
     if first is not None:
-        from llmgw.planner.candidates import plan_name
+        from llmgw.planner import plan_name
 
         name = plan_name(reply.model)  # the name its command serves it under
         spec = reply.candidates[first - 1].spec(name)

@@ -15,7 +15,7 @@ async def serve(settings: Settings, models_dir: str | None) -> None:
     """Run one planner until SIGINT/SIGTERM."""
     from llmgw import subjects
     from llmgw.bus import Bus
-    from llmgw.planner.service import PlannerService
+    from llmgw.planner import PlannerService
 
     bus = await Bus.connect(settings, "llmgw-planner")
     stop = asyncio.Event()

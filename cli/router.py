@@ -11,11 +11,11 @@ from llmgw.apikeys import load_api_keys
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, nats_options, run
 from llmgw.config import Settings
-from llmgw.engine.upstream import Timeouts
+from llmgw.engine import Timeouts
 from llmgw.router import DEFAULT_MAX_BODY, serve_router
 
 
-def _listen(value: str) -> tuple[str, int]:
+def listen_address(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise click.BadParameter(f"{value!r} is not HOST:PORT; try 127.0.0.1:8080 (port 0 picks a free one)")
@@ -80,7 +80,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
         llmgw router --listen 127.0.0.1:8080 --name router-a
         llmgw router --listen 0.0.0.0:8080 --api-keys keys.sha256 --tick 10
     """
-    host, port = _listen(listen)
+    host, port = listen_address(listen)
     if max_body is not None and max_body_mb is not None:
         raise click.UsageError("give --max-body or its older spelling --max-body-mb, not both")
     limit = max_body or (int(max_body_mb * 1024 * 1024) if max_body_mb is not None else DEFAULT_MAX_BODY)

@@ -23,7 +23,7 @@ from typing import IO
 
 import click
 
-from llmgw.bus.server import EmbeddedServer
+from llmgw.bus import EmbeddedServer
 from llmgw.cli.options import run
 from llmgw.config import (
     DEFAULT_NATS_URL,
@@ -32,7 +32,7 @@ from llmgw.config import (
     read_credentials,
     write_credentials,
 )
-from llmgw.engine.argv import llmgw_program
+from llmgw.engine import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
 
 EXAMPLE_NAME = "qwen14"
@@ -252,7 +252,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                                "(on GPU nodes run `llmgw agent` there instead)")
     if fleet_path is not None:
         engines = engines_choice(True, engines, engine_cmds)
-    from llmgw.engine.argv import parse_engine_cmds
+    from llmgw.engine import parse_engine_cmds
 
     try:
         parse_engine_cmds(engine_cmds)

@@ -28,7 +28,8 @@ def lazy_face(package: str, face: Mapping[str, str]) -> Callable[[str], Any]:
         module = face.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        found = importlib.import_module(module)
+        value = found if module == f"{package}.{name}" else getattr(found, name)  # a module of the face, or a name in one
         setattr(sys.modules[package], name, value)  # asked once
         return value
 

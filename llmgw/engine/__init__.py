@@ -1,1 +1,33 @@
-"""llmgw.engine."""
+"""What the planner, the agent and the router all know of an engine (vLLM, llama.cpp, the fake one).
+
+* ``argv``: an engine's command line, built once from a ``ModelSpec`` (what ``ctl model
+  plan`` prints is what the agent runs), the Ray parts of a replica over nodes, and what
+  an engine says it reserved (``/metrics``, ``/props``, ``--version``);
+* ``profiles``: how each engine version counts the memory beside weights and KV cache;
+* ``upstream``: the one outbound HTTP edge towards engines (the router's proxying, the
+  agents' health checks);
+* ``fake``: a small OpenAI-compatible engine for tests and benchmarks;
+* ``demomodel``: a tiny random-weight model to plan and serve offline.
+"""
+
+from typing import TYPE_CHECKING
+
+from llmgw import lazy_face
+
+if TYPE_CHECKING:
+    from llmgw.engine import fake
+    from llmgw.engine.argv import llmgw_program, parse_engine_cmds, shown_command
+    from llmgw.engine.demomodel import write_demo_model
+    from llmgw.engine.upstream import Timeouts, Upstream
+
+_FACE = {
+    "fake": "llmgw.engine.fake",
+    "llmgw_program": "llmgw.engine.argv",
+    "parse_engine_cmds": "llmgw.engine.argv",
+    "shown_command": "llmgw.engine.argv",
+    "write_demo_model": "llmgw.engine.demomodel",
+    "Timeouts": "llmgw.engine.upstream",
+    "Upstream": "llmgw.engine.upstream",
+}
+__all__ = ["Timeouts", "Upstream", "fake", "llmgw_program", "parse_engine_cmds", "shown_command", "write_demo_model"]
+__getattr__ = lazy_face(__name__, _FACE)
