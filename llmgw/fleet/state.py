@@ -13,12 +13,12 @@ fixes: a live projector and a fresh replay agree.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import compress
 from operator import attrgetter, ne
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -200,6 +200,22 @@ class FleetState:
         if placed is not None:
             serving = [t for t in serving if t >= placed]
         return min(serving) if serving else None
+
+
+T = TypeVar("T")
+
+
+def by_fabric(items: Iterable[T], fabric_of: Callable[[T], str]) -> dict[str, list[T]]:
+    """``items`` (nodes, or what stands for them) grouped by the fabric each is attached to.
+
+    A replica never spans fabrics: a multi-node replica is placed, and planned, inside one
+    of these groups; a single-node one is not constrained by them. The planner and the
+    scheduler both group by this one function, in the order the items come.
+    """
+    out: dict[str, list[T]] = {}
+    for item in items:
+        out.setdefault(fabric_of(item), []).append(item)
+    return out
 
 
 def requests_moved(event: m.IdleMapPublished, before: RouterView | None) -> list[str]:

@@ -28,7 +28,7 @@ from llmgw.engine.profiles import (
 )
 from llmgw.errors import PlanError
 from llmgw.fleet.observed import observation_key
-from llmgw.fleet.state import FleetState
+from llmgw.fleet.state import FleetState, by_fabric
 from llmgw.messages.control import Dtype
 from llmgw.planner.memory import (
     BY_NAME,
@@ -273,10 +273,7 @@ class ClassPool:
     nodes: list[NodeSlots] = field(default_factory=list)
 
     def fabrics(self) -> dict[str, list[NodeSlots]]:
-        out: dict[str, list[NodeSlots]] = {}
-        for n in self.nodes:
-            out.setdefault(n.fabric, []).append(n)
-        return out
+        return by_fabric(self.nodes, lambda n: n.fabric)
 
 
 def pools(fleet: FleetState) -> dict[str, ClassPool]:

@@ -22,7 +22,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
-from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView
+from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, by_fabric
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
 BACKOFF_BASE_S = 5.0
@@ -95,11 +95,8 @@ def place(
         gpus = free[best][: spec.tp]
         refs = tuple(m.GpuRef(node=best, index=g.index, uuid=g.uuid) for g in gpus)
         return (best,), refs, state.nodes[best].fabric
-    by_fabric: dict[str, list[str]] = defaultdict(list)
-    for n in fits:
-        by_fabric[state.nodes[n].fabric].append(n)
     options = []
-    for fabric, nodes in by_fabric.items():
+    for fabric, nodes in by_fabric(fits, lambda n: state.nodes[n].fabric).items():
         if len(nodes) < spec.pp:
             continue
         chosen = sorted(nodes, key=lambda n: (n in avoid, len(free[n]), n))[: spec.pp]
@@ -113,11 +110,8 @@ def place(
 
 def class_fabrics(state: FleetState, cls: str) -> dict[str, list[NodeView]]:
     """The nodes with GPUs of a class, by fabric."""
-    fabrics: dict[str, list[NodeView]] = defaultdict(list)
-    for node in state.nodes.values():
-        if any(g.gpu_class == cls for g in node.gpus.values()):
-            fabrics[node.fabric].append(node)
-    return fabrics
+    return by_fabric((n for n in state.nodes.values() if any(g.gpu_class == cls for g in n.gpus.values())),
+                     lambda n: n.fabric)
 
 
 def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]],
