@@ -1,6 +1,6 @@
 """The planner's memory model against vLLM's own start-up logs: predicted vs observed weights and KV cache.
 
-    python benchmarks/calibration.py            # the markdown table the README quotes
+    python benchmarks/calibration.py            # the markdown table docs/planning.md quotes
     python benchmarks/calibration.py ROWS.jsonl # the same for other rows (a candidate's, before it joins)
 
 Rows are ``tests/data/vllm_observed.jsonl``: figures vLLM printed at start-up

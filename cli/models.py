@@ -166,7 +166,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                    "[default: the planner's conventional name, e.g. Qwen2.5-14B-Instruct-Q4_K_M.gguf].")
 @click.option("--routing", type=click.Choice(["prefix", "least-outstanding"]), default="prefix", show_default=True,
               help="How routers pick a replica: prefix sends prompts that begin alike where their prefix is "
-                   "cached (within a load bound); least-outstanding by load alone. README, \"Routing\".")
+                   "cached (within a load bound); least-outstanding by load alone. docs/router.md, \"Routing\".")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--replan", is_flag=True,
               help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
@@ -451,7 +451,7 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
                          kv_text(r.kv_tokens_planned, r.kv_tokens_observed), memory_text(r, spec.gib_per_gpu),
                          cached_text(r))
         console.print(reps)
-        console.print(f"  routed by {spec.routing} (README, \"Routing\"); prompt cached: the share of prompt "
+        console.print(f"  routed by {spec.routing} (docs/router.md, \"Routing\"); prompt cached: the share of prompt "
                       "tokens its engine served from its prefix cache, as the routers read it")
     else:
         console.print("  none placed\n")

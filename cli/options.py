@@ -140,7 +140,7 @@ def nats_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def checked_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A node, model or router name follows the one names rule (README: Names), or it is a usage error.
+    """A node, model or router name follows the one names rule (docs/concepts.md: Names), or it is a usage error.
 
     Every event carrying the name would be refused by every reader otherwise.
     """

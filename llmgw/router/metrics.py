@@ -5,7 +5,7 @@ Counters and histograms are updated as requests finish; the pool's gauges
 scrape time by a collector, so a scrape shows the pool as it is, with no
 second copy of it to keep in step. ``render`` answers in the format the
 scraper's ``Accept`` header asks for (OpenMetrics or the 0.0.4 text format).
-Every metric is listed in the README's router section.
+Every metric is listed in docs/router.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 WAKE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-# Every kind ``Metrics.error`` is called with (the README documents each).
+# Every kind ``Metrics.error`` is called with (docs/router.md documents each).
 ERROR_KINDS = ("bad_request", "too_large", "body_timeout", "unauthorized", "forbidden_model", "rate_limited",
                "quota_exceeded", "shed", "unknown_model", "no_replica",
                "wake_timeout", "unplaceable", "stopped", "upstream_connect", "upstream_timeout", "upstream_broken",
