@@ -130,3 +130,19 @@ def test_what_an_engine_reserved_outlives_its_replica_until_the_model_is_declare
     assert (row.state, row.placed, row.kv_tokens_planned, row.kv_tokens_observed) == ("parked", 0, 50_000, 48_000)
     events.append(m.ModelDeclared(at=t(6), spec=s))
     assert model_summaries(fold(events), t(7), history_of(events))[0].kv_tokens_observed == 0
+
+
+def test_what_a_woken_replica_reserved_is_kept() -> None:
+    """A model's cold-start ledger notes its replicas' start and health; their KV reports are kept all the same."""
+    s = msgspec.structs.replace(spec("w"), kv_tokens=50_000)
+    events: list[m.Event] = [
+        m.ModelDeclared(at=t(0), spec=s),
+        msgspec.structs.replace(placed("w-r1", s, [("n1", 0)], t(1)), cause="wake", reason="woken by router-a"),
+        m.ReplicaStateChanged(at=t(2), replica_id="w-r1", model="w", node="n1", state="starting"),
+        m.ReplicaStateChanged(at=t(3), replica_id="w-r1", model="w", node="n1", state="healthy",
+                              observed_kv_tokens=48_000),
+    ]
+    history = history_of(events)
+    assert history.observed_kv == {"w": 48_000}
+    (start,) = history.cold_starts("w")
+    assert (start.started_at, start.healthy_at) == (t(2), t(3))  # the ledger is noted too

@@ -101,20 +101,26 @@ class ModelHistory:
                     self.start_count[model] = self.start_count.get(model, 0) + 1
                     if len(starts) > COLD_STARTS_KEPT:
                         del starts[0]
-            case m.ReplicaStateChanged(state="starting" | "healthy") if model in self.starts:
-                for start in reversed(self.starts[model]):
-                    if start.replica_id == event.replica_id:
-                        if event.state == "starting" and start.started_at is None:
-                            start.started_at = event.at
-                        elif event.state == "healthy" and start.healthy_at is None:
-                            start.healthy_at = event.at
-                        break
+            case m.ReplicaStateChanged():
+                # One arm for both: a report that times a cold start may carry a reservation too.
+                if event.observed_kv_tokens > 0:
+                    self.observed_kv[model] = event.observed_kv_tokens
+                if event.state in ("starting", "healthy") and model in self.starts:
+                    self._phase(model, event)
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
-            case m.ReplicaStateChanged() if event.observed_kv_tokens > 0:
-                self.observed_kv[model] = event.observed_kv_tokens
             case m.ModelDeclared():
                 self.observed_kv.pop(model, None)
+
+    def _phase(self, model: str, event: m.ReplicaStateChanged) -> None:
+        """A cold start's first start and first health, from its replica's reports."""
+        for start in reversed(self.starts[model]):
+            if start.replica_id == event.replica_id:
+                if event.state == "starting" and start.started_at is None:
+                    start.started_at = event.at
+                elif event.state == "healthy" and start.healthy_at is None:
+                    start.healthy_at = event.at
+                break
 
     def note_answered(self, event: m.WakeAnswered) -> None:
         """A router's ``WakeAnswered`` (usage stream): merged with other routers' for the same replica."""
