@@ -57,6 +57,7 @@ class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     file: str | None = None
     engine_args: tuple[str, ...] = ()
     routing: Literal["prefix", "least-outstanding"] = "prefix"
+    roll: Literal["surge", "in-place"] = "surge"
     engine_version: str = ""  # vLLM's version to plan for ("": the fleet's)
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
 
@@ -88,7 +89,8 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
     return msgspec.structs.replace(planned, idle_ttl_s=ask.idle_ttl_s,
                                    engine_args=(*planned.engine_args, *ask.engine_args),
                                    min_replicas=ask.min_replicas, max_replicas=ask.max_replicas,
-                                   target_in_flight=ask.target_in_flight, file=file, routing=ask.routing)
+                                   target_in_flight=ask.target_in_flight, file=file, routing=ask.routing,
+                                   roll=ask.roll)
 
 
 def declaration_json(done: Declaration) -> dict[str, Any]:
@@ -112,9 +114,14 @@ def echo_declaration(done: Declaration) -> None:
     click.echo(f"declared {_describe(spec)}")
     if done.new:
         click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
+    elif done.rolls and spec.roll == "in-place":
+        click.echo("the scheduler rolls it: each old replica stops once a new one is healthy in its place; where "
+                   "there is no room for one more, an old one stops first (--roll in-place): the model then serves "
+                   "nothing until the new one is healthy; watch with `llmgw ctl status`")
     elif done.rolls:
-        click.echo("the scheduler rolls it: each old replica stops once a new one is healthy in its place "
-                   "(in place, one at a time, when there is no room for one more); watch with `llmgw ctl status`")
+        click.echo("the scheduler rolls it: each old replica stops once a new one is healthy in its place, and "
+                   "while there is no room for one more the old ones keep serving (`llmgw ctl status` says so; "
+                   "--roll in-place stops one first instead); watch with `llmgw ctl status`")
     else:
         click.echo("its replicas keep running (nothing they run with changed)")
 
@@ -167,6 +174,10 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--routing", type=click.Choice(["prefix", "least-outstanding"]), default="prefix", show_default=True,
               help="How routers pick a replica: prefix sends prompts that begin alike where their prefix is "
                    "cached (within a load bound); least-outstanding by load alone. docs/router.md, \"Routing\".")
+@click.option("--roll", type=click.Choice(["surge", "in-place"]), default="surge", show_default=True,
+              help="How a spec change replaces running replicas: surge starts each new one beside an old one and "
+                   "waits, the old serving, while there is no room; in-place then stops an old one first (the "
+                   "model serves nothing until the new one is healthy).")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--replan", is_flag=True,
               help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
@@ -179,7 +190,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
-           engine_args: tuple[str, ...], replan: bool, fleet: Path | None, models_dir: str | None, as_json: bool,
+           roll: str, engine_args: tuple[str, ...], replan: bool, fleet: Path | None, models_dir: str | None, as_json: bool,
            settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
@@ -198,7 +209,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
             gpu_class=gpu_class, context=context, kv_cache_dtype=kv_dtype, replicas=replicas,  # type: ignore[arg-type]
             min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
             idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
-            engine_version=engine_version, max_num_seqs=max_num_seqs),
+            roll=roll, engine_version=engine_version, max_num_seqs=max_num_seqs),  # type: ignore[arg-type]
             fleet=fleet, models_dir=models_dir)
     except AskError as e:
         raise click.UsageError(str(e)) from None

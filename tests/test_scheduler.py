@@ -241,15 +241,49 @@ def test_redeploy_rolls_without_going_offline() -> None:
     assert (stopped.code, stopped.reason) == ("spec_changed", "spec changed: replaced by a replica of the new spec")
 
 
-def test_redeploy_on_a_full_fleet_makes_room() -> None:
+def test_redeploy_on_a_full_fleet_keeps_the_old_replica_serving_and_says_why() -> None:
+    """Seen with a real vLLM: an in-place change on a full fleet stopped the only healthy replica at
+    once, and the model served nothing for ~7 minutes. The default roll waits for room instead."""
     w = World(node("a1", "ib-a", 1))
     w.feed(m.ModelDeclared(at=T0, spec=spec()))
     (r1,) = placed(w.step())
+    healthy(w, r1.replica_id)
     w.feed(m.ModelDeclared(at=T0, spec=spec(context=2048)))
+    (waiting,) = w.step()
+    assert isinstance(waiting, m.ModelUnplaceable) and waiting.missing_replicas == 1
+    assert waiting.reason.startswith("spec changed, and no room for a replica of the new spec beside the old: ")
+    assert "1 replica of the old spec keep serving" in waiting.reason and "--roll in-place" in waiting.reason
+    assert w.step() == []  # said once; the old replica is still there
+    assert list(w.state.replicas) == [r1.replica_id]
+    # Room comes (a second node joins): the new replica starts beside the old, which then stops.
+    w.feed(inventory(node("a2", "ib-a", 1), T0))
+    (r2,) = placed(w.step())
+    assert r2.nodes == ("a2",) and r2.spec.context == 2048
+    healthy(w, r2.replica_id)
     (stopped,) = w.step()
-    assert isinstance(stopped, m.ReplicaStopped) and stopped.reason == "spec changed: making room for the new spec"
+    assert isinstance(stopped, m.ReplicaStopped) and stopped.replica_id == r1.replica_id
+
+
+def test_redeploy_in_place_on_a_full_fleet_makes_room_when_asked() -> None:
+    w = World(node("a1", "ib-a", 1))
+    w.feed(m.ModelDeclared(at=T0, spec=spec()))
+    (r1,) = placed(w.step())
+    healthy(w, r1.replica_id)
+    w.feed(m.ModelDeclared(at=T0, spec=spec(context=2048, roll="in-place")))
+    (stopped,) = w.step()
+    assert isinstance(stopped, m.ReplicaStopped)
+    assert stopped.reason == "spec changed: stopped to make room for the new spec (roll in-place)"
     (r2,) = w.step()
     assert isinstance(r2, m.ReplicaPlaced) and r2.gpus == r1.gpus and r2.spec.context == 2048
+
+
+def test_changing_only_how_a_model_rolls_restarts_nothing() -> None:
+    w = World(node("a1", "ib-a", 1))
+    w.feed(m.ModelDeclared(at=T0, spec=spec()))
+    (r1,) = placed(w.step())
+    healthy(w, r1.replica_id)
+    w.feed(m.ModelDeclared(at=T0, spec=spec(roll="in-place")))
+    assert w.step() == []
 
 
 def _failed_b() -> World:

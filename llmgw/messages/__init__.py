@@ -75,6 +75,7 @@ from llmgw.messages.control import (  # noqa: F401
     ReplicaState,
     ReplicaStateChanged,
     ReplicaStopped,
+    Roll,
     Routing,
 )
 from llmgw.messages.fleet import (  # noqa: F401
@@ -239,6 +240,7 @@ __all__ = [
     "ReplicaStateChanged",
     "ReplicaStopped",
     "Replicas",
+    "Roll",
     "Routing",
     "SCHEMA_VERSION",
     "STATUS_REPORT_DECODER",

@@ -31,6 +31,7 @@ Engine = Literal["vllm", "llama.cpp"]
 
 
 Routing = Literal["prefix", "least-outstanding"]
+Roll = Literal["surge", "in-place"]
 
 # vLLM's --dtype, the type weights and activations compute in; "auto" is the checkpoint's own.
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
@@ -72,6 +73,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # How routers pick its replica (llmgw/router/prefix.py): "prefix" sends prompts that begin alike
     # to the same replica (its KV cache has them), within a load bound; "least-outstanding" by load alone.
     routing: Routing = "prefix"
+    # How a spec change replaces its replicas: "surge" starts each new one beside an old one and
+    # stops the old once the new is healthy, waiting (the old serving) while there is no room;
+    # "in-place" stops an old one first when there is no room: the operator's choice of downtime.
+    roll: Roll = "surge"
 
     @property
     def slots(self) -> int:

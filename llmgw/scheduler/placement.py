@@ -155,8 +155,9 @@ def same_run(a: m.ModelSpec, b: m.ModelSpec) -> bool:
 def _run_part(spec: m.ModelSpec) -> m.ModelSpec:
     # kv_tokens is the plan's figure (or what an engine reserved), not something the engine runs with;
     # routing is the routers' business: changing it restarts no engine.
+    # how a change rolls is the scheduler's business: changing it restarts nothing either.
     return msgspec.structs.replace(spec, replicas=0, idle_ttl_s=None, min_replicas=None, max_replicas=None,
-                                   target_in_flight=1.0, kv_tokens=0, routing="prefix")
+                                   target_in_flight=1.0, kv_tokens=0, routing="prefix", roll="surge")
 
 
 def _recommend(spec: m.ModelSpec, demand: int) -> int:
@@ -338,9 +339,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             held.update((g.node, g.index) for g in gpus)
             avoid.update(nodes)
             placed_now += 1
-        if placed_now < missing and outdated and name not in stopped_models:
-            # No room to surge: free the oldest replica of the old spec; the next pass places the new one.
-            stop(outdated[0], "spec_changed", "spec changed: making room for the new spec")
+        if placed_now < missing and outdated and name not in stopped_models and spec.roll == "in-place":
+            # No room to surge, and the operator chose downtime over waiting: free the oldest replica of
+            # the old spec; the next pass places the new one.
+            stop(outdated[0], "spec_changed", "spec changed: stopped to make room for the new spec (roll in-place)")
             continue
         if placed_now < missing and state.nodes:
             # With no node reported yet (a scheduler starting before its agents) there is nothing to explain.
@@ -350,6 +352,11 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             if cls not in fabrics_by_class:
                 fabrics_by_class[cls] = class_fabrics(state, cls)
             reason = unplaceable_reason(state, spec, held, free_for(cls), fabrics_by_class[cls])
+            if outdated:  # a roll waiting for room: the old spec serves meanwhile (roll "surge")
+                reason = (f"spec changed, and no room for a replica of the new spec beside the old: {reason}; "
+                          f"{len(outdated)} replica{'s' if len(outdated) != 1 else ''} of the old spec keep serving "
+                          "until there is; or redeploy with --roll in-place, which stops one first (the model then "
+                          "serves nothing until the new one is healthy)")
             if reason != model.unplaceable_reason:
                 short = missing - placed_now
                 code = "no_room" if fabrics_by_class[cls] else "no_such_class"  # some node has the class, or none
