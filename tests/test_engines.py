@@ -437,3 +437,44 @@ def test_a_full_disk_costs_the_log_its_lines_never_the_engine_its_pipe(caplog: p
     log.close()
     warned = [r for r in caplog.records if "dropped from the file" in r.getMessage()]
     assert len(warned) == 1 and "No space left" in warned[0].getMessage()
+
+
+# vLLM's shape: `vllm serve` forks EngineCore and its workers, which inherit its stdout and outlive a
+# leader that is SIGKILLed. Here the leader forks a grandchild that holds the pipe and sleeps, then
+# becomes the fake engine (which answers the health check).
+ORPHANING_ENGINE = """
+import os, sys, time
+if os.fork() == 0:
+    print(f"grandchild {os.getpid()} holds the pipe", flush=True)
+    while True:
+        time.sleep(1)
+fake = FAKE_ENGINE
+os.execv(fake[0], [*fake, *sys.argv[1:]])
+"""
+
+
+async def test_a_killed_leader_is_seen_and_its_whole_group_goes_with_it(
+        bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    from llmgw.proc import group_members
+
+    cmds = default_commands() | {"fake": [sys.executable, "-c", ORPHANING_ENGINE.replace("FAKE_ENGINE", repr(default_commands()["fake"]))]}
+    _, start = agent
+    sup = start(EngineConfig(cmds=cmds, simulate=True, health_timeout_s=20, backoff_base_s=0.1))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
+    leader = sup.runs["qwen-r1"].proc.pid  # type: ignore[union-attr]
+    assert len(group_members(leader)) == 2  # the engine and the grandchild it forked, in the group it leads
+
+    os.kill(leader, signal.SIGKILL)  # the leader alone, as `kill -9 $(pgrep -f "vllm serve")` does
+    got = await wait_for(bus, lambda ss: any(s.state == "unhealthy" for s in ss))
+    assert group_members(leader) == set()  # gone by the time the replica is said to be unhealthy
+    assert "engine exited (-9); restart 1 of 3" in got[-1].detail
+
+    # Restarted; a stop on request ends the new group too, grandchild and all.
+    await wait_for(bus, lambda ss: ss[-1].state == "healthy" and ss[-1].restarts == 1)
+    again = sup.runs["qwen-r1"].proc.pid  # type: ignore[union-attr]
+    assert again != leader and len(group_members(again)) == 2
+    await bus.publish(m.ReplicaStopped(at=m.utcnow(), replica_id="qwen-r1", model="qwen", reason="idle"))
+    await wait_for(bus, lambda ss: ss[-1].state == "stopped")
+    assert group_members(again) == set()

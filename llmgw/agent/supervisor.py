@@ -44,7 +44,7 @@ from llmgw.engine.argv import (
 )
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
-from llmgw.proc import die_with
+from llmgw.proc import die_with, exited, group_members, kill_group
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
 
 CHECK_S = 10.0  # one health check or reading, all of it
+STOP_S = 10.0  # a SIGTERMed engine's time to go before its group is SIGKILLed
+# After SIGKILL: how long the group may take to be gone (a worker tearing down its CUDA context can
+# take seconds), and how long its output may still drain; past either, the engine is reported anyway.
+GONE_S = 10.0
+DRAIN_S = 5.0
 
 
 def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
@@ -209,6 +214,7 @@ class EngineRun:
         self.multi = len(placed.nodes) > 1
         self.head_address = head_address  # a worker's: where it joins; the head's: what it publishes
         self.procs: list[asyncio.subprocess.Process] = []
+        self._ended: set[int] = set()  # leaders whose whole group is gone (``stop``)
         self.port = 0
         self.restarts = 0
         self.state = "placed"
@@ -282,7 +288,7 @@ class EngineRun:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
         self.endpoint = f"http://{self.config.advertise_host}:{self.port}"
         self.tail.clear()
-        self.procs = []
+        self.procs, self._ended = [], set()
         pumps: list[asyncio.Task[None]] = []
         for i, argv in enumerate(argvs):
             self.tail.append(f"$ {shlex.join(argv)}")
@@ -406,27 +412,59 @@ class EngineRun:
         return False
 
     async def stop(self) -> None:
-        """SIGTERM every process group this run started (last first); SIGKILL what does not go within 10 s."""
+        """End every process group this run started (last first): SIGTERM while its leader runs, SIGKILL
+        what is left once the leader is gone or after ``STOP_S``, and wait (bounded) until none is left.
+
+        A leader that died alone (``kill -9``) leaves its children behind, holding the card's memory
+        and the output pipe: its group is killed all the same."""
         for proc in reversed(self.procs):
-            if proc.returncode is not None:
+            if proc.pid in self._ended:
                 continue
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(10):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+            if proc.returncode is None:
+                kill_group(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STOP_S):
+                        await exited(proc)
+            kill_group(proc.pid, signal.SIGKILL)
+            await exited(proc)
+            await self._gone(proc.pid)
+            self._ended.add(proc.pid)
+
+    async def _gone(self, pgid: int) -> None:
+        """Until no process of the group is left, SIGKILLing any it forked meanwhile; bounded by ``GONE_S``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GONE_S
+        while left := await asyncio.to_thread(group_members, pgid):
+            if loop.time() >= deadline:
+                log.warning("engine %s: processes %s of its group are still there %gs after SIGKILL",
+                            self.replica_id, ", ".join(map(str, sorted(left))), GONE_S)
+                return
+            kill_group(pgid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
 
     async def _any_exit(self) -> None:
-        waits = [asyncio.ensure_future(p.wait()) for p in self.procs]
+        """Until any of the run's processes exits: seen from the process, not from its pipes, which
+        the children it leaves behind hold open."""
+        waits = [asyncio.ensure_future(exited(p)) for p in self.procs]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _drain(self, pumps: list[asyncio.Task[None]]) -> None:
+        """The engines' last lines, for the report; a pipe that a process outside the group still holds
+        is given up after ``DRAIN_S``."""
+        if not pumps:
+            return
+        _, held = await asyncio.wait(pumps, timeout=DRAIN_S)
+        for pump in held:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        if held:
+            log.warning("engine %s: its output is still held open %gs after its group ended (a process "
+                        "that left the group); not read further", self.replica_id, DRAIN_S)
 
     async def run(self) -> None:
         """Start, check, watch, restart with back-off; report failed when restarts run out."""
@@ -448,7 +486,7 @@ class EngineRun:
                                 observed_memory_mib=await self._observe_memory())
                     await self._any_exit()
                 await self.stop()
-                await asyncio.gather(*pumps, return_exceptions=True)
+                await self._drain(pumps)
                 code = next((p.returncode for p in self.procs if p.returncode not in (None, -signal.SIGTERM)),
                             self.proc.returncode if self.proc else None)
                 if self.restarts >= self.config.max_restarts:
