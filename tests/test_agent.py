@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,10 +22,12 @@ from llmgw import subjects
 from llmgw.agent.node import Agent, detect_fabric, infiniband_subnet, simulated_agents
 from llmgw.agent.nvml import GpuStatic
 from llmgw.agent.simnvml import SimNvml
+from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
 from llmgw.bus import Bus, Outbox
 from llmgw.bus.server import EmbeddedServer, port_free
 from llmgw.cli.main import cli
 from llmgw.config import Settings
+from llmgw.engine.argv import parse_engine_cmds
 from llmgw.errors import ServiceError
 from llmgw.fleet.state import fold
 from llmgw.fleetfile import FleetNode, faults, inventory, load, parse
@@ -350,3 +355,95 @@ async def test_attached_services_run_beside_the_agent_and_stop_with_it(bus: Bus,
 
         await until(delivered, "the service's event through the agent's outbox")
     assert seen == ["started", "cancelled"]
+
+
+# `vllm --version` imports all of vLLM (10–25 s, more under load): this one answers once the test says so,
+# and notes each time it is asked.
+SLOW_VLLM = """#!{python}
+import pathlib, sys, time
+here = pathlib.Path(sys.argv[0]).parent
+with open(here / "asked", "a") as f:
+    f.write("asked\\n")
+while not (here / "gate").exists():
+    time.sleep(0.05)
+print("INFO 01-01 00:00:00 [__init__.py:235] Automatically detected platform cuda.")
+print("0.32.0")
+"""
+
+
+def slow_vllm(tmp_path: Path) -> EngineSupervisor:
+    """A supervisor whose vLLM answers its --version only after ``tmp_path/gate`` exists (no llama.cpp)."""
+    vllm = tmp_path / "vllm"
+    if not vllm.exists():  # written again, it would be another program (its mtime)
+        vllm.write_text(SLOW_VLLM.format(python=sys.executable))
+        vllm.chmod(0o755)
+    cmds = parse_engine_cmds([f"vllm={vllm}", "llama.cpp=/nonexistent/llama-server"])
+    return EngineSupervisor("h100-a-03", EngineConfig(cmds=cmds, version_cache=tmp_path / "versions.json"))
+
+
+async def test_a_slow_version_probe_holds_back_no_heartbeat_and_its_answer_is_published(
+        bus: Bus, fleet_file: Path, tmp_path: Path) -> None:
+    node = node_a03(fleet_file)
+
+    def agent(boot: str) -> Agent:
+        return Agent(bus, SimNvml(node), node.name, fabric=node.fabric, boot_id=boot, heartbeat_s=0.2,
+                     services=[slow_vllm(tmp_path)])
+
+    async def inventories() -> list[m.NodeInventoryReported]:
+        return [e for e in await stream_events(bus) if isinstance(e, m.NodeInventoryReported)]
+
+    async def beating() -> bool:
+        return await bus.stream_last_seq(subjects.STREAM_HEARTBEAT) >= 1
+
+    async with running(agent("boot-1")):
+        await until(beating, "a heartbeat while vllm --version has not answered")
+        assert [i.vllm_version for i in await inventories()] == [""]
+        (tmp_path / "gate").touch()
+
+        async def versioned() -> bool:
+            return any(i.vllm_version for i in await inventories())
+        await until(versioned, "the inventory again, with the version", limit_s=20)
+    first, second = await inventories()
+    assert (second.boot_id, second.vllm_version, second.gpus) == ("boot-1", "0.32.0", first.gpus)
+
+    # The agent's next start: the same binary, so its first inventory carries the version, unasked.
+    (tmp_path / "gate").unlink()
+    async with running(agent("boot-2")) as again:
+        await again.outbox.flush()
+    assert [(i.boot_id, i.vllm_version) for i in await inventories()][2:] == [("boot-2", "0.32.0")]
+    assert (tmp_path / "asked").read_text().count("asked") == 1
+
+
+async def test_a_version_probe_that_gives_up_says_so_and_a_changed_program_is_asked_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sup = slow_vllm(tmp_path)
+    vllm = tmp_path / "vllm"
+
+    def asked() -> int:
+        return (tmp_path / "asked").read_text().count("asked")
+
+    def probing() -> bool:
+        """A probe of this test's vllm still running."""
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                if str(vllm).encode() in cmdline.read_bytes():
+                    return True
+        return False
+
+    with caplog.at_level("WARNING", logger="llmgw.agent.supervisor"):
+        assert await sup.versions(timeout_s=0.5) == {}
+    assert f"`{vllm} --version` did not answer within 0.5s" in caplog.text
+    assert not probing()  # killed when given up on, not left to finish
+    (tmp_path / "gate").touch()
+    assert await sup.versions() == {"vllm": "0.32.0"} == await sup.versions()
+    assert asked() == 2  # the answer is kept; a timeout was not
+    stat = vllm.stat()
+    os.utime(vllm, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # an upgrade rewrites it
+    assert await sup.versions() == {"vllm": "0.32.0"} and asked() == 3
+
+    vllm.write_text(f"#!{sys.executable}\nimport sys\nprint('ImportError: libcudart.so.12')\nsys.exit(1)\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmgw.agent.supervisor"):
+        assert await sup.versions() == {}
+    assert "exited 1 and printed no version (last: ImportError: libcudart.so.12)" in caplog.text
+

@@ -1,8 +1,10 @@
 """The node agent: GPU inventory and health from an NVML port, published as events.
 
 * An inventory (every GPU, health included) at start and whenever the
-  GPUs themselves change; a restarted agent has a new boot id and publishes a
-  fresh one, which replaces the node downstream.
+  GPUs themselves change, or once its engines have said their versions
+  (``vllm --version`` takes long: it never holds back the heartbeats); a
+  restarted agent has a new boot id and publishes a fresh one, which replaces
+  the node downstream.
 * ``GpuHealthChanged`` only when a GPU's (healthy, reasons) changes.
 * A critical XID arrives once, as a driver event; before its first inventory
   the agent reads what its node last published (the fleet stream), so a GPU
@@ -394,6 +396,26 @@ class Agent:
                 log.warning("%s: heartbeat %d not sent: %s", self.node, seq, e)
             await asyncio.sleep(self.heartbeat_s)
 
+    async def _learn_versions(self, engines: EngineSupervisor) -> None:
+        """Ask the engines their versions; one the last inventory lacks publishes the inventory again."""
+        found = await engines.versions()
+        if {**self._engine_versions, **found} == self._engine_versions:
+            return
+        self._engine_versions.update(found)
+        try:
+            await self.republish()
+        except OutboxFullError as e:
+            log.warning("%s: engine versions %s not published: %s; the next inventory carries them", self.node, found, e)
+
+    async def republish(self) -> None:
+        """The inventory again, as last published but for what it says of the node (engine versions)."""
+        async with self._lock:
+            if self.inventory is None:
+                return  # the first inventory, when it comes, says it all
+            inv = self._inventory_event(self._static, dict(self._published), self._now())
+            self._put(inv)
+            self.inventory = inv
+
     async def _schedule(self) -> None:
         """The fleet file's [[faults]] for this node, in time order."""
         t = 0.0
@@ -457,11 +479,12 @@ class Agent:
     async def run(self) -> None:
         """Publish the inventory, then watch, poll and heartbeat until ``stop``."""
         self._driver = await asyncio.to_thread(self.port.driver_version)
-        # The planner plans for the engine versions this node really starts (an engine supervisor says which).
-        for svc in self.services:
-            probe = getattr(svc, "versions", None)
-            if probe is not None:
-                self._engine_versions.update(await probe())
+        # The planner plans for the engine versions this node really starts (an engine supervisor says
+        # which): those known from before go in the first inventory; asking the others (vLLM: 10–25 s)
+        # goes on beside the heartbeats, and an answer publishes the inventory again.
+        engines = [svc for svc in self.services if isinstance(svc, EngineSupervisor)]
+        for sup in engines:
+            self._engine_versions.update(sup.known_versions())
         await self.remember()
         await self.check()
         loop = asyncio.get_running_loop()
@@ -478,6 +501,8 @@ class Agent:
         ]
         if self.faults:
             tasks.append(asyncio.create_task(self._schedule(), name="fault-schedule"))
+        # Not among the tasks the agent lives by: a probe that has answered ends, the agent goes on.
+        probes = [asyncio.create_task(self._learn_versions(sup), name="engine-versions") for sup in engines]
         # Simulated agents take every fault; real ones only an operator's `clear` after a GPU reset.
         sub: Any = await self.bus.serve(subjects.agent_fault(self.node), self._on_fault)
         self.started.set()
@@ -491,9 +516,9 @@ class Agent:
                 await self.outbox.flush(timeout=5)
         finally:
             stop_thread.set()
-            for t in tasks:
+            for t in [*tasks, *probes]:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *probes, return_exceptions=True)
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

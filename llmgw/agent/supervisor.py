@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 from collections import deque
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
 
 CHECK_S = 10.0  # one health check or reading, all of it
+ENGINES = ("vllm", "llama.cpp")  # the engines whose versions a node reports
 STOP_S = 10.0  # a SIGTERMed engine's time to go before its group is SIGKILLed
 # After SIGKILL: how long the group may take to be gone (a worker tearing down its CUDA context can
 # take seconds), and how long its output may still drain; past either, the engine is reported anyway.
@@ -128,6 +130,9 @@ class EngineConfig:
     env: dict[str, str] = field(default_factory=dict)
     # Org__Name model folders here (LLMGW_MODELS_DIR): a GGUF of a repository id found there is not downloaded.
     models_dir: Path | None = None
+    # What each engine's --version said, by its program's path and mtime (``VersionCache``); None: none kept.
+    version_cache: Path | None = field(default_factory=lambda: version_cache_path())
+    version_timeout_s: float = 60.0  # `vllm --version` imports all of vLLM: 10–25 s, more under load
 
 
     def __post_init__(self) -> None:
@@ -142,6 +147,69 @@ class EngineConfig:
     def check_host(self) -> str:
         """Where the agent itself reaches an engine for health checks."""
         return "127.0.0.1" if self.host == "0.0.0.0" else self.host
+
+
+def version_cache_path() -> Path | None:
+    """``$XDG_CACHE_HOME/llmgw/engine-versions.json`` (``~/.cache`` by default); None without a home."""
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:
+        return None
+    return base / "llmgw" / "engine-versions.json"
+
+
+class VersionCache:
+    """What each engine's ``--version`` said, by the command and its program's real path and mtime.
+
+    vLLM answers in 10–25 s (it imports all of vLLM): an agent started again asks again only when
+    the program changed (an upgrade rewrites it). A file that cannot be read or written costs a
+    start its probe, nothing else.
+    """
+
+    KEEP = 32  # entries: a node's engines, and the programs they replaced
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._known: dict[str, str] = {}
+        if path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                loaded = json.loads(path.read_text())
+                if isinstance(loaded, dict):
+                    self._known = {k: v for k, v in loaded.items() if isinstance(k, str) and isinstance(v, str)}
+
+    @staticmethod
+    def key(argv: list[str]) -> str | None:
+        """The command and where its program is, as of now; None when it is not installed."""
+        program = shutil.which(argv[0]) if argv else None
+        if program is None:
+            return None
+        try:
+            mtime = os.stat(program).st_mtime_ns
+        except OSError:
+            return None
+        return json.dumps([os.path.realpath(program), mtime, argv[1:]])
+
+    def get(self, argv: list[str]) -> str:
+        key = self.key(argv)
+        return self._known.get(key, "") if key is not None else ""
+
+    def put(self, argv: list[str], version: str) -> None:
+        key = self.key(argv)
+        if key is None:
+            return
+        self._known.pop(key, None)
+        self._known[key] = version  # the newest last: the oldest go first
+        while len(self._known) > self.KEEP:
+            del self._known[next(iter(self._known))]
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._known, indent=1))
+            tmp.replace(self.path)
+        except OSError as e:
+            log.info("engine versions not kept in %s: %s; the next start asks the engines again", self.path, e)
 
 
 class RotatingLog:
@@ -519,31 +587,54 @@ class EngineSupervisor:
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
         # One HTTP client for every engine's health checks and readings (llmgw/engine/upstream.py, as the router's).
         self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
+        self._versions = VersionCache(self.config.version_cache)
 
-    async def versions(self, timeout_s: float = 30.0) -> dict[str, str]:
-        """What the engines this node starts say they are (``vllm --version``, ``llama-server --version``);
-        an engine not installed, or silent within ``timeout_s``, is left out. Simulated engines have none."""
+    def known_versions(self) -> dict[str, str]:
+        """What the engines this node starts said they were, where their programs have not changed
+        since (``VersionCache``): no process is started, so an inventory can carry them at once."""
         if self.config.simulate:
             return {}
-        out: dict[str, str] = {}
-        for engine in ("vllm", "llama.cpp"):
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *version_argv(engine, self.config.cmds), stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL)
-            except OSError:
-                continue  # not installed here
-            try:
-                async with asyncio.timeout(timeout_s):
-                    text, _ = await proc.communicate()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-                continue
-            if version := parse_version_output(text.decode(errors="replace")):
-                out[engine] = version
-        return out
+        return {engine: v for engine in ENGINES if (v := self._versions.get(version_argv(engine, self.config.cmds)))}
+
+    async def versions(self, timeout_s: float | None = None) -> dict[str, str]:
+        """What the engines this node starts say they are (``vllm --version``, ``llama-server --version``),
+        asked side by side, or known from before; an engine not installed, or silent within ``timeout_s``
+        (the config's ``version_timeout_s``), is left out. Simulated engines have none."""
+        if self.config.simulate:
+            return {}
+        limit = self.config.version_timeout_s if timeout_s is None else timeout_s
+        found = await asyncio.gather(*(self._version(engine, limit) for engine in ENGINES))
+        return {engine: v for engine, v in zip(ENGINES, found, strict=True) if v}
+
+    async def _version(self, engine: str, timeout_s: float) -> str:
+        argv = version_argv(engine, self.config.cmds)
+        if known := self._versions.get(argv):
+            return known
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with(os.getpid()))
+        except OSError:
+            return ""  # not installed here
+        try:
+            async with asyncio.timeout(timeout_s):
+                text, _ = await proc.communicate()
+        except TimeoutError:
+            log.warning("`%s` did not answer within %gs: plans for %s are made for the fleet's other vLLM "
+                        "versions, else the newest profile (ctl model plan --engine-version names one); the "
+                        "agent's next start asks again", shlex.join(argv), timeout_s, self.node)
+            return ""
+        finally:
+            kill_group(proc.pid)  # it, on a timeout or a cancel, and whatever it started
+            await exited(proc)
+        version = parse_version_output(text.decode(errors="replace"))
+        if not version:
+            last = text.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            log.warning("`%s` exited %s and printed no version (last: %s); plans for %s are made as if it had "
+                        "not answered", shlex.join(argv), proc.returncode, last[0][:300], self.node)
+            return ""
+        self._versions.put(argv, version)
+        return version
 
     def holds(self) -> list[tuple[int, tuple[int, ...], int]]:
         """(pid, GPU indexes, planned MiB per GPU; 0: not planned) of every engine process running here."""
