@@ -525,7 +525,7 @@ def test_a_checkpoints_bytes_do_not_depend_on_the_process_that_folded_it() -> No
         "import hashlib, sys; sys.path.insert(0, 'tests')\n"
         "from projection_events import small_fleet\n"
         "from llmgw import subjects\n"
-        "from llmgw.fleet.checkpoint import Checkpoint, encode, fold_batch\n"
+        "from llmgw.fleet.fold import Checkpoint, encode, fold_batch\n"
         "from llmgw.bus.frames import RawMsg\n"
         "c = Checkpoint()\n"
         "for i, e in enumerate(small_fleet()):\n"
