@@ -298,12 +298,15 @@ def memory_text(r: m.ReplicaRow, gib_per_gpu: float) -> str:
     return "\n".join(parts)
 
 
-def kv_text(planned: int, observed: int) -> str:
-    """Observed KV tokens against the plan, with the plan's error; ``-`` until an engine reports."""
+def kv_text(planned: int, observed: int, against: bool = True) -> str:
+    """Observed KV tokens against the plan, with the plan's error; ``-`` until an engine reports. Not
+    ``against`` the plan: a figure its card did not size (a simulated node, an explicit cache size)."""
     if not observed:
         return f"- / {planned:,}" if planned else "-"
     if not planned:
         return f"{observed:,} / -"
+    if not against:
+        return f"{observed:,} / {planned:,} (not sized by its card)"
     return f"{observed:,} / {planned:,} ({(planned - observed) / observed:+.1%})"
 
 
@@ -447,7 +450,7 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
         plan.add_row("KV cache", f"{planned:,} tokens per replica (KV dtype {spec.kv_cache_dtype})"
                      if planned else f"- (KV dtype {spec.kv_cache_dtype})")
         plan.add_row("observed", kv_text(planned, s.kv_tokens_observed) + "  (KV tokens its engines reserved / planned)"
-                     if s.kv_tokens_observed else "- (no engine has reported what it reserved)")
+                     if s.kv_tokens_observed else "- (no engine whose card sized its cache has reported what it reserved)")
     console.print(plan)
     console.print(f"\nReplicas ({len(d.replicas)}; idle - = no router knows)")
     if d.replicas:
@@ -459,7 +462,8 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
             state = f"{r.state}: {r.detail}" if r.detail else r.state
             reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
                          r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
-                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed), memory_text(r, spec.gib_per_gpu),
+                         kv_text(r.kv_tokens_planned, r.kv_tokens_observed, against=r.kv_error is not None),
+                         memory_text(r, spec.gib_per_gpu),
                          cached_text(r))
         console.print(reps)
         console.print(f"  routed by {spec.routing} (docs/router.md, \"Routing\"); prompt cached: the share of prompt "

@@ -40,7 +40,13 @@ def mistral_events() -> list[m.Event]:
     ]
 
 
-EVENTS = [*small_fleet(), *mistral_events()]
+def with_real_n4(events: list[m.Event]) -> list[m.Event]:
+    """n4 reported by a real agent: its card sized what mistral's engine reserved."""
+    return [msgspec.structs.replace(e, simulated=False) if isinstance(e, m.NodeInventoryReported) and e.node == "n4"
+            else e for e in events]
+
+
+EVENTS = [*with_real_n4(small_fleet()), *mistral_events()]
 
 
 @pytest.fixture
@@ -210,3 +216,29 @@ def test_model_show_states_each_replicas_cached_share() -> None:
                        prompt_tokens=1_234_567, cached_tokens=1_037_036)
     assert cached_text(row) == "84% of 1.2M"
     assert cached_text(msgspec.structs.replace(row, prompt_tokens=0, cached_tokens=0)) == "-"
+
+
+def test_what_a_card_did_not_size_is_shown_as_reported_never_against_the_plan(settings: Settings) -> None:
+    """vLLM on a CPU box (a simulated node) sizes its cache from VLLM_CPU_KVCACHE_SPACE: 524,288 tokens
+    said nothing of the 15,052,368 the plan gave the simulated card; shown as +2771.0% before."""
+    qwen = m.ModelSpec(name="qwen-cpu", source="Qwen/Qwen2.5-0.5B-Instruct", precision="bf16", engine="vllm",
+                       gpu_class="H100-80GB", context=4096, kv_tokens=15_052_368)
+    events: list[m.Event] = [
+        m.NodeInventoryReported(at=t(0), node="cpu1", fabric="cpu1", fabric_source="default", boot_id="b1",
+                                simulated=True, gpus=(m.GpuInfo(index=0, uuid="GPU-cpu1-0", name="NVIDIA H100 80GB HBM3",
+                                                                gpu_class="H100-80GB", memory_mib=81559),)),
+        m.ModelDeclared(at=t(1), spec=qwen),
+        placed("qwen-cpu-r1", qwen, [("cpu1", 0)], t(2), fabric="cpu1"),
+        m.ReplicaStateChanged(at=t(3), replica_id="qwen-cpu-r1", model="qwen-cpu", node="cpu1", state="healthy",
+                              endpoint="http://127.0.0.1:8001", observed_kv_tokens=524_288),
+    ]
+    asyncio.run(publish_fresh(settings, events))
+    code, out = ctl(settings, "show", "qwen-cpu", "--replay")
+    assert code == 0, out
+    assert "  observed          - (no engine whose card sized its cache has reported what it reserved)" in out
+    # The replica's own report, as such (the table folds it over lines), and no ratio anywhere.
+    assert "524,288 /" in out and "(not" in out and "sized by its card)" in out and "%)" not in out
+    code, out = ctl(settings, "show", "qwen-cpu", "--replay", "--json")
+    d = json.loads(out)
+    assert d["summary"]["kv_tokens_observed"] == 0
+    assert [(r["kv_tokens_observed"], r["kv_error"]) for r in d["replicas"]] == [(524_288, None)]

@@ -49,6 +49,11 @@ def fleet(toml: str) -> FleetState:
     return fold(fleetfile.inventories(fleetfile.parse(toml), AT))
 
 
+def real_fleet(toml: str) -> FleetState:
+    """The fleet as real agents report it: the cards size their engines' caches (not simulated)."""
+    return fold(msgspec.structs.replace(i, simulated=False) for i in fleetfile.inventories(fleetfile.parse(toml), AT))
+
+
 def node(name: str, fabric: str, cls: str = "H100-80GB", count: int = 8, mem: int = H100_MIB, unhealthy: str = "") -> str:
     extra = f"\nunhealthy = [{unhealthy}]" if unhealthy else ""
     return (f'[[nodes]]\nname = "{name}"\nfabric = "{fabric}"\ngpu_class = "{cls}"\n'
@@ -523,7 +528,7 @@ def _ran_here(state: FleetState, spec: m.ModelSpec, node: str = "n1") -> None:
 
 def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> None:
     info = model(LLAMA8)
-    state = fleet(node("n1", "ib-a"))
+    state = real_fleet(node("n1", "ib-a"))
     req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192)
     before = P.plan(info, state, req).candidates[0]
     assert before.observed_kv_tokens is None and before.kv_tokens == before.estimated_kv_tokens
@@ -554,7 +559,7 @@ def test_what_an_engine_reserved_replaces_the_estimate_for_that_very_spec() -> N
 def test_llama_cpps_reservation_is_what_it_was_asked_never_the_cards_capacity() -> None:
     # llama-server allocates exactly its -c: the figure it reports says nothing about the card.
     info = model(LLAMA8)
-    state = fleet(node("n1", "ib-a"))
+    state = real_fleet(node("n1", "ib-a"))
     req = m.PlanRequest(model=info.name, precisions=("q8_0",), tp=(1,), context=1024)
     before = P.plan(info, state, req).candidates[0]
     spec = before.spec("x")
@@ -589,7 +594,7 @@ def test_llama_cpp_charges_every_slot_the_whole_context() -> None:
 
 def test_implausible_or_foreign_reservations_are_refused() -> None:
     info = model(LLAMA8)
-    state = fleet(node("n1", "ib-a") + node("n2", "ib-a"))
+    state = real_fleet(node("n1", "ib-a") + node("n2", "ib-a"))
     spec = P.plan(info, state, m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), context=8192)).candidates[0].spec("x")
     _ran_here(state, spec)
     observed: dict[str, int] = {}
@@ -605,3 +610,41 @@ def test_implausible_or_foreign_reservations_are_refused() -> None:
     assert report("n2", 1000) is False  # n2 does not run x-r1
     assert report("n1", 1000, rid="nobody") is False
     assert observed == {}
+
+
+def test_an_observation_is_kept_only_under_the_arguments_that_sized_it() -> None:
+    """vLLM on CPU sized its cache from VLLM_CPU_KVCACHE_SPACE and ran --dtype=float32 (2 KiB a token):
+    kept as the card's capacity under a key without its arguments, it cut the next bf16 plan's KV to 0.5 GiB."""
+    info = model(LLAMA8)
+    req = m.PlanRequest(model=info.name, precisions=("bf16", "fp16"), tp=(1,), context=8192, all=True)
+    state = real_fleet(node("n1", "ib-a") + node("n2", "ib-a"))
+    plan = {c.precision: c for c in P.plan(info, state, req).candidates if c.gpu_class == "H100-80GB"}
+    bf16 = plan["bf16"].spec("x")
+    sim = fold(msgspec.structs.replace(i, node="sim", simulated=True)
+               for i in fleetfile.inventories(fleetfile.parse(node("sim", "ib-a")), AT))
+
+    def ran(spec: m.ModelSpec, where: FleetState = state, node: str = "n1") -> tuple[bool | None, dict[str, int]]:
+        observed: dict[str, int] = {}
+        _ran_here(where, spec, node)
+        kept = O.record_observation(observed, where, m.ReplicaStateChanged(
+            at=AT, replica_id="x-r1", model="x", node=node, state="healthy", observed_kv_tokens=4096))
+        return kept, observed
+
+    def used(observed: dict[str, int]) -> dict[str, int | None]:
+        return {c.precision: c.observed_kv_tokens for c in P.plan(info, state, req, observed=observed).candidates
+                if c.gpu_class == "H100-80GB"}
+
+    # The engine's own arguments are part of the key: a float32 run says nothing of a bf16 plan.
+    for args in (("--dtype=float32",), ("--dtype", "float"), ("--kv-cache-dtype", "fp8"), ("--block-size=32",),
+                 ("--gpu-memory-utilization", "0.5")):
+        kept, observed = ran(msgspec.structs.replace(bf16, engine_args=args))
+        assert kept is True and used(observed) == {"bf16": None, "fp16": None}, args
+    # Arguments that size nothing leave the key alone, and the spec's own --dtype is the plan's.
+    kept, observed = ran(msgspec.structs.replace(bf16, engine_args=("--enable-prefix-caching", "--dtype=bfloat16")))
+    assert kept is True and used(observed) == {"bf16": 4096, "fp16": None}
+    assert plan["fp16"].spec("x").dtype == "float16"
+    assert used(ran(plan["fp16"].spec("x"))[1]) == {"bf16": None, "fp16": 4096}
+    # A cache sized outright, or on a simulated node, is no card's capacity: nothing is kept.
+    assert ran(msgspec.structs.replace(bf16, engine_args=("--kv-cache-memory-bytes", "1073741824"))) == (None, {})
+    assert ran(msgspec.structs.replace(bf16, engine_args=("--num-gpu-blocks-override=256",))) == (None, {})
+    assert ran(bf16, sim, "sim") == (None, {})

@@ -19,7 +19,7 @@ from llmgw.planner import memory as M
 from llmgw.planner import modelinfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_planner_math import EXAMPLES, LLAMA8, MODELS, QWEN3, fleet, model, node  # noqa: E402
+from test_planner_math import EXAMPLES, LLAMA8, MODELS, QWEN3, fleet, model, node, real_fleet  # noqa: E402
 
 GIB = 1024**3
 RTX3090_MIB = 24135  # what NVML reports for a 24 GB RTX 3090 (23.57 GiB)
@@ -269,7 +269,7 @@ def test_a_correction_an_engine_reports_never_crosses_versions() -> None:
     from test_planner_math import AT, _ran_here
 
     info = model(LLAMA8)
-    state = fleet(node("n1", "fa", count=1))
+    state = real_fleet(node("n1", "fa", count=1))
     req = m.PlanRequest(model=info.name, precisions=("bf16",), gpu_memory_utilization=0.9, tp=(1,), context=8192)
     planned = P.plan(info, state, msgspec.structs.replace(req, engine_version="0.17.1")).candidates[0]
     spec = planned.spec("x")

@@ -71,8 +71,10 @@ class ModelHistory:
     position: int = 0  # the last control-stream sequence noted
     recent: dict[str, list[m.ModelEvent]] = field(default_factory=dict)  # the latest RECENT_EVENTS, oldest first
     held_s: dict[tuple[str, date], float] = field(default_factory=dict)  # (model, day) → GPU-seconds, stopped replicas
-    # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan).
+    # The KV tokens its engines last said they reserved, since it was last declared (a new spec, a new plan),
+    # and the node that said so: whether its card sized the cache is the fold's to say (``fleet.observed``).
     observed_kv: dict[str, int] = field(default_factory=dict)
+    observed_on: dict[str, str] = field(default_factory=dict)
     placed: dict[str, _Held] = field(default_factory=dict)  # replicas placed and not yet stopped
     # The cold-start ledger: each model's latest wakes and scale-ups (placement order), how many in
     # all, and the routers' side by replica. The two sides are joined when asked (``cold_starts``),
@@ -104,13 +106,14 @@ class ModelHistory:
             case m.ReplicaStateChanged():
                 # One arm for both: a report that times a cold start may carry a reservation too.
                 if event.observed_kv_tokens > 0:
-                    self.observed_kv[model] = event.observed_kv_tokens
+                    self.observed_kv[model], self.observed_on[model] = event.observed_kv_tokens, event.node
                 if event.state in ("starting", "healthy") and model in self.starts:
                     self._phase(model, event)
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
             case m.ModelDeclared():
                 self.observed_kv.pop(model, None)
+                self.observed_on.pop(model, None)
 
     def _phase(self, model: str, event: m.ReplicaStateChanged) -> None:
         """A cold start's first start and first health, from its replica's reports."""

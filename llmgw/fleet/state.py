@@ -32,8 +32,10 @@ from llmgw import subjects
 # history carries the cold-start ledger, the pool each model's routing policy, and each
 # replica the prompt tokens its engine had cached; the planner's observed reservations are
 # keyed by the engine version their spec was planned for, and each node keeps its engines' versions;
-# the API keys (ctl key); 7: the models' history keeps what a woken or scaled-up replica reserved.
-FOLD_VERSION = 7
+# the API keys (ctl key); 7: the models' history keeps what a woken or scaled-up replica reserved;
+# 8: an observed reservation is keyed by the engine arguments that sized it and never kept from a
+# simulated node or an explicit cache size, and the models' history notes which node reported it.
+FOLD_VERSION = 8
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 

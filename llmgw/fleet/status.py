@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
 from llmgw.fleet.history import ModelHistory, split_by_day
+from llmgw.fleet.observed import compared
 from llmgw.fleet.state import Cursor, FleetState, ReplicaView
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
@@ -131,12 +132,14 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
             continue
         idle, since = _idle(state, r.replica_id, now)
         planned, observed = r.spec.kv_tokens_planned, r.observed_kv_tokens
+        # The head reports what its engine reserved; against the plan only where its card sized it.
+        against = compared(r.spec, state.nodes.get(r.nodes[0]))
         rows.append(m.ReplicaRow(
             replica_id=r.replica_id, model=r.model, state=r.state, nodes=r.nodes, gpus=r.gpus, fabric=r.fabric,
             endpoint=r.endpoint, restarts=r.restarts, detail=r.detail, placed_at=_utc(r.placed_at),
             state_at=_utc(r.state_at), idle_s=UNKNOWN_IDLE if idle is None else idle, idle_since=_utc(since),
             kv_tokens_planned=planned, kv_tokens_observed=observed,
-            kv_error=round((planned - observed) / observed, 4) if planned and observed else None,
+            kv_error=round((planned - observed) / observed, 4) if planned and observed and against else None,
             observed_memory_mib=dict(sorted(r.observed_memory_mib.items())),
             prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         ))
@@ -153,6 +156,16 @@ def gpu_hours_today(name: str, replicas: list[ReplicaView], now: datetime | None
     for r in replicas:
         seconds += len(r.gpus) * sum(s for d, s in split_by_day(r.placed_at, now) if d == day)
     return round(seconds / 3600, 3)
+
+
+def kv_observed(state: FleetState, spec: m.ModelSpec, replicas: list[ReplicaView], history: ModelHistory | None) -> int:
+    """What a model's engines last reported reserving, where it stands against the plan (``observed.compared``):
+    the latest report, which stays when its replica stops (a parked model keeps what it learnt); 0: none."""
+    if history is None:
+        return max((r.observed_kv_tokens for r in replicas if compared(r.spec, state.nodes.get(r.nodes[0]))), default=0)
+    tokens = history.observed_kv.get(spec.name, 0)
+    node = history.observed_on.get(spec.name)
+    return tokens if tokens and compared(spec, state.nodes.get(node) if node else None) else 0
 
 
 def model_summaries(state: FleetState, now: datetime | None,
@@ -178,9 +191,7 @@ def model_summaries(state: FleetState, now: datetime | None,
             quantization=spec.quantization, gpu_class=spec.gpu_class, tp=spec.tp, pp=spec.pp,
             gpus_per_replica=spec.tp * spec.pp, context=spec.context, unplaceable=v.unplaceable_reason,
             kv_tokens_planned=spec.kv_tokens_planned,
-            # The latest report, which stays when its replica stops (a parked model keeps what it learnt).
-            kv_tokens_observed=history.observed_kv.get(name, 0) if history is not None
-            else max((r.observed_kv_tokens for r in reps), default=0),
+            kv_tokens_observed=kv_observed(state, spec, reps, history),
             unplaceable_since=_utc(v.unplaceable_at), declared_at=_utc(v.declared_at),
             gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
             idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),

@@ -444,9 +444,12 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
             return None  # what an older fold kept of llama.cpp's -c is no capacity either
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)
         facts = (info.source, p.name, tp, pp, cls, util or profile.default_util, kv)
-        found = observed.get(observation_key(*facts, planned_version("vllm", version)))
+        # The --dtype the candidate's command names; a plan names no other cache-sizing argument.
+        dtype = dtype_for(info, p)
+        found = observed.get(observation_key(*facts, planned_version("vllm", version), dtype=dtype))
         if found is None and not request.engine_version:
-            found = observed.get(observation_key(*facts))  # recorded before plans named their version: the fleet's own engines
+            # Recorded before plans named their version: the fleet's own engines.
+            found = observed.get(observation_key(*facts, dtype=dtype))
         return found
 
     info = model
