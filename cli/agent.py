@@ -85,12 +85,13 @@ def _engine_env(values: tuple[str, ...]) -> dict[str, str]:
 
 def engine_config(opts: dict[str, Any]) -> EngineConfig:
     """Fake engines on simulated nodes; real ones (``--engines real``) listen on loopback there too,
-    since every simulated node is this machine."""
+    since every simulated node is this machine, and run on its CPU (a simulated card has no GPU)."""
     fake = opts["engines"] == "fake"
-    return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, fake_startup_s=opts["engine_startup_s"],
+    on_cpu = opts["simulated"] and not fake
+    return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, cpu=on_cpu, fake_startup_s=opts["engine_startup_s"],
                         env=opts["engine_env"], log_dir=opts["log_dir"],
                         log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
-                        host="127.0.0.1" if opts["simulated"] and not fake else "")
+                        host="127.0.0.1" if on_cpu else "")
 
 
 def _stop_all(agents: list[Agent]) -> None:

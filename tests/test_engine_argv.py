@@ -182,3 +182,33 @@ async def test_every_printed_command_is_what_the_agent_runs(printed: dict[str, d
                    "-m " + str(MODELS / "google__gemma-2-9b-it" / "gemma-2-9b-it-Q8_0.gguf")):
         assert any(f == wanted or f.startswith(wanted + " ") for f in flags), wanted
     assert any(argv[0] == "llama-server" for argv in seen) and any(argv[:2] == ["vllm", "serve"] for argv in seen)
+
+
+def _vllm_spec(**kw: object) -> m.ModelSpec:
+    base = dict(name="tiny", source="/models/tiny", precision="bf16", engine="vllm", gpu_class="CPU-16GB",
+                context=2048, kv_tokens=65_536, kv_gib_per_gpu=2.5, gpu_memory_utilization=0.92, engine_version="0.32.0")
+    return m.ModelSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_vllm_on_a_simulated_cards_cpu_gets_a_cpu_engines_arguments_from_the_node() -> None:
+    """Seen with the vLLM CPU build: 0.92 of a card read as 92 % of host RAM (refused), bf16 attention
+    killed the worker on the health check, and the arguments had to be typed by hand."""
+    cmds = {"vllm": ["vllm", "serve"]}
+    on_gpu = engine_argv(_vllm_spec(), 8000, "127.0.0.1", cmds, simulate=False)
+    on_cpu = engine_argv(_vllm_spec(), 8000, "127.0.0.1", cmds, simulate=False, cpu=True)
+    assert "--gpu-memory-utilization" in on_gpu and "--kv-cache-memory-bytes" not in on_gpu
+    assert "--dtype" not in on_gpu and "--enforce-eager" not in on_gpu
+    assert "--gpu-memory-utilization" not in on_cpu
+    assert on_cpu[on_cpu.index("--kv-cache-memory-bytes") + 1] == str(int(2.5 * 2**30))
+    assert on_cpu[on_cpu.index("--dtype") + 1] == "float32" and on_cpu.count("--enforce-eager") == 1
+    # Typed already: not twice. A spec declared before plans carried its KV figure: vLLM's own default.
+    typed = engine_argv(_vllm_spec(engine_args=("--enforce-eager",), kv_gib_per_gpu=0.0), 8000, "127.0.0.1", cmds,
+                        simulate=False, cpu=True)
+    assert typed.count("--enforce-eager") == 1 and "--kv-cache-memory-bytes" not in typed
+
+
+@pytest.mark.parametrize(("version", "details"), [("0.32.0", True), ("0.6.4", True), ("0.6.3", False), ("", False)])
+def test_cached_prompt_tokens_are_asked_of_every_vllm_that_can_say_them(version: str, details: bool) -> None:
+    argv = engine_argv(_vllm_spec(engine_version=version), 8000, "127.0.0.1", {"vllm": ["vllm", "serve"]},
+                       simulate=False)
+    assert ("--enable-prompt-tokens-details" in argv) is details  # a version that lacks it would refuse to start

@@ -107,6 +107,9 @@ class EngineConfig:
 
     cmds: dict[str, list[str]] = field(default_factory=default_commands)
     simulate: bool = False
+    # The node's GPUs are simulated and its real engines run on the host's CPU (``--simulate
+    # --engines real``): vLLM gets a CPU engine's arguments (``engine_argv(cpu=True)``).
+    cpu: bool = False
     # Where engines listen and what the router dials. Empty: $LLMGW_ENGINE_HOST and
     # $LLMGW_ADVERTISE_HOST, else loopback in simulation and, on a real node,
     # every interface advertised under the host name (the router runs elsewhere).
@@ -341,13 +344,13 @@ class EngineRun:
         if not self.multi:
             return [engine_argv(spec, self.port, host, self.config.cmds, simulate=self.config.simulate,
                                 name=self.replica_id, startup_s=self.config.fake_startup_s,
-                                models_dir=self.config.models_dir)], {}
+                                models_dir=self.config.models_dir, cpu=self.config.cpu)], {}
         rendezvous = free_port(host) if self.rank == 0 else 0
         if self.rank == 0:
             self.head_address = f"{self.config.advertise_host}:{rendezvous}"
         argvs = part_argvs(spec, self.rank, self.port, host, self.config.cmds, simulate=self.config.simulate,
                            name=self.replica_id, head_address=self.head_address, rendezvous_port=rendezvous,
-                           startup_s=self.config.fake_startup_s)
+                           startup_s=self.config.fake_startup_s, cpu=self.config.cpu)
         return argvs, head_env(self.config.check_host, rendezvous) if self.rank == 0 else {}
 
     async def _start(self) -> list[asyncio.Task[None]]:

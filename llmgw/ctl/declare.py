@@ -60,7 +60,7 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
 # What the planner derives rather than the operator asks: a re-plan moves them (the observed-memory
 # calibration, another engine version on the fleet) while nothing the operator said changed. A
 # declaration keeps the figures it was first declared with until an input changes (or --replan).
-DERIVED = ("gib_per_gpu", "kv_tokens", "engine_version", "gpu_memory_utilization")
+DERIVED = ("gib_per_gpu", "kv_tokens", "kv_gib_per_gpu", "engine_version", "gpu_memory_utilization")
 
 
 def _shown(value: object) -> str:

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from llmgw import messages as m
-from llmgw.errors import ConfigError
+from llmgw.engine.profiles import parse_version
+from llmgw.errors import ConfigError, PlanError
 
 ENGINE_KEYS = ("vllm", "llama.cpp", "fake", "ray")
 # What a part prints once it has joined its head: Ray's `ray start`, or the fake engine's worker part.
@@ -64,9 +65,36 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
     return out
 
 
+# What llmgw asks of every vLLM whose version has it (the version its spec was planned for;
+# an unknown version gets none, since vLLM refuses a flag it does not know): the prompt's
+# cached tokens in each answer's usage, which the routers count (``prompt_tokens_details``).
+VLLM_FLAGS: tuple[tuple[tuple[int, ...], str], ...] = (
+    ((0, 6, 4), "--enable-prompt-tokens-details"),
+)
+GIB = 1 << 30
+
+
+def vllm_flags(version: str) -> list[str]:
+    """The flags of ``VLLM_FLAGS`` that vLLM ``version`` has; none for a version not recorded."""
+    if not version:
+        return []
+    try:
+        have = parse_version(version)
+    except PlanError:
+        return []
+    return [flag for since, flag in VLLM_FLAGS if have >= since]
+
+
 def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool, name: str = "",
-                startup_s: float = 0.0, models_dir: Path | None = None) -> list[str]:
-    """The command line for one replica's engine."""
+                startup_s: float = 0.0, models_dir: Path | None = None, cpu: bool = False) -> list[str]:
+    """The command line for one replica's engine.
+
+    ``cpu``: the node's GPUs are simulated and a real vLLM runs on the host's CPU. It then gets
+    what a CPU engine needs, from the node rather than from typed ``--engine-arg``s: float32
+    where the plan said a 16-bit type (bf16 attention on a CPU with AMX crashes vLLM's worker),
+    eager mode, and its KV cache as bytes (the plan's KV figure for the simulated card) instead
+    of a memory fraction, which on a CPU means a fraction of the host's RAM.
+    """
     if simulate:
         return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
                 *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
@@ -78,18 +106,21 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, Sequ
             argv += ["--pipeline-parallel-size", str(spec.pp), "--distributed-executor-backend", "ray"]
         if spec.quantization:
             argv += ["--quantization", spec.quantization]
-        if spec.dtype != "auto":
-            argv += ["--dtype", spec.dtype]
+        dtype = "float32" if cpu and spec.precision in ("bf16", "fp16") else spec.dtype
+        if dtype != "auto":
+            argv += ["--dtype", dtype]
         if spec.kv_cache_dtype != "auto":
             argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
         if spec.parallel:
             argv += ["--max-num-seqs", str(spec.parallel)]
-        argv += [
-            "--max-model-len", str(spec.context),
-            "--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}",
-            "--host", host, "--port", str(port),
-            "--served-model-name", spec.name,
-        ]
+        argv += ["--max-model-len", str(spec.context)]
+        if not cpu:
+            argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"]
+        elif spec.kv_gib_per_gpu > 0:
+            argv += ["--kv-cache-memory-bytes", str(int(spec.kv_gib_per_gpu * GIB))]
+        argv += ["--host", host, "--port", str(port), "--served-model-name", spec.name, *vllm_flags(spec.engine_version)]
+        if cpu and "--enforce-eager" not in spec.engine_args:
+            argv.append("--enforce-eager")
         return [*argv, *spec.engine_args]
     # llama.cpp's -c is the KV pool its -np slots share: each slot gets the declared context.
     argv = [*cmds["llama.cpp"], *gguf_location(spec, models_dir), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
@@ -136,7 +167,8 @@ def kv_tokens_from_metrics(text: str) -> int:
 
 
 def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool,
-               name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0) -> list[list[str]]:
+               name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0,
+               cpu: bool = False) -> list[list[str]]:
     """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
 
     vLLM: a Ray cluster per replica. The head (rank 0) runs ``ray start --head`` and then
@@ -153,7 +185,7 @@ def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping
     gpus = str(spec.tp)
     if rank == 0:
         return [[*cmds["ray"], "start", "--head", "--port", str(rendezvous_port), "--num-gpus", gpus, "--block"],
-                engine_argv(spec, port, host, cmds, simulate=False, name=name)]
+                engine_argv(spec, port, host, cmds, simulate=False, name=name, cpu=cpu)]
     return [[*cmds["ray"], "start", "--address", head_address, "--num-gpus", gpus, "--block"]]
 
 

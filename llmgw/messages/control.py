@@ -66,6 +66,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # checkpoint); "auto", as every spec ran before the field, runs the checkpoint's.
     dtype: Dtype = "auto"
     kv_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0  # the plan's KV cache per replica, in tokens: what an observation is checked against
+    # The plan's KV cache per GPU, GiB: what a vLLM on a simulated card's CPU is given as
+    # --kv-cache-memory-bytes (0: declared before plans carried it; vLLM's own default then).
+    kv_gib_per_gpu: Annotated[float, msgspec.Meta(ge=0, le=1 << 20)] = 0.0
     # Sequences served at once. llama.cpp: -np slots, each with ``context`` (-c is their shared
     # pool, parallel x context); vLLM: --max-num-seqs (its paged cache needs no more memory).
     parallel: Parallel = 0

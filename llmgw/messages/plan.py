@@ -167,6 +167,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             gib_per_gpu=round(self.weights_gib_per_gpu + self.overhead_gib_per_gpu + self.kv_gib_per_gpu, 2),
             kv_cache_dtype=self.kv_cache_dtype,
             dtype=self.dtype,
+            kv_gib_per_gpu=round(self.kv_gib_per_gpu, 3) if self.engine == "vllm" else 0.0,
             # llama.cpp allocates exactly its -c (slots x context), whatever else the card would hold.
             kv_tokens=self.context * max(1, self.parallel) if self.engine == "llama.cpp" else self.kv_tokens,
             # vLLM runs with the --max-num-seqs it was planned for (its sampler's profiling pass depends on it).
