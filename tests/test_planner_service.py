@@ -189,7 +189,7 @@ async def test_an_unknown_repo_behind_a_silent_hub_is_refused_in_bounded_time_an
         hub.close()
 
 
-async def test_the_planner_learns_what_a_simulated_engine_reserved(service: PlannerService, bus: Bus) -> None:
+async def test_the_planner_learns_what_an_engine_on_a_real_card_reserved(service: PlannerService, bus: Bus) -> None:
     from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
 
     request = m.PlanRequest(model="Qwen/Qwen2.5-14B-Instruct", precisions=("bf16",), tp=(1,), context=8192)
@@ -197,6 +197,11 @@ async def test_the_planner_learns_what_a_simulated_engine_reserved(service: Plan
     assert first.observed_kv_tokens is None
     spec = first.spec("qwen")
     node = "h100-a-01"
+    # A card sizes an engine's cache only on a real node: a simulated one's reservation is never learnt.
+    real = msgspec.structs.replace(fleetfile.inventory(fleetfile.load(EXAMPLES / "fleet.toml").node(node), m.utcnow(),
+                                                       boot_id="real-agent"), simulated=False)
+    await bus.publish(real)
+    await service.wait_until(lambda s: not s.nodes[node].simulated, 10)
     gpu = service.state.nodes[node].gpus[0]
     await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
     await bus.publish(m.ReplicaPlaced(at=m.utcnow(), replica_id="qwen-r1", model="qwen", nodes=(node,),
