@@ -212,3 +212,42 @@ def test_cached_prompt_tokens_are_asked_of_every_vllm_that_can_say_them(version:
     argv = engine_argv(_vllm_spec(engine_version=version), 8000, "127.0.0.1", {"vllm": ["vllm", "serve"]},
                        simulate=False)
     assert ("--enable-prompt-tokens-details" in argv) is details  # a version that lacks it would refuse to start
+
+
+# What a vLLM that died on start says last (its shape as vLLM 0.32's CPU build prints it): the error
+# first, then its shutdown's chatter.
+DEAD_VLLM = [
+    "INFO 12-01 22:10:02 [cpu_worker.py:101] Warming up model for the compilation...",
+    "ERROR 12-01 22:10:11 [core.py:700] EngineCore failed to start.",
+    "Traceback (most recent call last):",
+    '  File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 691, in run_engine_core',
+    "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    *[f"(APIServer pid=4242) INFO 12-01 22:10:12 [launcher.py:{i}] Shutting down" for i in range(30)],
+    "nanobind: leaked 2 instances!",
+    "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: "
+    "There appear to be 1 leaked semaphore objects to clean up at shutdown",
+]
+
+
+def test_a_failures_report_keeps_what_failed_before_the_shutdowns_chatter() -> None:
+    """Seen: the tail kept in events was vLLM's shutdown chatter (nanobind, the resource tracker), never the error."""
+    from llmgw.engine.argv import failure_tail
+
+    shown = failure_tail(DEAD_VLLM, last=5)
+    assert shown[:3] == [DEAD_VLLM[1], DEAD_VLLM[2], DEAD_VLLM[4]]  # the error, the traceback, the exception
+    assert not any("nanobind" in s or "resource_tracker" in s for s in shown)
+    assert shown[-1] == DEAD_VLLM[-3]  # then the last lines that are not chatter
+
+
+@pytest.mark.parametrize(("code", "lines", "said"), [
+    (-9, [], "engine exited (-9): killed by SIGKILL"),
+    (-4, [], "engine exited (-4): killed by SIGILL"),
+    (1, ["CUDA out of memory"], "engine exited (1)"),
+    # vLLM's front end exits 0 once its engine core died under it: a failure, whatever the status.
+    (0, DEAD_VLLM, "engine failed: its engine core died (exit 0): RuntimeError: Engine core initialization failed"),
+])
+def test_how_an_engine_ended_is_said_from_its_status_and_its_last_words(code: int, lines: list[str],
+                                                                        said: str) -> None:
+    from llmgw.engine.argv import exit_reason
+
+    assert exit_reason(code, lines).startswith(said)

@@ -130,7 +130,7 @@ async def test_reconciles_on_start_serves_restarts_and_stops(bus: Bus, agent: tu
     os.killpg(run.proc.pid, signal.SIGKILL)
     got = await wait_for(bus, lambda ss: any(s.state == "healthy" and s.restarts == 1 for s in ss))
     assert [s.state for s in got] == ["starting", "healthy", "unhealthy", "starting", "healthy"]
-    assert "engine exited (-9); restart 1 of 3" in got[2].detail
+    assert "engine exited (-9): killed by SIGKILL; restart 1 of 3" in got[2].detail
 
     # Stopped on request: the process is gone and the stop is on record.
     pid = sup.runs["qwen-r1"].proc.pid  # type: ignore[union-attr]
@@ -150,7 +150,7 @@ async def test_engine_that_keeps_failing_reports_its_log(bus: Bus, agent: tuple[
     got = await wait_for(bus, lambda ss: any(s.state == "failed" for s in ss))
     failed = got[-1]
     assert failed.state == "failed" and failed.restarts == 1
-    assert "exit 1 after 1 restarts" in failed.detail and "CUDA out of memory" in failed.detail
+    assert "engine exited (1) after 1 restarts" in failed.detail and "CUDA out of memory" in failed.detail
 
 
 async def test_missing_engine_binary_fails_with_next_step(bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
@@ -469,7 +469,7 @@ async def test_a_killed_leader_is_seen_and_its_whole_group_goes_with_it(
     os.kill(leader, signal.SIGKILL)  # the leader alone, as `kill -9 $(pgrep -f "vllm serve")` does
     got = await wait_for(bus, lambda ss: any(s.state == "unhealthy" for s in ss))
     assert group_members(leader) == set()  # gone by the time the replica is said to be unhealthy
-    assert "engine exited (-9); restart 1 of 3" in got[-1].detail
+    assert "engine exited (-9): killed by SIGKILL; restart 1 of 3" in got[-1].detail
 
     # Restarted; a stop on request ends the new group too, grandchild and all.
     await wait_for(bus, lambda ss: ss[-1].state == "healthy" and ss[-1].restarts == 1)

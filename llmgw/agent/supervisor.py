@@ -36,6 +36,8 @@ from llmgw.engine.argv import (
     JOINED_MARKERS,
     default_commands,
     engine_argv,
+    exit_reason,
+    failure_tail,
     head_env,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
@@ -290,7 +292,9 @@ class EngineRun:
         self.restarts = 0
         self.state = "placed"
         self.endpoint = ""
-        self.tail: deque[str] = deque(maxlen=config.log_lines)
+        # Enough lines that what failed is among them (a traceback ends in shutdown chatter): the
+        # report shows what failed first, then the last ``log_lines`` (``failure_tail``).
+        self.tail: deque[str] = deque(maxlen=config.log_lines * 10)
         self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
         self.memory_of: MemoryProbe | None = None  # the agent's NVML, when it runs this supervisor
         self.http: Upstream | None = None  # the supervisor's client; a run started alone makes its own
@@ -322,7 +326,7 @@ class EngineRun:
         log.info("engine %s%s: %s %s", self.replica_id, f" part {self.rank}" if self.multi else "", state, detail)
 
     def _last_lines(self) -> str:
-        return " | ".join(self.tail) or "(no output)"
+        return " | ".join(failure_tail(self.tail, self.config.log_lines)) or "(no output)"
 
     async def _pump(self, stream: asyncio.StreamReader, sink: RotatingLog | None) -> None:
         while line := await stream.readline():
@@ -561,11 +565,13 @@ class EngineRun:
                 code = next((p.returncode for p in self.procs if p.returncode not in (None, -signal.SIGTERM)),
                             self.proc.returncode if self.proc else None)
                 if self.restarts >= self.config.max_restarts:
-                    self.report("failed", f"exit {code} after {self.restarts} restarts: {self._last_lines()}")
+                    self.report("failed", f"{exit_reason(code, self.tail)} after {self.restarts} restarts: "
+                                          f"{self._last_lines()}")
                     return
                 self.restarts += 1
                 delay = min(self.config.backoff_base_s * 2 ** (self.restarts - 1), self.config.backoff_max_s)
-                self.report("unhealthy", f"engine exited ({code}); restart {self.restarts} of {self.config.max_restarts} in {delay:g}s: {self._last_lines()}")
+                self.report("unhealthy", f"{exit_reason(code, self.tail)}; restart {self.restarts} of "
+                                         f"{self.config.max_restarts} in {delay:g}s: {self._last_lines()}")
                 await asyncio.sleep(delay)
         finally:
             await asyncio.shield(self.stop())

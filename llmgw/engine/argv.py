@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -280,3 +281,40 @@ def parse_version_output(text: str) -> str:
         if found:
             return found.group(1)[:100]
     return ""
+
+
+# --- what an engine's output says when it fails -------------------------------------------------------
+
+# Lines that say what failed: kept for the failure's report ahead of the last lines, which after a
+# crash are the shutdown's chatter (vLLM: nanobind's leak report, the resource tracker's semaphores).
+_FAILURE = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|Traceback \(most recent call last\)|^\s*[\w.]*(Error|Exception)\b.*:"
+                      r"|Segmentation fault|core dumped|Illegal instruction|out of memory|Killed\b")
+_CHATTER = re.compile(r"nanobind: leaked|resource_tracker|leaked semaphore|There appear to be \d+ leaked")
+# vLLM's front end exits 0 when its engine core died under it: the exit status says nothing then.
+_ENGINE_DEAD = re.compile(r"EngineDeadError|EngineCore encountered|Engine core proc \S+ died|"
+                          r"Engine core initialization failed|died unexpectedly")
+FAILURE_LINES = 8  # of a failure's report: what failed, then the last lines
+
+
+def failure_tail(lines: Sequence[str], last: int = 20) -> list[str]:
+    """The lines a failure is reported with: those that say what failed (at most ``FAILURE_LINES``,
+    the latest), then the last ``last`` lines not already among them; shutdown chatter dropped."""
+    said = [ln for ln in lines if not _CHATTER.search(ln)]
+    failing = [ln for ln in said if _FAILURE.search(ln)][-FAILURE_LINES:]
+    shown = set(failing)
+    return [*failing, *[ln for ln in said[-last:] if ln not in shown]]
+
+
+def exit_reason(code: int | None, lines: Sequence[str]) -> str:
+    """How an engine that was not asked to stop ended: its exit status, the signal that killed it, or,
+    where vLLM says its engine died, that it failed whatever its status says."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"engine exited ({code}): killed by {name}"
+    dead = next((ln for ln in reversed(lines) if _ENGINE_DEAD.search(ln)), None)
+    if dead is not None:
+        return f"engine failed: its engine core died (exit {code}): {dead.strip()[:200]}"
+    return f"engine exited ({code})"
