@@ -79,8 +79,9 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
 
     ``idle_s`` is since anyone asked for any of its replicas: -1 when a replica
     no router knows could have been asked (unknown is not idle) or none is placed.
-    KV tokens: the plan's per replica, and what its engines last reported reserving
-    since it was declared, kept when its replicas stop (0: none reported).
+    KV tokens: the plan's per replica, and what its engines last reported reserving where a
+    card sized the cache (llama.cpp's always: it allocates the plan's -c) since it was
+    declared, kept when its replicas stop (0: none reported).
     """
 
     name: str
@@ -117,7 +118,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     """One replica as the fold knows it; ``idle_s`` < 0: no router knows, ``kv_tokens_observed`` 0: not reported.
 
     ``kv_error`` is (planned - observed) / observed, as ``ctl model plan`` states the
-    estimate's error; None when either is unknown.
+    estimate's error; None when either is unknown, or the figure was not sized by its card
+    (a simulated node, an explicit cache size: ``llmgw.fleet.observed.not_sized_by_card``).
     """
 
     replica_id: str
