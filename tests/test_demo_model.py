@@ -1,25 +1,29 @@
-"""``llmgw demo-model``: a GGUF that llama.cpp loads and serves, and a config.json the planner sizes alike."""
+"""``llmgw demo-model``: a GGUF that llama.cpp loads and serves, a checkpoint for vLLM, and a config.json the
+planner sizes alike."""
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from llama import call, llama_server, llama_server_bin  # noqa: F401 - the fixture is used by name
 
 from llmgw.cli.main import cli
-from llmgw.engine.demomodel import write_demo_model
+from llmgw.engine.demomodel import CHAT_TEMPLATE, write_demo_model
 from llmgw.errors import ConfigError
 from llmgw.planner import candidates as planner
 from llmgw.planner import memory, modelinfo
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = str(ROOT / "examples" / "fleet.toml")
+CPU_FLEET = str(ROOT / "examples" / "cpu.toml")
 Q8 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32
 
@@ -150,3 +154,145 @@ def test_llama_server_loads_it_and_answers_a_chat(tmp_path: Path, llama_server_b
         status, props = call(f"{url}/props")
         assert status == 200, props
         assert props["default_generation_settings"]["n_ctx"] == 256  # -c 512 over -np 2 slots
+
+
+# --- the hf form: what vLLM loads ------------------------------------------------------------------
+
+
+def safetensors(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The header (without __metadata__) and the tensor bytes of a .safetensors file."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    assert header.pop("__metadata__") == {"format": "pt"}
+    return header, raw[8 + size:]
+
+
+def bf16(data: bytes) -> np.ndarray:
+    return (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+def test_the_hf_checkpoint_holds_the_tensors_its_config_states(tmp_path: Path) -> None:
+    made = write_demo_model(tmp_path / "tiny", format="hf", layers=3, embd=192, heads=6, kv_heads=3, context=4096)
+    d = tmp_path / "tiny"
+    assert made.weights == d / "model.safetensors" and made.config == d / "config.json"
+    assert made.files == (d / "tokenizer.json", d / "tokenizer_config.json", d / "generation_config.json")
+    cfg = json.loads(made.config.read_text())
+    assert (cfg["architectures"], cfg["torch_dtype"], cfg["tie_word_embeddings"]) == (["LlamaForCausalLM"], "bfloat16",
+                                                                                      False)
+    assert [cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                             "head_dim", "intermediate_size", "max_position_embeddings")] == [192, 3, 6, 3, 32, 768, 4096]
+    assert cfg["head_dim"] % 32 == 0  # vLLM's CPU attention picks its kernel by it
+
+    header, data = safetensors(made.weights)
+    shapes = {name: t["shape"] for name, t in header.items()}
+    vocab, q, kv, ffn = cfg["vocab_size"], 6 * 32, 3 * 32, 768
+    assert vocab == made.vocab_size
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == [vocab, 192]
+    assert shapes["model.norm.weight"] == [192]
+    for i in range(3):
+        at = f"model.layers.{i}"
+        assert shapes[f"{at}.self_attn.q_proj.weight"] == [q, 192]
+        assert shapes[f"{at}.self_attn.k_proj.weight"] == shapes[f"{at}.self_attn.v_proj.weight"] == [kv, 192]
+        assert shapes[f"{at}.self_attn.o_proj.weight"] == [192, q]
+        assert shapes[f"{at}.mlp.gate_proj.weight"] == shapes[f"{at}.mlp.up_proj.weight"] == [ffn, 192]
+        assert shapes[f"{at}.mlp.down_proj.weight"] == [192, ffn]
+        assert shapes[f"{at}.input_layernorm.weight"] == shapes[f"{at}.post_attention_layernorm.weight"] == [192]
+    assert len(shapes) == 3 + 9 * 3
+    assert {t["dtype"] for t in header.values()} == {"BF16"}
+
+    # The tensors tile the data with no gap or overlap, each exactly its shape's bytes.
+    spans = sorted(tuple(t["data_offsets"]) for t in header.values())
+    assert spans[0][0] == 0 and spans[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    for t in header.values():
+        assert t["data_offsets"][1] - t["data_offsets"][0] == 2 * int(np.prod(t["shape"]))
+    assert made.params == sum(int(np.prod(s)) for s in shapes.values()) == len(data) // 2
+
+    def tensor(name: str) -> np.ndarray:
+        a, b = header[name]["data_offsets"]
+        return bf16(data[a:b])
+
+    assert (tensor("model.norm.weight") == 1.0).all()
+    w = tensor("model.layers.0.mlp.up_proj.weight")
+    assert abs(float(w.mean())) < 0.002 and 0.018 < float(w.std()) < 0.022
+
+
+def test_the_hf_tokenizer_round_trips_text_and_knows_the_chat_markers(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    made = write_demo_model(tmp_path / "m", format="hf")
+    tok = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == made.vocab_size
+    for text in ["hello world", "The fleet plans 3 replicas.", "  two  spaces\nand a tab\t", "Ünïcödé 🙂 日本"]:
+        ids = tok.encode(text).ids
+        assert tok.decode(ids) == text
+    assert len(tok.encode(" hello").ids) == 1  # the demo words are whole tokens, not bytes
+    cfg = json.loads(made.config.read_text())
+    gen = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    tcfg = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    assert cfg["eos_token_id"] == gen["eos_token_id"] == im_end
+    assert cfg["bos_token_id"] == gen["bos_token_id"] == tok.token_to_id("<|endoftext|>")
+    assert (tcfg["eos_token"], tcfg["bos_token"], tcfg["chat_template"]) == ("<|im_end|>", None, CHAT_TEMPLATE)
+    chat = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n").ids
+    assert chat[0] == im_start and chat.count(im_start) == 2 and chat.count(im_end) == 1
+
+
+def test_the_hf_form_with_the_same_seed_writes_the_same_files(tmp_path: Path) -> None:
+    def files(d: Path, seed: int) -> dict[str, bytes]:
+        write_demo_model(d, format="hf", seed=seed)
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+    a, b, c = files(tmp_path / "a" / "m", 7), files(tmp_path / "b" / "m", 7), files(tmp_path / "c" / "m", 8)
+    assert sorted(a) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                         "tokenizer_config.json"]
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
+
+
+def test_the_plan_offers_vllm_at_bf16_with_the_parameters_of_the_safetensors_header(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    made = write_demo_model(tmp_path / "llmgw-demo", format="hf")
+    info = modelinfo.load_dir(made.weights.parent)
+    assert (info.params, info.params_source, info.head_dim, info.torch_dtype) == (made.params, "safetensors-header",
+                                                                                 32, "bfloat16")
+    res = CliRunner().invoke(cli, ["ctl", "model", "plan", str(made.weights.parent), "--fleet", CPU_FLEET, "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert (data["params"], data["params_source"]) == (made.params, "safetensors-header")
+    first = data["candidates"][0]
+    assert (first["engine"], first["precision"], first["fits"], first["file"]) == ("vllm", "bf16", True, None)
+    assert first["command"].startswith(f"vllm serve {made.weights.parent.resolve()} ")
+    assert first["kv_bytes_per_token_per_gpu"] == 2 * 2 * 2 * 32 * 2  # layers x K and V x KV heads x head_dim x bf16
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"embd": 64}, "--heads 4 splits --embd 64 into heads of 16; vLLM's CPU attention has kernels for head sizes "
+                   "32, 64, 96, 128, 160, 192, 224, 256 only: pass --heads 1 or 2, or --embd 128"),
+    ({"embd": 96, "heads": 4}, "into heads of 24"),
+    ({"embd": 100}, "--embd 100: vLLM's CPU attention needs heads of a multiple of 32"),
+    ({"embd": 128, "heads": 3}, "--heads 3 splits --embd 128 into unequal heads"),
+    ({"kv_heads": 3}, "pass one of 1, 2, 4"),
+])
+def test_an_hf_model_vllm_cannot_run_on_a_cpu_is_refused_with_what_to_pass(tmp_path: Path, kwargs: dict[str, Any],
+                                                                           says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        write_demo_model(tmp_path / "m", format="hf", **kwargs)
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_hf_says_what_it_wrote_and_how_vllm_serves_it_on_a_cpu(tmp_path: Path) -> None:
+    d = tmp_path / "llmgw-demo"
+    res = CliRunner().invoke(cli, ["demo-model", str(d), "--format", "hf", "--context", "1024"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].startswith(f"wrote {d / 'model.safetensors'} (")
+    assert "bf16): llama, 782K parameters, 2 layers, embedding 128, 4 heads / 2 KV heads, FFN 512" in lines[0]
+    assert lines[0].endswith("context 1024")
+    assert lines[1:5] == [f"wrote {d / f}" for f in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                                                      "generation_config.json")]
+    assert f"  llmgw ctl model plan {d} --fleet examples/cpu.toml   # or against a running control plane" in lines
+    assert any(ln.startswith(f"  vllm serve {d} --dtype float32 --enforce-eager --max-model-len 1024 "
+                             "--kv-cache-memory-bytes 64M ") for ln in lines)

@@ -1,20 +1,27 @@
-"""A tiny llama with random weights, written as GGUF and config.json, for trying llmgw offline.
+"""A tiny llama with random weights, for trying llmgw offline: a GGUF, or a Hugging Face checkpoint.
 
-Nothing it says is worth reading, but llama-server loads it, tokenizes with it and
+Nothing it says is worth reading, but the engine loads it, tokenizes with it and
 applies its chat template, and the planner sizes it from its config.json as from
 any other model's: the whole path from a plan to a served request can be walked
-without downloading a checkpoint.
+without downloading a checkpoint. The GGUF form (Q8_0) is for llama-server; the
+``hf`` form (bf16 safetensors, a byte-level BPE tokenizer.json) is for vLLM.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from llmgw.errors import ConfigError
 
+Format = Literal["gguf", "hf"]
+FORMATS: tuple[Format, ...] = ("gguf", "hf")
 PRECISION = "q8_0"
 RMS_EPS = 1e-5
 ROPE_THETA = 10_000.0
@@ -23,6 +30,11 @@ MAX_LAYERS = 32
 MAX_EMBD = 2048  # 32 layers of 2048: ~1.7 GB, about as much as numpy should quantize in one go
 MIN_CONTEXT, MAX_CONTEXT = 128, 1 << 20
 QK8_0 = 32  # a Q8_0 block: rows must be a whole number of them
+# The head sizes vLLM's CPU attention has kernels for that are multiples of 32 (80 and 112 take its
+# 16-wide fallback), up to 256.
+HF_HEAD_SIZES = (32, 64, 96, 128, 160, 192, 224, 256)
+HF_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's ChatML names: no BOS, EOS is <|im_end|>
+HF_VOCAB = 2048  # what the BPE trainer may reach; the demo words give it fewer
 
 # ChatML, which llama.cpp also recognises without --jinja; its markers are control tokens below.
 CHAT_TEMPLATE = (
@@ -51,7 +63,8 @@ _PUNCT = ".,!?;:'\"-()/"
 class DemoModel:
     """What write_demo_model wrote, and the figures it wrote them with."""
 
-    gguf: Path
+    format: Format
+    weights: Path  # the GGUF, or model.safetensors
     config: Path
     file_bytes: int
     params: int
@@ -62,6 +75,14 @@ class DemoModel:
     kv_heads: int
     ffn: int
     vocab_size: int
+    files: tuple[Path, ...] = ()  # the hf form's tokenizer and generation files, beside config.json
+
+    @property
+    def gguf(self) -> Path:
+        """The GGUF llama-server loads; the hf form has none."""
+        if self.format != "gguf":
+            raise ValueError(f"the {self.format} demo model in {self.weights.parent} has no GGUF")
+        return self.weights
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -90,28 +111,81 @@ def _near(embd: int) -> str:
     return f"{below} or --embd {above}" if below < embd < above <= MAX_EMBD else str(below)
 
 
-def _check(context: int, layers: int, embd: int, heads: int, kv_heads: int) -> None:
+def _check(format: Format, context: int, layers: int, embd: int, heads: int, kv_heads: int) -> None:
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
     if not MIN_CONTEXT <= context <= MAX_CONTEXT:
         raise ConfigError(f"--context {context} is outside {MIN_CONTEXT}..{MAX_CONTEXT}; pass e.g. --context 2048")
     if not 1 <= layers <= MAX_LAYERS:
         raise ConfigError(f"--layers {layers} is outside 1..{MAX_LAYERS}; pass e.g. --layers 2")
-    if not QK8_0 <= embd <= MAX_EMBD or embd % QK8_0:
-        raise ConfigError(f"--embd {embd}: Q8_0 stores rows in blocks of {QK8_0}, so the embedding must be a "
-                          f"multiple of {QK8_0} from {QK8_0} to {MAX_EMBD}; pass e.g. --embd {_near(embd)}")
-    if heads < 1 or embd % heads or (embd // heads) % 2:
-        fits = [h for h in (1, 2, 4, 8, 16, 32) if embd % h == 0 and (embd // h) % 2 == 0]
-        raise ConfigError(f"--heads {heads} does not split --embd {embd} into heads of an even width (RoPE rotates "
-                          f"pairs); pass one of {', '.join(map(str, fits))}")
+    if format == "hf":
+        _check_hf(embd, heads)
+    else:
+        if not QK8_0 <= embd <= MAX_EMBD or embd % QK8_0:
+            raise ConfigError(f"--embd {embd}: Q8_0 stores rows in blocks of {QK8_0}, so the embedding must be a "
+                              f"multiple of {QK8_0} from {QK8_0} to {MAX_EMBD}; pass e.g. --embd {_near(embd)}")
+        if heads < 1 or embd % heads or (embd // heads) % 2:
+            fits = [h for h in (1, 2, 4, 8, 16, 32) if embd % h == 0 and (embd // h) % 2 == 0]
+            raise ConfigError(f"--heads {heads} does not split --embd {embd} into heads of an even width (RoPE "
+                              f"rotates pairs); pass one of {', '.join(map(str, fits))}")
     if kv_heads < 1 or heads % kv_heads:
         fits = [k for k in range(1, heads + 1) if heads % k == 0]
         raise ConfigError(f"--kv-heads {kv_heads} does not group {heads} attention heads evenly; "
                           f"pass one of {', '.join(map(str, fits))}")
 
 
-def write_demo_model(dir: Path, *, context: int = 2048, layers: int = 2, embd: int = 64, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0, name: str = "llmgw-demo") -> DemoModel:
-    """Write a random-weight llama (Q8_0 GGUF) and its config.json into ``dir``."""
-    _check(context, layers, embd, heads, kv_heads)
+def _check_hf(embd: int, heads: int) -> None:
+    if not QK8_0 <= embd <= MAX_EMBD or embd % QK8_0:
+        raise ConfigError(f"--embd {embd}: vLLM's CPU attention needs heads of a multiple of 32, so the embedding "
+                          f"must be a multiple of 32 from 32 to {MAX_EMBD}; pass e.g. --embd {_near(embd)}")
+    if heads < 1 or embd % heads or embd // heads not in HF_HEAD_SIZES:
+        fits = [h for h in range(1, embd // 32 + 1) if embd % h == 0 and embd // h in HF_HEAD_SIZES]
+        width = f"heads of {embd // heads}" if heads >= 1 and embd % heads == 0 else "unequal heads"
+        raise ConfigError(f"--heads {heads} splits --embd {embd} into {width}; vLLM's CPU attention has kernels for "
+                          f"head sizes {', '.join(map(str, HF_HEAD_SIZES))} only: pass --heads "
+                          f"{' or '.join(map(str, fits))}, or --embd {heads * 32 if heads >= 1 else 128}")
+
+
+def _config(*, context: int, layers: int, embd: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+            dtype: str, bos: int, eos: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": embd,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": embd // heads,
+        "max_position_embeddings": context,
+        "vocab_size": vocab,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def write_demo_model(dir: Path, *, format: Format = "gguf", context: int = 2048, layers: int = 2,
+                     embd: int | None = None, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                     name: str = "llmgw-demo") -> DemoModel:
+    """Write a random-weight llama into ``dir``: a Q8_0 GGUF and its config.json, or (``hf``) a checkpoint vLLM loads.
+
+    ``embd`` defaults to 64 for the GGUF and 128 for ``hf``, whose heads must be 32 wide or more.
+    """
+    embd = embd if embd is not None else (128 if format == "hf" else 64)
+    _check(format, context, layers, embd, heads, kv_heads)
+    if format == "hf":
+        return _write_hf(dir, context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, seed=seed)
     try:
         import gguf
         import numpy as np
@@ -191,28 +265,127 @@ def write_demo_model(dir: Path, *, context: int = 2048, layers: int = 2, embd: i
         w.close()
         tmp.unlink(missing_ok=True)
 
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": embd,
-        "intermediate_size": ffn,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": context,
-        "vocab_size": vocab,
-        "rms_norm_eps": RMS_EPS,
-        "rope_theta": ROPE_THETA,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    config_path = dir / "config.json"
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return DemoModel(gguf=path, config=config_path, file_bytes=path.stat().st_size, params=params,
+    config_path = _write_json(dir / "config.json", _config(
+        context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+        dtype="float16", bos=1, eos=2))
+    return DemoModel(format="gguf", weights=path, config=config_path, file_bytes=path.stat().st_size,
+                     params=params, context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
+                     ffn=ffn, vocab_size=vocab)
+
+
+def hf_tokenizer() -> Any:
+    """A byte-level BPE (GPT-2's scheme, as Llama 3 and Qwen use) trained on the demo words: any text round-trips."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as e:
+        raise ConfigError(f"writing the hf demo model needs the tokenizers package ({e}); "
+                          "pip install 'llmgw[demo]'") from e
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=HF_VOCAB, min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(HF_SPECIALS))
+    words = _WORDS.split()
+    # Each word alone, after a space and capitalised: the trainer counts pre-tokenized words, and
+    # " hello" is another word than "hello" to a byte-level BPE.
+    tok.train_from_iterator([*words, " ".join(words), " ".join(w.capitalize() for w in words), _PUNCT], trainer)
+    return tok
+
+
+def _bf16(w: Any) -> bytes:
+    """float32 to bfloat16, rounded to nearest even: numpy has no bfloat16, and its bits are float32's top half."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+
+
+def _write_safetensors(path: Path, tensors: Iterable[tuple[str, tuple[int, ...]]], data: Iterable[bytes]) -> None:
+    """A JSON header of names, dtypes, shapes and offsets, then the bf16 tensors back to back (no torch needed)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for tensor_name, shape in tensors:
+        size = 2 * math.prod(shape)
+        header[tensor_name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the tensors start 8-byte aligned
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for chunk in data:
+                f.write(chunk)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_hf(dir: Path, *, context: int, layers: int, embd: int, heads: int, kv_heads: int,
+              seed: int) -> DemoModel:
+    try:
+        import numpy as np
+    except ImportError as e:
+        raise ConfigError(f"writing the hf demo model needs numpy ({e}); pip install 'llmgw[demo]'") from e
+    tok = hf_tokenizer()
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    bos, eos = tok.token_to_id(HF_SPECIALS[0]), tok.token_to_id(HF_SPECIALS[2])
+    ffn, head_dim = 4 * embd, embd // heads
+
+    # Hugging Face's Llama names and [out, in] shapes, which vLLM's loader maps onto its layers.
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, embd))]
+    for i in range(layers):
+        at = f"model.layers.{i}"
+        shapes += [
+            (f"{at}.input_layernorm.weight", (embd,)),
+            (f"{at}.self_attn.q_proj.weight", (heads * head_dim, embd)),
+            (f"{at}.self_attn.k_proj.weight", (kv_heads * head_dim, embd)),
+            (f"{at}.self_attn.v_proj.weight", (kv_heads * head_dim, embd)),
+            (f"{at}.self_attn.o_proj.weight", (embd, heads * head_dim)),
+            (f"{at}.post_attention_layernorm.weight", (embd,)),
+            (f"{at}.mlp.gate_proj.weight", (ffn, embd)),
+            (f"{at}.mlp.up_proj.weight", (ffn, embd)),
+            (f"{at}.mlp.down_proj.weight", (embd, ffn)),
+        ]
+    shapes += [("model.norm.weight", (embd,)), ("lm_head.weight", (vocab, embd))]
+    rng = np.random.default_rng(seed)
+
+    def tensors() -> Iterable[bytes]:
+        # One at a time: 32 layers of 2048 would hold ~1.7 GB of float32 at once.
+        for _, shape in shapes:
+            if len(shape) == 1:
+                yield _bf16(np.ones(shape, dtype=np.float32))  # RMSNorm's gain: 1 leaves activations as they are
+            else:
+                yield _bf16(rng.standard_normal(shape, dtype=np.float32) * WEIGHT_SCALE)
+
+    dir.mkdir(parents=True, exist_ok=True)
+    weights = dir / "model.safetensors"
+    _write_safetensors(weights, shapes, tensors())
+    tokenizer = dir / "tokenizer.json"
+    tok.save(str(tokenizer))
+    files = (
+        tokenizer,
+        _write_json(dir / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": HF_SPECIALS[2],
+            "pad_token": HF_SPECIALS[0],
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": context,
+            "chat_template": CHAT_TEMPLATE,
+        }),
+        _write_json(dir / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": bos}),
+    )
+    config = _write_json(dir / "config.json", _config(
+        context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+        dtype="bfloat16", bos=bos, eos=eos))
+    params = sum(math.prod(shape) for _, shape in shapes)
+    return DemoModel(format="hf", weights=weights, config=config, file_bytes=weights.stat().st_size, params=params,
                      context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                     vocab_size=vocab)
+                     vocab_size=vocab, files=files)
