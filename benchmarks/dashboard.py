@@ -36,7 +36,7 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent.supervisor import descendants
+from llmgw.agent.runs import descendants
 from llmgw.bus import Bus
 from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings

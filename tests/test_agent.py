@@ -21,8 +21,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent.node import Agent, detect_fabric, infiniband_subnet, simulated_agents
 from llmgw.agent.nvml import GpuStatic
+from llmgw.agent.runs import EngineConfig
 from llmgw.agent.simnvml import SimNvml
-from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
+from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus, Outbox
 from llmgw.bus.server import EmbeddedServer, port_free
 from llmgw.cli.main import cli

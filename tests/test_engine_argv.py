@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw import messages as m
-from llmgw.agent.supervisor import EngineConfig, EngineRun
+from llmgw.agent.runs import EngineConfig, EngineRun
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.engine.argv import default_commands, engine_argv, parse_engine_cmds

@@ -15,7 +15,8 @@ from streams import stored
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
+from llmgw.agent.runs import EngineConfig
+from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus, Outbox
 from llmgw.engine.argv import (
     default_commands,
@@ -397,7 +398,7 @@ async def test_a_placement_on_another_subject_starts_nothing(
 
 def test_an_engine_log_rotates_by_size_and_keeps_the_newest(tmp_path: Path) -> None:
     """A chatty engine serving for weeks must not fill the disk: <replica>.log rolls to .1, .2, the oldest goes."""
-    from llmgw.agent.supervisor import RotatingLog
+    from llmgw.agent.runs import RotatingLog
 
     path = tmp_path / "m-r1.log"
     log = RotatingLog(path, max_bytes=250, keep=2)
@@ -428,10 +429,10 @@ def test_an_engine_log_rotates_by_size_and_keeps_the_newest(tmp_path: Path) -> N
 
 def test_a_full_disk_costs_the_log_its_lines_never_the_engine_its_pipe(caplog: pytest.LogCaptureFixture) -> None:
     """/dev/full answers every write with ENOSPC: the log says so once and the pump goes on."""
-    from llmgw.agent.supervisor import RotatingLog
+    from llmgw.agent.runs import RotatingLog
 
     log = RotatingLog(Path("/dev/full"), max_bytes=1024, keep=1)
-    with caplog.at_level("WARNING", logger="llmgw.agent.supervisor"):
+    with caplog.at_level("WARNING", logger="llmgw.agent.runs"):
         for _ in range(3):
             log.write(b"a line the engine printed\n")  # raises nothing
     log.close()

@@ -16,8 +16,9 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent.node import Agent, gpu_sample
 from llmgw.agent.nvml import GpuUse
+from llmgw.agent.runs import EngineConfig, descendants
 from llmgw.agent.simnvml import IDLE_MIB, SimNvml
-from llmgw.agent.supervisor import EngineConfig, EngineSupervisor, descendants
+from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet.gpuuse import GpuSamples, summarize
 from llmgw.fleet.state import fold

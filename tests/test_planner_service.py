@@ -190,7 +190,8 @@ async def test_an_unknown_repo_behind_a_silent_hub_is_refused_in_bounded_time_an
 
 
 async def test_the_planner_learns_what_an_engine_on_a_real_card_reserved(service: PlannerService, bus: Bus) -> None:
-    from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
+    from llmgw.agent.runs import EngineConfig
+    from llmgw.agent.supervisor import EngineSupervisor
 
     request = m.PlanRequest(model="Qwen/Qwen2.5-14B-Instruct", precisions=("bf16",), tp=(1,), context=8192)
     first = next(c for c in (await ask(bus, request)).candidates if c.gpu_class == "H100-80GB")

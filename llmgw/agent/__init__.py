@@ -3,17 +3,21 @@
 * ``node.Agent`` reads the GPUs through an NVML port (``nvml.RealNvml`` over pynvml, or
   ``simnvml.SimNvml`` for a node of a fleet file), publishes the inventory, health
   changes and heartbeats, and answers fault injections on a simulated node.
-* ``supervisor.EngineSupervisor`` folds the control stream for this node's placements
-  and runs each replica's engine (``EngineRun``): starts it with the argv from
-  ``llmgw.engine.argv``, checks its health, reads what it reserved, keeps its log.
+* ``supervisor.EngineSupervisor`` folds the control stream for this node's placements,
+  runs one ``runs.EngineRun`` per replica placed here, and asks the engines their versions;
+  ``runs.EngineRun`` starts its engine with the argv from ``llmgw.engine.argv``, checks its
+  health, reads what it reserved and keeps its log.
 
-**When an engine dies**: ``EngineRun.run`` wakes from ``_any_exit`` (an engine process
-ended), ``stop``s its process groups (SIGTERM, SIGKILL after 10 s), reports the replica
-``unhealthy`` with the exit status and the last lines of its log, and starts it again
-after a back-off (2 s, doubling, at most 60 s); after ``max_restarts`` it reports
-``failed`` and leaves the replica to the scheduler, which re-places it with its own
-back-off. Engines die with their agent (``llmgw.proc``), so a restarted agent never
-finds a second engine on its GPUs.
+**When an engine dies**: ``EngineRun.run`` wakes from ``_any_exit``, which watches the
+engine's process itself (a pidfd, never its pipes: vLLM's children hold those open after
+their leader is gone); ``stop`` ends the engine's whole process group (SIGTERM while the
+leader runs, then SIGKILL to the group however the leader ended) and waits until none of it
+is left; only then is the replica reported ``unhealthy``, with how it ended (its exit
+status, the signal, or vLLM's dead engine core) and the lines that say what failed, and the
+engine is started again after a back-off (2 s, doubling, at most 60 s). After
+``max_restarts`` it reports ``failed`` and leaves the replica to the scheduler, which
+re-places it with its own back-off. Engines die with their agent (``llmgw.proc``), so a
+restarted agent never finds a second engine on its GPUs.
 """
 
 from typing import TYPE_CHECKING
@@ -23,15 +27,16 @@ from llmgw import lazy_face
 if TYPE_CHECKING:
     from llmgw.agent.node import Agent
     from llmgw.agent.nvml import NvmlPort, RealNvml
+    from llmgw.agent.runs import EngineConfig
     from llmgw.agent.simnvml import SimNvml
-    from llmgw.agent.supervisor import EngineConfig, EngineSupervisor
+    from llmgw.agent.supervisor import EngineSupervisor
 
 _FACE = {
     "Agent": "llmgw.agent.node",
     "NvmlPort": "llmgw.agent.nvml",
     "RealNvml": "llmgw.agent.nvml",
     "SimNvml": "llmgw.agent.simnvml",
-    "EngineConfig": "llmgw.agent.supervisor",
+    "EngineConfig": "llmgw.agent.runs",
     "EngineSupervisor": "llmgw.agent.supervisor",
 }
 __all__ = ["Agent", "EngineConfig", "EngineSupervisor", "NvmlPort", "RealNvml", "SimNvml"]
