@@ -235,7 +235,7 @@ def test_llama70_bf16_fits_on_two_h100_at_8k_and_not_on_one() -> None:
     assert tp2.command == ("vllm serve meta-llama/Llama-3.3-70B-Instruct --tensor-parallel-size 2 "
                            "--max-num-seqs 1024 --max-model-len 8192 --gpu-memory-utilization 0.95 "
                            "--host 0.0.0.0 --port 8000 --served-model-name llama-3.3-70b-instruct "
-                           "--enable-prompt-tokens-details")  # what the agent runs: cached tokens in the usage
+                           "--enable-prompt-tokens-details --enable-force-include-usage")  # what the agent runs
     # From 0.21 vLLM takes its CUDA graphs from the budget: the same card holds less KV cache.
     newer = one(P.plan(info, two, msgspec.structs.replace(req, engine_version="0.27.1")).candidates, tp=2, precision="bf16")
     graphs = M.cuda_graph_bytes_per_gpu(info, 2, 1, 1024)

@@ -215,3 +215,42 @@ def test_every_metric_and_error_kind_is_on_the_router_page(bus: Bus) -> None:
     assert not missing, f"metrics docs/router.md does not document: {missing}"
     missing = [k for k in ERROR_KINDS if f"`{k}`" not in page]
     assert not missing, f"error kinds docs/router.md does not document: {missing}"
+
+
+async def test_a_forced_usage_chunk_is_counted_and_reaches_only_the_clients_that_asked(bus: Bus) -> None:
+    """vLLM's --enable-force-include-usage ends every stream with a usage chunk (no choices), so that a
+    streamed request is counted whether its client asked for usage or not; a client that did not ask
+    never expected that chunk, and code reading ``choices[0]`` of every chunk breaks on it."""
+    with running_engines(F=("forced", "--chunks", "4", "--force-include-usage")) as procs:
+        r = Router(bus, "router-forced", tick_s=3600)
+        await r.start("127.0.0.1", 0)
+        try:
+            await place(bus, "F", "forced", procs["F"].url)
+            await r.sink.wait_for(in_pool("F"))
+            async with openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="-", max_retries=0, timeout=20) as c:
+                plain = [x async for x in await c.chat.completions.create(model="forced", messages=HI, stream=True)]
+                asked = [x async for x in await c.chat.completions.create(
+                    model="forced", messages=HI, stream=True, stream_options={"include_usage": True})]
+                text = [x async for x in await c.completions.create(model="forced", prompt="hi", stream=True)]
+            assert plain and all(x.choices for x in plain) and all(x.usage is None for x in plain)
+            assert all(x.choices for x in text)
+            assert asked[-1].choices == [] and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 4
+            assert [x.choices[0].delta.content for x in plain] == [x.choices[0].delta.content for x in asked[:-1]]
+            got = await scrape(r.url)
+            # Every one counted, the ones whose clients did not ask included: 3 requests × 4 tokens.
+            assert got[sample("llmgw_router_completion_tokens_total", model="forced")] == 12
+        finally:
+            await r.stop()
+
+
+def test_taking_usage_chunks_out_holds_back_only_an_unfinished_event() -> None:
+    from llmgw.router.openai_api import without_usage_chunks
+
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    token = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    assert without_usage_chunks(token) == (token, b"")  # no marker: passed whole, nothing parsed
+    assert without_usage_chunks(token + usage + b"data: [DONE]\n\n") == (token + b"data: [DONE]\n\n", b"")
+    # The usage event cut in two by the network: the unfinished part waits for the rest.
+    out, held = without_usage_chunks(token + usage[:30])
+    assert (out, held) == (token, usage[:30])
+    assert without_usage_chunks(held + usage[30:] + b"data: [DONE]\n\n") == (b"data: [DONE]\n\n", b"")

@@ -69,8 +69,11 @@ def parse_engine_cmds(values: tuple[str, ...] | list[str]) -> dict[str, list[str
 # What llmgw asks of every vLLM whose version has it (the version its spec was planned for;
 # an unknown version gets none, since vLLM refuses a flag it does not know): the prompt's
 # cached tokens in each answer's usage, which the routers count (``prompt_tokens_details``).
+# and a usage chunk at the end of every stream, asked for or not, so that every streamed
+# request is counted (the router takes it out again for a client that did not ask).
 VLLM_FLAGS: tuple[tuple[tuple[int, ...], str], ...] = (
     ((0, 6, 4), "--enable-prompt-tokens-details"),
+    ((0, 10, 0), "--enable-force-include-usage"),
 )
 GIB = 1 << 30
 

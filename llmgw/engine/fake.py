@@ -121,6 +121,7 @@ class EngineOptions:
     rendezvous_port: int = 0  # where they connect (the head's address is host:this)
     cache_slots: int = 0  # a prefix cache of this many slots (PrefixCache); 0: none, nothing is cached
     prefill_ms_per_token: float = 0.0  # time per prompt token not served from the cache, before the reply
+    force_include_usage: bool = False  # a usage chunk on every stream, asked or not (vLLM's --enable-force-include-usage)
 
 
 class FakeEngine:
@@ -264,7 +265,7 @@ class FakeEngine:
             await resp.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
             if pause > 0 and not last:
                 await asyncio.sleep(pause)
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if self.opts.force_include_usage or (body.stream_options is not None and body.stream_options.include_usage):
             # As OpenAI and vLLM do: one more chunk, with no choices, carrying the whole request's usage.
             n = int(prompt["prompt_tokens"])  # type: ignore[call-overload]
             usage = {**prompt, "completion_tokens": self.opts.chunks, "total_tokens": n + self.opts.chunks}

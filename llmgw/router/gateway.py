@@ -56,13 +56,6 @@ _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (s
 _NO_DIGEST = "0" * 64
 
 
-class _Head(msgspec.Struct):
-    """The only fields the router reads from a request body."""
-
-    model: str = ""
-    stream: bool = False
-
-
 class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the router, never raised out of it
     """The client went away while its answer was being written; ``resp`` is what was begun."""
 
@@ -72,7 +65,6 @@ class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the r
 
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
-_HEAD = msgspec.json.Decoder(_Head)
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
 
@@ -311,7 +303,7 @@ class Gateway:
                 status = 413
                 return self._too_large()
             try:
-                head = _HEAD.decode(body)
+                head = api.HEAD.decode(body)
             except m.DECODE_ERRORS as e:
                 status = 400
                 self.metrics.error("", "bad_request")
@@ -339,7 +331,7 @@ class Gateway:
                                      code, headers={"Retry-After": str(math.ceil(wait))})
                 self.quotas.took(key.name, now)
             resp = await self._forward(request, route, model, stream, body, t0,
-                                       self.routing_key(model, route, body))
+                                       self.routing_key(model, route, body), strip_usage=stream and not head.wants_usage())
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -379,7 +371,7 @@ class Gateway:
 
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
-                       body: bytes, t0: float, key: int | None = None) -> web.StreamResponse:
+                       body: bytes, t0: float, key: int | None = None, strip_usage: bool = False) -> web.StreamResponse:
         who: m.KeyDeclared | None = request.get("llmgw_key")
         if (refused := await self._admit(model, who.priority if who is not None else "normal")):
             self.metrics.error(model, "shed")
@@ -433,7 +425,7 @@ class Gateway:
                 woken = False
             try:
                 if stream and up.status == 200:
-                    return await self._pipe(request, up, rep, model, t0)
+                    return await self._pipe(request, up, rep, model, t0, strip_usage)
                 try:
                     data = await up.read()
                 except READ_ERRORS as e:
@@ -464,11 +456,12 @@ class Gateway:
                 self.release(rep)
 
     async def _pipe(self, request: web.Request, up: aiohttp.ClientResponse, rep: Replica,
-                    model: str, t0: float) -> web.StreamResponse:
+                    model: str, t0: float, strip_usage: bool = False) -> web.StreamResponse:
         """Write the engine's stream on as it arrives; a break becomes an error event, not a hang.
 
         The first chunk's arrival is the time to first token; the stream's last chunks are kept
-        (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``).
+        (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``,
+        or vLLM's forced usage: counted, then taken out of a stream whose client did not ask for it).
         """
         resp = web.StreamResponse(status=up.status, headers={
             "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
@@ -478,6 +471,7 @@ class Gateway:
         read = up.content.readany
         tail: deque[bytes] = deque()
         kept = 0
+        held = b""  # an unfinished event, while usage-only events are taken out
         first = True
         try:
             await resp.prepare(request)
@@ -490,6 +484,8 @@ class Gateway:
                     await self._broken(resp, up, rep, model, e)
                     return resp
                 if not chunk:
+                    if held:
+                        await resp.write(held)
                     await resp.write_eof()
                     if (usage := usage_of_stream(b"".join(tail))) is not None:
                         self._count_tokens(rep, model, usage, request)
@@ -503,6 +499,10 @@ class Gateway:
                 kept += len(chunk)
                 while kept - len(tail[0]) >= USAGE_TAIL_BYTES:
                     kept -= len(tail.popleft())
+                if strip_usage:
+                    chunk, held = api.without_usage_chunks(held + chunk)
+                    if not chunk:
+                        continue
                 await resp.write(chunk)
         except ConnectionResetError as e:  # aiohttp's "Cannot write to closing transport" is one
             raise _ClientGone(resp) from e

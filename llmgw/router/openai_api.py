@@ -1,11 +1,29 @@
-"""The OpenAI API's own shapes the router answers with: error documents and model objects."""
+"""The OpenAI API's own shapes the router answers with: error documents, model objects, usage chunks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 _ENC = msgspec.json.Encoder()
+
+
+class Head(msgspec.Struct):
+    """The only fields the router reads from a request body."""
+
+    model: str = ""
+    stream: bool = False
+    # Read, never judged: the engine answers a malformed one as it sees fit.
+    stream_options: Any = None
+
+    def wants_usage(self) -> bool:
+        """Whether the client asked for the usage chunk (``stream_options.include_usage``)."""
+        return isinstance(self.stream_options, dict) and self.stream_options.get("include_usage") is True
+
+
+HEAD = msgspec.json.Decoder(Head)
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
@@ -27,3 +45,22 @@ def unauthorized() -> web.Response:
 def model_object(name: str, state: str, created: int = 0) -> dict[str, object]:
     """One model of GET /v1/models: ``created`` is when it was declared (Unix seconds), as OpenAI's."""
     return {"id": name, "object": "model", "created": created, "owned_by": "llmgw", "state": state}
+
+
+_NO_CHOICES = b'"choices":[]'
+
+
+def without_usage_chunks(data: bytes) -> tuple[bytes, bytes]:
+    """A stream's bytes less the usage-only events (no choices), and an unfinished last event held back.
+
+    A vLLM started with ``--enable-force-include-usage`` ends every stream with such an event,
+    so that the router can count it; a client that did not ask for usage
+    (``stream_options.include_usage``) never expected one, and code that reads
+    ``choices[0]`` of every chunk breaks on it. Bytes without the marker pass as they are
+    (the common case: nothing is parsed or held).
+    """
+    if _NO_CHOICES not in data:
+        return data, b""
+    *events, rest = data.split(b"\n\n")
+    kept = [e for e in events if not (_NO_CHOICES in e and b'"usage"' in e and e.lstrip().startswith(b"data: {"))]
+    return b"".join(e + b"\n\n" for e in kept), rest
