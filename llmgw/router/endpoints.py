@@ -95,7 +95,7 @@ class EndpointSink:
                                    on_skip=self._skipped)
         async for batch in follower.batches():
             why = fold_batch(self.checkpoint, subjects.STREAM_CONTROL, [d.raw for d in batch],
-                             [d.event for d in batch], keep=ROUTER_KEEPS, now=time.time())
+                             [d.event for d in batch], keep=ROUTER_KEEPS, now=time.time(), subjects_checked=True)
             refused = sum(w is not None for w in why)
             self.refused += refused
             if any(type(d.event) in _KEY_EVENTS for d in batch):
