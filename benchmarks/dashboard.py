@@ -36,11 +36,11 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.agent.runs import descendants
 from llmgw.bus import Bus
 from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
 from llmgw.errors import NoServiceError
+from llmgw.proc import descendants
 
 LLMGW = str(Path(sys.executable).with_name("llmgw"))
 TICK = os.sysconf("SC_CLK_TCK")

@@ -21,7 +21,7 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -30,7 +30,7 @@ if sys.platform == "linux":
     with contextlib.suppress(OSError):
         _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: a child between fork and exec only calls it
 
-__all__ = ["die_with", "die_with_parent", "exited", "group_members", "kill_group"]
+__all__ = ["descendants", "die_with", "die_with_parent", "exited", "group_members", "kill_group"]
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -62,23 +62,44 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     return True
 
 
-def group_members(pgid: int, proc: Path = Path("/proc")) -> set[int]:
-    """The processes of a group still alive (Linux: /proc/*/stat; zombies hold nothing); empty elsewhere."""
-    out: set[int] = set()
+def _stats(proc: Path) -> Iterator[tuple[int, bytes, int, int]]:
+    """(pid, state, parent pid, process group) of every process /proc shows (Linux); none elsewhere."""
     try:
         entries = list(proc.iterdir())
     except OSError:
-        return out
+        return
     for entry in entries:
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_bytes()
-            state, _ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]  # the name may hold spaces and parentheses
+            state, ppid, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]  # the name may hold spaces and parentheses
+            yield int(entry.name), state, int(ppid), int(pgrp)
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
-        if int(pgrp) == pgid and state not in (b"Z", b"X"):
-            out.add(int(entry.name))
+
+
+def group_members(pgid: int, proc: Path = Path("/proc")) -> set[int]:
+    """The processes of a group still alive (Linux: /proc/*/stat; zombies hold nothing); empty elsewhere."""
+    return {pid for pid, state, _, pgrp in _stats(proc) if pgrp == pgid and state not in (b"Z", b"X")}
+
+
+def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
+    """``pids`` and every process below them (Linux: parents from /proc/*/stat); just ``pids`` elsewhere.
+
+    vLLM's GPU workers are its children (tp > 1: one per GPU), and what NVML lists on a GPU is
+    theirs, not the ``vllm serve`` process the agent started.
+    """
+    out = set(pids)
+    children: dict[int, list[int]] = {}
+    for pid, _, ppid, _ in _stats(proc):
+        children.setdefault(ppid, []).append(pid)
+    stack = list(out)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
     return out
 
 

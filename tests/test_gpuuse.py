@@ -16,13 +16,14 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent.node import Agent, gpu_sample
 from llmgw.agent.nvml import GpuUse
-from llmgw.agent.runs import EngineConfig, descendants
+from llmgw.agent.runs import EngineConfig
 from llmgw.agent.simnvml import IDLE_MIB, SimNvml
 from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus, RawMsg
 from llmgw.fleet.gpuuse import GpuSamples, summarize
 from llmgw.fleet.state import fold
 from llmgw.fleetfile import load
+from llmgw.proc import descendants
 from llmgw.projections.runner import Projector
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -19,7 +19,7 @@ import shlex
 import signal
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -41,7 +41,7 @@ from llmgw.engine.argv import (
     part_argvs,
 )
 from llmgw.engine.upstream import Timeouts, Upstream
-from llmgw.proc import die_with, exited, group_members, kill_group
+from llmgw.proc import descendants, die_with, exited, group_members, kill_group
 
 log = logging.getLogger(__name__)
 
@@ -51,36 +51,6 @@ STOP_S = 10.0  # a SIGTERMed engine's time to go before its group is SIGKILLed
 # take seconds), and how long its output may still drain; past either, the engine is reported anyway.
 GONE_S = 10.0
 DRAIN_S = 5.0
-
-
-def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
-    """``pids`` and every process below them (Linux: parents from /proc/*/stat); just ``pids`` elsewhere.
-
-    vLLM's GPU workers are its children (tp > 1: one per GPU), and what NVML lists on a GPU is
-    theirs, not the ``vllm serve`` process the agent started.
-    """
-    out = set(pids)
-    children: dict[int, list[int]] = {}
-    try:
-        entries = list(proc.iterdir())
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_bytes()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # the name may hold spaces and parentheses
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-        children.setdefault(ppid, []).append(int(entry.name))
-    stack = list(out)
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in out:
-                out.add(child)
-                stack.append(child)
-    return out
 
 
 # Given the engine's processes and this node's GPU indexes, the MiB NVML lists for them (0: unknown).
