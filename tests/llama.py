@@ -24,27 +24,30 @@ BUILD_LIMIT_S = 45 * 60
 READY_LIMIT_S = 60.0
 
 
-@functools.cache
-def llama_server_binary() -> Path:
-    """The binary scripts/llama-server.sh prints on its last line; a failed build fails, never skips.
-
-    scripts/test.sh builds it before the suite and says where in LLMGW_LLAMA_SERVER.
-    """
-    given = os.environ.get("LLMGW_LLAMA_SERVER")
+def installed(script: Path, env: str, limit_s: float, what: str) -> Path:
+    """The program ``script`` prints on its last line (installing or building it once per machine), or
+    the one ``env`` names; a failed install fails, never skips. scripts/test.sh runs each script before
+    the suite and exports ``env``."""
+    given = os.environ.get(env)
     if given and os.access(given, os.X_OK):
         return Path(given)
     try:
-        res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=BUILD_LIMIT_S)
+        res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired as e:
         said = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (e.stdout, e.stderr))
-        pytest.fail(f"{SCRIPT} did not finish within {BUILD_LIMIT_S}s:\n{said.decode(errors='replace')}",
+        pytest.fail(f"{script} did not finish within {limit_s:g}s:\n{said.decode(errors='replace')}",
                     pytrace=False)
     lines = res.stdout.strip().splitlines()
     binary = Path(lines[-1]) if lines else None
     if res.returncode or binary is None or not os.access(binary, os.X_OK):
-        pytest.fail(f"{SCRIPT} exited {res.returncode} without a llama-server binary:\n{res.stdout}{res.stderr}",
-                    pytrace=False)
+        pytest.fail(f"{script} exited {res.returncode} without {what}:\n{res.stdout}{res.stderr}", pytrace=False)
     return binary
+
+
+@functools.cache
+def llama_server_binary() -> Path:
+    """The llama-server scripts/llama-server.sh builds (LLMGW_LLAMA_SERVER)."""
+    return installed(SCRIPT, "LLMGW_LLAMA_SERVER", BUILD_LIMIT_S, "a llama-server binary")
 
 
 @pytest.fixture(scope="session")
