@@ -405,7 +405,7 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     from rich import box
     from rich.table import Table
 
-    from llmgw.cli.replay import describe
+    from llmgw.messages import describe
 
     s, spec = d.summary, d.spec
     replicas = f"{s.wanted} replica{'s' if s.wanted != 1 else ''}"

@@ -15,7 +15,6 @@ from llmgw.cli.progress import parse_time, progress
 from llmgw.cli.status import parse_stream
 from llmgw.config import Settings
 from llmgw.ctl import Entry
-from llmgw.messages import describe  # noqa: F401 - `ctl model show` prints with it too
 
 
 def entry_json(e: Entry) -> dict[str, Any]:
