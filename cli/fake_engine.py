@@ -35,12 +35,15 @@ from llmgw.engine import fake
               help="Prefill time per prompt token not served from the cache (one prompt at a time).")
 @click.option("--force-include-usage", is_flag=True,
               help="End every stream with a usage chunk, asked for or not (as vLLM's --enable-force-include-usage).")
+@click.option("--done-linger-ms", type=click.FloatRange(0, 60_000), default=0.0, show_default=True,
+              help="Pause between a stream's [DONE] and the end of its body (clients that stop reading at [DONE] close first).")
 @click.option("--join", "join_address", metavar="HOST:PORT",
               help="Be a worker part: join the head at HOST:PORT and hold until it goes away (no HTTP).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
                 chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
                 startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, cache_slots: int,
-                prefill_ms_per_token: float, force_include_usage: bool, join_address: str | None) -> None:
+                prefill_ms_per_token: float, force_include_usage: bool, done_linger_ms: float,
+                join_address: str | None) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -72,5 +75,5 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
                          die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
                          kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port,
                          cache_slots=cache_slots, prefill_ms_per_token=prefill_ms_per_token,
-                         force_include_usage=force_include_usage)
+                         force_include_usage=force_include_usage, done_linger_ms=done_linger_ms)
     run(fake.serve(opts, sock, host))

@@ -243,6 +243,31 @@ async def test_a_forced_usage_chunk_is_counted_and_reaches_only_the_clients_that
             await r.stop()
 
 
+async def test_a_stream_is_counted_though_its_client_closes_at_done(bus: Bus) -> None:
+    """The openai client closes its connection as soon as it reads ``[DONE]``; an engine ends its body
+    a moment later. Counted only at the body's end, that stream's usage was lost (the handler is
+    cancelled when the client goes): seen as 15 prompt tokens missing from a real vLLM's count."""
+    with running_engines(L=("linger", "--chunks", "2", "--done-linger-ms", "400")) as procs:
+        r = Router(bus, "router-linger", tick_s=3600)
+        await r.start("127.0.0.1", 0)
+        try:
+            await place(bus, "L", "linger", procs["L"].url)
+            await r.sink.wait_for(in_pool("L"))
+            body = {"model": "linger", "messages": HI, "stream": True, "stream_options": {"include_usage": True}}
+            async with aiohttp.ClientSession() as s:
+                resp = await s.post(r.url + "/v1/chat/completions", json=body)
+                seen = b""
+                while b"[DONE]" not in seen:
+                    seen += await resp.content.readany()
+                resp.close()  # as openai's Stream does after [DONE]
+            assert b'"usage"' in seen
+            got = await scrape(r.url)
+            assert got[sample("llmgw_router_completion_tokens_total", model="linger")] == 2
+            assert got[sample("llmgw_router_prompt_tokens_total", model="linger")] == 3
+        finally:
+            await r.stop()
+
+
 def test_taking_usage_chunks_out_holds_back_only_an_unfinished_event() -> None:
     from llmgw.router.openai_api import without_usage_chunks
 

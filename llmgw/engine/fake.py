@@ -122,6 +122,7 @@ class EngineOptions:
     cache_slots: int = 0  # a prefix cache of this many slots (PrefixCache); 0: none, nothing is cached
     prefill_ms_per_token: float = 0.0  # time per prompt token not served from the cache, before the reply
     force_include_usage: bool = False  # a usage chunk on every stream, asked or not (vLLM's --enable-force-include-usage)
+    done_linger_ms: float = 0.0  # between a stream's [DONE] and the end of its body (a real engine's generator ends later)
 
 
 class FakeEngine:
@@ -273,6 +274,8 @@ class FakeEngine:
                                                           "model": self.opts.model, "choices": [],
                                                           "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        if self.opts.done_linger_ms > 0:
+            await asyncio.sleep(self.opts.done_linger_ms / 1000)
         await resp.write_eof()
         return resp
 

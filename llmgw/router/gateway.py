@@ -462,6 +462,8 @@ class Gateway:
         The first chunk's arrival is the time to first token; the stream's last chunks are kept
         (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``,
         or vLLM's forced usage: counted, then taken out of a stream whose client did not ask for it).
+        The usage is counted before ``[DONE]`` is passed on, and counted however the stream ends
+        otherwise: a client (openai's) closes as soon as it reads ``[DONE]``, before the body's end.
         """
         resp = web.StreamResponse(status=up.status, headers={
             "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
@@ -473,6 +475,14 @@ class Gateway:
         kept = 0
         held = b""  # an unfinished event, while usage-only events are taken out
         first = True
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            counted = True
+            if (usage := usage_of_stream(b"".join(tail))) is not None:
+                self._count_tokens(rep, model, usage, request)
+
         try:
             await resp.prepare(request)
             while True:
@@ -484,21 +494,24 @@ class Gateway:
                     await self._broken(resp, up, rep, model, e)
                     return resp
                 if not chunk:
+                    if not counted:
+                        count()
                     if held:
                         await resp.write(held)
                     await resp.write_eof()
-                    if (usage := usage_of_stream(b"".join(tail))) is not None:
-                        self._count_tokens(rep, model, usage, request)
                     return resp
                 if first:
                     first = False
                     self.metrics.first_token(model, time.perf_counter() - t0)
                     if (who := request.get("llmgw_key")) is not None:
                         key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0
+                edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network
                 tail.append(chunk)
                 kept += len(chunk)
                 while kept - len(tail[0]) >= USAGE_TAIL_BYTES:
                     kept -= len(tail.popleft())
+                if not counted and b"[DONE]" in edge + chunk:
+                    count()
                 if strip_usage:
                     chunk, held = api.without_usage_chunks(held + chunk)
                     if not chunk:
@@ -506,6 +519,9 @@ class Gateway:
                 await resp.write(chunk)
         except ConnectionResetError as e:  # aiohttp's "Cannot write to closing transport" is one
             raise _ClientGone(resp) from e
+        finally:
+            if not counted:  # the client left (or the handler was cancelled): what was served still counts
+                count()
 
     async def _broken(self, resp: web.StreamResponse, up: aiohttp.ClientResponse, rep: Replica,
                       model: str, e: BaseException) -> None:
