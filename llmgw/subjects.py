@@ -133,8 +133,8 @@ def disagrees(subject: str, event: m.Event) -> str | None:
         expected = ""  # an empty name: no subject could carry it; a kind with no subject: none does
     if subject == expected:
         return None
-    if kind in _FLEET_KINDS or kind is m.HeartbeatSent or kind is m.ReplicaStateChanged:
-        rid = f" for replica {event.replica_id!r}" if kind is m.ReplicaStateChanged else ""  # type: ignore[attr-defined]
+    if kind in _FLEET_KINDS or kind is m.HeartbeatSent or kind is m.ReplicaStateChanged or kind is m.ReplicaOverBooked:
+        rid = f" for replica {event.replica_id!r}" if kind in (m.ReplicaStateChanged, m.ReplicaOverBooked) else ""  # type: ignore[attr-defined]
         return (f"{kind.__name__} names node {event.node!r}{rid} but was published on {subject!r}: "  # type: ignore[attr-defined]
                 "the subject's node and the payload's must agree")
     return (f"{kind.__name__} belongs on {expected or 'no subject'!r} but was published on {subject!r}: "
@@ -196,6 +196,8 @@ def subject_for(event: m.Event) -> str:
             return replica(rid, "state", node)
         case m.ReplicaStopped(replica_id=rid):
             return replica(rid, "stopped")
+        case m.ReplicaOverBooked(replica_id=rid, node=node):
+            return replica(rid, "overbooked", node)
     raise TypeError(f"no subject for {type(event).__name__}")
 
 

@@ -125,7 +125,7 @@ def test_model_show_json_live_equals_replay(live_projector: Settings) -> None:
         "replica_id": "mistral-r2", "state": "healthy", "nodes": ["n4"], "fabric": "pcie",
         "endpoint": "http://n4:8001", "restarts": 10, "idle_s": -1.0, "kv_tokens_planned": 100_000,
         "kv_tokens_observed": 96_000, "kv_error": 0.0417}
-    assert r["gpus"] == [{"node": "n4", "index": 1, "uuid": "GPU-n4-1"}]
+    assert r["gpus"] == [{"node": "n4", "index": 1, "uuid": "GPU-n4-1", "mib": 0}]  # 0: placed as a whole card
     assert r["observed_memory_mib"] == {"n4": 40_960}  # NVML, as its agent read it
     # The latest 20 of its 26 control events, oldest first: the declaration and both placements are older.
     seqs = [e["seq"] for e in d["events"]]

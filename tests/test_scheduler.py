@@ -95,7 +95,7 @@ def test_unplaceable_reason_names_each_fabric_and_next_step() -> None:
     (u,) = [e for e in events if isinstance(e, m.ModelUnplaceable)]
     assert u.name == "m"
     assert u.reason == (
-        "needs 2 × H100-80GB on one node; fabric ib-a has 1 free on h100-a-03; fabric ib-b has none free; "
+        "needs 2 × H100-80GB on one node (71.7 GiB on each GPU); fabric ib-a has 1 free on h100-a-03; fabric ib-b has none free; "
         "free cards with `llmgw ctl idle --stop` or choose a smaller plan candidate"
     )
     # The same reason is not published again on every pass.

@@ -13,6 +13,7 @@ fixes: a live projector and a fresh replay agree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -154,8 +155,39 @@ class FleetState:
     # --- derived views, computed when asked ----------------------------------
 
     def held_gpus(self) -> dict[tuple[str, int], str]:
-        """(node, gpu index) → the replica holding it."""
-        return {(g.node, g.index): r.replica_id for r in self.replicas.values() for g in r.gpus}
+        """(node, gpu index) → the replicas holding it (their ids, joined by ", ")."""
+        out: dict[tuple[str, int], str] = {}
+        for r in self.replicas.values():
+            for g in r.gpus:
+                key = (g.node, g.index)
+                out[key] = f"{out[key]}, {r.replica_id}" if key in out else r.replica_id
+        return out
+
+    def ref_mib(self, ref: m.GpuRef) -> int:
+        """MiB a replica booked on one of its GPUs: as placed, or the whole card for a placement
+        from before GPUs were shared (a card no inventory names: as much as any card holds)."""
+        if ref.mib:
+            return ref.mib
+        node = self.nodes.get(ref.node)
+        gpu = node.gpus.get(ref.index) if node is not None else None
+        return gpu.memory_mib if gpu is not None else m.MIB_MAX
+
+    def booked(self) -> dict[tuple[str, int], int]:
+        """(node, gpu index) → MiB the replicas on it booked, for every GPU some replica holds."""
+        out: dict[tuple[str, int], int] = {}
+        for r in self.replicas.values():
+            for g in r.gpus:
+                key = (g.node, g.index)
+                out[key] = out.get(key, 0) + self.ref_mib(g)
+        return out
+
+    def gpu_replicas(self) -> dict[tuple[str, int], list[tuple[str, int]]]:
+        """(node, gpu index) → [(replica id, MiB booked)], in placement order: who holds how much."""
+        out: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        for r in sorted(self.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
+            for g in r.gpus:
+                out.setdefault((g.node, g.index), []).append((r.replica_id, self.ref_mib(g)))
+        return out
 
     def gpus(self) -> Iterator[GpuView]:
         for node in self.nodes.values():
@@ -166,8 +198,9 @@ class FleetState:
         return gpu.healthy and not self.nodes[gpu.node].lost
 
     def free_gpus(self, node: NodeView, held: Container[tuple[str, int]] | None = None) -> list[GpuView]:
-        """Healthy GPUs of a live node that no replica holds: the one definition of free, for
-        the planner's pools, the scheduler's placements and the status report."""
+        """Healthy GPUs of a live node that no replica holds: the one definition of a free whole
+        GPU, for the planner's pools, the scheduler's placements and the status report (a GPU
+        that holds small replicas has free memory, ``free_mib``, but is not a free GPU)."""
         if node.lost:
             return []
         held = self.held_gpus() if held is None else held
@@ -202,6 +235,28 @@ class FleetState:
         if placed is not None:
             serving = [t for t in serving if t >= placed]
         return min(serving) if serving else None
+
+
+def booking_mib(spec: m.ModelSpec, card_mib: int) -> int:
+    """MiB one replica of ``spec`` books on each GPU it uses, on a card of ``card_mib``: the one rule.
+
+    Exclusive: the whole card. vLLM: ``gpu_memory_utilization`` x the card, because that is what
+    vLLM takes (it sizes its KV cache to fill it, whatever the context). llama.cpp: what its plan
+    charges (``gib_per_gpu``: weights + KV at its context and slots + compute buffers), which is all
+    it allocates. A spec with no figure (declared before plans carried one) books the whole card.
+    """
+    if spec.exclusive:
+        return card_mib
+    if spec.engine == "vllm":
+        need = math.ceil(spec.gpu_memory_utilization * card_mib) if spec.gpu_memory_utilization > 0 else card_mib
+    else:
+        need = math.ceil(spec.gib_per_gpu * 1024) if spec.gib_per_gpu > 0 else card_mib
+    return max(1, min(card_mib, need))
+
+
+def shares_card(spec: m.ModelSpec, card_mib: int) -> bool:
+    """Whether a replica of ``spec`` leaves room beside it on such a card."""
+    return booking_mib(spec, card_mib) < card_mib
 
 
 T = TypeVar("T")

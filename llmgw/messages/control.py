@@ -24,6 +24,7 @@ from llmgw.messages.base import (
     Text,
     Time,
 )
+from llmgw.messages.fleet import MIB_MAX
 
 # --- control stream: llmgw.control.model.<name>.*, llmgw.control.replica.<id>.* --
 
@@ -80,6 +81,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # stops the old once the new is healthy, waiting (the old serving) while there is no room;
     # "in-place" stops an old one first when there is no room: the operator's choice of downtime.
     roll: Roll = "surge"
+    # Whole GPUs, nothing beside it (as every replica was placed before GPUs were shared). Otherwise a
+    # replica books on each GPU what its plan needs there (``llmgw.fleet.state.booking_mib``) and
+    # shares the card with others whose bookings fit beside it.
+    exclusive: bool = False
 
     @property
     def slots(self) -> int:
@@ -140,6 +145,8 @@ class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
     node: Ref
     index: GpuIndex
     uuid: Label
+    # MiB the replica booked on this GPU; 0: the whole card (placed before GPUs were shared).
+    mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)] = 0
 
 
 class ReplicaPlaced(Event, tag="ReplicaPlaced", frozen=True, kw_only=True):
@@ -181,6 +188,23 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     # GPU memory the engine's processes (and their children) hold on this node, as NVML lists them,
     # in MiB; 0 when unknown. Bounded as observed_kv_tokens is; readers clamp.
     observed_memory_mib: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
+
+
+# A replica whose engine uses more than this over what it booked is reported (``ReplicaOverBooked``).
+OVERBOOK_MARGIN = 0.10
+
+
+class ReplicaOverBooked(Event, tag="ReplicaOverBooked", frozen=True, kw_only=True):
+    """An agent saw a replica's engine hold more GPU memory on its node than the replica booked there,
+    by more than ``OVERBOOK_MARGIN``: the figures the planner's corrections learn from, and what an
+    operator must know before the card's other tenants run out of memory."""
+
+    replica_id: Ref
+    model: Ref
+    node: Ref
+    booked_mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)]  # on this node, over its GPUs
+    used_mib: Annotated[int, msgspec.Meta(ge=0, le=MIB_MAX)]  # what its engine's processes hold there
+    source: Label = "nvml"  # nvml | rss (a simulated GPU: the process tree's resident memory)
 
 
 # Why a replica stops, as a code the scheduler decides on and analysts group by; ``reason`` is the
@@ -263,4 +287,5 @@ ControlEvent = (
     | ReplicaPlaced
     | ReplicaStateChanged
     | ReplicaStopped
+    | ReplicaOverBooked
 )

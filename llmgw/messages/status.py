@@ -42,6 +42,17 @@ class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
     lost: int = 0
 
 
+class GpuBooking(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU some replica holds: who booked how much of it (``ctl status --replicas``, the dashboard)."""
+
+    node: str
+    index: int
+    gpu_class: str
+    memory_mib: int
+    booked_mib: int
+    replicas: tuple[tuple[str, int], ...] = ()  # (replica id, MiB it booked here), in placement order
+
+
 class FabricNodes(msgspec.Struct, frozen=True, kw_only=True):
     """Whole nodes of one class on one fabric with every GPU healthy and free."""
 

@@ -211,6 +211,10 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         max_context = max(max_context, chosen)  # a context that fits is never above the reported maximum
     file = gguf_file(info, p) if p.kind == "gguf" else None
     vllm_seqs = seqs if p.engine == "vllm" else 0
+    if p.engine == "llama.cpp" and fits:
+        # llama.cpp allocates its -c (slots x context) and no more, whatever the card would hold: what
+        # it books on a GPU it shares (vLLM fills its budget, so its KV is the budget's rest).
+        kv_budget = float(kv.bytes_for(chosen) * slots)
     c = m.Candidate(
         gpu_class=split.gpu_class,
         fabric=split.fabric,

@@ -16,6 +16,9 @@
   traceback a client could repeat at will.
 * A client that leaves before its answer is written is ``client_closed``
   (status 499, as nginx logs it): its doing, not the router's, and no traceback.
+
+Over 600 lines: one request's path, from its key to its count, reads top to bottom here;
+split in two, each half would take the other's state (slot, replica, stream tail) as arguments.
 """
 
 from __future__ import annotations

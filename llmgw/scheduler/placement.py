@@ -5,12 +5,15 @@
 with a deterministic ``Nats-Msg-Id``: two schedulers that see the same history
 make the same decisions under the same ids, and JetStream keeps one of each.
 
-A replica takes ``tp`` healthy free GPUs of its class on one node, or, with
-``pp > 1``, ``tp`` GPUs on each of ``pp`` nodes of ONE fabric; never across.
+A replica takes ``tp`` healthy GPUs of its class on one node, or, with ``pp > 1``,
+``tp`` GPUs on each of ``pp`` nodes of ONE fabric; never across. On each it books
+what its plan needs there (``booking_mib``); a GPU holds replicas while their
+bookings fit its memory, and an exclusive replica holds whole GPUs alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections import defaultdict
@@ -22,7 +25,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
-from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, by_fabric
+from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, booking_mib, by_fabric
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
 BACKOFF_BASE_S = 5.0
@@ -66,46 +69,153 @@ def _lost_reason(state: FleetState, replica: ReplicaView) -> tuple[str, str] | N
     return None
 
 
-def _free_by_node(state: FleetState, held: set[tuple[str, int]], gpu_class: str) -> dict[str, list[GpuView]]:
-    out: dict[str, list[GpuView]] = {}
-    for node in state.nodes.values():
-        free = sorted((g for g in state.free_gpus(node, held) if g.gpu_class == gpu_class), key=lambda g: g.index)
-        if free:
-            out[node.name] = free
-    return out
+class Room:
+    """What one GPU class has free in a pass, kept current as replicas are placed and stopped.
 
-
-def place(
-    state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]], avoid: set[str] | frozenset[str] = frozenset(),
-    free: dict[str, list[GpuView]] | None = None,
-) -> tuple[tuple[str, ...], tuple[m.GpuRef, ...], str] | None:
-    """Nodes, GPUs and fabric for one replica of ``spec``, or None when nothing fits.
-
-    Best fit: the node (or fabric) with the fewest free GPUs that still fits,
-    so large holes stay open for large models; nodes in ``avoid`` (already
-    serving this model) come last, so one lost node does not take every replica.
-    ``free`` is the class's free GPUs by node when the caller keeps it current.
+    ``whole``: the GPUs nothing is booked on, by node (what exclusive, multi-GPU and multi-node
+    replicas take); ``part``: the partly booked ones as (free MiB, node, index), sorted, so that
+    a small replica finds the tightest GPU it fits by bisection instead of a walk over the fleet.
     """
-    free = _free_by_node(state, held, spec.gpu_class) if free is None else free
-    fits = [n for n, gpus in free.items() if len(gpus) >= spec.tp]
+
+    def __init__(self, state: FleetState, booked: dict[tuple[str, int], int], gpu_class: str) -> None:
+        self.whole: dict[str, list[GpuView]] = {}
+        self.part: list[tuple[int, str, int]] = []
+        self.card_mib = 0  # the class's smallest card: a booking's size for the bisection
+        for node in state.nodes.values():
+            if node.lost:
+                continue
+            for g in node.gpus.values():
+                if g.gpu_class != gpu_class or not g.healthy:
+                    continue
+                self.card_mib = min(self.card_mib or g.memory_mib, g.memory_mib)
+                used = booked.get((node.name, g.index), 0)
+                if not used:
+                    self.whole.setdefault(node.name, []).append(g)
+                elif used < g.memory_mib:
+                    self.part.append((g.memory_mib - used, node.name, g.index))
+        for gpus in self.whole.values():
+            gpus.sort(key=lambda g: g.index)
+        self.part.sort()
+
+    def take(self, gpu: GpuView, was_free: int | None, mib: int) -> None:
+        """``mib`` booked on ``gpu`` (``was_free``: its free MiB when partly booked, None when whole)."""
+        if was_free is None:
+            left = [g for g in self.whole[gpu.node] if g.index != gpu.index]
+            if left:
+                self.whole[gpu.node] = left
+            else:
+                del self.whole[gpu.node]
+            free = gpu.memory_mib - mib
+        else:
+            del self.part[bisect.bisect_left(self.part, (was_free, gpu.node, gpu.index))]
+            free = was_free - mib
+        if free > 0:
+            bisect.insort(self.part, (free, gpu.node, gpu.index))
+
+    def most_free(self) -> tuple[int, str, int] | None:
+        """The partly booked GPU with the most free MiB, or None."""
+        return self.part[-1] if self.part else None
+
+
+Where = tuple[tuple[str, ...], tuple[m.GpuRef, ...], str]
+
+
+def place(state: FleetState, spec: m.ModelSpec, room: Room,
+          avoid: set[str] | frozenset[str] = frozenset()) -> Where | None:
+    """Nodes, GPUs (each with the MiB booked on it) and fabric for one replica of ``spec``, or None.
+
+    Best fit. A replica that shares goes to the partly booked GPU it leaves the least room on,
+    before an empty GPU, so whole cards stay free for models that need them; an empty one comes
+    from the node (or fabric) with the fewest free GPUs that still fits, so large holes stay open.
+    Nodes in ``avoid`` (already serving this model) come last, so one lost node does not take
+    every replica. The chosen GPUs are taken out of ``room``.
+    """
+    if not spec.exclusive and spec.tp == 1 and spec.pp == 1:
+        where = _place_small(state, spec, room, avoid)
+    else:
+        where = _place_split(state, spec, room, avoid)
+    return where
+
+
+def _gpu(state: FleetState, node: str, index: int) -> GpuView:
+    return state.nodes[node].gpus[index]
+
+
+def _place_small(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str]) -> Where | None:
+    need = booking_mib(spec, room.card_mib) if room.card_mib else 1
+    avoided: tuple[int, str, int] | None = None
+    for entry in room.part[bisect.bisect_left(room.part, (need, "", -1)):]:
+        free, node, index = entry
+        gpu = _gpu(state, node, index)
+        if booking_mib(spec, gpu.memory_mib) > free:
+            continue
+        if node not in avoid:
+            return _took(state, spec, room, [(gpu, free)])
+        avoided = avoided or entry
+    whole = [n for n in room.whole if n not in avoid] or ([] if avoided else list(room.whole))
+    if whole:
+        best = min(whole, key=lambda n: (len(room.whole[n]), n))
+        return _took(state, spec, room, [(room.whole[best][0], None)])
+    if avoided is not None:
+        return _took(state, spec, room, [(_gpu(state, avoided[1], avoided[2]), avoided[0])])
+    return None
+
+
+def _node_fits(state: FleetState, spec: m.ModelSpec, room: Room, node: str,
+               part_by_node: dict[str, list[tuple[int, int]]]) -> list[tuple[GpuView, int | None]] | None:
+    """``tp`` GPUs of ``node`` a replica's ranks fit on: partly booked ones with room first (the
+    tightest), then whole ones; None when fewer than ``tp`` fit. Exclusive: whole ones only."""
+    fits: list[tuple[GpuView, int | None]] = []
+    if not spec.exclusive:
+        for free, index in sorted(part_by_node.get(node, ())):
+            gpu = _gpu(state, node, index)
+            if booking_mib(spec, gpu.memory_mib) <= free:
+                fits.append((gpu, free))
+    fits += [(g, None) for g in room.whole.get(node, ())]
+    return fits[: spec.tp] if len(fits) >= spec.tp else None
+
+
+def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str]) -> Where | None:
+    part_by_node: dict[str, list[tuple[int, int]]] = {}
+    if not spec.exclusive:
+        for free, node, index in room.part:
+            part_by_node.setdefault(node, []).append((free, index))
+    options: dict[str, list[tuple[GpuView, int | None]]] = {}
+    for node in {*room.whole, *part_by_node}:
+        if (fits := _node_fits(state, spec, room, node, part_by_node)) is not None:
+            options[node] = fits
+
+    def key(n: str) -> tuple[bool, int, int, str]:
+        # Fewest whole GPUs broken into, then the node with the fewest free GPUs left (best fit).
+        return n in avoid, sum(1 for _, free in options[n] if free is None), len(room.whole.get(n, ())), n
+
     if spec.pp <= 1:
-        if not fits:
+        if not options:
             return None
-        best = min(fits, key=lambda n: (n in avoid, len(free[n]), n))
-        gpus = free[best][: spec.tp]
-        refs = tuple(m.GpuRef(node=best, index=g.index, uuid=g.uuid) for g in gpus)
-        return (best,), refs, state.nodes[best].fabric
-    options = []
-    for fabric, nodes in by_fabric(fits, lambda n: state.nodes[n].fabric).items():
+        return _took(state, spec, room, options[min(options, key=key)])
+    choices = []
+    for fabric, nodes in by_fabric(sorted(options), lambda n: state.nodes[n].fabric).items():
         if len(nodes) < spec.pp:
             continue
-        chosen = sorted(nodes, key=lambda n: (n in avoid, len(free[n]), n))[: spec.pp]
-        options.append((sum(len(free[n]) for n in chosen), fabric, chosen))
-    if not options:
+        chosen = sorted(nodes, key=key)[: spec.pp]
+        choices.append((sum(len(room.whole.get(n, ())) for n in chosen), fabric, chosen))
+    if not choices:
         return None
-    _, fabric, chosen = min(options)
-    refs = tuple(m.GpuRef(node=n, index=g.index, uuid=g.uuid) for n in chosen for g in free[n][: spec.tp])
-    return tuple(chosen), refs, fabric
+    _, fabric, chosen = min(choices)
+    return _took(state, spec, room, [g for n in chosen for g in options[n]], fabric)
+
+
+def _took(state: FleetState, spec: m.ModelSpec, room: Room, gpus: list[tuple[GpuView, int | None]],
+          fabric: str | None = None) -> Where:
+    refs = []
+    nodes: list[str] = []
+    for gpu, was_free in gpus:
+        mib = booking_mib(spec, gpu.memory_mib)
+        room.take(gpu, was_free, mib)
+        refs.append(m.GpuRef(node=gpu.node, index=gpu.index, uuid=gpu.uuid, mib=mib))
+        if gpu.node not in nodes:
+            nodes.append(gpu.node)
+    return tuple(nodes), tuple(refs), state.nodes[nodes[0]].fabric if fabric is None else fabric
 
 
 def class_fabrics(state: FleetState, cls: str) -> dict[str, list[NodeView]]:
@@ -114,25 +224,32 @@ def class_fabrics(state: FleetState, cls: str) -> dict[str, list[NodeView]]:
                      lambda n: n.fabric)
 
 
-def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str, int]],
-                       free: dict[str, list[GpuView]] | None = None,
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def unplaceable_reason(state: FleetState, spec: m.ModelSpec, room: Room,
                        fabrics: dict[str, list[NodeView]] | None = None) -> str:
     """Why a replica does not fit, with what each fabric has free, and what to do next.
 
-    ``free`` is the class's free GPUs by node when the caller keeps it current (``place``), and
-    ``fabrics`` its nodes by fabric (``class_fabrics``) when the caller has them.
+    ``room`` is the class's room as the pass keeps it, and ``fabrics`` its nodes by fabric
+    (``class_fabrics``) when the caller has them. A replica that shares a card is told the GiB
+    it needs and the most any one GPU has free.
     """
     cls = spec.gpu_class
+    need_mib = booking_mib(spec, room.card_mib) if room.card_mib else 0
+    shares = not spec.exclusive and room.card_mib and need_mib < room.card_mib
+    each = f" ({_gib(need_mib)} GiB on each GPU)" if shares else ""
     if spec.pp <= 1:
-        need = f"needs {spec.tp} × {cls} on one node"
+        need = f"needs {spec.tp} × {cls} on one node{each}"
     else:
-        need = f"needs {spec.pp} nodes with {spec.tp} × {cls} each, in one fabric"
+        need = f"needs {spec.pp} nodes with {spec.tp} × {cls} each, in one fabric{each}"
     fabrics = class_fabrics(state, cls) if fabrics is None else fabrics
     if not fabrics:
         classes = sorted({g.gpu_class for g in state.gpus()})
         have = ", ".join(classes) if classes else "none reported yet"
         return f"{need}; no node has {cls} GPUs (classes in the fleet: {have}); deploy with another --gpu-class"
-    free = _free_by_node(state, held, cls) if free is None else free
+    free = room.whole
     parts = []
     for fabric in sorted(fabrics):
         nodes = sorted(n.name for n in fabrics[fabric] if n.name in free)
@@ -144,6 +261,10 @@ def unplaceable_reason(state: FleetState, spec: m.ModelSpec, held: set[tuple[str
             first, *rest = nodes
             tail = "".join(f", {len(free[n])} on {n}" for n in rest)
             parts.append(f"fabric {fabric} has {len(free[first])} free on {first}{tail}")
+    if shares and spec.tp * spec.pp == 1 and (best := room.most_free()) is not None:
+        free_mib, node, index = best
+        parts.append(f"the most free on one GPU is {_gib(free_mib)} GiB (GPU {index} on {node}), "
+                     f"{_gib(need_mib - free_mib)} GiB short")
     return f"{need}; " + "; ".join(parts) + "; free cards with `llmgw ctl idle --stop` or choose a smaller plan candidate"
 
 
@@ -233,29 +354,34 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         if event_a.replicas > (before := state.models[event_a.name].replicas_wanted):
             why[event_a.name] = event_a.reason
             cause[event_a.name] = "wake" if before == 0 else "scale-up"
-    held = {(g.node, g.index) for r in state.replicas.values() for g in r.gpus}
+    booked = state.booked()
     live: dict[str, list[ReplicaView]] = defaultdict(list)
     # Stops decided in this pass count as if already folded: an idle stop parks
     # the replica and a failure starts the back-off now, not one pass later.
     parked_now: dict[str, int] = defaultdict(int)
     failed_now: set[str] = set()
 
-    # Free GPUs by class and node, computed once and kept current: recomputing
-    # them for every replica made a first pass over 4000 GPUs take seconds.
-    free_by_class: dict[str, dict[str, list[GpuView]]] = {}
+    # What each class has free, computed once and kept current: recomputing it for
+    # every replica made a first pass over 4000 GPUs take seconds.
+    room_by_class: dict[str, Room] = {}
     fabrics_by_class: dict[str, dict[str, list[NodeView]]] = {}  # for the reasons; GPUs held change nothing in it
     stopped_models: set[str] = set()
 
-    def free_for(cls: str) -> dict[str, list[GpuView]]:
-        if cls not in free_by_class:
-            free_by_class[cls] = _free_by_node(state, held, cls)
-        return free_by_class[cls]
+    def room_for(cls: str) -> Room:
+        if cls not in room_by_class:
+            room_by_class[cls] = Room(state, booked, cls)
+        return room_by_class[cls]
 
     def stop(replica: ReplicaView, code: str, reason: str) -> None:
         event = m.ReplicaStopped(at=now, replica_id=replica.replica_id, model=replica.model, reason=reason, code=code)
         out.append(Decision(event, f"ReplicaStopped:{replica.replica_id}"))
-        held.difference_update((g.node, g.index) for g in replica.gpus)
-        free_by_class.pop(replica.spec.gpu_class, None)
+        for g in replica.gpus:
+            key = (g.node, g.index)
+            if (left := booked.get(key, 0) - state.ref_mib(g)) > 0:
+                booked[key] = left
+            else:
+                booked.pop(key, None)
+        room_by_class.pop(replica.spec.gpu_class, None)
         stopped_models.add(replica.model)
 
     for replica in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
@@ -315,18 +441,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         avoid = {node for r in running for node in r.nodes}
         placed_now = 0
         for _ in range(missing):
-            free = free_for(spec.gpu_class)
-            where = place(state, spec, held, avoid, free)
+            where = place(state, spec, room_for(spec.gpu_class), avoid)
             if where is None:
                 break
             nodes, gpus, fabric = where
-            taken = {(g.node, g.index) for g in gpus}
-            for node in nodes:
-                left = [g for g in free[node] if (node, g.index) not in taken]
-                if left:
-                    free[node] = left
-                else:
-                    del free[node]
             n += 1
             rid = replica_id(name, n)
             woken = "" if name in why else _woken(memory, name, running)
@@ -336,7 +454,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
                 cause=cause.get(name, "wake" if woken else ""),
             )
             out.append(Decision(event, f"ReplicaPlaced:{rid}"))
-            held.update((g.node, g.index) for g in gpus)
+            for g in gpus:
+                booked[(g.node, g.index)] = booked.get((g.node, g.index), 0) + g.mib
             avoid.update(nodes)
             placed_now += 1
         if placed_now < missing and outdated and name not in stopped_models and spec.roll == "in-place":
@@ -351,7 +470,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             cls = spec.gpu_class
             if cls not in fabrics_by_class:
                 fabrics_by_class[cls] = class_fabrics(state, cls)
-            reason = unplaceable_reason(state, spec, held, free_for(cls), fabrics_by_class[cls])
+            reason = unplaceable_reason(state, spec, room_for(cls), fabrics_by_class[cls])
             if outdated:  # a roll waiting for room: the old spec serves meanwhile (roll "surge")
                 reason = (f"spec changed, and no room for a replica of the new spec beside the old: {reason}; "
                           f"{len(outdated)} replica{'s' if len(outdated) != 1 else ''} of the old spec keep serving "
