@@ -254,7 +254,20 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         model_detail=model_detail(state, now, model, history, cursor) if model else None,
         tenants=tenant_usage(state, now),
         near_limits=keys_near_limits(state, now),
+        gpu_bookings=gpu_bookings(state) if replicas else (),
     )
+
+
+def gpu_bookings(state: FleetState) -> tuple[m.GpuBooking, ...]:
+    """Every GPU some replica holds, and who booked how much of it, by node and index."""
+    out = []
+    for (name, index), holders in sorted(state.gpu_replicas().items()):
+        node = state.nodes.get(name)
+        gpu = node.gpus.get(index) if node is not None else None
+        out.append(m.GpuBooking(node=name, index=index, gpu_class=gpu.gpu_class if gpu else "",
+                                memory_mib=gpu.memory_mib if gpu else 0, booked_mib=sum(mib for _, mib in holders),
+                                replicas=tuple(holders)))
+    return tuple(out)
 
 
 NEAR_LIMIT = 0.8  # a key at 80 % of its tokens for the day is shown near its limit

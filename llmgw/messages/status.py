@@ -276,6 +276,8 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     # The API keys' use by tenant (ctl key), and the keys near their daily token limit.
     tenants: tuple[TenantUsage, ...] = ()
     near_limits: tuple[KeyNearLimit, ...] = ()
+    # Every GPU some replica holds, with who booked how much of it: only when asked, with ``replicas``.
+    gpu_bookings: tuple[GpuBooking, ...] = ()
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
