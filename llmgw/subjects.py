@@ -89,6 +89,11 @@ def usage_idle(router: str) -> str:
     return f"{PREFIX}.usage.{token(router)}.idle"
 
 
+def usage_adapter(router: str) -> str:
+    """``llmgw.usage.<router>.adapter``: adapters a router loaded into (or unloaded from) replicas."""
+    return f"{PREFIX}.usage.{token(router)}.adapter"
+
+
 def usage_wanted(router: str) -> str:
     """``llmgw.usage.<router>.wanted``: a router holds requests for a model with no healthy replica (and
     says when it sent them on: ``WakeAnswered``)."""
@@ -146,6 +151,11 @@ def model(name: str, kind: str) -> str:
     return f"{PREFIX}.control.model.{token(name)}.{kind}"
 
 
+def adapter(name: str, kind: str) -> str:
+    """``llmgw.control.adapter.<name>.<kind>``: declared, removed (``ctl adapter``)."""
+    return f"{PREFIX}.control.adapter.{token(name)}.{kind}"
+
+
 def key(name: str, kind: str) -> str:
     """``llmgw.control.key.<name>.<kind>``: declared, revoked (the admin role's only)."""
     return f"{PREFIX}.control.key.{token(name)}.{kind}"
@@ -176,6 +186,12 @@ def subject_for(event: m.Event) -> str:
             return usage_idle(router)
         case m.ModelWanted(router=router) | m.WakeAnswered(router=router):
             return usage_wanted(router)
+        case m.AdapterLoaded(router=router) | m.AdapterUnloaded(router=router):
+            return usage_adapter(router)
+        case m.AdapterDeclared(spec=spec):
+            return adapter(spec.name, "declared")
+        case m.AdapterRemoved(name=name):
+            return adapter(name, "removed")
         case m.KeyDeclared(name=name):
             return key(name, "declared")
         case m.KeyRevoked(name=name):

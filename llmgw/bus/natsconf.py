@@ -131,7 +131,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         tok = s.token(node) if node else "*"
         # Its own last idle map, read back at start so that idle time survives a restart.
         # The other routers' maps too: each key's quota counts what it asked through any router.
-        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", *_read(CONTROL, USAGE),
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", f"{P}.usage.{tok}.adapter", *_read(CONTROL, USAGE),
                 s.js_api("DIRECT.GET", USAGE, f"{P}.usage.{tok}.idle")]
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
@@ -165,6 +165,8 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             f"{P}.control.model.*.declared",
             f"{P}.control.model.*.scaled",
             f"{P}.control.model.*.removed",
+            f"{P}.control.adapter.*.declared",  # `ctl adapter add`
+            f"{P}.control.adapter.*.removed",
             f"{P}.control.replica.*.stopped",  # `ctl idle --stop`
             s.PLAN,
             s.STATUS,

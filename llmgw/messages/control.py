@@ -38,6 +38,17 @@ Roll = Literal["surge", "in-place"]
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
 
+AdapterFormat = Literal["peft", "gguf"]
+MAX_ADAPTERS = 1024  # declared per base, and attached to one llama.cpp replica at most
+
+
+class AdapterRef(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """An adapter a llama.cpp replica attaches at its start (``--lora``): its name and file."""
+
+    name: ModelName
+    path: Text
+
+
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything needed to run one replica of a declared model."""
 
@@ -85,6 +96,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True):
     # replica books on each GPU what its plan needs there (``llmgw.fleet.state.booking_mib``) and
     # shares the card with others whose bookings fit beside it.
     exclusive: bool = False
+    # LoRA adapters. vLLM: up to ``max_adapters`` loaded at once (--max-loras) of rank up to
+    # ``max_lora_rank``, loaded where they are asked for; llama.cpp: ``adapters`` attached at start
+    # (every adapter declared on this base: adding one re-declares the base, which rolls it).
+    max_adapters: Annotated[int, msgspec.Meta(ge=0, le=MAX_ADAPTERS)] = 0
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    adapters: Annotated[tuple[AdapterRef, ...], msgspec.Meta(max_length=MAX_ADAPTERS)] = ()
 
     @property
     def slots(self) -> int:
@@ -270,6 +287,33 @@ class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
     expires_at: Time | None = None
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter as its files state it (``llmgw.planner.adapters.read``), and the base it runs on."""
+
+    name: ModelName  # what a request's ``model`` names; never a model's name too
+    base: Ref  # the declared model it is trained for
+    source: Text  # as the operator gave it: a directory, a file, or a repo id
+    path: Text  # where an engine reads it from (the resolved directory or file)
+    format: AdapterFormat
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    alpha: Annotated[float, msgspec.Meta(gt=0, le=1 << 20)]
+    target_modules: Annotated[tuple[Label, ...], msgspec.Meta(max_length=64)] = ()
+    size_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 44)] = 0
+    scale: Annotated[float, msgspec.Meta(ge=0, le=100)] = 1.0  # llama.cpp's per-request scale
+
+
+class AdapterDeclared(Event, tag="AdapterDeclared", frozen=True, kw_only=True):
+    """An operator declared a LoRA adapter (``ctl adapter add``)."""
+
+    spec: AdapterSpec
+
+
+class AdapterRemoved(Event, tag="AdapterRemoved", frozen=True, kw_only=True):
+    """An operator removed an adapter; no router sends requests for it any more."""
+
+    name: Ref
+
+
 class KeyRevoked(Event, tag="KeyRevoked", frozen=True, kw_only=True):
     """An API key no router accepts any more (``ctl key revoke``); its usage stays in history."""
 
@@ -288,4 +332,6 @@ ControlEvent = (
     | ReplicaStateChanged
     | ReplicaStopped
     | ReplicaOverBooked
+    | AdapterDeclared
+    | AdapterRemoved
 )

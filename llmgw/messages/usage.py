@@ -1,4 +1,4 @@
-"""The usage stream (``llmgw.usage.<router>.*``): idle maps, wanted models, wake answers."""
+"""The usage stream (``llmgw.usage.<router>.*``): idle maps, wanted models, wake answers, adapters loaded."""
 
 from __future__ import annotations
 
@@ -111,4 +111,22 @@ class WakeAnswered(Event, tag="WakeAnswered", frozen=True, kw_only=True):
     waits_s: Annotated[tuple[Seconds, ...], msgspec.Meta(max_length=1024)] = ()
 
 
-UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered
+class AdapterLoaded(Event, tag="AdapterLoaded", frozen=True, kw_only=True):
+    """A router loaded an adapter into a replica's engine (vLLM's runtime load), or found it there."""
+
+    router: Name
+    replica_id: Ref
+    adapter: Ref
+    load_s: Annotated[float, msgspec.Meta(ge=0, le=86_400)] = 0.0  # how long the engine took (0: found loaded)
+
+
+class AdapterUnloaded(Event, tag="AdapterUnloaded", frozen=True, kw_only=True):
+    """A router unloaded an adapter from a replica: its least recently used, to make room for another."""
+
+    router: Name
+    replica_id: Ref
+    adapter: Ref
+    reason: Label = ""
+
+
+UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered | AdapterLoaded | AdapterUnloaded
