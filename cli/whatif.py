@@ -14,9 +14,12 @@ from llmgw.cli.progress import MAX_DURATION_S, human_duration, parse_duration, p
 from llmgw.config import Settings
 from llmgw.whatif import Policy
 
-FIGURES = (("gpu_hours", "GPU-hours held"), ("idle_gpu_hours", "GPU-hours idle"), ("cold_starts", "cold starts"),
+FIGURES = (("gpu_hours", "GPU-hours held"), ("booked_gib_hours", "GiB-hours booked"),
+           ("idle_gpu_hours", "GPU-hours idle"), ("cold_starts", "cold starts"),
            ("waited_requests", "requests that waited"), ("added_wait_s_p50", "added wait p50 (s)"),
-           ("added_wait_s_p95", "added wait p95 (s)"), ("unplaceable_minutes", "minutes unplaceable"))
+           ("added_wait_s_p95", "added wait p95 (s)"), ("unplaceable_minutes", "minutes unplaceable"),
+           ("replicas_placed", "replicas placed"))
+PACKING, WHOLE = "packing", "whole GPUs"
 
 
 def _ttl(text: str, flag: str) -> float | None:
@@ -29,6 +32,19 @@ def _ttl(text: str, flag: str) -> float | None:
     if seconds >= MAX_DURATION_S:
         raise click.BadParameter(f"{text!r}: ten years is no TTL; write `never`", param_hint=flag)
     return seconds
+
+
+def pack_policies(ttls: tuple[str, ...], min_replicas: int | None, max_replicas: int | None,
+                  target: float | None, models: tuple[str, ...]) -> list[Policy]:
+    """``--pack``: the scheduler's placement (replicas share cards by memory) beside whole GPUs alone."""
+    asked = [flag for flag, v in (("--idle-ttl", ttls), ("--min-replicas", min_replicas),
+                                  ("--max-replicas", max_replicas), ("--target-in-flight", target))
+             if v not in (None, ())]
+    if asked:
+        raise click.UsageError(f"--pack compares placement alone, under the recorded knobs; ask {', '.join(asked)} "
+                               "in another what-if")
+    chosen = frozenset(models)
+    return [Policy(label=PACKING, models=chosen), Policy(label=WHOLE, models=chosen, exclusive=True)]
 
 
 def policies_from(ttls: tuple[str, ...], min_replicas: int | None, max_replicas: int | None,
@@ -68,7 +84,8 @@ def policies_from(ttls: tuple[str, ...], min_replicas: int | None, max_replicas:
                   models=frozenset(models))
     if sweep is None:
         if not fixed and not any(knobs):
-            raise click.UsageError("ask something: --idle-ttl, --min-replicas, --max-replicas or --target-in-flight")
+            raise click.UsageError("ask something: --idle-ttl, --min-replicas, --max-replicas, --target-in-flight "
+                                   "or --pack")
         return [Policy(label=label(shown), idle_ttl=tuple(fixed), **common)]  # type: ignore[arg-type]
     swept, values = sweep
     return [Policy(label=label([*shown, (swept, v)]), idle_ttl=(*fixed, (swept, ttl)), **common)  # type: ignore[arg-type]
@@ -94,14 +111,16 @@ def _cell(value: float | int | None) -> str:
 @click.option("--max-replicas", type=click.IntRange(1, 10_000), default=None, help="Autoscale up to this many.")
 @click.option("--target-in-flight", type=click.FloatRange(0, 100_000, min_open=True), default=None,
               help="Requests in flight per replica the autoscaler aims at.")
+@click.option("--pack", is_flag=True,
+              help="Packing (replicas share cards by memory) beside whole GPUs alone (every model --exclusive).")
 @click.option("--fleet", "fleet_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A fleet file whose nodes the asked policy has besides the recorded fleet.")
 @click.option("--no-snapshot", is_flag=True, help="Fold from sequence 1 instead of the newest fold snapshot.")
 @json_option
 @nats_options
 def what_if(since: str, until: str | None, models: tuple[str, ...], ttls: tuple[str, ...], min_replicas: int | None,
-            max_replicas: int | None, target_in_flight: float | None, fleet_file: Path | None, no_snapshot: bool,
-            as_json: bool, settings: Settings) -> None:
+            max_replicas: int | None, target_in_flight: float | None, pack: bool, fleet_file: Path | None,
+            no_snapshot: bool, as_json: bool, settings: Settings) -> None:
     """What the recorded history would have cost under another policy, beside what it cost.
 
     Example:
@@ -109,6 +128,7 @@ def what_if(since: str, until: str | None, models: tuple[str, ...], ttls: tuple[
         llmgw ctl what-if --since 7d --idle-ttl 15m
         llmgw ctl what-if --since 7d --model coder --idle-ttl 5m,15m,1h,never
         llmgw ctl what-if --since 2026-03-02 --until 2026-03-09 --min-replicas 1 --max-replicas 4 --json
+        llmgw ctl what-if --since 7d --pack
     """
     from llmgw import ctl
     from llmgw.whatif import what_if as run_what_if
@@ -118,7 +138,7 @@ def what_if(since: str, until: str | None, models: tuple[str, ...], ttls: tuple[
     end = parse_time(until, "--until", now) if until else now
     if end > now:
         raise click.BadParameter(f"{until!r} is in the future; the history ends now", param_hint="--until")
-    policies = policies_from(ttls, min_replicas, max_replicas, target_in_flight, models)
+    policies = (pack_policies if pack else policies_from)(ttls, min_replicas, max_replicas, target_in_flight, models)
     extra: tuple = ()
     if fleet_file is not None:
         from llmgw import fleetfile
@@ -176,20 +196,27 @@ def render(report: object, console: object, chart: bool = False) -> None:
         table.add_row(name, _cell(getattr(report.recorded.total, key)),
                       *(_cell(getattr(a.total, key)) for a in report.asked))
     console.print(table)
-    if len(report.asked) > 1 and chart:
+    pack = [a.policy for a in report.asked] == [PACKING, WHOLE]
+    if len(report.asked) > 1 and chart and not pack:
         _chart(report, console)
     names = sorted(report.recorded.models)
     if len(names) > 1 or report.models:
-        per = Table(box=box.SIMPLE, title="Per model: GPU-hours held / cold starts / requests that waited")
+        what = "GPU-h held / GiB-h booked / min unplaceable" if pack else \
+            "GPU-hours held / cold starts / requests that waited"
+        per = Table(box=box.SIMPLE, title=f"Per model: {what}")
         per.add_column("model")
         per.add_column("recorded", justify="right")
         for a in report.asked:
             per.add_column(a.policy, justify="right")
         for name in names:
             cells = [report.recorded.models.get(name), *(a.models.get(name) for a in report.asked)]
-            per.add_row(name, *("-" if c is None else f"{c.gpu_hours:,.1f} / {c.cold_starts} / {c.waited_requests}"
-                                for c in cells))
+            per.add_row(name, *("-" if c is None else
+                                f"{c.gpu_hours:,.1f} / {c.booked_gib_hours:,.0f} / {c.unplaceable_minutes:,.0f}" if pack
+                                else f"{c.gpu_hours:,.1f} / {c.cold_starts} / {c.waited_requests}" for c in cells))
         console.print(per)
+    if pack:
+        console.print("GPU-hours count a card once while any replica books it; GiB-hours booked count what each "
+                      "replica booked on it (whole GPUs: the whole card)")
     by: dict[tuple[float, str], list[str]] = {}
     for k, v in sorted(report.engine_start.items()):
         by.setdefault((v.healthy_s, v.source), []).append(k)

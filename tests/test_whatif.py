@@ -139,6 +139,73 @@ def test_nodes_from_a_fleet_file_place_what_did_not_fit() -> None:
     assert got.reproduced == 1.0 and got.gpu_hours_diff == 0.0  # the recorded replay did not get the node
 
 
+# One node, two 80 GB cards; four small llama.cpp models (10 GiB each): a, b and c at T0, d declared at 30 min,
+# a removed at 40 min. Packed, all run on one card; whole GPUs serve two at a time.
+CARD_MIB = 81559
+SMALL_MIB = 10 * 1024
+PACK_LATER: list[tuple[float, m.ModelSpec | str]] = [(1800.0, spec("d", gib=10.0)), (2400.0, "a")]
+
+
+def _pack_world() -> list[tuple[str, m.Event]]:
+    return history([spec(x, gib=10.0) for x in "abc"], [], hours=1, later=PACK_LATER, nodes=1, gpus=2)
+
+
+def _pack(**kw: object) -> list[Policy]:
+    return [Policy(label="packing", **kw), Policy(label="whole GPUs", exclusive=True, **kw)]  # type: ignore[arg-type]
+
+
+def test_packing_holds_fewer_gpu_hours_and_leaves_nothing_unplaceable_where_whole_gpus_do() -> None:
+    events = _pack_world()
+    placed = [e for _, e in events if type(e) is m.ReplicaPlaced]
+    assert [e.model for e in placed] == ["a", "b", "c", "d"]
+    assert {(g.node, g.index, g.mib) for e in placed for g in e.gpus} == {("n0", 0, SMALL_MIB)}  # one card, shared
+    out = replayed(events, T0, T0 + timedelta(hours=1), _pack())
+    packing, whole = out.asked_total["packing"], out.asked_total["whole GPUs"]
+    # Each policy decides 50 ms after what it acts on: the first pass at T0 + 0.05 s, d's at 1800.05,
+    # a's removal at 2400.05 (a stops; whole GPUs place c on its card in the same pass).
+    first, a_end, d_at, end = 0.05, 2400.05, 1800.05, 3600.0
+    # Packing: card 0 from the first pass to the end; 10 GiB for each replica while it runs.
+    assert packing.gpu_hours == round((end - first) / 3600, 3)
+    assert packing.booked_gib_hours == round(10 * ((a_end - first) + 2 * (end - first) + (end - d_at)) / 3600, 3)
+    assert (packing.unplaceable_minutes, packing.replicas_placed) == (0.0, 4)
+    # Whole GPUs: a and b take a card each, c waits for a's card (until a is removed), d waits to the end.
+    assert whole.gpu_hours == round(2 * (end - first) / 3600, 3)
+    assert whole.booked_gib_hours == round(CARD_MIB / 1024 * ((a_end - first) + (end - first) + (end - a_end))
+                                           / 3600, 3)
+    assert whole.unplaceable_minutes == round(((a_end - first) + (end - d_at)) / 60, 2)
+    assert whole.replicas_placed == 3
+    assert packing.gpu_hours < whole.gpu_hours and packing.unplaceable_minutes < whole.unplaceable_minutes
+    # Per model: c waited 40 minutes for a card under whole GPUs, none packed.
+    assert out.asked["whole GPUs"]["c"].unplaceable_minutes == 40.0 and out.asked["packing"]["c"].unplaceable_minutes == 0
+    # The recorded history was made by the packing scheduler: the re-decided one reproduces it.
+    assert out.reproduced == 1.0 and out.recorded_total.gpu_hours == packing.gpu_hours
+    assert out.whole_start == {"whole GPUs": (0, 0)}
+
+
+def test_whole_gpus_from_the_middle_place_the_running_replicas_again_and_stop_those_without_a_card() -> None:
+    since, end = 600.0, 3600.0
+    out = replayed(_pack_world(), T0 + timedelta(seconds=since), T0 + timedelta(hours=1), _pack())
+    packing, whole = out.asked_total["packing"], out.asked_total["whole GPUs"]
+    # a, b, c ran packed on card 0 at 10 min: whole GPUs put a and b on a card each there, and c nowhere.
+    assert out.whole_start == {"whole GPUs": (2, 1)}
+    assert packing.gpu_hours == round((end - since) / 3600, 3)
+    assert whole.gpu_hours == round(2 * (end - since) / 3600, 3)
+    # c from the first pass after 10 min until a's card is free at 40 min; d from 30 min to the end.
+    assert whole.unplaceable_minutes == round(((2400.05 - 600.05) + (end - 1800.05)) / 60, 2)
+    assert (packing.replicas_placed, whole.replicas_placed) == (1, 1)  # packed d; whole GPUs c, on a's card
+    assert out.reproduced == 1.0
+
+
+def test_a_card_two_replicas_share_counts_once_and_stays_held_until_the_last_leaves() -> None:
+    """The meter's GPU-hours are the union over the replicas on a card, not their sum."""
+    events = history([spec("a", gib=10.0), spec("b", gib=10.0)], [], hours=1, later=[(1200.0, "a")], nodes=1, gpus=2)
+    out = replayed(events, T0, T0 + timedelta(hours=1), _pack())
+    packing = out.asked_total["packing"]
+    assert packing.gpu_hours == round((3600 - 0.05) / 3600, 3)  # b holds the card on after a leaves
+    assert out.asked["packing"]["a"].gpu_hours == round((1200.05 - 0.05) / 3600, 3)
+    assert packing.booked_gib_hours == round(10 * ((1200.05 - 0.05) + (3600 - 0.05)) / 3600, 3)
+
+
 # --- the CLI, against the streams ------------------------------------------------------------------------------
 
 
@@ -166,8 +233,9 @@ async def test_a_sweep_from_the_streams_answers_side_by_side(bus: Bus, settings:
     assert hours == sorted(hours) and hours[0] < hours[-1]
     assert [a["total"]["cold_starts"] for a in report["asked"]] == [2, 1, 0]
     assert report["fidelity"]["reproduced"] >= 0.99 and report["fidelity"]["trusted"]
-    assert set(report["recorded"]["total"]) == {"gpu_hours", "idle_gpu_hours", "cold_starts", "waited_requests",
-                                                "added_wait_s_p50", "added_wait_s_p95", "unplaceable_minutes"}
+    assert set(report["recorded"]["total"]) == {"gpu_hours", "booked_gib_hours", "idle_gpu_hours", "cold_starts",
+                                                "waited_requests", "added_wait_s_p50", "added_wait_s_p95",
+                                                "unplaceable_minutes", "replicas_placed"}
     code, table = await asyncio.to_thread(_cli, settings, "--since", since, "--idle-ttl", "15m", "--model", "lone")
     assert code == 0, table
     assert "fidelity: 100.0% of" in table and "idle-ttl 15m" in table and "cold starts" in table
@@ -185,6 +253,7 @@ async def test_bad_windows_and_knobs_are_refused_with_the_reason(bus: Bus, setti
         (("--since", since, "--idle-ttl", "3650d"), "ten years is no TTL"),
         (("--since", since, "--idle-ttl", "5m,1h", "--idle-ttl", "lone=1m,2m"), "only one --idle-ttl may list"),
         (("--since", since), "ask something"),
+        (("--since", since, "--pack", "--idle-ttl", "15m"), "--pack compares placement alone"),
         (("--since", since, "--until", "2h", "--idle-ttl", "15m"), "the window is empty"),
         (("--since", since, "--until", "2099-01-01", "--idle-ttl", "15m"), "is in the future"),
     ]
@@ -192,6 +261,24 @@ async def test_bad_windows_and_knobs_are_refused_with_the_reason(bus: Bus, setti
         code, out = await asyncio.to_thread(_cli, settings, *args)
         assert code != 0 and said in out, (args, out)
         assert "Traceback" not in out
+
+
+async def test_pack_from_the_streams_puts_packing_beside_whole_gpus(bus: Bus, settings: Settings) -> None:
+    first = await _publish(bus, _pack_world())
+    since = first.isoformat()
+    code, out = await asyncio.to_thread(_cli, settings, "--since", since, "--pack", "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    packing, whole = (a["total"] for a in report["asked"])
+    assert [a["policy"] for a in report["asked"]] == ["packing", "whole GPUs"]
+    assert packing["gpu_hours"] < whole["gpu_hours"] and packing["unplaceable_minutes"] < whole["unplaceable_minutes"]
+    assert (packing["replicas_placed"], whole["replicas_placed"]) == (4, 3)
+    code, table = await asyncio.to_thread(_cli, settings, "--since", since, "--pack")
+    assert code == 0, table
+    rows = {line.split("  ")[1].strip(): line.split() for line in table.splitlines() if line.startswith("  ")}
+    assert rows["replicas placed"][-3:] == ["4", "4", "3"]  # recorded, packing, whole GPUs
+    assert rows["GiB-hours booked"][-2:] == [f"{packing['booked_gib_hours']:.2f}", f"{whole['booked_gib_hours']:.2f}"]
+    assert "Per model: GPU-h held / GiB-h booked / min unplaceable" in table
 
 
 async def test_a_window_whose_usage_aged_out_starts_where_the_usage_does_and_says_so(bus: Bus,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -24,7 +24,13 @@ KEEP = Memories(history=False, demand=True, observed=False, pool=False, lost=Fal
 
 
 def spec(name: str, *, ttl: float | None = None, tp: int = 1, lo: int | None = None, hi: int | None = None,
-         target: float = 4.0) -> m.ModelSpec:
+         target: float = 4.0, gib: float = 0.0) -> m.ModelSpec:
+    """A vLLM model (it books what vLLM takes: most of a card), or with ``gib`` a llama.cpp one whose plan
+    charges that much per GPU: one that shares a card."""
+    if gib:
+        return m.ModelSpec(name=name, source=f"./models/{name}.gguf", precision="q4_K_M", engine="llama.cpp",
+                           gpu_class="H100-80GB", context=8192, tp=tp, idle_ttl_s=ttl, min_replicas=lo,
+                           max_replicas=hi, target_in_flight=target, gib_per_gpu=gib)
     return m.ModelSpec(name=name, source=f"org/{name}", precision="bf16", engine="vllm", gpu_class="H100-80GB",
                        context=8192, tp=tp, idle_ttl_s=ttl, min_replicas=lo, max_replicas=hi, target_in_flight=target)
 
@@ -80,13 +86,23 @@ class World:
     def at(self, t: datetime, kind: str, what: object = None) -> None:
         heapq.heappush(self.timers, (t, next(self.order), kind, what))
 
-    def start(self, specs: list[m.ModelSpec], requests: list[tuple[float, str]]) -> None:
+    def start(self, specs: list[m.ModelSpec], requests: list[tuple[float, str]],
+              later: Sequence[tuple[float, m.ModelSpec | str]] = ()) -> None:
+        """``later``: (seconds from T0, a spec declared then, or the name of a model removed then)."""
         for i in range(self.nodes):
             self.publish(subjects.STREAM_FLEET, inventory(f"n{i}", self.gpus, T0))
         for s in specs:
             self.publish(subjects.STREAM_CONTROL, m.ModelDeclared(at=T0, spec=s))
         for offset, model in requests:
             self.at(T0 + timedelta(seconds=offset), "request", model)
+        for offset, act in later:
+            self.at(T0 + timedelta(seconds=offset), "operator", act)
+
+    def _operator(self, t: datetime, act: object) -> None:
+        if isinstance(act, m.ModelSpec):
+            self.publish(subjects.STREAM_CONTROL, m.ModelDeclared(at=t, spec=act))
+        else:
+            self.publish(subjects.STREAM_CONTROL, m.ModelRemoved(at=t, name=str(act)))
 
     def run(self, hours: float) -> list[tuple[str, m.Event]]:
         end = T0 + timedelta(hours=hours)
@@ -193,10 +209,10 @@ class World:
         self.at(t + timedelta(seconds=self.tick_s), "tick")
 
 
-def history(specs: list[m.ModelSpec], requests: list[tuple[float, str]], hours: float, **kw: float) -> list[
-        tuple[str, m.Event]]:
+def history(specs: list[m.ModelSpec], requests: list[tuple[float, str]], hours: float,
+            later: Sequence[tuple[float, m.ModelSpec | str]] = (), **kw: float) -> list[tuple[str, m.Event]]:
     w = World(**kw)  # type: ignore[arg-type]
-    w.start(specs, requests)
+    w.start(specs, requests, later)
     return w.run(hours)
 
 

@@ -1,5 +1,10 @@
 """What a policy cost, measured alike for the recorded history and each policy (``llmgw.whatif.policies``), and the
-engines' start-up times the policies' own engines take, from the cold-start ledger."""
+engines' start-up times the policies' own engines take, from the cold-start ledger.
+
+GPUs are shared by memory: a card counts as held while any replica books it, once however many do
+(``gpu_hours``); what the replicas booked on it counts too (``booked_gib_hours``), which is the fairer
+figure for packing. An idle replica idles its share of each card (what it booked ÷ the card).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.fleet.history import cause_of, percentile
+from llmgw.fleet.state import FleetState
 
 IDLE_STRETCH_S = 60.0  # shorter gaps between requests are traffic, not idleness (a router tick is 10 s)
 DEFAULT_START_S = 30.0  # an engine's start-up when the ledger knows none in the whole fleet
@@ -22,28 +28,53 @@ DEFAULT_START_S = 30.0  # an engine's start-up when the ledger knows none in the
 class Figures(msgspec.Struct, frozen=True, kw_only=True):
     """One policy's cost over the window (one model's, or all)."""
 
-    gpu_hours: float
+    gpu_hours: float  # cards held, each once while any replica books it
+    booked_gib_hours: float  # GiB the replicas booked on them, × hours
     idle_gpu_hours: float
     cold_starts: int
     waited_requests: int
     added_wait_s_p50: float | None
     added_wait_s_p95: float | None
     unplaceable_minutes: float
+    replicas_placed: int  # placements in the window (those running at its start not counted)
+
+
+# One GPU a replica books: (node, index, MiB booked there, the card's MiB).
+Hold = tuple[str, int, int, int]
+
+
+def holds(state: FleetState | None, refs: Iterable[m.GpuRef]) -> tuple[Hold, ...]:
+    """What a replica books on each of its GPUs: as placed, or (``mib`` 0, from before GPUs were
+    shared) the whole card as the fold knows it; a card no inventory names counts what was booked."""
+    out = []
+    for g in refs:
+        node = state.nodes.get(g.node) if state is not None else None
+        gpu = node.gpus.get(g.index) if node is not None else None
+        card = gpu.memory_mib if gpu is not None else g.mib
+        out.append((g.node, g.index, g.mib or card, card))
+    return tuple(out)
 
 
 @dataclass
 class _Open:
     model: str
-    gpus: int
+    gpus: tuple[Hold, ...]
     since: datetime
     active: datetime | None = None  # healthy, then each request: where an idle stretch starts
+
+    @property
+    def share(self) -> float:
+        """The cards' worth it books: 1 per whole card, less for a share of one."""
+        return sum(min(mib / card, 1.0) if card > 0 else 1.0 for _, _, mib, card in self.gpus)
 
 
 @dataclass
 class _Acc:
-    gpu_s: float = 0.0
+    held: list[tuple[tuple[str, int], float, float]] = field(default_factory=list)  # (GPU, from, to): s from since
+    mib_s: float = 0.0
     idle_s: float = 0.0
     cold: int = 0
+    placed: int = 0
     waited: int = 0
     waits: list[float] = field(default_factory=list)
     unplaceable_s: float = 0.0
@@ -69,12 +100,14 @@ class Meter:
             a = self.acc[model] = _Acc()
         return a
 
-    def placed(self, rid: str, model: str, gpus: int, at: datetime, cause: str) -> None:
+    def placed(self, rid: str, model: str, gpus: tuple[Hold, ...], at: datetime, cause: str) -> None:
         self._stop(rid, at)
         self.open[rid] = _Open(model, gpus, max(at, self.since))
-        self._a(model)
-        if cause and at >= self.since:
-            self.acc[model].cold += 1
+        a = self._a(model)
+        if at >= self.since:
+            a.placed += 1
+            if cause:
+                a.cold += 1
         self.placeable(model, at)
 
     def healthy(self, rid: str, at: datetime) -> None:
@@ -90,7 +123,7 @@ class Meter:
             return
         gap = (t - o.active).total_seconds()
         if gap >= IDLE_STRETCH_S:
-            self.acc[o.model].idle_s += gap * o.gpus
+            self.acc[o.model].idle_s += gap * o.share
         o.active = t
 
     def _stop(self, rid: str, at: datetime) -> None:
@@ -99,9 +132,12 @@ class Meter:
             return
         a = self.acc[o.model]
         end = max(at, o.since)
-        a.gpu_s += (end - o.since).total_seconds() * o.gpus
+        start_s, end_s = (o.since - self.since).total_seconds(), (end - self.since).total_seconds()
+        if end_s > start_s:
+            a.held.extend(((node, index), start_s, end_s) for node, index, _, _ in o.gpus)
+            a.mib_s += (end - o.since).total_seconds() * sum(mib for _, _, mib, _ in o.gpus)
         if o.active is not None and (gap := (end - o.active).total_seconds()) >= IDLE_STRETCH_S:
-            a.idle_s += gap * o.gpus
+            a.idle_s += gap * o.share
 
     def stopped(self, rid: str, at: datetime) -> None:
         self._stop(rid, at)
@@ -172,22 +208,43 @@ class Meter:
         return _figures([a for k, a in self.acc.items() if not models or k in models])
 
 
+def held_s(held: Iterable[tuple[tuple[str, int], float, float]]) -> float:
+    """Seconds of GPU held: per GPU, the union of the stretches any replica booked it."""
+    by: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for gpu, start, end in held:
+        by.setdefault(gpu, []).append((start, end))
+    total = 0.0
+    for spans in by.values():
+        spans.sort()
+        start, end = spans[0]
+        for s, e in spans[1:]:
+            if s > end:
+                total += end - start
+                start, end = s, e
+            elif e > end:
+                end = e
+        total += end - start
+    return total
+
+
 def _figures(accs: list[_Acc]) -> Figures:
     waits = [w for a in accs for w in a.waits]
     p50, p95 = percentile(waits, 50), percentile(waits, 95)
-    return Figures(gpu_hours=round(sum(a.gpu_s for a in accs) / 3600, 3),
+    return Figures(gpu_hours=round(held_s(x for a in accs for x in a.held) / 3600, 3),
+                   booked_gib_hours=round(sum(a.mib_s for a in accs) / 1024 / 3600, 3),
                    idle_gpu_hours=round(sum(a.idle_s for a in accs) / 3600, 3),
                    cold_starts=sum(a.cold for a in accs), waited_requests=sum(a.waited for a in accs),
                    added_wait_s_p50=None if p50 is None else round(p50, 3),
                    added_wait_s_p95=None if p95 is None else round(p95, 3),
-                   unplaceable_minutes=round(sum(a.unplaceable_s for a in accs) / 60, 2))
+                   unplaceable_minutes=round(sum(a.unplaceable_s for a in accs) / 60, 2),
+                   replicas_placed=sum(a.placed for a in accs))
 
 
-def meter_event(meter: Meter, event: m.Event) -> None:
-    """The meter's part of a control event, recorded or decided."""
+def meter_event(meter: Meter, event: m.Event, state: FleetState | None = None) -> None:
+    """The meter's part of a control event, recorded or decided; ``state``: the fold that knows the cards."""
     kind = type(event)
     if isinstance(event, m.ReplicaPlaced):
-        meter.placed(event.replica_id, event.model, len(event.gpus), event.at, cause_of(event))
+        meter.placed(event.replica_id, event.model, holds(state, event.gpus), event.at, cause_of(event))
     elif kind is m.ReplicaStopped:
         meter.stopped(event.replica_id, event.at)  # type: ignore[attr-defined]
     elif kind is m.ReplicaStateChanged and event.state == "healthy":  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ from llmgw import subjects
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.fleet.state import FleetState, ReplicaView, apply
 from llmgw.scheduler import placement as scheduler
-from llmgw.whatif.meter import Figures, Meter, StartTimes, meter_event
+from llmgw.whatif.meter import Figures, Meter, StartTimes, holds, meter_event
 
 LINK_S = 60.0  # a policy's replica follows a recorded one under its id placed within this long of it
 DEBOUNCE_S = 0.05  # the live scheduler lets a burst land before it decides
@@ -58,7 +58,8 @@ SIM_KEEPS = Memories(history=False, demand=True, observed=False, pool=False, los
 
 @dataclass(frozen=True)
 class Policy:
-    """What to change in declared specs. ``idle_ttl``: model → seconds (None: never), "" for every model."""
+    """What to change in declared specs. ``idle_ttl``: model → seconds (None: never), "" for every model;
+    ``exclusive``: every replica on whole GPUs alone, as if declared ``--exclusive`` (``ctl what-if --pack``)."""
 
     label: str
     idle_ttl: tuple[tuple[str, float | None], ...] = ()
@@ -66,6 +67,7 @@ class Policy:
     max_replicas: int | None = None
     target_in_flight: float | None = None
     models: frozenset[str] = frozenset()  # empty: every model
+    exclusive: bool = False
 
     def spec(self, spec: m.ModelSpec) -> m.ModelSpec:
         if self.models and spec.name not in self.models:
@@ -80,6 +82,8 @@ class Policy:
             changes.update(min_replicas=lo, max_replicas=max(hi, lo, 1))
         if self.target_in_flight is not None:
             changes["target_in_flight"] = self.target_in_flight
+        if self.exclusive and not spec.exclusive:
+            changes["exclusive"] = True
         return msgspec.structs.replace(spec, **changes) if changes else spec
 
 
@@ -142,14 +146,18 @@ class Sim:
         self.recent = recent  # the recorded placements of the last minute, and their reports, by id
         self.recorded_nodes: dict[str, tuple[str, ...]] = {}
         self.held: dict[str, int] = {}  # nodes the policy's replicas are on (a node's fault matters)
-        self.held_gpus: set[tuple[str, int]] = set()  # and their GPUs (a GPU's fault matters)
+        # And their GPUs, with how many of its replicas book each (a GPU's fault matters while one does).
+        self.held_gpus: dict[tuple[str, int], int] = {}
         # Per model, how many replicas are healthy, and the stretches when one was (the latest, for waits).
         self.healthy_n: dict[str, int] = {}
         self.served: dict[str, list[tuple[datetime, datetime | None]]] = {}
+        self.moved: list[str] = []  # replicas running at the start placed again on whole GPUs (exclusive)
+        self.unmoved: list[str] = []  # and those that found none there
+        recorded = self._whole_from_start(since) if policy.exclusive else {}
         for rid, r in self.state.replicas.items():
-            self.recorded_nodes[rid] = r.nodes
+            self.recorded_nodes[rid] = recorded.get(rid, r.nodes)
             self._hold(r, 1)
-            self.meter.placed(rid, r.model, len(r.gpus), r.placed_at, "")
+            self.meter.placed(rid, r.model, holds(self.state, r.gpus), r.placed_at, "")
             if r.state == "healthy":
                 self.meter.healthy(rid, r.state_at or r.placed_at)
                 self.healthy_at[rid] = r.state_at or r.placed_at
@@ -170,12 +178,48 @@ class Sim:
             subjects.subject_for(event)
         fold_batch(self.c, stream, [_Stored(self.seq[stream], subject, event.at)], [event], keep=SIM_KEEPS)
 
+    def _whole_from_start(self, since: datetime) -> dict[str, tuple[str, ...]]:
+        """Whole GPUs from the window's start, as if the policy had always held: the replicas running then
+        that shared cards are placed again on whole GPUs (oldest first, by the scheduler's ``place``), and
+        those that find none stop there. Returns the moved replicas' recorded nodes, by id."""
+        state = self.state
+        keep: dict[tuple[str, int], int] = {}
+        moving: list[ReplicaView] = []
+        for r in sorted(state.replicas.values(), key=lambda r: (r.placed_at, r.replica_id)):
+            if r.spec.exclusive or self.policy.models and r.model not in self.policy.models:  # keeps its GPUs
+                for g in r.gpus:
+                    keep[(g.node, g.index)] = keep.get((g.node, g.index), 0) + state.ref_mib(g)
+            else:
+                moving.append(r)
+        rooms: dict[str, scheduler.Room] = {}
+        serving: dict[str, set[str]] = {}
+        recorded: dict[str, tuple[str, ...]] = {}
+        for r in moving:
+            spec = self.policy.spec(r.spec)
+            if spec.gpu_class not in rooms:
+                rooms[spec.gpu_class] = scheduler.Room(state, keep, spec.gpu_class)
+            avoid = serving.setdefault(r.model, set())
+            where = scheduler.place(state, spec, rooms[spec.gpu_class], avoid)
+            if where is None:
+                self.unmoved.append(r.replica_id)
+                self._fold(subjects.STREAM_CONTROL, m.ReplicaStopped(
+                    at=since, replica_id=r.replica_id, model=r.model, code="spec_changed",
+                    reason="what-if: no whole GPU for it at the window's start"))
+                continue
+            recorded[r.replica_id] = r.nodes
+            r.nodes, r.gpus, r.fabric = where
+            r.spec = spec
+            avoid.update(r.nodes)
+            self.moved.append(r.replica_id)
+        return recorded
+
     def _hold(self, r: m.ReplicaPlaced | ReplicaView, n: int) -> None:
-        gpus = {(g.node, g.index) for g in r.gpus}
-        if n > 0:
-            self.held_gpus |= gpus
-        else:
-            self.held_gpus -= gpus
+        for g in r.gpus:
+            key = (g.node, g.index)
+            if (left := self.held_gpus.get(key, 0) + n) > 0:
+                self.held_gpus[key] = left
+            else:
+                self.held_gpus.pop(key, None)
         for node in r.nodes:
             left = self.held.get(node, 0) + n
             if left > 0:
@@ -218,7 +262,7 @@ class Sim:
             self._hold(event, 1)  # type: ignore[arg-type]
         if kind is m.ReplicaStateChanged or kind is m.ReplicaStopped:
             self._serving(event.model, event.at)  # type: ignore[attr-defined]
-        meter_event(self.meter, event)
+        meter_event(self.meter, event, self.state)
         if type(event) is m.ReplicaStateChanged and event.state == "healthy":
             self.healthy_at.setdefault(event.replica_id, event.at)
         self._dirty(event.at)
@@ -466,6 +510,8 @@ class Outcome:
     matched: int
     gpu_hours_diff: float | None
     starts: dict[str, tuple[float, float, str]]
+    # Per exclusive policy: replicas running at the start placed again on whole GPUs, and those that found none.
+    whole_start: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Replay:
@@ -481,7 +527,7 @@ class Replay:
         self.recorded_decisions: list[tuple[str, str, datetime]] = []
         self.rid_model: dict[str, str] = {r: v.model for r, v in start.state.replicas.items()}
         for rid, r in start.state.replicas.items():
-            self.recorded.placed(rid, r.model, len(r.gpus), r.placed_at, "")
+            self.recorded.placed(rid, r.model, holds(start.state, r.gpus), r.placed_at, "")
             if r.state == "healthy":
                 self.recorded.healthy(rid, r.state_at or r.placed_at)
         for name, view in start.state.models.items():
@@ -527,7 +573,7 @@ class Replay:
 
     def _control(self, event: m.Event) -> None:
         kind = type(event)
-        meter_event(self.recorded, event)
+        meter_event(self.recorded, event, self.state)
         self.starts.note(event)
         if kind is m.ReplicaPlaced:
             self.rid_model[event.replica_id] = event.model  # type: ignore[attr-defined]
@@ -615,7 +661,9 @@ class Replay:
         return Outcome(recorded=recorded, recorded_total=picked, asked=asked, asked_total=totals,
                        replayed_total=rep_total, recorded_all=rec_total, reproduced=matched / n if n else 1.0,
                        recorded_decisions=n, matched=matched, gpu_hours_diff=diff,
-                       starts={x: self.starts.of(x) for x in names})
+                       starts={x: self.starts.of(x) for x in names},
+                       whole_start={sim.policy.label: (len(sim.moved), len(sim.unmoved))
+                                    for sim in self.sims[1:] if sim.policy.exclusive})
 
 
 def _matched(recorded: list[tuple[str, str, datetime]], replayed: list[tuple[str, str, datetime]]) -> int:

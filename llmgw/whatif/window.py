@@ -253,6 +253,12 @@ def _report(out: Outcome, policies: list[Policy], since: datetime, until: dateti
     if out.gpu_hours_diff is not None and abs(out.gpu_hours_diff) > GPU_HOURS_GOAL:
         notes.append(f"the recorded policy re-decided holds {out.gpu_hours_diff:+.1%} of the recorded GPU-hours "
                      f"(goal ±{GPU_HOURS_GOAL:.0%})")
+    for label, (moved, unmoved) in out.whole_start.items():
+        if moved or unmoved:
+            n = moved + unmoved
+            notes.append(f"{label}: {n} replica{'s' if n != 1 else ''} not exclusive ran at the window's start: "
+                         f"{moved} placed again there on whole GPUs, {unmoved} found none (stopped there; their "
+                         "models wait for room)")
     starts = {k: EngineStart(started_s=round(s, 2), healthy_s=round(h, 2), source=src)
               for k, (s, h, src) in out.starts.items() if not models or k in models}
     return WhatIfReport(since=since, until=until, models=models, recorded=recorded, asked=asked, fidelity=fid,
