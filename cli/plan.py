@@ -30,6 +30,31 @@ def _fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
+def shares(c: m.Candidate) -> bool:
+    """Whether one replica of the candidate leaves room on its cards for others."""
+    return 0 < c.booked_gib_per_gpu < c.gpu_memory_gib
+
+
+def books_cell(c: m.Candidate) -> str:
+    """``1.30 of 14.40``: what one replica books on each GPU, of the card; ``whole card`` when that is all of it."""
+    if not c.booked_gib_per_gpu:
+        return "-"  # a reply from a planner that predates bookings
+    return f"{c.booked_gib_per_gpu:.2f} of {c.gpu_memory_gib:.2f}" if shares(c) else "whole card"
+
+
+def sharing_text(c: m.Candidate) -> str:
+    """What the candidate books and whether it shares: ``needs 1.30 of 14.40 GiB on each GPU (…): shares a card``."""
+    if not c.booked_gib_per_gpu:
+        return "books what the planner that answered does not say (an older planner)"
+    what = (f"gpu_memory_utilization {c.gpu_memory_utilization:g} x the card" if c.engine == "vllm" else
+            "weights + KV at its context and slots + buffers")
+    if shares(c):
+        return (f"needs {c.booked_gib_per_gpu:.2f} of {c.gpu_memory_gib:.2f} GiB on each GPU ({what}): shares a card, "
+                f"{c.gpu_memory_gib - c.booked_gib_per_gpu:.2f} GiB left beside it; deploy --exclusive takes whole "
+                "GPUs, alone")
+    return f"needs {c.gpu_memory_gib:.2f} GiB on each GPU ({what}): the whole card"
+
+
 def render(reply: m.PlanReply, model: str) -> None:
     """The plan as tables for people."""
     from rich.console import Console
@@ -53,13 +78,14 @@ def render(reply: m.PlanReply, model: str) -> None:
     for col, just in (("#", "right"), ("fits", "left"), ("class", "left"), ("fabric", "left"), ("nodes", "right"),
                       ("tp", "right"), ("pp", "right"), ("precision", "left"), ("engine", "left"),
                       ("weights GiB/GPU", "right"), ("KV GiB/GPU", "right"), ("KV tokens", "right"),
-                      ("max ctx", "right"), ("context", "right"), ("replicas now", "right")):
+                      ("max ctx", "right"), ("context", "right"), ("replicas now", "right"),
+                      ("books GiB/GPU", "right")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for i, c in enumerate(reply.candidates, 1):
         table.add_row(str(i), "yes" if c.fits else "no", c.gpu_class, c.fabric or "-", str(c.nodes), str(c.tp),
                       str(c.pp), c.precision, c.engine, f"{c.weights_gib_per_gpu:.2f}", f"{c.kv_gib_per_gpu:.2f}",
                       f"{c.kv_tokens:,}" + (" obs" if c.observed_kv_tokens is not None else ""),
-                      f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now))
+                      f"{c.max_context:,}", f"{c.context:,}", str(c.replicas_now), books_cell(c))
     console.print(table)
     for i, c in enumerate(reply.candidates, 1):
         if c.graph_note:
@@ -84,7 +110,8 @@ def render(reply: m.PlanReply, model: str) -> None:
 
         name = plan_name(reply.model)  # the name its command serves it under
         spec = reply.candidates[first - 1].spec(name)
-        console.print(f"\ndeclaration for candidate {first} "
+        console.print(f"\ncandidate {first} {sharing_text(reply.candidates[first - 1])}", soft_wrap=True)
+        console.print(f"declaration for candidate {first} "
                       f"(`llmgw ctl model deploy {name} {model} --from-plan --candidate {first}` with the same flags):")
         console.print(m.encode(spec).decode(), soft_wrap=True)
 

@@ -148,6 +148,9 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     graph_note: str | None = None  # why charged or eager, and what the other choice costs
     enforce_eager: bool = False
     dtype: Dtype = "auto"  # vLLM's --dtype: "auto" runs the checkpoint's own 16-bit type
+    # GiB one replica books on each GPU it uses (``llmgw.fleet.state.booking_mib`` of its spec): below
+    # ``gpu_memory_gib``, it shares a card with replicas whose bookings fit beside it.
+    booked_gib_per_gpu: float = 0.0
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""

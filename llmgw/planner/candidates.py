@@ -28,7 +28,7 @@ from llmgw.engine.profiles import (
 )
 from llmgw.errors import PlanError
 from llmgw.fleet.observed import observation_key
-from llmgw.fleet.state import FleetState, by_fabric
+from llmgw.fleet.state import FleetState, booking_mib, by_fabric
 from llmgw.messages.control import Dtype
 from llmgw.planner.memory import (
     BY_NAME,
@@ -256,7 +256,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     )
     # What it prints is what an agent runs for its declaration: one builder, from the spec alone.
     spec = c.spec(plan_name(info.name))
-    return msgspec.structs.replace(c, command=shown_command(spec), node_commands=shown_node_commands(spec))
+    return msgspec.structs.replace(c, command=shown_command(spec), node_commands=shown_node_commands(spec),
+                                   booked_gib_per_gpu=gib(booking_mib(spec, split.memory_mib) * MIB))
 
 
 # --- the fleet as pools -----------------------------------------------------------------------------
