@@ -80,7 +80,8 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
 
     FILE holds [[model]] tables whose keys are deploy's options with underscores
     (name, model, candidate, precision, tp, context, replicas, min_replicas,
-    max_replicas, idle_ttl = "2h", routing, engine_args, ...). Every entry is
+    max_replicas, idle_ttl = "2h", routing, engine_args, exclusive = true,
+    gpu_memory_utilization = 0.3, ...). Every entry is
     planned first: one that does not fit publishes nothing at all. Models declared
     but not in FILE are left as they are (`ctl model remove` removes one).
 
@@ -100,7 +101,7 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
             raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
         except LlmgwError as e:
             raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
-    done = [run(ctl.declare(settings, spec, replan=replan)) for spec in specs]
+    done = [run(ctl.declare(settings, spec, replan=replan, asked=ask.asked)) for ask, spec in zip(asks, specs, strict=True)]
     if as_json:
         echo_json([declaration_json(d) for d in done])
         return

@@ -20,6 +20,7 @@ from llmgw.cli.plan import engine_version_option, max_num_seqs_option, parallel_
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
 from llmgw.ctl import Declaration
+from llmgw.errors import PlanError
 
 
 def cached_text(r: m.ReplicaRow) -> str:
@@ -60,6 +61,14 @@ class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     roll: Literal["surge", "in-place"] = "surge"
     engine_version: str = ""  # vLLM's version to plan for ("": the fleet's)
     max_num_seqs: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    exclusive: bool = False  # whole GPUs, alone; otherwise a replica books its share and packs beside others
+    # vLLM: the fraction of each card it takes, which is what it books (None: the plan's, the version's default).
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+
+    @property
+    def asked(self) -> tuple[str, ...]:
+        """The plan's derived figures this ask gives itself: compared as inputs (``ctl.declare``)."""
+        return ("gpu_memory_utilization",) if self.gpu_memory_utilization is not None else ()
 
 
 def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir: str | None) -> m.ModelSpec:
@@ -73,10 +82,15 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
         if ask.min_replicas > ask.max_replicas:
             raise AskError(f"--min-replicas {ask.min_replicas} is more than --max-replicas {ask.max_replicas}")
         replicas = min(max(replicas, ask.min_replicas), ask.max_replicas)  # where it starts; the load moves it
+    util = ask.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:  # NaN too
+        raise AskError(f"--gpu-memory-utilization {util:g} is not a fraction of the card: give one above 0 and at "
+                       "most 1, e.g. 0.3 for a vLLM that leaves 70 % of each card to others")
     request = m.PlanRequest(model=ask.model, precisions=(ask.precision,) if ask.precision else (),
                             tp=(ask.tp,) if ask.tp else (), context=ask.context, all=ask.candidate is None,
                             kv_cache_dtype=ask.kv_cache_dtype, parallel=ask.parallel,
-                            engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs)
+                            engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs,
+                            gpu_memory_utilization=util)
     from llmgw import ctl
 
     reply = run(ctl.plan(settings, ask.model, request, fleet=fleet, models_dir=models_dir))
@@ -84,13 +98,18 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
     if pp is None and ask.tp is not None and ask.candidate is None:
         pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes
     chosen = ctl.choose(reply, candidate=ask.candidate, gpu_class=ask.gpu_class, engine=ask.engine, pp=pp)
+    if util is not None and chosen.engine != "vllm":
+        raise PlanError(f"--gpu-memory-utilization is vLLM's (the fraction of each card it takes), but the chosen "
+                        f"candidate runs {chosen.precision} on {chosen.engine}, which books what its plan needs on "
+                        "each GPU; drop --gpu-memory-utilization, or choose a vLLM precision (--precision bf16, fp8, "
+                        "awq, …)")
     file = ctl.gguf_file(chosen, ask.file) if ask.file is not None else chosen.file
     planned = chosen.spec(ask.name, replicas)  # its engine_args hold what the plan needs (--enforce-eager)
     return msgspec.structs.replace(planned, idle_ttl_s=ask.idle_ttl_s,
                                    engine_args=(*planned.engine_args, *ask.engine_args),
                                    min_replicas=ask.min_replicas, max_replicas=ask.max_replicas,
                                    target_in_flight=ask.target_in_flight, file=file, routing=ask.routing,
-                                   roll=ask.roll)
+                                   roll=ask.roll, exclusive=ask.exclusive)
 
 
 def declaration_json(done: Declaration) -> dict[str, Any]:
@@ -112,6 +131,7 @@ def echo_declaration(done: Declaration) -> None:
     elif not done.new:
         click.echo(f"replanned {spec.name}: {'; '.join(done.moved)}")
     click.echo(f"declared {_describe(spec)}")
+    click.echo(f"  each replica {booking_text(spec)}")
     if done.new:
         click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
     elif done.rolls and spec.roll == "in-place":
@@ -124,6 +144,19 @@ def echo_declaration(done: Declaration) -> None:
                    "--roll in-place stops one first instead); watch with `llmgw ctl status`")
     else:
         click.echo("its replicas keep running (nothing they run with changed)")
+
+
+def booking_text(spec: m.ModelSpec) -> str:
+    """What each replica books on its GPUs (``llmgw.fleet.state.booking_mib``), and whether it shares them."""
+    if spec.exclusive:
+        return "takes whole GPUs, alone (exclusive)"
+    if spec.engine == "vllm" and 0 < spec.gpu_memory_utilization < 1:
+        return (f"books {spec.gpu_memory_utilization:g} of each GPU it uses (what vLLM takes), beside other replicas "
+                "that fit")
+    if spec.engine != "vllm" and spec.gib_per_gpu > 0:
+        return (f"books {spec.gib_per_gpu:.2f} GiB on each GPU it uses (weights + KV at its context and slots + "
+                "buffers), beside other replicas that fit")
+    return "takes whole GPUs (it books all of each)"
 
 
 def _describe(spec: m.ModelSpec) -> str:
@@ -178,6 +211,13 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="How a spec change replaces running replicas: surge starts each new one beside an old one and "
                    "waits, the old serving, while there is no room; in-place then stops an old one first (the "
                    "model serves nothing until the new one is healthy).")
+@click.option("--exclusive", is_flag=True,
+              help="Whole GPUs, alone: nothing is placed beside its replicas. Otherwise each books what its plan "
+                   "needs on each GPU and shares the card with others that fit (README, \"Sharing GPUs\").")
+@click.option("--gpu-memory-utilization", "util", type=click.FloatRange(0, 1, min_open=True), metavar="F",
+              help="vLLM: the fraction of each card it takes, which is what it books; below the default it leaves "
+                   "room on the card for others, and its KV cache is planned inside it [default: the engine "
+                   "version's, 0.92 from vLLM 0.29].")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
 @click.option("--replan", is_flag=True,
               help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
@@ -190,8 +230,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
-           roll: str, engine_args: tuple[str, ...], replan: bool, fleet: Path | None, models_dir: str | None, as_json: bool,
-           settings: Settings) -> None:
+           roll: str, exclusive: bool, util: float | None, engine_args: tuple[str, ...], replan: bool,
+           fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
     Example:
@@ -202,20 +242,23 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         llmgw ctl model deploy coder Qwen/Qwen2.5-Coder-32B-Instruct --from-plan --candidate 1 --min-replicas 0 --max-replicas 4
         llmgw ctl model deploy tiny ./models/tiny --from-plan --precision q8_0 --context 2048 --parallel 4
         llmgw ctl model deploy qwen8 Qwen/Qwen3-8B --from-plan --candidate 1 --engine-version 0.17.1 --max-num-seqs 64
+        llmgw ctl model deploy qwen8 Qwen/Qwen3-8B --from-plan --precision fp8 --gpu-memory-utilization 0.3
+        llmgw ctl model deploy llama70 meta-llama/Llama-3.3-70B-Instruct --from-plan --precision fp8 --tp 2 --exclusive
     """
+    ask = Ask(
+        name=name, model=model, candidate=candidate, precision=precision, engine=engine, tp=tp, pp=pp,  # type: ignore[arg-type]
+        gpu_class=gpu_class, context=context, kv_cache_dtype=kv_dtype, replicas=replicas,  # type: ignore[arg-type]
+        min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
+        idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
+        roll=roll, engine_version=engine_version, max_num_seqs=max_num_seqs,  # type: ignore[arg-type]
+        exclusive=exclusive, gpu_memory_utilization=util)
     try:
-        spec = planned_spec(settings, Ask(
-            name=name, model=model, candidate=candidate, precision=precision, engine=engine, tp=tp, pp=pp,  # type: ignore[arg-type]
-            gpu_class=gpu_class, context=context, kv_cache_dtype=kv_dtype, replicas=replicas,  # type: ignore[arg-type]
-            min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
-            idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
-            roll=roll, engine_version=engine_version, max_num_seqs=max_num_seqs),  # type: ignore[arg-type]
-            fleet=fleet, models_dir=models_dir)
+        spec = planned_spec(settings, ask, fleet=fleet, models_dir=models_dir)
     except AskError as e:
         raise click.UsageError(str(e)) from None
     from llmgw import ctl
 
-    done = run(ctl.declare(settings, spec, replan=replan))
+    done = run(ctl.declare(settings, spec, replan=replan, asked=ask.asked))
     if as_json:
         echo_json(declaration_json(done))
         return
@@ -286,16 +329,16 @@ def why_text(s: m.ModelSummary) -> str:
                              "`ctl model scale` brings it back" if s.state == "stopped" else "")
 
 
-def memory_text(r: m.ReplicaRow, gib_per_gpu: float) -> str:
-    """What NVML says the engine holds on each node, against the plan's memory per GPU x its GPUs there."""
-    if not r.observed_memory_mib:
-        return "-"
+def memory_text(r: m.ReplicaRow) -> str:
+    """What the engine holds on each node (its agent's reading) against what the replica booked there: ``n4: 40.0 /
+    42.5 GiB``, ``- /`` until reported, ``over`` past the booking by more than OVERBOOK_MARGIN (its neighbours' room)."""
     parts = []
-    for node, mib in r.observed_memory_mib.items():
-        gpus = sum(g.node == node for g in r.gpus)
-        plan = f" / {gib_per_gpu * gpus:.1f}" if gib_per_gpu and gpus else ""
-        parts.append(f"{node}: {mib / 1024:.1f}{plan} GiB")
-    return "\n".join(parts)
+    for node in dict.fromkeys([*r.booked_mib, *r.observed_memory_mib]):
+        used, booked = r.observed_memory_mib.get(node, 0), r.booked_mib.get(node, 0)
+        over = " over" if used and booked and used > booked * (1 + m.OVERBOOK_MARGIN) else ""
+        parts.append(f"{node}: {f'{used / 1024:.1f}' if used else '-'} / "
+                     f"{f'{booked / 1024:.1f}' if booked else '-'} GiB{over}")
+    return "\n".join(parts) or "-"
 
 
 def kv_text(planned: int, observed: int, against: bool = True) -> str:
@@ -438,6 +481,7 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     plan.add_column(overflow="fold")
     plan.add_row("memory per GPU", f"{spec.gib_per_gpu:.2f} GiB (weights, overhead and KV cache) at "
                                    f"gpu_memory_utilization {spec.gpu_memory_utilization:g}" if spec.gib_per_gpu else "-")
+    plan.add_row("booking", booking_text(spec))
     planned = spec.kv_tokens_planned
     if spec.engine == "llama.cpp":
         # Its -c is the pool its -np slots share: what it allocated says how much context each slot got.
@@ -456,14 +500,14 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     if d.replicas:
         reps = Table(box=box.SIMPLE)
         for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan",
-                    "GPU memory obs / plan", "prompt cached"):
+                    "GPU used / booked", "prompt cached"):
             reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle", "prompt cached") else "left")
         for r in d.replicas:
             state = f"{r.state}: {r.detail}" if r.detail else r.state
             reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
                          r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
                          kv_text(r.kv_tokens_planned, r.kv_tokens_observed, against=r.kv_error is not None),
-                         memory_text(r, spec.gib_per_gpu),
+                         memory_text(r),
                          cached_text(r))
         console.print(reps)
         console.print(f"  routed by {spec.routing} (docs/router.md, \"Routing\"); prompt cached: the share of prompt "

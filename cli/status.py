@@ -91,12 +91,56 @@ def _time(t: datetime | None) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
 
 
-def gpu_use_cells(u: m.ClassGpuUse | None) -> list[str]:
-    """Mean utilization and memory in use of a class's sampled GPUs: ``63%``, ``412/640 GiB``."""
-    if u is None or not u.sampled:
-        return ["-", "-"]
-    util = "-" if u.utilization_pct is None else f"{u.utilization_pct:.0f}%"
-    return [util, f"{u.memory_used_mib / 1024:,.0f}/{u.memory_total_mib / 1024:,.0f} GiB"]
+def gib(mib: int) -> str:
+    """MiB as GiB for a table: ``79.6``, ``1,274.4``."""
+    return f"{mib / 1024:,.1f}"
+
+
+def util_cell(u: m.ClassGpuUse | None) -> str:
+    """Mean utilization of a class's sampled GPUs: ``63%``; ``-`` when none reports it (or a replay)."""
+    return "-" if u is None or not u.sampled or u.utilization_pct is None else f"{u.utilization_pct:.0f}%"
+
+
+def used_cell(c: m.ClassCapacity, u: m.ClassGpuUse | None) -> str:
+    """Memory in use on a class's GPUs: NVML's latest samples where the agents sent some (live only), else
+    what the replicas' engines report holding (folded, so a replay has it too); ``-`` when neither says."""
+    if u is not None and u.sampled and u.memory_total_mib:
+        return f"{gib(u.memory_used_mib)} (nvml)"
+    return "-" if c.used_mib is None else f"{gib(c.used_mib)} (engines)"
+
+
+def render_memory(r: m.StatusReport, console: Console) -> None:
+    """Per class, the memory of its usable GPUs: booked by replicas, in use, left."""
+    from rich import box
+    from rich.table import Table
+
+    console.print("Memory  (GiB of the healthy GPUs on live nodes: a GPU holds replicas while their bookings fit)")
+    table = Table(box=box.SIMPLE)
+    for col in ("GPU class", "memory", "booked", "used", "free", "most free on one GPU"):
+        table.add_column(col, justify="left" if col == "GPU class" else "right")
+    use = {u.gpu_class: u for u in r.gpu_use}
+    for c in r.capacity:
+        table.add_row(c.gpu_class, gib(c.memory_mib), gib(c.booked_mib), used_cell(c, use.get(c.gpu_class)),
+                      gib(c.free_mib), gib(c.most_free_mib))
+    console.print(table)
+
+
+def render_bookings(r: m.StatusReport, console: Console) -> None:
+    """Every GPU some replica holds: how much of it is booked, and by whom."""
+    from rich import box
+    from rich.table import Table
+
+    if not r.gpu_bookings:
+        return
+    console.print("GPUs held  (GiB booked of each card, and by which replicas)")
+    table = Table(box=box.SIMPLE)
+    for col in ("GPU", "GPU class", "booked", "replicas"):
+        table.add_column(col, justify="right" if col == "booked" else "left", overflow="fold")
+    for b in r.gpu_bookings:
+        card = f" of {gib(b.memory_mib)}" if b.memory_mib else ""
+        table.add_row(f"{b.node}:{b.index}", b.gpu_class or "-", f"{gib(b.booked_mib)}{card}",
+                      ", ".join(f"{rid} {gib(mib)}" for rid, mib in b.replicas))
+    console.print(table)
 
 
 def render_replicas(r: m.StatusReport, console: Console) -> None:
@@ -115,6 +159,7 @@ def render_replicas(r: m.StatusReport, console: Console) -> None:
         table.add_row(x.replica_id, x.model, x.state, gpu_ranges(x.gpus), x.fabric or "-", x.endpoint or "-",
                       str(x.restarts), human_duration(x.idle_s))
     console.print(table)
+    render_bookings(r, console)
 
 
 def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = False) -> None:
@@ -150,7 +195,7 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
             console.print(f"… and {len(r.model_list) - limit} more (--limit, `llmgw ctl model list`, or --json)\n")
     else:
         console.print()
-    console.print("Capacity  (█ used  ░ free  x unhealthy  ? lost)")
+    console.print("Capacity  (whole GPUs: █ holding a replica  ░ free  x unhealthy  ? lost)")
     cap = Table(box=box.SIMPLE)
     for col in ("GPU class", "total", "used", "free", "unhealthy", "lost"):
         cap.add_column(col, justify="left" if col == "GPU class" else "right")
@@ -159,13 +204,13 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     use = {u.gpu_class: u for u in r.gpu_use}
     if use:
         cap.add_column("util", justify="right")
-        cap.add_column("memory in use", justify="right")
     for c in r.capacity:
         row = [c.gpu_class, str(c.total), str(c.used), str(c.free), str(c.unhealthy), str(c.lost), usage_bar(c)]
         if use:
-            row += gpu_use_cells(use.get(c.gpu_class))
+            row.append(util_cell(use.get(c.gpu_class)))
         cap.add_row(*row)
     console.print(cap)
+    render_memory(r, console)
     console.print("Free whole nodes (every GPU healthy and free; what a multi-node replica needs)")
     fab = Table(box=box.SIMPLE)
     for col in ("fabric", "GPU class", "free", "live"):

@@ -143,6 +143,9 @@ def test_model_show_table(live_projector: Settings) -> None:
     assert "  runs        fp8 vllm, tp 1 × pp 1 = 1 GPU per replica (1 node) of L40S-48GB" in lines
     assert "  memory per GPU    42.50 GiB (weights, overhead and KV cache) at gpu_memory_utilization 0.9" in lines
     assert "  KV cache          100,000 tokens per replica (KV dtype auto)" in lines
+    assert "  booking           books 0.9 of each GPU it uses (what vLLM takes), beside other replicas that fit" in lines
+    # Placed before GPUs were shared: it booked the whole 45 GiB card, of which its engine holds 40.
+    assert any(x.split()[:3] == ["mistral-r2", "healthy", "n4"] and "n4: 40.0 / 45.0 GiB" in x for x in lines)
     assert any(x.split()[:3] == ["mistral-r2", "healthy", "n4"] and "n4:1 GPU-n4-1" in x and "(+4.2%)" in x for x in lines)
     assert "Events (the latest 20, oldest first; `llmgw replay --model mistral` for all)" in lines
     assert lines[-1].split()[:4] == ["38", "2026-03-02", "10:52:00", "replica"]
@@ -195,16 +198,18 @@ def test_model_show_after_more_events_reads_them_too(live_projector: Settings) -
     assert (d["summary"]["wanted"], d["summary"]["placed"], d["summary"]["state"]) == (2, 2, "serving")
 
 
-def test_model_show_states_observed_gpu_memory_against_the_plan() -> None:
+def test_model_show_states_used_gpu_memory_against_what_was_booked() -> None:
     from llmgw.cli.models import memory_text
 
     row = m.ReplicaRow(replica_id="x-r1", model="x", state="healthy", nodes=("a", "b"),
-                       gpus=tuple(m.GpuRef(node=n, index=i, uuid=f"{n}{i}") for n in "ab" for i in range(2)),
+                       gpus=tuple(m.GpuRef(node=n, index=i, uuid=f"{n}{i}", mib=43_520) for n in "ab" for i in range(2)),
                        fabric="ib", endpoint="", restarts=0, detail="", placed_at=None, state_at=None, idle_s=-1,
                        idle_since=None, kv_tokens_planned=0, kv_tokens_observed=0,
-                       observed_memory_mib={"a": 81_920, "b": 79_872})
-    assert memory_text(row, 42.5) == "a: 80.0 / 85.0 GiB\nb: 78.0 / 85.0 GiB"
-    assert memory_text(msgspec.structs.replace(row, observed_memory_mib={}), 42.5) == "-"
+                       observed_memory_mib={"a": 81_920, "b": 97_280}, booked_mib={"a": 87_040, "b": 87_040})
+    # b's engine holds 11.8 % over what it booked on b: more than the margin, its neighbours' room.
+    assert memory_text(row) == "a: 80.0 / 85.0 GiB\nb: 95.0 / 85.0 GiB over"
+    assert memory_text(msgspec.structs.replace(row, observed_memory_mib={})) == "a: - / 85.0 GiB\nb: - / 85.0 GiB"
+    assert memory_text(msgspec.structs.replace(row, observed_memory_mib={}, booked_mib={})) == "-"
 
 
 def test_model_show_states_each_replicas_cached_share() -> None:

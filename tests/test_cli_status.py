@@ -35,12 +35,19 @@ Models  (replicas healthy/wanted; idle: since anyone asked, - = no router knows)
   llama-70b     serving            1/1   8 × H100-80GB (bf16, 2 nodes)            8      5m
   qwen-8b       serving            1/1   1 × H100-80GB (bf16, 1 node)             1   1h32m
 
-Capacity  (█ used  ░ free  x unhealthy  ? lost)
+Capacity  (whole GPUs: █ holding a replica  ░ free  x unhealthy  ? lost)
 
   GPU class   total   used   free   unhealthy   lost   usage
  ───────────────────────────────────────────────────────────────────────────
   H100-80GB      16      9      2           1      4   ███████████░░░x?????
   L40S-48GB       2      1      1           0      0   ██████████░░░░░░░░░░
+
+Memory  (GiB of the healthy GPUs on live nodes: a GPU holds replicas while their bookings fit)
+
+  GPU class   memory   booked   used    free   most free on one GPU
+ ───────────────────────────────────────────────────────────────────
+  H100-80GB    876.1    716.8      -   159.3                   79.6
+  L40S-48GB     90.0     45.0      -    45.0                   45.0
 
 Free whole nodes (every GPU healthy and free; what a multi-node replica needs)
 
@@ -117,7 +124,12 @@ def test_status_json_live_equals_replay(live_projector: Settings) -> None:
     assert code == 0, replayed
     assert live == replayed
     data = json.loads(live)
-    assert data["capacity"][0] == {"gpu_class": "H100-80GB", "total": 16, "used": 9, "free": 2, "unhealthy": 1, "lost": 4}
+    # Nine whole cards held (placed before sharing: each books its card), two left whole; n1's XID'd GPU and
+    # lost n5 count in no memory.
+    card = 81559
+    assert data["capacity"][0] == {"gpu_class": "H100-80GB", "total": 16, "used": 9, "free": 2, "unhealthy": 1, "lost": 4,
+                                   "memory_mib": 11 * card, "booked_mib": 9 * card, "free_mib": 2 * card,
+                                   "most_free_mib": card, "used_mib": None}
     assert [(i["replica_id"], i["idle_s"], i["gpus"]) for i in data["idle"]] == [("r-qwen", 5520.0, 1), ("r-gemma", -1.0, 1)]
     assert data["free_nodes"][0] == {"fabric": "ib-a", "gpu_class": "H100-80GB", "free_nodes": 0, "live_nodes": 3}
     assert [u["name"] for u in data["unplaceable"]] == ["deepseek-v3"]
@@ -136,6 +148,21 @@ Replicas (3; idle - = no router knows)
   r-gemma   gemma-9b    starting   n4:0            pcie     -                       0       -
   r-llama   llama-70b   healthy    n2:0-3 n3:0-3   ib-a     http://n2:8000          0      5m
   r-qwen    qwen-8b     healthy    n1:0            ib-a     http://n1:8000          0   1h32m
+
+GPUs held  (GiB booked of each card, and by which replicas)
+
+  GPU    GPU class         booked   replicas
+ ────────────────────────────────────────────────
+  n1:0   H100-80GB   79.6 of 79.6   r-qwen 79.6
+  n2:0   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n2:1   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n2:2   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n2:3   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n3:0   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n3:1   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n3:2   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n3:3   H100-80GB   79.6 of 79.6   r-llama 79.6
+  n4:0   L40S-48GB   45.0 of 45.0   r-gemma 45.0
 
 Replicas nobody asked for"""
 
@@ -279,11 +306,17 @@ def test_status_without_a_projector_says_what_to_do(fleet: Settings) -> None:
     assert "Error: no projector (status service; run `llmgw project` or use --replay) is running" in out
 
 
-def test_the_capacity_table_says_what_the_gpus_are_doing_when_agents_sampled_them() -> None:
-    from llmgw.cli.status import gpu_use_cells
+def test_the_capacity_tables_say_what_the_gpus_are_doing_when_agents_sampled_them() -> None:
+    from llmgw.cli.status import used_cell, util_cell
 
     use = m.ClassGpuUse(gpu_class="H100-80GB", sampled=16, utilization_pct=62.6, memory_used_mib=700 * 1024,
                         memory_total_mib=1280 * 1024)
-    assert gpu_use_cells(use) == ["63%", "700/1,280 GiB"]
-    assert gpu_use_cells(msgspec.structs.replace(use, utilization_pct=None)) == ["-", "700/1,280 GiB"]
-    assert gpu_use_cells(None) == ["-", "-"]  # a class no agent sampled (or a replay)
+    cap = m.ClassCapacity(gpu_class="H100-80GB", total=16, used=4, free=12, unhealthy=0, memory_mib=1280 * 1024,
+                          booked_mib=320 * 1024, free_mib=960 * 1024, most_free_mib=80 * 1024, used_mib=300 * 1024)
+    assert util_cell(use) == "63%"
+    assert util_cell(msgspec.structs.replace(use, utilization_pct=None)) == "-"
+    assert util_cell(None) == "-"  # a class no agent sampled (or a replay)
+    # Used: NVML's samples where the agents sent them, else what the engines report, else nothing known.
+    assert used_cell(cap, use) == "700.0 (nvml)"
+    assert used_cell(cap, None) == "300.0 (engines)"
+    assert used_cell(msgspec.structs.replace(cap, used_mib=None), None) == "-"

@@ -11,12 +11,49 @@ from llmgw.fleet.status import UNKNOWN_IDLE, report
 
 def test_capacity_counts_unhealthy_and_lost_as_neither_used_nor_free() -> None:
     r = report(fold(small_fleet()))
+    h100, l40s = 81559, 46068
     assert r.capacity == (
-        m.ClassCapacity(gpu_class="H100-80GB", total=16, used=9, free=2, unhealthy=1, lost=4),
-        m.ClassCapacity(gpu_class="L40S-48GB", total=2, used=1, free=1, unhealthy=0, lost=0),
+        m.ClassCapacity(gpu_class="H100-80GB", total=16, used=9, free=2, unhealthy=1, lost=4, memory_mib=11 * h100,
+                        booked_mib=9 * h100, free_mib=2 * h100, most_free_mib=h100),
+        m.ClassCapacity(gpu_class="L40S-48GB", total=2, used=1, free=1, unhealthy=0, lost=0, memory_mib=2 * l40s,
+                        booked_mib=l40s, free_mib=l40s, most_free_mib=l40s),
     )
     for c in r.capacity:
         assert c.used + c.free + c.unhealthy + c.lost == c.total
+        assert c.booked_mib + c.free_mib == c.memory_mib
+
+
+def shared_card() -> list[m.Event]:
+    """One node of two 16 GiB cards; three small llama.cpp replicas booked on card 0, one reporting its use."""
+    card = 16 * 1024
+    node = m.NodeInventoryReported(at=t(0), node="l4", fabric="pcie", fabric_source="fleet-file", boot_id="b",
+                                   simulated=True, gpus=tuple(m.GpuInfo(index=i, uuid=f"GPU-l4-{i}", name="NVIDIA L4",
+                                                                        gpu_class="L4-16GB", memory_mib=card)
+                                                              for i in range(2)))
+    events: list[m.Event] = [node]
+    for name, mib in (("a", 1331), ("b", 2048), ("c", 512)):
+        s = m.ModelSpec(name=name, source=f"./models/{name}", precision="q8_0", engine="llama.cpp",
+                        gpu_class="L4-16GB", context=2048, gib_per_gpu=round(mib / 1024, 2))
+        events += [m.ModelDeclared(at=t(1), spec=s),
+                   m.ReplicaPlaced(at=t(2), replica_id=f"{name}-r1", model=name, nodes=("l4",), fabric="pcie", spec=s,
+                                   gpus=(m.GpuRef(node="l4", index=0, uuid="GPU-l4-0", mib=mib),))]
+    events.append(m.ReplicaStateChanged(at=t(3), replica_id="b-r1", model="b", node="l4", state="healthy",
+                                        observed_memory_mib=1900))
+    return events
+
+
+def test_memory_per_class_is_booked_used_and_free_on_shared_cards() -> None:
+    r = report(fold(shared_card()), replicas=True)
+    (c,) = r.capacity
+    # One card holds three replicas (not a free whole GPU); the other is whole and free.
+    assert (c.total, c.used, c.free) == (2, 1, 1)
+    assert (c.memory_mib, c.booked_mib, c.free_mib, c.most_free_mib) == (32768, 3891, 32768 - 3891, 16384)
+    assert c.used_mib == 1900  # what b's engine reports; a and c report nothing yet
+    (held,) = r.gpu_bookings
+    assert (held.node, held.index, held.booked_mib, held.memory_mib) == ("l4", 0, 3891, 16384)
+    assert held.replicas == (("a-r1", 1331), ("b-r1", 2048), ("c-r1", 512))
+    assert {row.replica_id: row.booked_mib for row in r.replica_list} == {
+        "a-r1": {"l4": 1331}, "b-r1": {"l4": 2048}, "c-r1": {"l4": 512}}
 
 
 def test_free_whole_nodes_per_fabric() -> None:

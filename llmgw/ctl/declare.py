@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,6 +61,7 @@ async def publish_control(settings: Settings, event: m.Event, *, must_exist: str
 # What the planner derives rather than the operator asks: a re-plan moves them (the observed-memory
 # calibration, another engine version on the fleet) while nothing the operator said changed. A
 # declaration keeps the figures it was first declared with until an input changes (or --replan).
+# One the operator gave (deploy --gpu-memory-utilization) is an input of that declaration: ``asked``.
 DERIVED = ("gib_per_gpu", "kv_tokens", "kv_gib_per_gpu", "engine_version", "gpu_memory_utilization")
 
 
@@ -71,14 +73,19 @@ def _shown(value: object) -> str:
     return "(none)" if value is None else str(value)
 
 
-def spec_changes(old: m.ModelSpec, new: m.ModelSpec) -> tuple[list[str], list[str]]:
-    """What differs, as ``field old → new``: (the operator's inputs, the plan's derived figures)."""
+def spec_changes(old: m.ModelSpec, new: m.ModelSpec,
+                 asked: Collection[str] = ()) -> tuple[list[str], list[str]]:
+    """What differs, as ``field old → new``: (the operator's inputs, the plan's derived figures); a DERIVED
+    field in ``asked`` is one the operator gave this time, an input."""
     inputs: list[str] = []
     derived: list[str] = []
     for f in msgspec.structs.fields(m.ModelSpec):
         a, b = getattr(old, f.name), getattr(new, f.name)
         if a != b:
-            (derived if f.name in DERIVED else inputs).append(f"{f.name} {_shown(a)} → {_shown(b)}")
+            # Exclusive moves replicas: whole GPUs alone, or a booking beside others.
+            why = f" ({'whole GPUs, alone' if b else 'shares GPUs by memory'})" if f.name == "exclusive" else ""
+            (derived if f.name in DERIVED and f.name not in asked else inputs).append(
+                f"{f.name} {_shown(a)} → {_shown(b)}{why}")
     return inputs, derived
 
 
@@ -92,11 +99,13 @@ class Declaration:
     rolls: bool = False  # what its replicas run with changed: the scheduler replaces them, one by one
 
 
-async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False) -> Declaration:
+async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False,
+                  asked: Collection[str] = ()) -> Declaration:
     """Declare ``spec`` unless it is what is declared already: apply the same declaration twice, get one.
 
     A declared model whose inputs are unchanged keeps its declaration (and its running replicas),
-    even when the plan's derived figures moved since; ``replan`` publishes them too.
+    even when the plan's derived figures moved since; ``replan`` publishes them too. ``asked``: the
+    DERIVED fields the operator gave this time (``gpu_memory_utilization``), compared as inputs.
     """
     bus = await connect(settings, "llmgw-ctl-model")
     try:
@@ -104,7 +113,7 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         view = state.models.get(spec.name)
         if view is None:
             return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
-        inputs, derived = spec_changes(view.spec, spec)
+        inputs, derived = spec_changes(view.spec, spec, asked)
         if not inputs and not (replan and derived):
             return Declaration(view.spec, None, moved=tuple(derived))
         # An input changed: the new plan's figures are the ones for it.

@@ -23,22 +23,43 @@ def _utc(t: datetime | None) -> datetime | None:
 
 
 def capacity(state: FleetState, held: dict[tuple[str, int], str]) -> tuple[m.ClassCapacity, ...]:
-    """Per GPU class: total, used, free, unhealthy, lost; unhealthy is neither used nor free."""
+    """Per GPU class: total, used, free, unhealthy, lost (whole GPUs; unhealthy is neither used nor free),
+    and the memory of its usable GPUs: booked, left (summed, and the most on one GPU), and what engines report."""
     counts: dict[str, list[int]] = {}
+    memory: dict[str, list[int]] = {}  # class → [memory, booked, free, most free on one GPU]
+    booked = state.booked()
+    usable: dict[tuple[str, int], str] = {}  # (node, index) → class, of the healthy GPUs of live nodes
     for node in state.nodes.values():
         for gpu in node.gpus.values():
             c = counts.setdefault(gpu.gpu_class, [0, 0, 0, 0, 0])
+            mem = memory.setdefault(gpu.gpu_class, [0, 0, 0, 0])
             c[0] += 1
             if node.lost:
                 c[4] += 1
-            elif not gpu.healthy:
+                continue
+            if not gpu.healthy:
                 c[3] += 1
-            elif (node.name, gpu.index) in held:
-                c[1] += 1
-            else:
-                c[2] += 1
+                continue
+            c[1 if (node.name, gpu.index) in held else 2] += 1
+            usable[(node.name, gpu.index)] = gpu.gpu_class
+            on = booked.get((node.name, gpu.index), 0)
+            left = max(0, gpu.memory_mib - on)
+            mem[0] += gpu.memory_mib
+            mem[1] += on
+            mem[2] += left
+            mem[3] = max(mem[3], left)
+    used: dict[str, int] = {}
+    for r in state.replicas.values():
+        for name, mib in r.observed_memory_mib.items():
+            # What its engine holds on a node, under the class of its usable GPUs there.
+            cls = next((usable[(g.node, g.index)] for g in r.gpus if g.node == name and (g.node, g.index) in usable),
+                       None)
+            if cls is not None:
+                used[cls] = used.get(cls, 0) + mib
     return tuple(
-        m.ClassCapacity(gpu_class=k, total=c[0], used=c[1], free=c[2], unhealthy=c[3], lost=c[4])
+        m.ClassCapacity(gpu_class=k, total=c[0], used=c[1], free=c[2], unhealthy=c[3], lost=c[4],
+                        memory_mib=memory[k][0], booked_mib=memory[k][1], free_mib=memory[k][2],
+                        most_free_mib=memory[k][3], used_mib=used.get(k))
         for k, c in sorted(counts.items())
     )
 
@@ -141,9 +162,18 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
             kv_tokens_planned=planned, kv_tokens_observed=observed,
             kv_error=round((planned - observed) / observed, 4) if planned and observed and against else None,
             observed_memory_mib=dict(sorted(r.observed_memory_mib.items())),
+            booked_mib=_booked_by_node(state, r),
             prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         ))
     return tuple(rows)
+
+
+def _booked_by_node(state: FleetState, r: ReplicaView) -> dict[str, int]:
+    """MiB a replica booked on each of its nodes, over its GPUs there (the whole card where it booked that)."""
+    out: dict[str, int] = {}
+    for g in r.gpus:
+        out[g.node] = out.get(g.node, 0) + state.ref_mib(g)
+    return dict(sorted(out.items()))
 
 
 def gpu_hours_today(name: str, replicas: list[ReplicaView], now: datetime | None,

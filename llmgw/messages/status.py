@@ -32,7 +32,12 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
-    """GPUs of one class: used + free + unhealthy + lost == total."""
+    """GPUs of one class: used + free + unhealthy + lost == total (whole GPUs: used holds a replica).
+
+    And the memory of its usable GPUs (healthy, on live nodes), MiB: what replicas booked on them,
+    what is left (per GPU, summed; and the most one GPU has: what a replica sharing a card can find),
+    and what the replicas' engines report holding there (``observed_memory_mib``; None: none reports).
+    """
 
     gpu_class: str
     total: int
@@ -40,6 +45,11 @@ class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
     free: int
     unhealthy: int
     lost: int = 0
+    memory_mib: int = 0
+    booked_mib: int = 0
+    free_mib: int = 0
+    most_free_mib: int = 0
+    used_mib: int | None = None
 
 
 class GpuBooking(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +161,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     kv_error: float | None = None
     # GPU memory the engine's processes hold, per node, as its agent read NVML (empty: not reported).
     observed_memory_mib: dict[str, int] = {}
+    # MiB it booked on each node, over its GPUs there (a placement from before sharing: the whole cards).
+    booked_mib: dict[str, int] = {}
     # Prompt tokens its engine reported through every router since it was placed, and how many it
     # served from its prefix cache (the routers' maps, ``cache_use``); 0 and 0: none reported.
     prompt_tokens: int = 0
