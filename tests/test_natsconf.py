@@ -104,6 +104,11 @@ async def test_agent_publishes_its_own_node_only(secured: Secured, admin: Bus) -
         text = await denied(agent, inventory("h100-a-02"))
         assert "llmgw.fleet.h100-a-02.inventory" in text
         await denied(agent, m.ReplicaStateChanged(at=AT, replica_id="r1", model="x", node="h100-a-02", state="healthy"))
+        # An engine over its booking is reported by its own node's agent only.
+        await agent.publish(m.ReplicaOverBooked(at=AT, replica_id="r1", model="x", node="h100-a-01", booked_mib=100,
+                                                used_mib=200))
+        await denied(agent, m.ReplicaOverBooked(at=AT, replica_id="r1", model="x", node="h100-a-02", booked_mib=100,
+                                                used_mib=200))
         await denied(agent, m.IdleMapPublished(at=AT, router="r", boot_id="b", tick=1))
         await denied(agent, m.ModelRemoved(at=AT, name="x"))
         await denied(agent, m.ReplicaPlaced(at=AT, replica_id="r1", model="x", nodes=("h100-a-01",), gpus=(),
@@ -114,7 +119,7 @@ async def test_agent_publishes_its_own_node_only(secured: Secured, admin: Bus) -
     finally:
         await agent.close()
     assert await admin.stream_last_seq(subjects.STREAM_FLEET) == 2
-    assert await admin.stream_last_seq(subjects.STREAM_CONTROL) == 1
+    assert await admin.stream_last_seq(subjects.STREAM_CONTROL) == 2
 
 
 async def test_router_cannot_publish_fleet_events(secured: Secured, admin: Bus) -> None:

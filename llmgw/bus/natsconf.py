@@ -119,7 +119,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             raise ConfigError("an agent user needs its node name")
         # Its own node's facts only: lost/returned are the liveness monitor's (the scheduler's).
         pub += [s.fleet(node, "inventory"), s.fleet(node, "health"), s.heartbeat(node),
-                f"{P}.control.replica.*.state.{s.token(node)}"]
+                f"{P}.control.replica.*.state.{s.token(node)}", f"{P}.control.replica.*.overbooked.{s.token(node)}"]
         # Engines follow placements; the fleet stream holds the node's own last health.
         pub += _read(CONTROL, FLEET)
         sub += [s.agent_fault(node)]  # fault injection (simulated), or an operator's `clear`
