@@ -36,7 +36,8 @@ from llmgw import subjects
 # the API keys (ctl key); 7: the models' history keeps what a woken or scaled-up replica reserved;
 # 8: an observed reservation is keyed by the engine arguments that sized it and never kept from a
 # simulated node or an explicit cache size, and the models' history notes which node reported it.
-FOLD_VERSION = 8
+# 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at.
+FOLD_VERSION = 9
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -109,6 +110,7 @@ class ReplicaView:
     # Prompt tokens its engine reported through every router's maps, and of them cached (issue 27).
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    overbooked: m.ReplicaOverBooked | None = None  # the last time its engine held more than it booked
 
 
 @dataclass
@@ -311,7 +313,9 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 if len(replica.nodes) > 1:
                     _part_changed(replica, event)
                 else:
-                    replica.state, replica.state_at = event.state, event.at
+                    # The same state again (a healthy engine's memory read anew) is no change of state.
+                    replica.state_at = event.at if event.state != replica.state else replica.state_at
+                    replica.state = event.state
                     replica.endpoint, replica.detail, replica.restarts = event.endpoint, event.detail, event.restarts
                 if event.node == replica.nodes[0]:
                     replica.endpoint_seq = seq  # only the head (or only node) sets the endpoint
@@ -336,6 +340,9 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 model.unplaceable_reason = model.unplaceable_at = None
         case m.ReplicaStopped():
             state.replicas.pop(event.replica_id, None)
+        case m.ReplicaOverBooked():
+            if (replica := state.replicas.get(event.replica_id)) is not None and event.node in replica.nodes:
+                replica.overbooked = event  # only a node it was placed on speaks for it
         case m.IdleMapPublished():
             before = state.routers.get(event.router)
             # The event's own dicts: nothing mutates them (a copy each was ~3 µs a map).
@@ -461,7 +468,8 @@ def _part_changed(replica: ReplicaView, event: m.ReplicaStateChanged) -> None:
         replica.endpoint, replica.head_address = event.endpoint, event.head_address
     replica.detail = f"{event.node}: {event.detail}" if event.detail else replica.detail
     replica.restarts = max(replica.restarts, event.restarts)
-    replica.state, replica.state_at = part_state(replica.nodes, replica.parts), event.at
+    whole = part_state(replica.nodes, replica.parts)
+    replica.state, replica.state_at = whole, event.at if whole != replica.state else replica.state_at
 
 
 def speaks_for(nodes: tuple[str, ...], event: m.ReplicaStateChanged) -> str | None:
