@@ -30,7 +30,7 @@ if sys.platform == "linux":
     with contextlib.suppress(OSError):
         _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: a child between fork and exec only calls it
 
-__all__ = ["descendants", "die_with", "die_with_parent", "exited", "group_members", "kill_group"]
+__all__ = ["descendants", "die_with", "die_with_parent", "exited", "group_members", "kill_group", "resident_mib"]
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -101,6 +101,22 @@ def descendants(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
                 out.add(child)
                 stack.append(child)
     return out
+
+
+def resident_mib(pids: Iterable[int], proc: Path = Path("/proc")) -> int:
+    """The resident memory of these processes together, in MiB (Linux: /proc/PID/statm); 0 elsewhere.
+
+    A simulated GPU's stand-in for what a real engine on the host's CPU holds: its weights (mapped
+    from the file, once read) and its KV cache are in its resident set. Pages the processes share
+    are counted once per process, as NVML counts each process's memory on a GPU."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    pages = 0
+    for pid in set(pids):
+        try:
+            pages += int((proc / str(pid) / "statm").read_bytes().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return pages * page // (1 << 20)
 
 
 async def exited(proc: asyncio.subprocess.Process, poll_s: float = 0.5) -> int:

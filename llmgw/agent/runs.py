@@ -28,6 +28,7 @@ import aiohttp
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.agent.turns import StartTurns
 from llmgw.bus import Outbox
 from llmgw.engine.argv import (
     JOINED_MARKERS,
@@ -41,7 +42,7 @@ from llmgw.engine.argv import (
     part_argvs,
 )
 from llmgw.engine.upstream import Timeouts, Upstream
-from llmgw.proc import descendants, die_with, exited, group_members, kill_group
+from llmgw.proc import descendants, die_with, exited, group_members, kill_group, resident_mib
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ DRAIN_S = 5.0
 
 # Given the engine's processes and this node's GPU indexes, the MiB NVML lists for them (0: unknown).
 MemoryProbe = Callable[[set[int], tuple[int, ...]], Awaitable[int]]
+# A healthy engine's memory is reported again when it moved by more than this share or these MiB.
+MEMORY_MOVED = 0.05
+MEMORY_MOVED_MIB = 64
 
 
 def free_port(host: str) -> int:
@@ -109,7 +113,11 @@ class EngineConfig:
     # What each engine's --version said, by its program's path and mtime (``VersionCache``); None: none kept.
     version_cache: Path | None = field(default_factory=lambda: version_cache_path())
     version_timeout_s: float = 60.0  # `vllm --version` imports all of vLLM: 10–25 s, more under load
-
+    # How long an engine waits for another starting on one of its GPUs (``llmgw.agent.turns``);
+    # 0: its health timeout, by which the one ahead is healthy or given up.
+    share_wait_s: float = 0.0
+    # How often a healthy engine's memory is read again; a change is reported only when material.
+    memory_every_s: float = 30.0
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -206,6 +214,10 @@ class EngineRun:
         self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
         self.memory_of: MemoryProbe | None = None  # the agent's NVML, when it runs this supervisor
         self.http: Upstream | None = None  # the supervisor's client; a run started alone makes its own
+        self.turns: StartTurns | None = None  # the node's start order for shared GPUs (the supervisor's)
+        # What its engine holds here: last read, last reported (MiB), its KV figure, and over-bookings.
+        self.used_mib, self._reported_mib, self._kv_tokens = 0, 0, 0
+        self.overbooked, self.crossings = False, 0
 
     @property
     def replica_id(self) -> str:
@@ -220,6 +232,19 @@ class EngineRun:
     def gpu_indexes(self) -> tuple[int, ...]:
         """This node's GPUs of the replica."""
         return tuple(g.index for g in self.placed.gpus if g.node == self.node)
+
+    def booked_per_gpu(self) -> list[tuple[int, int]]:
+        """(GPU index, MiB booked there) for this node's GPUs: as placed, else (a placement from before
+        GPUs were shared, which booked the whole card) its plan's figure, else 0 (unknown here)."""
+        planned = round(self.placed.spec.gib_per_gpu * 1024)
+        return [(g.index, g.mib or planned) for g in self.placed.gpus if g.node == self.node]
+
+    @property
+    def booked_mib(self) -> int:
+        """MiB the replica booked on this node's GPUs together; 0 where any is a whole card (no
+        other replica shares it, so no booking is there to be over)."""
+        refs = [g for g in self.placed.gpus if g.node == self.node]
+        return sum(g.mib for g in refs) if refs and all(g.mib for g in refs) else 0
 
     def report(self, state: m.ReplicaState, detail: str = "", observed_kv_tokens: int = 0,
                observed_memory_mib: int = 0) -> None:
@@ -331,18 +356,79 @@ class EngineRun:
             return 0
         return kv_tokens_from_props(text) if llama else kv_tokens_from_metrics(text)
 
-    async def _observe_memory(self) -> int:
-        """MiB NVML lists for this run's processes and their children on its GPUs here; 0 when unknown."""
-        if self.memory_of is None or not self.procs:
-            return 0
-        pids = await asyncio.to_thread(descendants, [p.pid for p in self.procs if p.returncode is None])
+    async def _observe_memory(self) -> tuple[int, str]:
+        """(MiB, source) the engine holds on its GPUs here; 0 when unknown.
+
+        NVML's figure for its processes and their children on a real node ("nvml"); on a simulated
+        node a real engine runs on the host's CPU, and its process tree's resident memory stands in
+        ("rss"); a fake engine holds what it booked ("booked": the simulated driver shows the same).
+        """
+        if self.config.simulate:
+            return sum(mib for _, mib in self.booked_per_gpu()), "booked"
+        live = [p.pid for p in self.procs if p.returncode is None]
+        if not live:
+            return 0, ""
+        pids = await asyncio.to_thread(descendants, live)
+        if self.config.cpu:
+            return await asyncio.to_thread(resident_mib, pids), "rss"
+        if self.memory_of is None:
+            return 0, ""
         try:
             # Bounded: a driver call that hangs must not hold back the healthy report.
             async with asyncio.timeout(10):
-                return await self.memory_of(pids, self.gpu_indexes)
+                return await self.memory_of(pids, self.gpu_indexes), "nvml"
         except Exception as e:  # noqa: BLE001 - a figure for people: never worth the state report
             log.warning("engine %s: GPU memory not observed: %s", self.replica_id, e)
-            return 0
+            return 0, ""
+
+    def _report_memory(self, used: int, source: str) -> None:
+        """Report the engine healthy with what it holds, then judge that against its booking."""
+        self.used_mib = self._reported_mib = used
+        self.report("healthy", observed_kv_tokens=self._kv_tokens, observed_memory_mib=used)
+        self._judge(used, source)
+
+    def _judge(self, used: int, source: str) -> None:
+        """Publish an over-booking when what the engine holds first goes past its booking's margin."""
+        booked = self.booked_mib
+        if booked and used > booked * (1 + m.OVERBOOK_MARGIN) and not self.overbooked:
+            self.overbooked = True
+            self.crossings += 1
+            pid = self.proc.pid if self.proc is not None else 0
+            log.warning("engine %s on %s holds %d MiB (%s) but booked %d MiB: %.0f%% over, past the %.0f%% "
+                        "margin; the GPU's other tenants may run out of memory", self.replica_id, self.node, used,
+                        source, booked, 100 * (used / booked - 1), 100 * m.OVERBOOK_MARGIN)
+            self.outbox.put(m.ReplicaOverBooked(
+                at=m.utcnow(), replica_id=self.replica_id, model=self.placed.model, node=self.node,
+                booked_mib=min(booked, m.MIB_MAX), used_mib=min(used, m.MIB_MAX),
+                source="rss" if source == "rss" else "nvml"),
+                # Once per crossing of this engine process: a retry after a lost ack is stored once.
+                msg_id=f"ReplicaOverBooked:{self.replica_id}:{self.node}:{pid}:{self.crossings}")
+        elif self.overbooked and used <= booked:
+            self.overbooked = False  # back within its booking: the next crossing is a new event
+
+    async def _refresh_memory(self) -> None:
+        """While healthy: read the engine's memory every ``memory_every_s``; report it again only when
+        it moved by more than ``MEMORY_MOVED`` (or ``MEMORY_MOVED_MIB``), so the stream is not flooded."""
+        while True:
+            await asyncio.sleep(self.config.memory_every_s)
+            used, source = await self._observe_memory()
+            if used <= 0:
+                continue  # unknown this time: nothing to say
+            self.used_mib = used
+            last = self._reported_mib
+            if abs(used - last) > max(MEMORY_MOVED_MIB, MEMORY_MOVED * last):
+                self._report_memory(used, source)
+            else:
+                self._judge(used, source)  # a creep in small steps still crosses the margin once
+
+    async def _serve(self) -> None:
+        """Until any of its processes exits, reading its memory meanwhile."""
+        refresh = asyncio.create_task(self._refresh_memory(), name=f"memory-{self.replica_id}")
+        try:
+            await self._any_exit()
+        finally:
+            refresh.cancel()
+            await asyncio.gather(refresh, return_exceptions=True)
 
     async def _http(self) -> Upstream:
         if self.http is None:
@@ -449,11 +535,30 @@ class EngineRun:
             log.warning("engine %s: its output is still held open %gs after its group ended (a process "
                         "that left the group); not read further", self.replica_id, DRAIN_S)
 
+    async def _take_turn(self) -> str:
+        """Wait while another engine is starting on one of this run's GPUs (``StartTurns``)."""
+        if self.turns is None:
+            return ""
+
+        def waiting(other: str, gpu: int) -> None:
+            self.report("starting", f"waiting for {other} to finish starting on GPU {gpu} (engines sharing "
+                                    "a card start one at a time)")
+
+        limit = self.config.share_wait_s or self.config.health_timeout_s
+        return await self.turns.take(self.replica_id, self.gpu_indexes, limit, waiting)
+
+    def _turn_done(self) -> None:
+        if self.turns is not None:
+            self.turns.done(self.replica_id)
+
     async def run(self) -> None:
-        """Start, check, watch, restart with back-off; report failed when restarts run out."""
+        """Start (in turn, where GPUs are shared), check, watch, restart with back-off; report failed
+        when restarts run out."""
         try:
             while True:
-                self.report("starting", f"restart {self.restarts}" if self.restarts else "")
+                late = await self._take_turn()
+                self.report("starting", "; ".join(x for x in (f"restart {self.restarts}" if self.restarts else "",
+                                                              late) if x))
                 try:
                     pumps = await self._start()
                 except OSError:
@@ -464,10 +569,13 @@ class EngineRun:
                     ran = " && ".join(line[2:] for line in self.tail if line.startswith("$ "))
                     self.report("starting", f"part {self.rank + 1} of {len(self.placed.nodes)}: {ran}")
                 worker = self.multi and self.rank > 0
-                if await (self._joined() if worker else self._wait_healthy()):
-                    self.report("healthy", observed_kv_tokens=0 if worker else await self._observe(),
-                                observed_memory_mib=await self._observe_memory())
-                    await self._any_exit()
+                up = await (self._joined() if worker else self._wait_healthy())
+                if up:
+                    self._kv_tokens = 0 if worker else await self._observe()
+                    self._report_memory(*await self._observe_memory())
+                self._turn_done()  # healthy, or given up: the next engine on these GPUs may start
+                if up:
+                    await self._serve()
                 await self.stop()
                 await self._drain(pumps)
                 code = next((p.returncode for p in self.procs if p.returncode not in (None, -signal.SIGTERM)),
@@ -482,4 +590,5 @@ class EngineRun:
                                          f"{self.config.max_restarts} in {delay:g}s: {self._last_lines()}")
                 await asyncio.sleep(delay)
         finally:
+            self._turn_done()
             await asyncio.shield(self.stop())

@@ -25,6 +25,7 @@ from pathlib import Path
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent.runs import CHECK_S, EngineConfig, EngineRun, MemoryProbe
+from llmgw.agent.turns import StartTurns
 from llmgw.bus import Bus, Outbox
 from llmgw.engine.argv import (
     parse_version_output,
@@ -112,6 +113,7 @@ class EngineSupervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
+        self.turns = StartTurns()  # engines sharing a GPU start one at a time
         # One HTTP client for every engine's health checks and readings (llmgw/engine/upstream.py, as the router's).
         self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
         self._versions = VersionCache(self.config.version_cache)
@@ -164,12 +166,17 @@ class EngineSupervisor:
         return version
 
     def holds(self) -> list[tuple[int, tuple[int, ...], int]]:
-        """(pid, GPU indexes, planned MiB per GPU; 0: not planned) of every engine process running here."""
-        out = []
+        """(pid, (GPU index,), MiB there; 0: not known) of every engine process running here, for the
+        simulated driver: what each booked on that GPU, or a real engine's last resident memory read
+        (``--engines real`` on a simulated node), spread over its GPUs."""
+        out: list[tuple[int, tuple[int, ...], int]] = []
         for run in self.runs.values():
             proc = run.proc
-            if proc is not None and proc.returncode is None:
-                out.append((proc.pid, run.gpu_indexes, round(run.placed.spec.gib_per_gpu * 1024)))
+            if proc is None or proc.returncode is not None:
+                continue
+            booked = run.booked_per_gpu()
+            rss = run.used_mib // len(booked) if self.config.cpu and run.used_mib and booked else 0
+            out += [(proc.pid, (index,), rss or mib) for index, mib in booked]
         return out
 
     def _note(self, _: int, event: m.Event, _moved: list[str] | None) -> None:
@@ -214,7 +221,7 @@ class EngineSupervisor:
                 del self.runs[rid]
             if rid not in self._tasks and (head or not worker):
                 run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
-                run.memory_of, run.http = self.memory_of, self.http
+                run.memory_of, run.http, run.turns = self.memory_of, self.http, self.turns
                 self.runs[rid] = run
                 self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
 
