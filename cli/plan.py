@@ -37,8 +37,8 @@ def shares(c: m.Candidate) -> bool:
 
 def books_cell(c: m.Candidate) -> str:
     """``1.30 of 14.40``: what one replica books on each GPU, of the card; ``whole card`` when that is all of it."""
-    if not c.booked_gib_per_gpu:
-        return "-"  # a reply from a planner that predates bookings
+    if not c.fits or not c.booked_gib_per_gpu:
+        return "-"  # nothing to book; or a reply from a planner that predates bookings
     return f"{c.booked_gib_per_gpu:.2f} of {c.gpu_memory_gib:.2f}" if shares(c) else "whole card"
 
 
