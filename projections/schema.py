@@ -140,6 +140,36 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("ttft_s", "DOUBLE", "time to first token, summed over its streamed requests (seconds)"),
         ("latency_s", "DOUBLE", "time to the last byte, summed over its requests (seconds)"),
     ]),
+    "gpu_bookings": ("History: one row per GPU of each ReplicaPlaced (what the replica booked on it) and of the "
+                     "ReplicaStopped that freed it; several replicas share a card while their bookings fit its memory "
+                     "(gpu_booked_used sums them over time).", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", "sequence of the ReplicaPlaced or ReplicaStopped in its stream"),
+        ("ts", "TIMESTAMPTZ", None),
+        ("node", "VARCHAR", None),
+        ("gpu_index", "INTEGER", None),
+        ("gpu_uuid", "VARCHAR", None),
+        ("replica_id", "VARCHAR", None),
+        ("model", "VARCHAR", None),
+        ("event", "VARCHAR", "placed (the replica booked the GPU) or stopped (it freed it)"),
+        ("booked_mib", "BIGINT", "MiB the replica booked on this GPU; a placement from before GPUs were shared "
+                                 "booked the whole card (its memory_mib); NULL: a whole card no inventory in "
+                                 "this file names"),
+        ("memory_mib", "BIGINT", "the card's memory in MiB, as its node's inventory reports it; NULL: unknown"),
+    ]),
+    "replica_memory": ("History: one row per report of the GPU memory a replica's engine holds on one node: "
+                       "a ReplicaStateChanged that carries it (the agent reports it again when it moves) or a "
+                       "ReplicaOverBooked (it went more than 10 % past what the replica booked there).", [
+        ("stream", "VARCHAR", None),
+        ("seq", "BIGINT", None),
+        ("ts", "TIMESTAMPTZ", None),
+        ("replica_id", "VARCHAR", None),
+        ("model", "VARCHAR", None),
+        ("node", "VARCHAR", "the node whose agent measured it"),
+        ("used_mib", "BIGINT", "MiB the engine's processes (and their children) hold on the node's GPUs: NVML's "
+                               "figure, or on a simulated GPU their resident memory"),
+        ("kind", "VARCHAR", "state (a ReplicaStateChanged) or overbooked (a ReplicaOverBooked)"),
+    ]),
     "unprojected_events": ("History: one row per message kept but not folded (undecodable, out of bounds, "
                            "refused; counted in ctl status), or, with error starting 'the store cannot write "
                            "it:', a decoded event whose history rows DuckDB refused (folded; not counted).", [
@@ -171,7 +201,9 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("healthy", "BOOLEAN", None),
         ("reasons", "VARCHAR[]", None),
         ("since", "TIMESTAMPTZ", "when its current health and reasons were first reported"),
-        ("replica_id", "VARCHAR", "the replica holding it; NULL: not held"),
+        ("replica_ids", "VARCHAR[]", "the replicas booked on it, in placement order (several share a card while "
+                                     "their bookings fit); empty: not held"),
+        ("booked_mib", "BIGINT", "MiB those replicas booked on it (a whole-GPU replica: the card); 0: not held"),
     ]),
     "replicas": ("Now (rebuilt at every commit): one row per replica placed and not stopped.", [
         ("replica_id", "VARCHAR", None),
@@ -359,6 +391,55 @@ WHERE p.cause IS NOT NULL
       "requests": "requests held for it, over every router (0: none known)",
       "total_s": "seconds from wanted (else placed) to the first byte (else healthy); NULL: not yet healthy"}),
 
+    "gpu_booked_used": ("One row per stretch in which a GPU's bookings and its replicas' measured use stayed the "
+                        "same: who held it, what they booked, and what their engines held (how full the cards "
+                        "really are). A replica's use on a node is split over its GPUs there as it booked them.", """
+WITH holds AS (
+    SELECT *, lead(ts) OVER (PARTITION BY replica_id, gpu_uuid ORDER BY seq) AS to_ts,
+           booked_mib / sum(booked_mib) OVER (PARTITION BY stream, seq, node) AS node_share
+    FROM gpu_bookings
+), held AS (
+    SELECT gpu_uuid, node, replica_id, booked_mib, node_share, ts AS from_ts, to_ts FROM holds WHERE event = 'placed'
+), cards AS (
+    SELECT gpu_uuid, arg_max(node, seq) AS node, arg_max(gpu_index, seq) AS gpu_index, max(memory_mib) AS memory_mib
+    FROM gpu_bookings GROUP BY gpu_uuid
+), points AS (
+    SELECT gpu_uuid, ts FROM gpu_bookings
+    UNION
+    SELECT h.gpu_uuid, u.ts FROM replica_memory u
+    JOIN held h ON u.replica_id = h.replica_id AND u.node = h.node AND u.ts >= h.from_ts
+                   AND (h.to_ts IS NULL OR u.ts < h.to_ts)
+), pairs AS (
+    SELECT p.gpu_uuid, p.ts, h.replica_id, h.node, h.booked_mib, h.node_share, h.from_ts
+    FROM points p JOIN held h ON h.gpu_uuid = p.gpu_uuid AND h.from_ts <= p.ts AND (h.to_ts IS NULL OR p.ts < h.to_ts)
+), measured AS (
+    SELECT r.*, CASE WHEN u.ts >= r.from_ts THEN u.used_mib * r.node_share END AS used
+    FROM pairs r ASOF LEFT JOIN replica_memory u ON u.replica_id = r.replica_id AND u.node = r.node AND r.ts >= u.ts
+), stretches AS (
+    SELECT p.gpu_uuid, p.ts, coalesce(sum(x.booked_mib), 0)::BIGINT AS booked_mib, round(sum(x.used))::BIGINT AS used_mib,
+           coalesce(list(x.replica_id ORDER BY x.from_ts, x.replica_id) FILTER (x.replica_id IS NOT NULL), [])
+               AS replica_ids,
+           count(x.replica_id) FILTER (x.used IS NULL)::INTEGER AS unmeasured
+    FROM points p LEFT JOIN measured x ON x.gpu_uuid = p.gpu_uuid AND x.ts = p.ts
+    GROUP BY p.gpu_uuid, p.ts
+), newest AS (
+    SELECT max(ts) AS newest FROM events
+)
+SELECT c.node, c.gpu_index, s.gpu_uuid, s.ts,
+       coalesce(lead(s.ts) OVER (PARTITION BY s.gpu_uuid ORDER BY s.ts), n.newest) AS until,
+       epoch(until - s.ts) AS span_s, c.memory_mib, s.booked_mib, s.used_mib, s.replica_ids, s.unmeasured
+FROM stretches s JOIN cards c USING (gpu_uuid) CROSS JOIN newest n
+""", {"node": None, "gpu_index": None, "gpu_uuid": None, "ts": "when the stretch began: a placement, a stop, or a "
+                                                                 "replica's new measurement",
+      "until": "when the next began; for the last, the newest event in the file",
+      "span_s": "seconds the stretch lasted (until - ts)",
+      "memory_mib": "the card's memory in MiB",
+      "booked_mib": "MiB its replicas booked on it then; 0: none held it",
+      "used_mib": "MiB their engines held on it then, as their agents last measured it (each replica's figure on "
+                  "the node, split over its GPUs there by what it booked); NULL: none measured yet",
+      "replica_ids": "the replicas booked on it then, in placement order",
+      "unmeasured": "of them, those whose use no agent had reported yet (used_mib leaves them out)"}),
+
     "gpu_faults": ("One row per reason a GPU newly reported (XIDs, ECC errors, …): a GpuHealthChanged or a node's "
                    "inventory that names a reason the GPU's previous report did not, and the replica that held "
                    "the GPU then.", """
@@ -408,11 +489,16 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def create_table(table: str) -> str:
+    """The CREATE TABLE statement of one table (a migration adds a table with it)."""
+    return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in TABLES[table][1])})"
+
+
 def statements() -> list[str]:
     """The tables (if absent), the views (replaced), and every comment, in order."""
     out = []
     for table, (what, cols) in TABLES.items():
-        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in cols)})")
+        out.append(create_table(table))
         out.append(f"COMMENT ON TABLE {table} IS {_quote(what)}")
         out += [f"COMMENT ON COLUMN {table}.{c} IS {_quote(why or _COMMON[c])}" for c, _, why in cols]
     for view, (what, sql, view_cols) in VIEWS.items():

@@ -32,8 +32,16 @@ import msgspec
 from llmgw import messages as m
 from llmgw.errors import ProjectionError
 from llmgw.fleet.fold import Checkpoint, decode_state
-from llmgw.fleet.state import MAX_AHEAD, MAX_BEHIND, FleetState, RouterView, requests_moved
+from llmgw.fleet.state import (
+    MAX_AHEAD,
+    MAX_BEHIND,
+    OBSERVED_MIB_MAX,
+    FleetState,
+    RouterView,
+    requests_moved,
+)
 from llmgw.projections import schema
+from llmgw.subjects import STREAM_CONTROL
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +51,55 @@ log = logging.getLogger(__name__)
 # gpu_count, lists for nodes and reasons, NULL for an unknown idle time) and the views.
 # 5: one meaning per word: the table ``checkpoint`` is ``positions`` and the column
 # ``projector_state.snapshot`` is ``checkpoint`` (a schema-4 file is renamed in place).
-SCHEMA_VERSION = 5
+# 6: GPUs shared by memory: the history of who booked how much of each GPU (gpu_bookings) and what
+# the engines held (replica_memory), and ``gpus`` lists the replicas booked on a card (a schema-5
+# file gets both tables filled from its events, in place).
+SCHEMA_VERSION = 6
 # The XID number in a GPU's reasons (the agent's "xid 79: …", a fleet file's "xid-79"); NULL: none.
 XID = "TRY_CAST(nullif(regexp_extract({reasons}, 'xid[ -]?([0-9]+)', 1), '') AS INTEGER)"
 # A stop's code from its wording, for events written before codes (ReplicaStopped.stop_code's table).
 STOP_CODE = "CASE " + " ".join(f"WHEN {{reason}} LIKE '{prefix}%' THEN '{code}'"
                                for prefix, code in m.STOP_PREFIXES) + " END"
-# Older schemas a projector brings up to this one in place: schema 5 renamed two names and added
-# gpu_health.xid and replica_lifecycle.code, filled in for the rows already there.
+# Who booked how much of each GPU, and what the engines held, from the rows of ``{source}`` (a relation
+# with the staged columns: stream, seq, ts and x, the extracted fields): the commit's stage, or, to
+# fill a file of schema 5 in place, every event it holds. A placement's GPUs come from its payload
+# (``mib`` 0, from before sharing: the whole card, as the ``gpus`` table has it); a stop frees the
+# GPUs of the replica's latest placement before it, once (a second stop of one placement adds nothing);
+# a replica's report of what its engine holds is kept where the fold would keep it.
+_BOOKINGS = """
+INSERT INTO gpu_bookings
+SELECT s.stream, s.seq, s.ts, s.node, s.gpu_index, s.gpu_uuid, s.replica_id, s.model, 'placed',
+       coalesce(nullif(s.mib, 0), c.memory_mib), c.memory_mib
+FROM (SELECT stream, seq, ts, x[8] AS replica_id, x[5] AS model, g.node AS node, g.index AS gpu_index,
+             g.uuid AS gpu_uuid, g.mib AS mib
+      FROM (SELECT stream, seq, ts, x,
+                   unnest(from_json(x[16], '[{"node": "VARCHAR", "index": "INTEGER", "uuid": "VARCHAR", "mib": "BIGINT"}]'))
+                       AS g
+            FROM {source} WHERE x[1] = 'ReplicaPlaced')) s
+LEFT JOIN gpus c ON c.gpu_uuid = s.gpu_uuid;
+INSERT INTO gpu_bookings
+SELECT f.stream, f.seq, f.ts, b.node, b.gpu_index, b.gpu_uuid, b.replica_id, b.model, 'stopped', b.booked_mib,
+       b.memory_mib
+FROM (SELECT arg_min(stream, seq) AS stream, min(seq) AS seq, arg_min(ts, seq) AS ts, replica_id, placed_seq
+      FROM (SELECT s.stream, s.seq, s.ts, s.x[8] AS replica_id,
+                   (SELECT max(p.seq) FROM gpu_bookings p
+                    WHERE p.event = 'placed' AND p.replica_id = s.x[8] AND p.seq < s.seq) AS placed_seq
+            FROM {source} s WHERE s.x[1] = 'ReplicaStopped')
+      WHERE placed_seq IS NOT NULL GROUP BY replica_id, placed_seq) f
+JOIN gpu_bookings b ON b.event = 'placed' AND b.replica_id = f.replica_id AND b.seq = f.placed_seq
+WHERE NOT EXISTS (SELECT 1 FROM gpu_bookings q
+                  WHERE q.event = 'stopped' AND q.replica_id = f.replica_id AND q.seq > f.placed_seq);
+INSERT INTO replica_memory
+SELECT stream, seq, ts, x[8], x[5], x[3], x[19]::BIGINT, 'state'
+FROM {source} WHERE x[1] = 'ReplicaStateChanged' AND x[19]::BIGINT BETWEEN 1 AND @MAX@
+UNION ALL
+SELECT stream, seq, ts, x[8], x[5], x[3], x[20]::BIGINT, 'overbooked'
+FROM {source} WHERE x[1] = 'ReplicaOverBooked' AND x[20]::BIGINT BETWEEN 1 AND @MAX@;
+""".replace("@MAX@", str(OBSERVED_MIB_MAX))
+
+# Older schemas a projector brings up to this one in place, one step at a time: schema 5 renamed two
+# names and added gpu_health.xid and replica_lifecycle.code, filled in for the rows already there;
+# schema 6 added the bookings' history, filled from the events the file holds.
 MIGRATIONS = {
     4: ["ALTER TABLE checkpoint RENAME TO positions",
         "ALTER TABLE projector_state RENAME COLUMN snapshot TO checkpoint",
@@ -59,10 +108,26 @@ MIGRATIONS = {
         "ALTER TABLE replica_lifecycle ADD COLUMN code VARCHAR",
         f"UPDATE replica_lifecycle SET code = {STOP_CODE.format(reason='detail')} WHERE kind = 'stopped'",
         "UPDATE projector_state SET schema_version = 5 WHERE id = 1"],
+    5: [schema.create_table("gpu_bookings"), schema.create_table("replica_memory"),
+        # The events it holds, as the stage has them: the fields the bookings read, by the stage's indexes.
+        "CREATE TEMP TABLE migrated AS SELECT stream, seq, ts, [type, NULL, node, NULL, model, NULL, NULL, replica_id, "
+        "NULL, NULL, NULL, NULL, NULL, NULL, NULL, json->>'$.gpus', NULL, NULL, json->>'$.observed_memory_mib', "
+        "json->>'$.used_mib'] AS x FROM events WHERE type IN ('ReplicaPlaced', 'ReplicaStopped', "
+        "'ReplicaStateChanged', 'ReplicaOverBooked') ORDER BY stream, seq",
+        # The placements first, so that every stop finds its placement.
+        *_BOOKINGS.replace("{source}", "migrated").split(";\n")[:-1],
+        "DROP TABLE migrated",
+        "ALTER TABLE gpus ADD COLUMN replica_ids VARCHAR[]",
+        "ALTER TABLE gpus ADD COLUMN booked_mib BIGINT",
+        "UPDATE gpus SET replica_ids = CASE WHEN replica_id IS NULL THEN [] ELSE string_split(replica_id, ', ') END, "
+        "booked_mib = coalesce((SELECT sum(CASE b.event WHEN 'placed' THEN b.booked_mib ELSE -b.booked_mib END) "
+        "FROM gpu_bookings b WHERE b.gpu_uuid = gpus.gpu_uuid), 0)",
+        "ALTER TABLE gpus DROP COLUMN replica_id",
+        "UPDATE projector_state SET schema_version = 6 WHERE id = 1"],
 }
 
 HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "prefix_cache", "usage_by_key",
-                  "unprojected_events")
+                  "gpu_bookings", "replica_memory", "unprojected_events")
 VIEW_TABLES = ("nodes", "gpus", "replicas", "models", "unplaceable")
 TABLES = ("positions", "projector_state", *HISTORY_TABLES, *VIEW_TABLES)
 
@@ -99,11 +164,11 @@ def _json_path(*names: str) -> str:
     return "$." + ".".join(names)
 
 
-# x[1..18], in this order (see _FROM_STAGE): the tag, then fields by their messages.py names.
+# x[1..20], in this order (see _FROM_STAGE): the tag, then fields by their messages.py names.
 _PATHS = ["$.type", *(_json_path(*p.split(".")) for p in (
     "at", "node")), "$.nodes[0]", *(_json_path(*p.split(".")) for p in (
     "model", "name", "spec.name", "replica_id", "gpu_index", "gpu_uuid", "healthy", "state", "detail", "reason",
-    "nodes", "gpus", "reasons", "code"))]
+    "nodes", "gpus", "reasons", "code", "observed_memory_mib", "used_mib"))]
 # ``ts`` is the event's time as the fold takes it: the time the stream stored it when its own
 # is outside the window fold.clamp_times allows (the same bounds, in microseconds).
 _STAGE_CHUNK = f"""
@@ -120,7 +185,7 @@ FROM (SELECT seq::BIGINT AS seq, subject, stored_ns::BIGINT AS stored_ns, json, 
 
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
 #    healthy, state, detail, reason, nodes, gpus, reasons (these three as JSON text, so that
-#    no query parses a whole payload a second time), code
+#    no query parses a whole payload a second time), code, observed_memory_mib, used_mib
 _FROM_STAGE = """
 INSERT INTO events
 SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished' ELSE x[1] END, ts,
@@ -163,8 +228,15 @@ SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT, c[5]::
 FROM (SELECT stream, seq, ts, m, unnest(m.keys) AS c
       FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "keys": [["VARCHAR"]]}') AS m
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"keys":[[%'));
-DELETE FROM stage_parsed;
 """.replace("@XID@", XID.format(reasons="x[17]")).replace("@STOP_CODE@", STOP_CODE.format(reason="x[14]"))
+_CLEAR_STAGE = "DELETE FROM stage_parsed;"
+
+
+def _from_stage(chunks: list[Chunk]) -> str:
+    """The history rows of the staged chunks; the bookings' only when the control stream is among them (its
+    events are few, the usage stream's idle maps most of a busy fleet's commits)."""
+    control = any(c[0] == STREAM_CONTROL for c in chunks)
+    return _FROM_STAGE + (_BOOKINGS.replace("{source}", "stage_parsed") if control else "") + _CLEAR_STAGE
 
 Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
 
@@ -298,7 +370,7 @@ def add_unprojected(batch: Batch, stream: str, seq: int, subject: str, data: byt
 
 def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
     """The current views, rebuilt whole from the folded state."""
-    held = state.held_gpus()
+    holders = state.gpu_replicas()
     placed: dict[str, int] = {}
     for r in state.replicas.values():
         placed[r.model] = placed.get(r.model, 0) + 1
@@ -310,8 +382,8 @@ def view_rows(state: FleetState) -> dict[str, list[tuple[Any, ...]]]:
         ],
         "gpus": [
             (g.node, g.index, g.uuid, g.name, g.gpu_class, g.memory_mib, g.healthy, g.reasons, g.since,
-             held.get((g.node, g.index)))
-            for g in state.gpus()
+             [rid for rid, _ in on], sum(mib for _, mib in on))
+            for g in state.gpus() for on in [holders.get((g.node, g.index), [])]
         ],
         "replicas": [
             (r.replica_id, r.model, r.state, r.nodes, len(r.gpus), r.fabric, r.placed_at, r.state_at,
@@ -398,12 +470,13 @@ class Store:
                                   "the streams)") from e
 
     def _migrate(self, version: int) -> None:
-        """Bring a file of an older schema up to this one, in one transaction."""
+        """Bring a file of an older schema up to this one, step by step, in one transaction."""
         con = self.con
         try:
             con.execute("BEGIN TRANSACTION")
-            for sql in MIGRATIONS[version]:
-                con.execute(sql)
+            for step in range(version, SCHEMA_VERSION):
+                for sql in MIGRATIONS[step]:
+                    con.execute(sql)
             con.execute("COMMIT")
         except duckdb.Error as e:
             with contextlib.suppress(duckdb.Error):
@@ -494,7 +567,7 @@ class Store:
             con.execute("BEGIN TRANSACTION")
             try:
                 con.execute(_STAGE_CHUNK, [stream, *(_join_col(msgs, i, sep) for i, sep in enumerate(_SEPS))])
-                con.execute(_FROM_STAGE)
+                con.execute(_from_stage([(stream, "", "", "", "")]))
             except _DATA_ERRORS as e:
                 return str(e)
             finally:
@@ -529,13 +602,14 @@ class Store:
                     app = con.appender(table)
                     app.append_rows(rows)
                     app.flush()
-            con.execute(_FROM_STAGE)
+            # The current tables first: a placement's whole card is booked at the memory ``gpus`` now says.
             for table, rows in view_rows(state).items():
                 con.execute(f"DELETE FROM {table}")
                 if rows:
                     app = con.appender(table)
                     app.append_rows(rows)
                     app.flush()
+            con.execute(_from_stage(batch.chunks))
             con.execute("DELETE FROM positions")
             if cursor.positions:
                 con.executemany("INSERT INTO positions VALUES (?, ?)", sorted(cursor.positions.items()))

@@ -3,7 +3,8 @@
 Deterministic, so the outputs printed in the doc are what its queries give
 (tests/test_analyst_sql.py checks that with the DuckDB CLI). Traffic follows
 office hours, a GPU fault forces a re-placement, a scaled-to-zero model is woken
-by a request, a router restarts, a node is lost and returns.
+by a request, a router restarts, a node is lost and returns; two models share an
+L40S card, and one of them grows past what it booked there.
 """
 
 from __future__ import annotations
@@ -42,24 +43,30 @@ def _node(name: str, fabric: str, gpu_class: str, count: int, t: datetime,
 
 
 def _spec(name: str, gpu_class: str, tp: int = 1, pp: int = 1, replicas: int = 1, kv: int = 0,
-          autoscale: bool = False) -> m.ModelSpec:
-    return m.ModelSpec(name=name, source=f"org/{name}", precision="bf16", engine="vllm", gpu_class=gpu_class,
+          autoscale: bool = False, gib: float = 0.0) -> m.ModelSpec:
+    """A vLLM model; with ``gib``, a llama.cpp one whose plan charges that much per GPU (it shares a card)."""
+    return m.ModelSpec(name=name, source=f"org/{name}", precision="q8_0" if gib else "bf16",
+                       engine="llama.cpp" if gib else "vllm", gpu_class=gpu_class,
                        context=32768, tp=tp, pp=pp, replicas=replicas, kv_tokens=kv,
-                       gib_per_gpu=72.0 if gpu_class.startswith("H100") else 41.0,
+                       gib_per_gpu=gib or (72.0 if gpu_class.startswith("H100") else 36.0),
                        min_replicas=0 if autoscale else None, max_replicas=2 if autoscale else None)
 
 
 LLAMA = _spec("llama-3.3-70b", "H100-80GB", tp=4, replicas=2, kv=180_000)
 QWEN = _spec("qwen2.5-7b", "L40S-48GB", replicas=2, kv=90_000)
 CODER = _spec("coder-32b", "H100-80GB", tp=2, kv=120_000, autoscale=True)
-EMBED = _spec("embed-small", "L40S-48GB")
+EMBED = _spec("embed-small", "L40S-48GB", gib=4.0)
 DEEPSEEK = _spec("deepseek-v3", "H100-80GB", tp=8, pp=4)
 XID79 = xid_finding(79).text
+# What the L40S replicas book: qwen a share of its card (the H100 ones, placed the old way, the whole card),
+# and embed-small beside it on the same one.
+QWEN_MIB, EMBED_MIB = 36 * 1024, 4 * 1024
 
 
-def _placed(rid: str, s: m.ModelSpec, node: str, gpus: range, t: datetime, fabric: str, why: str) -> m.ReplicaPlaced:
+def _placed(rid: str, s: m.ModelSpec, node: str, gpus: range, t: datetime, fabric: str, why: str,
+            mib: int = 0) -> m.ReplicaPlaced:
     return m.ReplicaPlaced(at=t, replica_id=rid, model=s.name, nodes=(node,), fabric=fabric, spec=s, reason=why,
-                           gpus=tuple(m.GpuRef(node=node, index=i, uuid=f"GPU-{node}-{i}") for i in gpus))
+                           gpus=tuple(m.GpuRef(node=node, index=i, uuid=f"GPU-{node}-{i}", mib=mib) for i in gpus))
 
 
 def _healthy(rid: str, s: m.ModelSpec, node: str, t: datetime, kv: int) -> m.ReplicaStateChanged:
@@ -90,10 +97,10 @@ def _story() -> list[m.Event]:
         *(m.ModelDeclared(at=at(0, 8, 1), spec=s) for s in (LLAMA, QWEN, CODER, EMBED, DEEPSEEK)),
         _placed("llama-3.3-70b-r1", LLAMA, "h100-a-01", range(4), at(0, 8, 2), "ib-a", "0 of 2 running"),
         _placed("llama-3.3-70b-r2", LLAMA, "h100-a-02", range(4), at(0, 8, 2), "ib-a", "1 of 2 running"),
-        _placed("qwen2.5-7b-r1", QWEN, "l40s-01", range(1), at(0, 8, 2), "pcie", "0 of 2 running"),
-        _placed("qwen2.5-7b-r2", QWEN, "l40s-02", range(1), at(0, 8, 2), "pcie", "1 of 2 running"),
+        _placed("qwen2.5-7b-r1", QWEN, "l40s-01", range(1), at(0, 8, 2), "pcie", "0 of 2 running", QWEN_MIB),
+        _placed("qwen2.5-7b-r2", QWEN, "l40s-02", range(1), at(0, 8, 2), "pcie", "1 of 2 running", QWEN_MIB),
         _placed("coder-32b-r1", CODER, "h100-a-03", range(2), at(0, 8, 2), "ib-a", "0 of 1 running"),
-        _placed("embed-small-r1", EMBED, "l40s-01", range(1, 2), at(0, 8, 2), "pcie", "0 of 1 running"),
+        _placed("embed-small-r1", EMBED, "l40s-01", range(1), at(0, 8, 2), "pcie", "0 of 1 running", EMBED_MIB),
         m.ModelUnplaceable(at=at(0, 8, 2), name="deepseek-v3",
                            reason="needs 4 whole H100-80GB nodes on one fabric; ib-a has 1 free, ib-b 1"),
         _healthy("llama-3.3-70b-r1", LLAMA, "h100-a-01", at(0, 8, 6), 172_032),
@@ -122,6 +129,11 @@ def _story() -> list[m.Event]:
                 "woken by router-a: 3 requests waiting"),
         _healthy("coder-32b-r2", CODER, "h100-a-03", at(1, 9, 14), 118_784),
         _health("l40s-01", 0, at(1, 10, 30), True, xid_finding(13).text),
+        # embed-small's engine grows past what it booked beside qwen: its agent says so
+        m.ReplicaStateChanged(at=at(1, 11, 0), replica_id="embed-small-r1", model=EMBED.name, node="l40s-01",
+                              state="healthy", endpoint="http://l40s-01:8000", observed_memory_mib=4700),
+        m.ReplicaOverBooked(at=at(1, 11, 0), replica_id="embed-small-r1", model=EMBED.name, node="l40s-01",
+                            booked_mib=EMBED_MIB, used_mib=4700, source="nvml"),
         m.ModelAutoscaled(at=at(1, 12, 40), name="coder-32b", replicas=0, reason="scaled down: no request for 40m"),
         m.ReplicaStopped(at=at(1, 12, 40), replica_id="coder-32b-r2", model="coder-32b", reason="scaled down to 0"),
         m.NodeLost(at=at(1, 22, 0), node="h100-b-02"),

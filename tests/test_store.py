@@ -51,8 +51,9 @@ def test_commit_writes_history_views_and_checkpoint(duckdb_path: Path) -> None:
     assert store.query("SELECT json IS NULL, count(*) FROM events GROUP BY ALL ORDER BY 1") == [(False, 19), (True, 4)]
     # An idle map is recorded under its own type, without a payload (idle_history holds what changed).
     assert store.query("SELECT DISTINCT type FROM events WHERE json IS NULL") == [("IdleMapPublished",)]
-    assert store.query("SELECT node, gpu_index, replica_id FROM gpus WHERE replica_id IS NOT NULL "
-                       "AND node = 'n1'") == [("n1", 0, "r-qwen")]
+    # A placement from before GPUs were shared (no MiB on its GpuRef) books the whole card.
+    assert store.query("SELECT node, gpu_index, replica_ids, booked_mib FROM gpus WHERE len(replica_ids) > 0 "
+                       "AND node = 'n1'") == [("n1", 0, ["r-qwen"], 81559)]
     assert store.query("SELECT model, replicas_wanted, replicas_placed FROM models ORDER BY model") == [
         ("deepseek-v3", 1, 0), ("gemma-9b", 1, 1), ("llama-70b", 1, 1), ("qwen-8b", 1, 1)]
     assert store.query("SELECT node, lost FROM nodes WHERE lost") == [("n5", True)]
@@ -160,13 +161,24 @@ def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path
     con.execute("CREATE TABLE nodes (name VARCHAR, gpus INTEGER)")
     con.execute("INSERT INTO projector_state VALUES (1, 3, NULL, 0, 0, NULL)")
     con.close()
-    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 5; project into a new file"):
+    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 6; project into a new file"):
         Store(old)
     con = duckdb.connect(str(old), read_only=True)  # closed again, and untouched
     try:
         assert con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal").fetchone() == (0,)
     finally:
         con.close()
+
+
+def _as_schema_5(con: duckdb.DuckDBPyConnection) -> None:
+    """Make a file look as schema 5 left it: no bookings' history, one holder per GPU as text."""
+    con.execute("DROP TABLE gpu_bookings")
+    con.execute("DROP TABLE replica_memory")
+    con.execute("ALTER TABLE gpus ADD COLUMN replica_id VARCHAR")
+    con.execute("UPDATE gpus SET replica_id = nullif(array_to_string(replica_ids, ', '), '')")
+    con.execute("ALTER TABLE gpus DROP COLUMN replica_ids")
+    con.execute("ALTER TABLE gpus DROP COLUMN booked_mib")
+    con.execute("UPDATE projector_state SET schema_version = 5")
 
 
 def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> None:
@@ -176,6 +188,8 @@ def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> N
     stopped = m.ReplicaStopped(at=t(50), replica_id="r-qwen", model="qwen-8b", reason="scaled down to 0")
     store.commit(batch_of([*small_fleet(), stopped], cp), encode_state(cp.state, cp.cursor))
     events = store.query("SELECT count(*) FROM events")
+    bookings = store.table_rows("gpu_bookings")
+    _as_schema_5(store.con)
     store.con.execute("ALTER TABLE positions RENAME TO checkpoint")  # the file as schema 4 left it
     store.con.execute("ALTER TABLE projector_state RENAME COLUMN checkpoint TO snapshot")
     store.con.execute("ALTER TABLE gpu_health DROP COLUMN xid")
@@ -185,8 +199,9 @@ def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> N
     again = Store(duckdb_path)
     try:
         assert again.load() == cp
-        assert again.query("SELECT schema_version FROM projector_state") == [(5,)]
+        assert again.query("SELECT schema_version FROM projector_state") == [(6,)]  # through 5, to 6
         assert again.query("SELECT count(*) FROM events") == events
+        assert again.table_rows("gpu_bookings") == bookings
         assert again.query("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'checkpoint'") == [(0,)]
         # The new columns, filled in for the rows already there: the XID number, the stop's code.
         assert again.query("SELECT node, gpu_index, xid FROM gpu_health") == [("n1", 2, 79)]
@@ -274,3 +289,92 @@ def test_stops_carry_their_code_and_faults_their_xid(duckdb_path: Path) -> None:
     assert store.query("SELECT replica_id, code FROM replica_lifecycle WHERE kind = 'stopped' ORDER BY seq") == [
         ("r-qwen", "idle"), ("r-gemma", "engine_failed")]  # the second written before codes: its wording's
     store.close()
+
+
+def s(tenths: int) -> datetime:
+    """A moment in tenths of a minute after the fleet's start: within the 5 minutes the store keeps event times
+    for (TS_NS is when these were stored)."""
+    return t(tenths / 10)
+
+
+def _shared() -> list[m.Event]:
+    """Two small replicas on one card, a whole one from before sharing, what their engines held, their stops."""
+    small = m.ModelSpec(name="a", source="./a.gguf", precision="q4_K_M", engine="llama.cpp", gpu_class="H100-80GB",
+                        context=4096, gib_per_gpu=10.0)
+
+    def placed(rid: str, index: int, mib: int, at: datetime) -> m.ReplicaPlaced:
+        return m.ReplicaPlaced(at=at, replica_id=rid, model=rid[:-3], nodes=("n1",), spec=small, fabric="ib-a",
+                               gpus=(m.GpuRef(node="n1", index=index, uuid=f"GPU-n1-{index}", mib=mib),))
+
+    def healthy(rid: str, used: int, at: datetime) -> m.ReplicaStateChanged:
+        return m.ReplicaStateChanged(at=at, replica_id=rid, model=rid[:-3], node="n1", state="healthy",
+                                     endpoint="http://n1:8000", observed_memory_mib=used)
+
+    return [
+        small_fleet()[0],  # n1: four 81559 MiB cards
+        placed("a-r1", 0, 10240, s(1)),
+        placed("b-r1", 0, 20480, s(2)),
+        placed("old-r1", 1, 0, s(3)),  # mib 0: the whole card
+        healthy("a-r1", 9000, s(4)),
+        healthy("b-r1", 0, s(4)),  # not measured: no row
+        m.ReplicaOverBooked(at=s(5), replica_id="b-r1", model="b", node="n1", booked_mib=20480, used_mib=23000),
+        # the next commit
+        m.ReplicaStopped(at=s(6), replica_id="a-r1", model="a", reason="idle", code="idle"),
+        m.ReplicaStopped(at=s(7), replica_id="a-r1", model="a", reason="requested", code="requested"),  # again
+        m.ReplicaStopped(at=s(8), replica_id="b-r1", model="b", reason="idle", code="idle"),
+    ]
+
+
+def test_bookings_say_who_booked_how_much_of_each_gpu_and_what_their_engines_held(duckdb_path: Path) -> None:
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    events = _shared()
+    try:
+        store.commit(batch_of(events[:7], cp), encode_state(cp.state, cp.cursor))
+        assert store.query("SELECT gpu_index, replica_ids, booked_mib FROM gpus WHERE node = 'n1' ORDER BY 1") == [
+            (0, ["a-r1", "b-r1"], 30720), (1, ["old-r1"], 81559), (2, [], 0), (3, [], 0)]
+        # A stop in a later commit than its placement frees what the placement booked, once.
+        store.commit(batch_of(events[7:], cp, start=8), encode_state(cp.state, cp.cursor))
+        assert store.query("SELECT ts, gpu_index, replica_id, event, booked_mib, memory_mib FROM gpu_bookings "
+                           "ORDER BY seq") == [
+            (s(1), 0, "a-r1", "placed", 10240, 81559), (s(2), 0, "b-r1", "placed", 20480, 81559),
+            (s(3), 1, "old-r1", "placed", 81559, 81559),
+            (s(6), 0, "a-r1", "stopped", 10240, 81559), (s(8), 0, "b-r1", "stopped", 20480, 81559)]
+        assert store.query("SELECT ts, replica_id, node, used_mib, kind FROM replica_memory ORDER BY seq") == [
+            (s(4), "a-r1", "n1", 9000, "state"), (s(5), "b-r1", "n1", 23000, "overbooked")]
+        assert store.query("SELECT gpu_index, replica_ids, booked_mib FROM gpus WHERE node = 'n1' AND booked_mib > 0") \
+            == [(1, ["old-r1"], 81559)]
+        # Booked against used per GPU over time, each stretch to the next (the last to the newest event).
+        rows = store.query("SELECT gpu_index, ts, until, span_s, memory_mib, booked_mib, used_mib, replica_ids, "
+                           "unmeasured FROM gpu_booked_used ORDER BY gpu_index, ts")
+        assert rows == [
+            (0, s(1), s(2), 6.0, 81559, 10240, None, ["a-r1"], 1),
+            (0, s(2), s(4), 12.0, 81559, 30720, None, ["a-r1", "b-r1"], 2),
+            (0, s(4), s(5), 6.0, 81559, 30720, 9000, ["a-r1", "b-r1"], 1),
+            (0, s(5), s(6), 6.0, 81559, 30720, 32000, ["a-r1", "b-r1"], 0),  # b past its booking
+            (0, s(6), s(8), 12.0, 81559, 20480, 23000, ["b-r1"], 0),
+            (0, s(8), s(8), 0.0, 81559, 0, None, [], 0),
+            (1, s(3), s(8), 30.0, 81559, 81559, None, ["old-r1"], 1),
+        ]
+    finally:
+        store.close()
+
+
+def test_a_schema_5_file_gets_its_bookings_from_the_events_it_holds(duckdb_path: Path) -> None:
+    """Schema 6's history tables are filled in place from the events: the rows a fresh projection writes."""
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    events = _shared()
+    store.commit(batch_of(events[:7], cp), encode_state(cp.state, cp.cursor))
+    store.commit(batch_of(events[7:], cp, start=8), encode_state(cp.state, cp.cursor))
+    fresh = {table: store.table_rows(table) for table in ("gpu_bookings", "replica_memory", "gpus")}
+    _as_schema_5(store.con)
+    assert store.query("SELECT replica_id FROM gpus WHERE replica_id IS NOT NULL") == [("old-r1",)]
+    store.close()
+    again = Store(duckdb_path)
+    try:
+        assert again.query("SELECT schema_version FROM projector_state") == [(6,)]
+        assert {table: again.table_rows(table) for table in fresh} == fresh
+        assert again.load() == cp
+    finally:
+        again.close()
