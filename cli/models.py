@@ -510,6 +510,11 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
                          memory_text(r),
                          cached_text(r))
         console.print(reps)
+        for r in d.replicas:
+            if (o := r.overbooked) is not None:
+                console.print(f"  {r.replica_id} held more than it booked: {o.used_mib / 1024:.1f} GiB on {o.node} against "
+                              f"{o.booked_mib / 1024:.1f} booked ({o.source}, {_time(o.at)} UTC): the card's other "
+                              "replicas have that much less room")
         console.print(f"  routed by {spec.routing} (docs/router.md, \"Routing\"); prompt cached: the share of prompt "
                       "tokens its engine served from its prefix cache, as the routers read it")
     else:

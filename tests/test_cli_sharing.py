@@ -327,3 +327,18 @@ def test_model_show_states_each_replicas_booking_against_its_use(settings: Setti
     assert "l4-1: - / 16.0 GiB" in row  # nothing reported yet: what it booked, the whole card
     d = json.loads(ctl(settings, "ctl", "model", "show", "a", "--replay", "--json").output)
     assert [(x["booked_mib"], x["observed_memory_mib"]) for x in d["replicas"]] == [({"l4-1": 5940}, {"l4-1": 5325})]
+
+
+def test_model_show_says_when_a_replica_held_more_than_it_booked(settings: Settings, l4: Path) -> None:
+    shared_fleet(settings, l4)
+    at = m.utcnow().replace(microsecond=0)
+    publish(settings, [m.ReplicaOverBooked(at=at, replica_id="b-r1", model="b", node="l4-1", booked_mib=5940,
+                                           used_mib=7168, source="rss")])
+    r = ctl(settings, "ctl", "model", "show", "b", "--replay")
+    assert r.exit_code == 0, r.output
+    assert (f"  b-r1 held more than it booked: 7.0 GiB on l4-1 against 5.8 booked (rss, {at:%Y-%m-%d %H:%M:%S} UTC): "
+            "the card's other replicas have that much less room") in r.output.splitlines()
+    d = json.loads(ctl(settings, "ctl", "model", "show", "b", "--replay", "--json").output)
+    assert [(x["overbooked"]["used_mib"], x["overbooked"]["source"]) for x in d["replicas"]] == [(7168, "rss")]
+    a = ctl(settings, "ctl", "model", "show", "a", "--replay")
+    assert "held more than it booked" not in a.output

@@ -162,7 +162,7 @@ def replica_rows(state: FleetState, now: datetime | None, model: str | None = No
             kv_tokens_planned=planned, kv_tokens_observed=observed,
             kv_error=round((planned - observed) / observed, 4) if planned and observed and against else None,
             observed_memory_mib=dict(sorted(r.observed_memory_mib.items())),
-            booked_mib=_booked_by_node(state, r),
+            booked_mib=_booked_by_node(state, r), overbooked=r.overbooked,
             prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
         ))
     return tuple(rows)

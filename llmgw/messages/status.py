@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from llmgw.messages.control import ControlEvent, GpuRef, ModelSpec
+from llmgw.messages.control import ControlEvent, GpuRef, ModelSpec, ReplicaOverBooked
 from llmgw.messages.fleet import GpuSample
 
 # --- status service: llmgw.status (request/reply) ------------------------------
@@ -163,6 +163,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     observed_memory_mib: dict[str, int] = {}
     # MiB it booked on each node, over its GPUs there (a placement from before sharing: the whole cards).
     booked_mib: dict[str, int] = {}
+    # The last time its engine held more than it booked, by more than OVERBOOK_MARGIN (None: never).
+    overbooked: ReplicaOverBooked | None = None
     # Prompt tokens its engine reported through every router since it was placed, and how many it
     # served from its prefix cache (the routers' maps, ``cache_use``); 0 and 0: none reported.
     prompt_tokens: int = 0
