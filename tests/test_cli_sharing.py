@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -342,3 +343,31 @@ def test_model_show_says_when_a_replica_held_more_than_it_booked(settings: Setti
     assert [(x["overbooked"]["used_mib"], x["overbooked"]["source"]) for x in d["replicas"]] == [(7168, "rss")]
     a = ctl(settings, "ctl", "model", "show", "a", "--replay")
     assert "held more than it booked" not in a.output
+
+
+def test_live_status_takes_used_memory_from_the_agents_nvml_samples(settings: Settings, l4: Path,
+                                                                    tmp_path: Path) -> None:
+    """Heartbeats are not history: live status says NVML's figure is its source, a replay the engines'."""
+    stored_events = shared_fleet(settings, l4)
+    beat = m.HeartbeatSent(at=m.utcnow(), node="l4-1", boot_id="b", seq=1,
+                           gpus=(m.GpuSample(index=0, memory_used_mib=12_800, memory_total_mib=CARD_MIB),
+                                 m.GpuSample(index=1, memory_used_mib=1_536, memory_total_mib=CARD_MIB)))
+
+    async def send() -> None:
+        bus = await Bus.connect(settings, "llmgw-test-agent")
+        try:
+            await bus.publish_core(subjects.heartbeat("l4-1"), m.encode(beat))
+        finally:
+            await bus.close()
+
+    asyncio.run(send())
+    with serving(settings, tmp_path / "live.duckdb", stored_events) as projector:
+        for _ in range(400):  # bounded: until the projector has read the heartbeat
+            if projector.gpu_samples is not None and projector.gpu_samples.latest:
+                break
+            time.sleep(0.05)
+        live = ctl(settings, "ctl", "status")
+    assert live.exit_code == 0, live.output
+    assert "  L4-16GB       32.0     27.6   14.0 (nvml)    4.4                    4.4" in live.output, live.output
+    replayed = ctl(settings, "ctl", "status", "--replay")
+    assert "  L4-16GB       32.0     27.6   5.2 (engines)    4.4                    4.4" in replayed.output
