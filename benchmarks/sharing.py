@@ -270,11 +270,11 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
           f"{tiny.prompt['rss']:.0f} MiB less its {tiny.buffers.get('model', 0.0) + tiny.buffers.get('KV', 0.0):.1f} "
           f"MiB of weights and KV); the plan charges a CUDA context of {CUDA_MIB:.0f} MiB in its place")
     print("error: resident after the long prompt against booked; adjusted: against booked less the CUDA context "
-          "plus the fixed overhead\n")
+          "plus the fixed overhead (and, last, the same for the resident memory once healthy)\n")
     print("| model | layers × embd | GGUF MiB | plan: weights + KV + overhead MiB | booked MiB "
           "| llama.cpp allocated: model + KV + compute MiB | RSS healthy MiB | RSS after a short request "
-          f"| RSS after a {tiny.prompt_tokens}-token prompt (anon + file) | error | adjusted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| RSS after a {tiny.prompt_tokens}-token prompt (anon + file) | error | adjusted | adjusted, healthy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         adjusted = r.booked_mib - CUDA_MIB + fixed
         logged = " + ".join(f"{r.buffers.get(k, 0.0):.0f}" for k in ("model", "KV", "compute"))
@@ -282,7 +282,8 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
               f"| {r.weights_mib:.0f} + {r.kv_mib:.0f} + {r.overhead_mib:.0f} | {r.booked_mib} | {logged} "
               f"| {r.healthy['rss']:.0f} | {r.served['rss']:.0f} "
               f"| {r.prompt['rss']:.0f} ({r.prompt['anon']:.0f} + {r.prompt['file']:.0f}) "
-              f"| {pct(r.prompt['rss'], r.booked_mib)} | {pct(r.prompt['rss'], adjusted) if r is not tiny else 'n/a'} |")
+              f"| {pct(r.prompt['rss'], r.booked_mib)} | {pct(r.prompt['rss'], adjusted) if r is not tiny else 'n/a'} "
+              f"| {pct(r.healthy['rss'], adjusted) if r is not tiny else 'n/a'} |")
     sized = rows[1:]
     raw = all(abs(r.prompt["rss"] - r.booked_mib) <= 0.1 * r.booked_mib for r in sized)
     adj = all(abs(r.prompt["rss"] - (r.booked_mib - CUDA_MIB + fixed)) <= 0.1 * (r.booked_mib - CUDA_MIB + fixed)
