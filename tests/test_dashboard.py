@@ -20,7 +20,7 @@ from llmgw import subjects
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.dashboard.app import Dashboard
-from llmgw.dashboard.page import bar, duration
+from llmgw.dashboard.page import bar, booking_bar, duration
 from llmgw.projections.runner import Projector
 
 EVIL = "<script>alert(1)</script>"
@@ -80,6 +80,58 @@ def test_durations_and_bars_read_right() -> None:
     # 1 used GPU of 400 still shows (at least 1% wide), and the parts never run past the end.
     one = bar((("used", 1), ("free", 399)), 400)
     assert 'class="used" x="0.00" y="0" width="1.00"' in one and 'width="99.00"' in one
+
+
+def test_a_card_bar_shows_each_booking_and_what_the_engines_hold() -> None:
+    two = booking_bar((("a-r1", 10240), ("b-r1", 6144)), 9216, 46068)
+    assert 'class="booked b0" x="0.00" y="0" width="22.23"' in two
+    assert 'class="booked b1" x="22.23" y="0" width="13.34"' in two  # beside the first, in the other shade
+    assert 'class="inuse" x="0" y="7.5" width="20.01"' in two
+    # An engine more than 10 % past what its replicas booked is drawn as such; a card never runs past its end.
+    over = booking_bar((("a-r1", 10240),), 12000, 10240 * 4)
+    assert 'class="inuse over"' in over
+    full = booking_bar((("a-r1", 90_000),), None, 81559)
+    assert 'width="100.00"' in full and "inuse" not in full
+
+
+async def test_shared_gpus_list_who_booked_how_much_and_what_their_engines_hold(bus: Bus) -> None:
+    small = m.ModelSpec(name="s1", source="./s1.gguf", precision="q8_0", engine="llama.cpp", gpu_class="L40S-48GB",
+                        context=4096, gib_per_gpu=10.0)
+
+    def shared(rid: str, mib: int) -> m.ReplicaPlaced:
+        return m.ReplicaPlaced(at=t(20), replica_id=rid, model=rid[:-3], nodes=("n4",), spec=small, fabric="pcie",
+                               gpus=(m.GpuRef(node="n4", index=1, uuid="GPU-n4-1", mib=mib),))
+
+    await publish(bus, [*small_fleet(), shared("s1-r1", 10240), shared("s2-r1", 6144),
+                        m.ReplicaStateChanged(at=t(21), replica_id="s1-r1", model="s1", node="n4", state="healthy",
+                                              endpoint="http://n4:8001", observed_memory_mib=9216)])
+    await bus.publish_core(subjects.heartbeat("n1"), m.encode(m.HeartbeatSent(
+        at=t(22), node="n1", boot_id="b", seq=1, gpus=(m.GpuSample(index=0, utilization_pct=40),))))
+    async with projecting(bus) as projector, serving(bus) as board, aiohttp.ClientSession() as http:
+        await until(lambda: projector.gpu_samples is not None and bool(projector.gpu_samples.latest), "GPU samples")
+        async with http.get(board.url) as r:
+            page = await r.text()
+        async with http.get(board.url + "api/status") as r:
+            report = (await r.json())["report"]
+    booked = {(b["node"], b["index"]): b for b in report["gpu_bookings"]}
+    assert booked[("n4", 1)]["replicas"] == [["s1-r1", 10240], ["s2-r1", 6144]]
+    assert booked[("n4", 1)]["booked_mib"] == 16384 and booked[("n4", 1)]["memory_mib"] == 46068
+    gpus = page[page.index('id="gpus"'):page.index('id="events"')]
+    assert "booked by a replica (each its own shade)" in gpus and "held by its engine (measured)" in gpus  # legend
+    # The shared card: its bar, who booked how much, and what the one measured engine holds.
+    tile = gpus[gpus.index('data-gpu="n4/1"'):]
+    tile = tile[:tile.index("</ul>")]
+    assert ('<div class="booking shared" title="GPU 1 on n4: 2 replicas booked 16 GiB of 45 GiB; 29 GiB free; '
+            'their engines hold 9.0 GiB" data-gpu="n4/1">') in gpus
+    assert "GPU 1: 16 GiB of 45 GiB booked · 9.0 GiB used" in tile
+    assert '<span class="rid">s1-r1</span> 10 GiB<span class="used"> · 9.0 GiB used</span>' in tile
+    assert '<span class="rid">s2-r1</span> 6.0 GiB</li>' in tile  # not measured: no figure
+    assert 'class="booked b1" x="22.23" y="0" width="13.34"' in tile
+    # n4 sent no heartbeat yet: its bookings show all the same; n1's whole card is booked by r-qwen alone.
+    assert '<span class="node">n4</span><span class="cls">L40S-48GB</span><span class="cells empty">no samples yet' in gpus
+    whole = gpus[gpus.index('data-gpu="n1/0"'):]
+    assert whole.index("GPU 0: 80 GiB of 80 GiB booked") < whole.index("</ul>") and "r-qwen" in whole
+    assert '<div class="booking" title="GPU 0 on n1: 1 replica booked 80 GiB of 80 GiB; 0.0 GiB free"' in gpus
 
 
 async def test_the_page_shows_the_fleet_and_escapes_what_it_did_not_write(bus: Bus) -> None:

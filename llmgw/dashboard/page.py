@@ -163,11 +163,84 @@ def models_section(r: m.StatusReport) -> Safe:
     return el("table", el("thead", head), el("tbody", *rows))
 
 
-def gpus_section(r: m.StatusReport) -> Safe:
-    lost = set(r.lost_nodes)
-    if not r.node_gpus and not lost:
-        return el("p", "no GPU samples yet (agents send them with each heartbeat)", cls="empty")
+MAX_NODES_SHOWN = 400  # a node's row per node with samples or bookings, at most; the capacity figures cover all
+
+
+def booking_bar(holders: Iterable[tuple[str, int]], used: int | None, total: int) -> Safe:
+    """A card's memory as SVG: what each replica booked (adjacent ones in alternating shades) on the top
+    band, what the engines hold (measured) on the thin band under it; the rest is free."""
+    rects = []
+    x = 0.0
+    for i, (_, mib) in enumerate(holders):
+        if mib <= 0 or total <= 0:
+            continue
+        w = min(max(100 * mib / total, 1.0), 100 - x)
+        rects.append(el("rect", cls=f"booked b{i % 2}", x=f"{x:.2f}", y="0", width=f"{w:.2f}", height="7"))
+        x += w
+    if used is not None and total > 0 and used > 0:
+        over = used > sum(mib for _, mib in holders) * (1 + m.OVERBOOK_MARGIN)
+        w = min(max(100 * used / total, 1.0), 100.0)
+        rects.append(el("rect", cls="inuse over" if over else "inuse", x="0", y="7.5", width=f"{w:.2f}", height="2.5"))
+    return el("svg", *rects, cls="bar card", viewBox="0 0 100 10", preserveAspectRatio="none", role="img")
+
+
+def _used_on(r: m.StatusReport) -> dict[tuple[str, str, int], int]:
+    """(replica, node, GPU index) → MiB its engine holds there: its agent's figure for the node, split over
+    its GPUs on that node as it booked them. Only where a figure was reported."""
+    observed = {x.replica_id: x.observed_memory_mib for x in r.replica_list if x.observed_memory_mib}
+    on_node: dict[tuple[str, str], int] = {}
+    for b in r.gpu_bookings:
+        for rid, mib in b.replicas:
+            on_node[(rid, b.node)] = on_node.get((rid, b.node), 0) + mib
+    out = {}
+    for b in r.gpu_bookings:
+        for rid, mib in b.replicas:
+            used = observed.get(rid, {}).get(b.node)
+            if used and on_node[(rid, b.node)] > 0:
+                out[(rid, b.node, b.index)] = round(used * mib / on_node[(rid, b.node)])
+    return out
+
+
+def _bookings(bookings: list[m.GpuBooking], used_on: dict[tuple[str, str, int], int]) -> Safe:
+    """A node's booked GPUs: a bar each, and who booked how much (and holds how much, where measured)."""
     rows = []
+    for b in sorted(bookings, key=lambda b: b.index):
+        used = [used_on.get((rid, b.node, b.index)) for rid, _ in b.replicas]
+        known = [u for u in used if u is not None]
+        used_total = sum(known) if known else None
+        holders = [el("li", el("span", rid, cls="rid"), f" {gib(mib)}",
+                       el("span", f" · {gib(u)} used", cls="used") if u is not None else "")
+                   for (rid, mib), u in zip(b.replicas, used, strict=True)]
+        memory = b.memory_mib or b.booked_mib
+        head = f"GPU {b.index}: {gib(b.booked_mib)} of {gib(memory)} booked" + (
+            f" · {gib(used_total)} used" if used_total is not None else "")
+        shared = len(b.replicas) > 1
+        title = (f"GPU {b.index} on {b.node}: {plural(len(b.replicas), 'replica')} booked {gib(b.booked_mib)} of "
+                 f"{gib(memory)}; {gib(max(memory - b.booked_mib, 0))} free"
+                 + (f"; their engines hold {gib(used_total)}" if used_total is not None else ""))
+        rows.append(el("div", el("div", head, cls="booking-head"), booking_bar(b.replicas, used_total, memory),
+                       el("ul", *holders, cls="holders"),
+                       cls="booking shared" if shared else "booking", title=title, data_gpu=f"{b.node}/{b.index}"))
+    return join(rows)
+
+
+BOOKING_LEGEND = el("div", el("span", "", cls="swatch booked"), "booked by a replica (each its own shade) ",
+                    el("span", "", cls="swatch inuse"), "held by its engine (measured) ",
+                    el("span", "", cls="swatch free"), "free", cls="legend")
+
+
+def gpus_section(r: m.StatusReport) -> Safe:
+    """Per node: each GPU's use (a cell), then each booked GPU with who booked how much of it."""
+    lost = set(r.lost_nodes)
+    booked: dict[str, list[m.GpuBooking]] = {}
+    for b in r.gpu_bookings:
+        booked.setdefault(b.node, []).append(b)
+    if not r.node_gpus and not lost and not booked:
+        return el("p", "no GPU samples yet (agents send them with each heartbeat)", cls="empty")
+    used_on = _used_on(r) if booked else {}
+    rows: list[Safe] = [BOOKING_LEGEND] if booked else []
+    sampled = {n.node for n in r.node_gpus}
+    shown = 0
     for n in r.node_gpus:
         cells = []
         for g in n.gpus:
@@ -185,9 +258,19 @@ def gpus_section(r: m.StatusReport) -> Safe:
             cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}", title=title))
         rows.append(el("div", el("span", n.node, cls="node"), el("span", n.gpu_class, cls="cls"),
                        el("span", *cells, cls="cells"), cls="node-row"))
+        if n.node in booked:
+            rows.append(el("div", _bookings(booked[n.node], used_on), cls="bookings"))
+        shown += 1
+    for name in sorted(set(booked) - sampled - lost):  # booked, but no heartbeat sample yet
+        if shown >= MAX_NODES_SHOWN:
+            break
+        rows.append(el("div", el("span", name, cls="node"), el("span", booked[name][0].gpu_class, cls="cls"),
+                       el("span", "no samples yet", cls="cells empty"), cls="node-row"))
+        rows.append(el("div", _bookings(booked[name], used_on), cls="bookings"))
+        shown += 1
     for name in sorted(lost):
         rows.append(el("div", el("span", name, cls="node"), el("span", "lost", cls="badge bad"), cls="node-row"))
-    more = r.nodes - len(lost) - len(r.node_gpus)
+    more = r.nodes - len(lost) - shown
     if more > 0:
         rows.append(el("p", f"… and {plural(more, 'more node')} (all are in the capacity figures)", cls="empty"))
     return join(rows)
@@ -275,7 +358,7 @@ def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool
 
 
 PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole nodes per fabric",
-               "tenants": "Usage per tenant", "models": "Models and replicas", "gpus": "GPU utilization per node",
+               "tenants": "Usage per tenant", "models": "Models and replicas", "gpus": "GPUs per node: use and bookings",
                "events": "Recent events"}
 
 
