@@ -196,6 +196,17 @@ def test_whole_gpus_from_the_middle_place_the_running_replicas_again_and_stop_th
     assert out.reproduced == 1.0
 
 
+def test_whole_gpus_for_one_model_move_only_its_replicas() -> None:
+    since, end = 600.0, 3600.0
+    out = replayed(_pack_world(), T0 + timedelta(seconds=since), T0 + timedelta(hours=1),
+                   _pack(models=frozenset({"c"})))
+    whole = out.asked_total["whole GPUs"]
+    assert out.whole_start == {"whole GPUs": (1, 0)}  # c to the card a and b leave whole; they stay packed
+    assert whole.gpu_hours == round(2 * (end - since) / 3600, 3) and whole.unplaceable_minutes == 0.0
+    assert out.asked["whole GPUs"]["c"].booked_gib_hours == round(CARD_MIB / 1024 * (end - since) / 3600, 3)
+    assert out.asked["whole GPUs"]["d"].booked_gib_hours == out.asked["packing"]["d"].booked_gib_hours
+
+
 def test_a_card_two_replicas_share_counts_once_and_stays_held_until_the_last_leaves() -> None:
     """The meter's GPU-hours are the union over the replicas on a card, not their sum."""
     events = history([spec("a", gib=10.0), spec("b", gib=10.0)], [], hours=1, later=[(1200.0, "a")], nodes=1, gpus=2)
