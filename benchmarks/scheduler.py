@@ -129,9 +129,8 @@ def vllm_fleet(args: argparse.Namespace) -> None:
 def small_fleet(args: argparse.Namespace) -> None:
     gpus = args.nodes * GPUS_PER_NODE
     like = min(args.small, gpus)  # whole GPUs place at most one replica a GPU
-    cases = [(like, True), (args.small, True)]
-    if SHARING:
-        cases += [(like, False), (args.small, False)]
+    counts = sorted({like, args.small})
+    cases = [(n, True) for n in counts] + ([(n, False) for n in counts] if SHARING else [])
     runs: dict[tuple[int, bool], list[dict[str, tuple[float, list[s.Decision]]]]] = {c: [] for c in cases}
     held: dict[tuple[int, bool], int] = {}
     for _ in range(args.rounds):
@@ -156,7 +155,7 @@ def small_fleet(args: argparse.Namespace) -> None:
           f"{CARD_MIB} MiB cards); medians of {args.rounds} rounds")
     print(f"{'pass':<34} {'packing':<36} {'whole GPUs (exclusive)':<44} packing / whole")
     names = {"first": "first pass", "steady": "steady pass", "lost": "after one NodeLost"}
-    rows = [(f"{names[key]}, {n:,} declared", n, key) for key in names for n in sorted({like, args.small})]
+    rows = [(f"{names[key]}, {n:,} declared", n, key) for key in names for n in counts]
     ratios = {}
     for label, n, key in rows:
         p_ms, p = cell(n, False, key)
