@@ -9,6 +9,9 @@ models and replicas, usage → idle), and the views that join them (used, free,
 idle) are computed when asked. So the result does not depend on how the
 streams' events interleave, only on each stream's own order, which JetStream
 fixes: a live projector and a fresh replay agree.
+
+Over 600 lines: every event kind's fold is one ``match`` in ``apply``, beside the state it
+folds into and the views over it; split, a reader checking one event would read two files.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from llmgw import subjects
 # the API keys (ctl key); 7: the models' history keeps what a woken or scaled-up replica reserved;
 # 8: an observed reservation is keyed by the engine arguments that sized it and never kept from a
 # simulated node or an explicit cache size, and the models' history notes which node reported it.
-# 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at.
-FOLD_VERSION = 9
+# 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at;
+# 10: LoRA adapters (declared, and which replica holds which).
+FOLD_VERSION = 10
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -153,6 +157,11 @@ class FleetState:
     keys: dict[str, m.KeyDeclared] = field(default_factory=dict)
     # Per key, per UTC day (the last KEY_USAGE_DAYS): [requests, tokens] the routers' maps reported.
     key_usage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    # LoRA adapters by name (ctl adapter), and per replica the adapters routers loaded into its
+    # engine, with when (the usage stream's; a stopped replica's entry goes with its next unload or
+    # when no router reports it: ``adapters_held`` joins it to the replicas that exist).
+    adapters: dict[str, m.AdapterSpec] = field(default_factory=dict)
+    loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -217,6 +226,14 @@ class FleetState:
                                   replicas_wanted=v.replicas_wanted, replicas_by=v.replicas_by,
                                   unplaceable=v.unplaceable_reason)
                 for name, v in self.models.items()}
+
+    def adapters_held(self, replica: ReplicaView) -> tuple[str, ...]:
+        """The declared adapters a replica's engine holds: a llama.cpp replica those it attached at
+        start, a vLLM replica those routers loaded into it since it was placed."""
+        if replica.spec.adapters:
+            return tuple(a.name for a in replica.spec.adapters if a.name in self.adapters)
+        held = self.loaded.get(replica.replica_id, {})
+        return tuple(sorted(a for a, at in held.items() if a in self.adapters and at >= replica.placed_at))
 
     def idle_since(self, replica_id: str) -> datetime | None:
         """Since when nobody has asked for a replica, or None when no router knows.
@@ -419,6 +436,18 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 model.unplaceable_reason = model.unplaceable_at = None
         case m.ModelRemoved():
             state.models.pop(event.name, None)
+        case m.AdapterLoaded():
+            state.loaded.setdefault(event.replica_id, {})[event.adapter] = event.at
+        case m.AdapterUnloaded():
+            held = state.loaded.get(event.replica_id)
+            if held is not None:
+                held.pop(event.adapter, None)
+                if not held:
+                    del state.loaded[event.replica_id]
+        case m.AdapterDeclared(spec=adapter):
+            state.adapters[adapter.name] = adapter
+        case m.AdapterRemoved():
+            state.adapters.pop(event.name, None)
         case m.KeyDeclared():
             state.keys[event.name] = event
         case m.KeyRevoked():
@@ -539,6 +568,7 @@ def _forget_gone(state: FleetState, event: m.IdleMapPublished, before: RouterVie
     for rid in gone:
         if not any(rid in r.last_request or rid in r.serving_since for r in others):
             state.last_request.pop(rid, None)
+            state.loaded.pop(rid, None)  # the adapters loaded into it went with it
 
 
 # Event times come from the publisher's clock; the stream's own (the server's, when it
