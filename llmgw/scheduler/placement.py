@@ -161,48 +161,48 @@ def _place_small(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
     return None
 
 
-def _node_fits(state: FleetState, spec: m.ModelSpec, room: Room, node: str,
-               part_by_node: dict[str, list[tuple[int, int]]]) -> list[tuple[GpuView, int | None]] | None:
-    """``tp`` GPUs of ``node`` a replica's ranks fit on: partly booked ones with room first (the
-    tightest), then whole ones; None when fewer than ``tp`` fit. Exclusive: whole ones only."""
-    fits: list[tuple[GpuView, int | None]] = []
-    if not spec.exclusive:
-        for free, index in sorted(part_by_node.get(node, ())):
-            gpu = _gpu(state, node, index)
-            if booking_mib(spec, gpu.memory_mib) <= free:
-                fits.append((gpu, free))
-    fits += [(g, None) for g in room.whole.get(node, ())]
-    return fits[: spec.tp] if len(fits) >= spec.tp else None
-
-
 def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str]) -> Where | None:
+    # Only the partly booked GPUs a rank fits on (the bisection skips those with too little free),
+    # and a node's key from counts: the GPU lists are built for the chosen nodes alone.
     part_by_node: dict[str, list[tuple[int, int]]] = {}
     if not spec.exclusive:
-        for free, node, index in room.part:
-            part_by_node.setdefault(node, []).append((free, index))
-    options: dict[str, list[tuple[GpuView, int | None]]] = {}
-    for node in {*room.whole, *part_by_node}:
-        if (fits := _node_fits(state, spec, room, node, part_by_node)) is not None:
-            options[node] = fits
+        need = booking_mib(spec, room.card_mib) if room.card_mib else 1
+        for free, node, index in room.part[bisect.bisect_left(room.part, (need, "", -1)):]:
+            if booking_mib(spec, _gpu(state, node, index).memory_mib) <= free:
+                part_by_node.setdefault(node, []).append((free, index))
+    whole = room.whole
+    tp = spec.tp
+    if part_by_node:
+        options = [n for n in whole.keys() | part_by_node.keys()
+                   if len(whole.get(n, ())) + len(part_by_node.get(n, ())) >= tp]
 
-    def key(n: str) -> tuple[bool, int, int, str]:
-        # Fewest whole GPUs broken into, then the node with the fewest free GPUs left (best fit).
-        return n in avoid, sum(1 for _, free in options[n] if free is None), len(room.whole.get(n, ())), n
+        def key(n: str) -> tuple[bool, int, int, str]:
+            # Fewest whole GPUs broken into, then the node with the fewest free GPUs left (best fit).
+            return n in avoid, max(0, tp - len(part_by_node.get(n, ()))), len(whole.get(n, ())), n
+    else:  # whole GPUs only (exclusive, or nothing partly booked fits): every option breaks tp of them
+        options = [n for n, gpus in whole.items() if len(gpus) >= tp]
+
+        def key(n: str) -> tuple[bool, int, int, str]:
+            return n in avoid, tp, len(whole[n]), n
+
+    def fits(n: str) -> list[tuple[GpuView, int | None]]:
+        out: list[tuple[GpuView, int | None]] = [(_gpu(state, n, i), free) for free, i in sorted(part_by_node.get(n, ()))]
+        return (out + [(g, None) for g in whole.get(n, ())])[:tp]
 
     if spec.pp <= 1:
         if not options:
             return None
-        return _took(state, spec, room, options[min(options, key=key)])
+        return _took(state, spec, room, fits(min(options, key=key)))
     choices = []
-    for fabric, nodes in by_fabric(sorted(options), lambda n: state.nodes[n].fabric).items():
-        if len(nodes) < spec.pp:
+    for fabric, group in by_fabric(sorted(options), lambda n: state.nodes[n].fabric).items():
+        if len(group) < spec.pp:
             continue
-        chosen = sorted(nodes, key=key)[: spec.pp]
-        choices.append((sum(len(room.whole.get(n, ())) for n in chosen), fabric, chosen))
+        chosen = sorted(group, key=key)[: spec.pp]
+        choices.append((sum(len(whole.get(n, ())) for n in chosen), fabric, chosen))
     if not choices:
         return None
     _, fabric, chosen = min(choices)
-    return _took(state, spec, room, [g for n in chosen for g in options[n]], fabric)
+    return _took(state, spec, room, [g for n in chosen for g in fits(n)], fabric)
 
 
 def _took(state: FleetState, spec: m.ModelSpec, room: Room, gpus: list[tuple[GpuView, int | None]],
