@@ -98,6 +98,10 @@ class PlanRequest(msgspec.Struct, frozen=True, kw_only=True):
     engine_version: Label = ""
     # vLLM's --max-num-seqs (0: the version's default on each card); it sizes the sampler's profiling pass.
     max_num_seqs: Parallel = 0
+    # LoRA adapters: vLLM's --max-loras and --max-lora-rank (0: none); llama.cpp's attached adapters' bytes.
+    max_adapters: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=0, le=512)] = 0
+    adapter_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 44)] = 0
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +155,9 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     # GiB one replica books on each GPU it uses (``llmgw.fleet.state.booking_mib`` of its spec): below
     # ``gpu_memory_gib``, it shares a card with replicas whose bookings fit beside it.
     booked_gib_per_gpu: float = 0.0
+    lora_gib_per_gpu: float = 0.0  # what its LoRA adapters take, inside overhead_gib_per_gpu
+    max_adapters: int = 0
+    max_lora_rank: int = 0
 
     def spec(self, name: str, replicas: int = 1) -> ModelSpec:
         """The declaration this candidate makes for the scheduler."""
@@ -177,6 +184,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
             parallel=self.max_num_seqs if self.engine == "vllm" and self.max_num_seqs else self.parallel,
             engine_args=("--enforce-eager",) if self.enforce_eager else (),
             engine_version=self.engine_version,
+            max_adapters=self.max_adapters if self.engine == "vllm" else 0,
+            max_lora_rank=self.max_lora_rank if self.engine == "vllm" else 0,
         )
 
 

@@ -198,7 +198,7 @@ def _read_gguf(path: Path) -> AdapterFacts:
     try:
         with path.open("rb") as f:
             r = _Reader(f, path)
-            if r.take(4) != b"GGUF":
+            if f.read(4) != b"GGUF":
                 raise ModelError(f"{path} is not a GGUF file (no GGUF magic) nor a PEFT adapter directory")
             version = r.unpack("<I")
             if version not in (2, 3):
@@ -286,3 +286,41 @@ def check_base(facts: AdapterFacts, info: m.ModelInfo) -> str | None:
             return (f"its {module} is {a} → {b} wide; {info.name}'s is {want[0]} → {want[1]} "
                     f"(hidden size {info.hidden_size}): an adapter of another model")
     return None
+
+
+# --- what they take on a GPU ----------------------------------------------------------------------------
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
+LORA_DTYPE_BYTES = 2  # vLLM's --lora-dtype auto: the model's 16-bit type
+
+
+def vllm_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``--max-lora-rank`` that holds ``rank`` (0: LoRA off)."""
+    if rank <= 0:
+        return 0
+    for allowed in VLLM_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ModelError(f"rank {rank} is above the {VLLM_RANKS[-1]} vLLM serves")
+
+
+def lora_bytes_per_gpu(info: m.ModelInfo, engine: str, tp: int, pp: int = 1, *, max_loras: int = 0,
+                       max_rank: int = 0, adapter_bytes: int = 0) -> float:
+    """GPU memory one rank of a replica gives its LoRA adapters.
+
+    vLLM: stacked ``lora_a``/``lora_b`` buffers for ``max_loras`` slots of ``max_rank``, on every
+    layer it can adapt, whatever an adapter targets (q/k/v, o, gate/up, down; the column-parallel
+    widths split by tp), and on the embeddings and lm_head: max_loras x rank x 2 bytes x
+    (layers x (7H + 2 q/tp + 2 kv/tp + 3 I/tp) + 2V + 2H), which the research against vLLM 0.32's
+    buffers matched to the byte. They are allocated with the weights, before the KV cache is sized.
+    llama.cpp: the attached adapters' own tensors, spread over its layer split.
+    """
+    if engine == "llama.cpp":
+        return adapter_bytes / max(1, tp * pp)
+    if max_loras <= 0 or max_rank <= 0:
+        return 0.0
+    h, i = info.hidden_size, info.intermediate_size or 4 * info.hidden_size
+    q, kv = info.num_attention_heads * info.head_dim, info.num_kv_heads * info.head_dim
+    per_layer = 7 * h + (2 * q + 2 * kv + 3 * i) / tp
+    layers = math.ceil(info.num_layers / max(1, pp))
+    return float(max_loras * vllm_rank(max_rank) * LORA_DTYPE_BYTES * (layers * per_layer + 2 * info.vocab_size + 2 * h))

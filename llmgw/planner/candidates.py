@@ -30,6 +30,7 @@ from llmgw.errors import PlanError
 from llmgw.fleet.observed import observation_key
 from llmgw.fleet.state import FleetState, booking_mib, by_fabric
 from llmgw.messages.control import Dtype
+from llmgw.planner.adapters import lora_bytes_per_gpu, vllm_rank
 from llmgw.planner.memory import (
     BY_NAME,
     CUDA_CONTEXT_BYTES,
@@ -105,6 +106,9 @@ class Split:
     pp: int = 1
 
 
+DEFAULT_LORA_RANK = 16  # vLLM's own --max-lora-rank default, when adapters are asked for and no rank
+
+
 def default_context(info: m.ModelInfo) -> int:
     """The context candidates are judged at when none is asked for."""
     return min(info.max_position_embeddings, DEFAULT_CONTEXT_CAP)
@@ -144,7 +148,7 @@ def _graph_plan(info: m.ModelInfo, kv: KvShape, mem: float, util: float, weights
 
 def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | None, util: float | None,
              replicas_now: int, kv_dtype: str = "auto", observed: int | None = None, parallel: int = 0,
-             version: str = "", max_num_seqs: int = 0) -> m.Candidate:
+             version: str = "", max_num_seqs: int = 0, lora: tuple[int, int, int] = (0, 0, 0)) -> m.Candidate:
     """Fit one precision on one split: weights, overhead and KV per GPU, and the context left.
 
     With no ``context``, a split that holds ``default_context`` runs at it; one that
@@ -152,7 +156,8 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     gives each of its ``parallel`` slots the whole context: its cache holds that many.
     vLLM is planned as the profile of ``version`` counts its overhead (``util`` None: that
     version's default), with ``max_num_seqs`` (0: the version's default on this card, or
-    ``parallel`` when that was given).
+    ``parallel`` when that was given). ``lora``: (vLLM's --max-loras, --max-lora-rank, llama.cpp's
+    attached adapters' bytes): their buffers are charged as overhead, beside the weights.
     """
     slots = max(1, parallel) if p.engine == "llama.cpp" else 1
     tp, pp = split.tp, split.pp
@@ -165,6 +170,10 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         seqs = max_num_seqs or parallel
         tokens = max(tokens, seqs)  # vLLM refuses max_num_batched_tokens below max_num_seqs
     weights, overhead, kv = sizes(info, p, tp, pp, kv_dtype, split.gpu_class, profile=profile, batch=(tokens, seqs))
+    max_loras, max_rank, adapter_bytes = lora if p.engine == "vllm" else (0, 0, lora[2])
+    lora_bytes = lora_bytes_per_gpu(info, p.engine, tp, pp, max_loras=max_loras, max_rank=max_rank,
+                                    adapter_bytes=adapter_bytes)
+    overhead += lora_bytes
     graphs = cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if p.engine == "vllm" else 0.0
     want = (context or default_context(info)) * slots
     if p.engine == "vllm":
@@ -243,6 +252,9 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         gpu_memory_gib=gib(mem),
         gpu_memory_utilization=util,
         overhead_gib_per_gpu=gib(overhead),
+        lora_gib_per_gpu=gib(lora_bytes),
+        max_adapters=max_loras,
+        max_lora_rank=vllm_rank(max_rank) if max_loras else 0,
         file=file,
         file_gib=gib(layout(info, p).total) if file else None,
         engine_version=planned_version("vllm", version) if p.engine == "vllm" else "",
@@ -445,7 +457,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     profile = profile_for("vllm", version)
 
     def seen(p: Precision, tp: int, pp: int, cls: str) -> int | None:
-        if not observed or p.engine == "llama.cpp":
+        if not observed or p.engine == "llama.cpp" or request.max_adapters:  # LoRA buffers: another reservation
             return None  # what an older fold kept of llama.cpp's -c is no capacity either
         kv = kv_dtype_for(info, p, request.kv_cache_dtype)
         facts = (info.source, p.name, tp, pp, cls, util or profile.default_util, kv)
@@ -461,6 +473,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
     if request.params:
         info = _with_params(model, request.params)
     precs, tps = validate(info, request)
+    lora = (request.max_adapters, request.max_lora_rank or (DEFAULT_LORA_RANK if request.max_adapters else 0),
+            request.adapter_bytes)
     explicit_tp = bool(request.tp)
     util = request.gpu_memory_utilization
     out: list[m.Candidate] = []
@@ -485,7 +499,8 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                 c = evaluate(info, p, Split(cls, None, pool.memory_mib, tp), context=request.context, util=util,
                              replicas_now=free_slots.setdefault(tp, replicas_single(pool.nodes, tp)),
                              kv_dtype=request.kv_cache_dtype, observed=seen(p, tp, 1, cls),
-                             parallel=request.parallel, version=version, max_num_seqs=request.max_num_seqs)
+                             parallel=request.parallel, version=version, max_num_seqs=request.max_num_seqs,
+                             lora=lora)
                 single_fits |= c.fits and c.context >= target
                 out.append(c)
             if p.engine != "vllm" or single_fits:
@@ -499,7 +514,7 @@ def plan(model: m.ModelInfo, fleet: FleetState, request: m.PlanRequest, *,
                         c = evaluate(info, p, Split(cls, fabric, pool.memory_mib, tp, pp), context=request.context,
                                      util=util, replicas_now=0, kv_dtype=request.kv_cache_dtype,
                                      observed=seen(p, tp, pp, cls), parallel=request.parallel, version=version,
-                                     max_num_seqs=request.max_num_seqs)
+                                     max_num_seqs=request.max_num_seqs, lora=lora)
                         if c.fits:
                             out.append(msgspec.structs.replace(c, replicas_now=replicas_multi(wide, tp, pp)))
                             if c.context >= target:
