@@ -35,6 +35,12 @@ def model() -> None:
     """Plan, deploy, scale, list, show and remove models."""
 
 
+@ctl.group(cls=LazyGroup, lazy={"add": "llmgw.cli.adapter:add", "remove": "llmgw.cli.adapter:remove",
+                                "list": "llmgw.cli.adapter:list_adapters"})
+def adapter() -> None:
+    """LoRA adapters on a declared base model: add, remove, list."""
+
+
 @ctl.group(cls=LazyGroup, lazy={"retire": "llmgw.cli.nodes:retire"})
 def node() -> None:
     """Take a node that is gone for good out of the fleet."""

@@ -64,6 +64,9 @@ class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     exclusive: bool = False  # whole GPUs, alone; otherwise a replica books its share and packs beside others
     # vLLM: the fraction of each card it takes, which is what it books (None: the plan's, the version's default).
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    # vLLM: LoRA adapters loaded at once (--max-loras), and the largest rank (0: vLLM's default, 16).
+    max_adapters: Annotated[int, msgspec.Meta(ge=0, le=m.MAX_ADAPTERS)] = 0
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=0, le=512)] = 0
 
     @property
     def asked(self) -> tuple[str, ...]:
@@ -75,6 +78,8 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
     """The declaration the planner makes of ``ask`` (AskError for options that contradict each other)."""
     if ask.candidate is not None and ask.gpu_class is not None:
         raise AskError("--candidate already names the GPU class; give one or the other")
+    if ask.max_lora_rank and not ask.max_adapters:
+        raise AskError("--max-lora-rank sizes vLLM's LoRA slots: give --max-adapters N with it")
     if (ask.min_replicas is None) != (ask.max_replicas is None):
         raise AskError("autoscaling needs both --min-replicas and --max-replicas (or neither, for a fixed --replicas)")
     replicas = ask.replicas
@@ -90,7 +95,8 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
                             tp=(ask.tp,) if ask.tp else (), context=ask.context, all=ask.candidate is None,
                             kv_cache_dtype=ask.kv_cache_dtype, parallel=ask.parallel,
                             engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs,
-                            gpu_memory_utilization=util)
+                            gpu_memory_utilization=util, max_adapters=ask.max_adapters,
+                            max_lora_rank=ask.max_lora_rank)
     from llmgw import ctl
 
     reply = run(ctl.plan(settings, ask.model, request, fleet=fleet, models_dir=models_dir))
@@ -222,6 +228,11 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--replan", is_flag=True,
               help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
                    "as first declared otherwise: re-running a deploy restarts nothing).")
+@click.option("--max-adapters", type=click.IntRange(0, m.MAX_ADAPTERS), default=0, show_default=True,
+              help="vLLM: LoRA adapters each replica holds at once (--max-loras; their buffers are planned); "
+                   "`ctl adapter add` declares them. llama.cpp attaches every declared adapter instead.")
+@click.option("--max-lora-rank", type=click.IntRange(0, 512), default=0,
+              help="vLLM: the largest adapter rank it takes [default with --max-adapters: 16].")
 @click.option("--fleet", type=click.Path(dir_okay=False, path_type=Path), help="Plan against this fleet file instead of asking the planner.")
 @click.option("--models-dir", envvar="LLMGW_MODELS_DIR", help="Directory of Org__Name model folders [env LLMGW_MODELS_DIR].")
 @json_option
@@ -231,7 +242,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
            roll: str, exclusive: bool, util: float | None, engine_args: tuple[str, ...], replan: bool,
-           fleet: Path | None, models_dir: str | None, as_json: bool, settings: Settings) -> None:
+           max_adapters: int, max_lora_rank: int, fleet: Path | None, models_dir: str | None, as_json: bool,
+           settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
 
     Example:
@@ -251,7 +263,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
         idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
         roll=roll, engine_version=engine_version, max_num_seqs=max_num_seqs,  # type: ignore[arg-type]
-        exclusive=exclusive, gpu_memory_utilization=util)
+        exclusive=exclusive, gpu_memory_utilization=util, max_adapters=max_adapters, max_lora_rank=max_lora_rank)
     try:
         spec = planned_spec(settings, ask, fleet=fleet, models_dir=models_dir)
     except AskError as e:

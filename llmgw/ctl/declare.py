@@ -113,6 +113,7 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         view = state.models.get(spec.name)
         if view is None:
             return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
+        spec = keep_adapters(view.spec, spec, state.adapters)
         inputs, derived = spec_changes(view.spec, spec, asked)
         if not inputs and not (replan and derived):
             return Declaration(view.spec, None, moved=tuple(derived))
@@ -123,6 +124,15 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
     finally:
         await bus.close()
+
+
+def keep_adapters(old: m.ModelSpec, new: m.ModelSpec, declared: dict[str, m.AdapterSpec]) -> m.ModelSpec:
+    """``new`` with the adapters ``old`` attaches (``ctl adapter`` manages them, not ``deploy``), and
+    their memory in its booking: a re-deploy of a llama.cpp base keeps its adapters attached."""
+    if new.adapters or not old.adapters or new.engine != "llama.cpp":
+        return new
+    extra = sum(declared[a.name].size_bytes for a in old.adapters if a.name in declared) / (1 << 30) / max(1, new.tp)
+    return msgspec.structs.replace(new, adapters=old.adapters, gib_per_gpu=round(new.gib_per_gpu + extra, 3))
 
 
 # --- keys -------------------------------------------------------------------------------------------------
