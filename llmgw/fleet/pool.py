@@ -35,6 +35,18 @@ class Replica:
     # Control-stream sequences of its placement and of the report that set its endpoint (snapshot checks).
     placed_seq: int = 0
     endpoint_seq: int = 0
+    # The LoRA adapters its engine attached at start, in order (llama.cpp: their ids); vLLM's are loaded
+    # at runtime and known to the router that loaded them (``llmgw.router.adapters``).
+    adapters: tuple[str, ...] = ()
+
+
+@dataclass
+class Adapter:
+    """A declared LoRA adapter as the router needs it: its base, where an engine reads it, its scale."""
+
+    base: str
+    path: str
+    scale: float = 1.0
 
 
 @dataclass
@@ -48,6 +60,8 @@ class Declared:
     declared_at: float = 0.0  # when (Unix seconds): /v1/models' ``created``
     # Requests one replica serves at once (llama.cpp's slots, vLLM's --max-num-seqs); 0: not said.
     capacity: int = 0
+    engine: str = ""
+    max_adapters: int = 0  # vLLM's --max-loras: adapters one replica holds at once
 
 
 @dataclass
@@ -62,6 +76,7 @@ class Pool:
     # and a checkpoint's bytes must not depend on which process folded it.)
     known_models: dict[str, None] = field(default_factory=dict)
     declared: dict[str, Declared] = field(default_factory=dict)
+    adapters: dict[str, Adapter] = field(default_factory=dict)
 
     def models(self) -> list[str]:
         """Models with at least one healthy replica."""
@@ -122,8 +137,14 @@ class Pool:
                 self.known_models[spec.name] = None
                 self.declared[spec.name] = Declared(
                     spec.replicas, routing=spec.routing, declared_at=event.at.timestamp(),
-                    capacity=spec.slots if spec.engine == "llama.cpp" else spec.parallel)
+                    capacity=spec.slots if spec.engine == "llama.cpp" else spec.parallel, engine=spec.engine,
+                    max_adapters=spec.max_adapters)
                 return True
+            case m.AdapterDeclared(spec=a):
+                self.adapters[a.name] = Adapter(a.base, a.path, a.scale)
+                return True
+            case m.AdapterRemoved(name=name):
+                return self.adapters.pop(name, None) is not None
             case m.ModelScaled(name=name, replicas=n) | m.ModelAutoscaled(name=name, replicas=n):
                 d = self.declared.get(name)
                 if d is not None:
@@ -147,12 +168,14 @@ class Pool:
                 if rep is not None and rep.model != model:  # the id reused for another model: a new replica
                     self._leave(rep)
                     rep = None
+                attached = tuple(a.name for a in event.spec.adapters)
                 if rep is None:
-                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes, placed_seq=seq)
+                    self.replicas[rid] = Replica(replica_id=rid, model=model, nodes=event.nodes, placed_seq=seq,
+                                                 adapters=attached)
                 else:
                     # Placed again (as the fold takes it): its nodes now are the ones that speak for it, and
                     # this placement is the one a snapshot of the pool names (snapshots.unfounded checks it).
-                    rep.nodes, rep.placed_seq = event.nodes, seq
+                    rep.nodes, rep.placed_seq, rep.adapters = event.nodes, seq, attached
                 return True
             case m.ReplicaStateChanged(replica_id=rid, state=state, endpoint=endpoint):
                 rep = self.replicas.get(rid)
@@ -194,10 +217,10 @@ class Pool:
         return self._view() == other._view()
 
     def _view(self) -> tuple[object, ...]:
-        reps = {rid: (r.model, r.state, r.endpoint, r.in_pool, r.nodes, r.parts, r.outstanding, r.pooled_at)
-                for rid, r in self.replicas.items()}
+        reps = {rid: (r.model, r.state, r.endpoint, r.in_pool, r.nodes, r.parts, r.outstanding, r.pooled_at,
+                      r.adapters) for rid, r in self.replicas.items()}
         healthy = {model: sorted(r.replica_id for r in reps_) for model, reps_ in self.healthy.items()}
-        return reps, healthy, self.known_models, self.declared
+        return reps, healthy, self.known_models, self.declared, self.adapters
 
     def __post_init__(self) -> None:
         # Decoded from a snapshot: ``healthy`` is rebuilt from ``replicas``, whatever it said (the very

@@ -40,8 +40,10 @@ from aiohttp import web
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
+from llmgw.fleet.pool import Adapter
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
+from llmgw.router.adapters import AdapterError, Adapters, lora_body
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.idle import IdleTracker
 from llmgw.router.metrics import Metrics, Usage, usage_of, usage_of_stream
@@ -117,6 +119,7 @@ class Gateway:
         self._rr = 0
         # Per model at capacity, the requests waiting for a slot, by priority (the keys').
         self._queues: dict[str, dict[str, deque[asyncio.Future[str]]]] = {}
+        self.adapters = Adapters(bus=bus, name=name, pool=pool, upstream=upstream, take=self._take)
 
     # --- choosing and admitting ---------------------------------------------------
 
@@ -147,6 +150,29 @@ class Gateway:
         if best is None:
             return None
         return self._take(best)
+
+    async def _pick(self, model: str, lora: Adapter | None, body: bytes, key: int | None,
+                    exclude: Replica | None = None) -> tuple[Replica | None, bytes]:
+        """The replica for a request and the body to send it: an adapter's holder (``adapters``), or a
+        replica of the model; a llama.cpp replica with adapters attached gets every one at scale 0."""
+        if lora is not None:
+            chosen = await self.adapters.choose(model, lora, body, exclude)
+            return (chosen.replica, chosen.body) if chosen is not None else (None, body)
+        rep = self.acquire(model, exclude=exclude, key=key) if exclude is not None else self.acquire(model, key=key)
+        if rep is not None and rep.adapters:
+            body = lora_body(body, rep.adapters, "", 0.0)
+        return rep, body
+
+    async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
+                     key: int | None) -> Replica | None:
+        """Another replica after ``rep`` could not be reached (the same once more when there is none)."""
+        try:
+            other, _ = await self._pick(model, lora, body, key, exclude=rep)
+            if other is None:
+                other, _ = await self._pick(model, lora, body, key)
+        except AdapterError:
+            return None
+        return other
 
     def _take(self, rep: Replica) -> Replica:
         rep.outstanding += 1
@@ -346,9 +372,10 @@ class Gateway:
             raise
         finally:
             if status == CLIENT_CLOSED:
-                self.metrics.error(model if model in self.pool.known_models else "", "client_closed")
+                self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
+                                   "client_closed")
             # Only known models become labels: a client must not grow the metrics at will.
-            label = model if model in self.pool.known_models else ""
+            label = model if model in self.pool.known_models or model in self.pool.adapters else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
             if (who := request.get("llmgw_key")) is not None and label:
                 key_use_of(self._key_use, who.name, label).add_request(status, time.perf_counter() - t0)
@@ -376,27 +403,38 @@ class Gateway:
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
                        body: bytes, t0: float, key: int | None = None, strip_usage: bool = False) -> web.StreamResponse:
         who: m.KeyDeclared | None = request.get("llmgw_key")
-        if (refused := await self._admit(model, who.priority if who is not None else "normal")):
+        lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
+        target = lora.base if lora is not None else model
+        if (refused := await self._admit(target, who.priority if who is not None else "normal")):
             self.metrics.error(model, "shed")
             return api.error(429 if refused == "shed" else 503,
                              f"model {model!r} is at capacity and {'this priority is shed first' if refused == 'shed' else 'no slot freed in time'}; "
                              f"retry after {RETRY_AFTER_S}s", "server_error", "model_at_capacity", "model",
                              headers={"Retry-After": str(RETRY_AFTER_S)})
-        rep = self.acquire(model, key=key)
+        try:
+            rep, body = await self._pick(model, lora, body, key)
+        except AdapterError as e:
+            self.metrics.error(model, e.code)
+            return api.error(e.status, str(e), "server_error", e.code, "model",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
         woken = False
         if rep is None:
             # Only a declared model wakes: one placed by a control plane we do not follow
-            # (or whose declaration was removed) answers at once, as before.
-            state = self.pool.model_state(model) if model in self.pool.declared else ""
+            # (or whose declaration was removed) answers at once, as before. An adapter wakes its base.
+            state = self.pool.model_state(target) if target in self.pool.declared else ""
             if state == "unplaceable":
-                self.wake.wish(model)  # the demand is recorded; the scheduler retries as cards free up
+                self.wake.wish(target)  # the demand is recorded; the scheduler retries as cards free up
             if state not in ("parked", "starting"):
-                return self._unavailable(model, state)
-            state, held_since = await self.wake.hold(model)
-            rep = self.acquire(model, key=key) if state == "serving" else None
+                return self._unavailable(target, state)
+            state, held_since = await self.wake.hold(target)
+            try:
+                rep, body = await self._pick(model, lora, body, key) if state == "serving" else (None, body)
+            except AdapterError as e:
+                self.metrics.error(model, e.code)
+                return api.error(e.status, str(e), "server_error", e.code, "model")
             if rep is None:  # it cannot wake, or lost its replica again before this request took one
-                return self._unavailable(model, self.pool.model_state(model) if state == "serving" else state)
-            self.wake.ledger.released(model, rep.replica_id, held_since, time.time())
+                return self._unavailable(target, self.pool.model_state(target) if state == "serving" else state)
+            self.wake.ledger.released(target, rep.replica_id, held_since, time.time())
             woken = True
         retried = False
         while True:
@@ -407,7 +445,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other = None if retried else (self.acquire(model, exclude=rep, key=key) or self.acquire(model))
+                other = None if retried else await self._other(model, lora, body, rep, key)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
@@ -424,8 +462,21 @@ class Gateway:
                 self.release(rep)
                 raise
             if woken:  # the first byte of a held request's answer: the wake's last phase
-                self.wake.ledger.answered(model, time.time())
+                self.wake.ledger.answered(target, time.time())
                 woken = False
+            if lora is not None and up.status == 404 and not rep.adapters and not retried:
+                # The engine no longer holds it (another router unloaded it): load it again, once.
+                up.release()
+                self.release(rep)
+                self.adapters.forget(rep, model)
+                retried = True
+                try:
+                    rep, body = await self._pick(model, lora, body, key)
+                except AdapterError as e:
+                    return api.error(e.status, str(e), "server_error", e.code, "model")
+                if rep is None:
+                    return self._unavailable(target, self.pool.model_state(target))
+                continue
             try:
                 if stream and up.status == 200:
                     return await self._pipe(request, up, rep, model, t0, strip_usage)
@@ -566,7 +617,10 @@ class Gateway:
         if not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
-        data = [api.model_object(name, state, self.pool.created(name)) for name, state in self.pool.listed().items()]
+        listed = self.pool.listed()
+        data = [api.model_object(name, state, self.pool.created(name)) for name, state in listed.items()]
+        data += [api.model_object(name, listed[a.base], self.pool.created(a.base), parent=a.base)
+                 for name, a in sorted(self.pool.adapters.items()) if a.base in listed]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
     async def model(self, request: web.Request) -> web.Response:
@@ -575,7 +629,11 @@ class Gateway:
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
         name = request.match_info["model"]
-        state = self.pool.listed().get(name)
+        listed = self.pool.listed()
+        if (a := self.pool.adapters.get(name)) is not None and a.base in listed:
+            return web.Response(body=_ENC.encode(api.model_object(name, listed[a.base], self.pool.created(a.base),
+                                                                  parent=a.base)), content_type="application/json")
+        state = listed.get(name)
         if state is None:
             return api.error(404, f"the model `{name}` does not exist; GET /v1/models lists the models served",
                           "invalid_request_error", "model_not_found", "model")

@@ -42,9 +42,13 @@ def unauthorized() -> web.Response:
                   "invalid_request_error", "invalid_api_key")
 
 
-def model_object(name: str, state: str, created: int = 0) -> dict[str, object]:
-    """One model of GET /v1/models: ``created`` is when it was declared (Unix seconds), as OpenAI's."""
-    return {"id": name, "object": "model", "created": created, "owned_by": "llmgw", "state": state}
+def model_object(name: str, state: str, created: int = 0, parent: str | None = None) -> dict[str, object]:
+    """One model of GET /v1/models: ``created`` is when it was declared (Unix seconds), as OpenAI's;
+    a LoRA adapter names its base as ``parent`` (as vLLM lists its adapters)."""
+    out: dict[str, object] = {"id": name, "object": "model", "created": created, "owned_by": "llmgw", "state": state}
+    if parent is not None:
+        out["parent"] = parent
+    return out
 
 
 _NO_CHOICES = b'"choices":[]'
