@@ -148,15 +148,13 @@ class AdapterRow:
 
 async def listed(settings: Settings) -> list[AdapterRow]:
     """Every declared adapter and the replicas holding it, folded from the control and usage streams."""
+    from llmgw.fleet.status import adapter_status
+
     bus = await connect(settings, "llmgw-ctl-adapter")
     try:
         state = await replay_state(bus, (subjects.STREAM_CONTROL, subjects.STREAM_USAGE))
     finally:
         await bus.close()
-    held: dict[str, list[str]] = {}
-    for r in sorted(state.replicas.values(), key=lambda r: r.replica_id):
-        for a in state.adapters_held(r):
-            held.setdefault(a, []).append(r.replica_id)
-    return [AdapterRow(spec, tuple(held.get(name, ())),
-                       state.models[spec.base].spec.engine if spec.base in state.models else "")
-            for name, spec in sorted(state.adapters.items())]
+    return [AdapterRow(state.adapters[a.name], a.held_by,
+                       state.models[a.base].spec.engine if a.base in state.models else "")
+            for a in adapter_status(state)]

@@ -285,7 +285,18 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         tenants=tenant_usage(state, now),
         near_limits=keys_near_limits(state, now),
         gpu_bookings=gpu_bookings(state) if replicas else (),
+        adapters=adapter_status(state),
     )
+
+
+def adapter_status(state: FleetState) -> tuple[m.AdapterStatus, ...]:
+    """Every declared adapter, and the replicas whose engines hold it (``FleetState.adapters_held``)."""
+    held: dict[str, list[str]] = {}
+    for r in sorted(state.replicas.values(), key=lambda r: r.replica_id):
+        for a in state.adapters_held(r):
+            held.setdefault(a, []).append(r.replica_id)
+    return tuple(m.AdapterStatus(name=a.name, base=a.base, format=a.format, rank=a.rank, size_bytes=a.size_bytes,
+                                 held_by=tuple(held.get(a.name, ()))) for _, a in sorted(state.adapters.items()))
 
 
 def gpu_bookings(state: FleetState) -> tuple[m.GpuBooking, ...]:

@@ -113,6 +113,7 @@ from llmgw.messages.plan import (  # noqa: F401
 from llmgw.messages.status import (  # noqa: F401
     STATUS_REPORT_DECODER,
     STATUS_REQUEST_DECODER,
+    AdapterStatus,
     ClassCapacity,
     ClassGpuUse,
     ColdStart,
@@ -168,6 +169,7 @@ __all__ = [
     "AdapterRef",
     "AdapterRemoved",
     "AdapterSpec",
+    "AdapterStatus",
     "AdapterUnloaded",
     "MAX_ADAPTERS",
     "ClassCapacity",

@@ -63,6 +63,17 @@ class GpuBooking(msgspec.Struct, frozen=True, kw_only=True):
     replicas: tuple[tuple[str, int], ...] = ()  # (replica id, MiB it booked here), in placement order
 
 
+class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A declared LoRA adapter and the replicas whose engines hold it now."""
+
+    name: str
+    base: str
+    format: str
+    rank: int
+    size_bytes: int
+    held_by: tuple[str, ...] = ()
+
+
 class FabricNodes(msgspec.Struct, frozen=True, kw_only=True):
     """Whole nodes of one class on one fabric with every GPU healthy and free."""
 
@@ -292,6 +303,7 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     near_limits: tuple[KeyNearLimit, ...] = ()
     # Every GPU some replica holds, with who booked how much of it: only when asked, with ``replicas``.
     gpu_bookings: tuple[GpuBooking, ...] = ()
+    adapters: tuple[AdapterStatus, ...] = ()  # every declared LoRA adapter, and who holds it
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
