@@ -518,10 +518,12 @@ class Replay:
     """The recorded history from ``since``, event by event in stored order, to every policy at once."""
 
     def __init__(self, start: Checkpoint, policies: list[Policy], since: datetime,
-                 extra: tuple[m.NodeInventoryReported, ...] = ()) -> None:
-        """``extra``: nodes the asked policies have besides the recorded fleet (not the recorded replay)."""
+                 extra: tuple[m.NodeInventoryReported, ...] = (), live: FleetState | None = None) -> None:
+        """``extra``: nodes the asked policies have besides the recorded fleet (not the recorded replay).
+        ``live``: the recorded fold the caller goes on folding, when ``start`` is a copy of it as of ``since``
+        (it may be ahead of ``since`` already; the policies start from ``start``)."""
         self.since = since
-        self.state = start.state
+        self.state = start.state if live is None else live
         self.starts = StartTimes()
         self.recorded = Meter(since, wishes=True)
         self.recorded_decisions: list[tuple[str, str, datetime]] = []
@@ -540,7 +542,7 @@ class Replay:
                 self.starts.samples.setdefault(r.model, []).append((h, h))
         blob = _ENC.encode(start)
         self.recent: dict[str, _Recent] = {}
-        self.sims = [Sim(p, _DEC.decode(blob), start.state, since, self.starts, self.recent,
+        self.sims = [Sim(p, _DEC.decode(blob), self.state, since, self.starts, self.recent,
                          extra if p is not RECORDED else ()) for p in [RECORDED, *policies]]
         self.mapped: set[str] = set()  # the routers whose maps the window has shown
         self.requests: dict[str, dict[str, datetime]] = {}  # router → model → newest request

@@ -20,7 +20,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import LlmgwError
-from llmgw.fleet.fold import Memories, fold_batch
+from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.fleet.replay import replay
 from llmgw.fleet.state import MAX_AHEAD, stored_at
 from llmgw.whatif.meter import Figures
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # The recorded fold in the window only moves the fleet (the policies share it), clamps and refuses.
 WINDOW_KEEPS = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
 Progress = Callable[[int, int], None] | None
+_ENCODER = msgspec.msgpack.Encoder()
+_CHECKPOINT = msgspec.msgpack.Decoder(Checkpoint)
 
 
 class WhatIfError(LlmgwError):
@@ -170,8 +172,13 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
         nonlocal undecodable
         undecodable += 1
 
+    begin: Checkpoint | None = None
     async with contextlib.aclosing(windows(readers, cuts)) as merged:  # type: ignore[type-var]
         async for window in merged:
+            if run is None:
+                # What every policy starts from: the fold before this window. A window's control and usage
+                # events are folded whole before its events are fed one by one, so ``c`` is ahead by then.
+                begin = _CHECKPOINT.decode(_ENCODER.encode(c))
             runs: list[list[tuple[int, int, str, RawMsg, Any, list[str] | None]]] = []
             for stream, msgs in window:
                 done += len(msgs)
@@ -198,7 +205,8 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
                     # The window is in stored time, the figures in event time: the same clock for a live
                     # history, not for one imported (or generated) at once. The first event says how far apart.
                     offset = last_offset
-                    run = Replay(c, policies, since + offset, extra)
+                    assert begin is not None
+                    run = Replay(begin, policies, since + offset, extra, live=c.state)
                 run.feed(stream, event, diff)
                 events += 1
             if progress is not None:
