@@ -120,7 +120,8 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
 
 def declaration_json(done: Declaration) -> dict[str, Any]:
     return {"declared": msgspec.to_builtins(done.spec), "seq": done.seq, "unchanged": done.seq is None,
-            "changes": list(done.changes), "plan_moved": list(done.moved)}
+            "changes": list(done.changes), "plan_moved": list(done.moved),
+            "plan_kept": bool(done.moved) and (done.seq is None or done.kept_figures)}
 
 
 def echo_declaration(done: Declaration) -> None:
@@ -138,6 +139,11 @@ def echo_declaration(done: Declaration) -> None:
         click.echo(f"replanned {spec.name}: {'; '.join(done.moved)}")
     click.echo(f"declared {_describe(spec)}")
     click.echo(f"  each replica {booking_text(spec)}")
+    if done.changes and done.moved and done.kept_figures:
+        click.echo(f"  the plan's figures moved since ({'; '.join(done.moved)}); kept as declared "
+                   "(--replan publishes them, which restarts its replicas)")
+    elif done.changes and done.moved:
+        click.echo(f"  the plan's figures for it: {'; '.join(done.moved)}")
     if done.new:
         click.echo("the scheduler places it on free GPUs; watch with `llmgw ctl status`")
     elif done.rolls and spec.roll == "in-place":

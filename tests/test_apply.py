@@ -114,3 +114,34 @@ async def test_the_example_declarations_apply(bus: Bus, nats_url: str) -> None:
     assert r.exit_code == 0, r.output
     assert {e.spec.name for e in await control(bus) if isinstance(e, m.ModelDeclared)} == {"qwen14", "coder"}
     assert QWEN in r.output
+
+
+async def test_a_change_to_only_the_autoscaling_knobs_keeps_the_declared_figures_and_restarts_nothing(
+        bus: Bus, nats_url: str) -> None:
+    """Issue 43 #2: min/max replicas alone republished the re-planned figures, which rolled the replicas
+    and ratcheted kv_tokens down a few per cent per change."""
+    args = deploy_args("--candidate", "1", "--context", "16384")
+    assert (await invoke(nats_url, *args)).exit_code == 0
+    (first,) = await control(bus)
+    assert isinstance(first, m.ModelDeclared)
+    older = msgspec.structs.replace(first.spec, gib_per_gpu=first.spec.gib_per_gpu + 0.15,
+                                    kv_tokens=first.spec.kv_tokens + 608)
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=older))
+    knobs = await invoke(nats_url, *args, "--min-replicas", "0", "--max-replicas", "2")
+    assert knobs.exit_code == 0, knobs.output
+    assert knobs.output.startswith("changed qwen: min_replicas (none) → 0; max_replicas (none) → 2\n"), knobs.output
+    assert "its replicas keep running (nothing they run with changed)" in knobs.output
+    assert "rolls" not in knobs.output
+    assert "the plan's figures moved since (gib_per_gpu" in knobs.output and "kept as declared" in knobs.output
+    last = (await control(bus))[-1]
+    assert isinstance(last, m.ModelDeclared)
+    assert (last.spec.min_replicas, last.spec.max_replicas) == (0, 2)
+    assert (last.spec.gib_per_gpu, last.spec.kv_tokens) == (older.gib_per_gpu, older.kv_tokens)
+
+    # An input the engine runs with: it rolls, and the printout says which derived figures moved with it.
+    longer = await invoke(nats_url, *deploy_args("--candidate", "1", "--context", "32768",
+                                                 "--min-replicas", "0", "--max-replicas", "2"))
+    assert longer.exit_code == 0, longer.output
+    assert "changed qwen: context 16,384 → 32,768\n" in longer.output
+    assert "the scheduler rolls it" in longer.output
+    assert "  the plan's figures for it: gib_per_gpu" in longer.output and "kv_tokens" in longer.output

@@ -97,6 +97,7 @@ class Declaration:
     moved: tuple[str, ...] = ()  # the plan's figures that moved and were kept as declared (or replanned)
     new: bool = False
     rolls: bool = False  # what its replicas run with changed: the scheduler replaces them, one by one
+    kept_figures: bool = False  # only knobs changed: ``moved`` were kept as declared, not published
 
 
 async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False,
@@ -117,9 +118,15 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         inputs, derived = spec_changes(view.spec, spec, asked)
         if not inputs and not (replan and derived):
             return Declaration(view.spec, None, moved=tuple(derived))
-        # An input changed: the new plan's figures are the ones for it.
         from llmgw.scheduler.placement import same_run
 
+        kept = msgspec.structs.replace(spec, **{f: getattr(view.spec, f) for f in DERIVED if f not in asked})
+        if not replan and same_run(view.spec, kept):
+            # Only what the scheduler and routers read changed (replicas, autoscaling, TTL, routing): the
+            # figures stay as first declared, or a re-plan's would roll the replicas for nothing.
+            seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=kept))).seq
+            return Declaration(kept, seq, tuple(inputs), tuple(derived), kept_figures=True)
+        # An input the engine runs with changed: the new plan's figures are the ones for it.
         seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq
         return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
     finally:
