@@ -331,6 +331,22 @@ GROUP BY ALL
       "prompt_tokens": "prompt tokens (engines' usage)", "completion_tokens": "completion tokens",
       "cached_tokens": "prompt tokens from the prefix cache", "mean_latency_s": "mean time to the last byte"}),
 
+    "usage_by_adapter_daily": ("Per day (UTC), LoRA adapter (ctl adapter add) and its base: what was asked for "
+                               "it through the routers by API keys, from the routers' maps.", """
+WITH adapters AS (
+    SELECT json->'spec'->>'name' AS model, arg_max(json->'spec'->>'base', seq) AS base
+    FROM events WHERE type = 'AdapterDeclared' GROUP BY 1
+)
+SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.model AS adapter, a.base, u.key_name,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.completion_tokens) AS completion_tokens
+FROM usage_by_key u JOIN adapters a USING (model)
+GROUP BY ALL
+""", {"day": "the day (UTC)", "adapter": "the adapter's name, as a request's model names it",
+      "base": "the declared model it runs on", "key_name": "the API key's name", "requests": "requests answered",
+      "errors": "of them, 4xx or 5xx", "prompt_tokens": "prompt tokens (engines' usage)",
+      "completion_tokens": "completion tokens"}),
+
     "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
                          "replicas held GPUs) split by each tenant's share of its tokens that day; a day with no "
                          "tokens is the tenant '' (nobody to charge). Sums to the model's GPU-hours.", """

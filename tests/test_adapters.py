@@ -123,3 +123,26 @@ def test_the_fold_keeps_adapters_and_who_holds_them() -> None:
     assert s.adapters_held(s.replicas["llama8-r1"]) == ()
     apply(s, m.AdapterRemoved(at=t0, name="sql"))
     assert s.adapters == {}
+
+
+def test_duckdb_counts_what_keys_asked_of_each_adapter(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    import duckdb
+    from analyst_history import project
+
+    t0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    spec = m.AdapterSpec(name="sql", base="llama8", source="./sql", path="/a/sql", format="peft", rank=8, alpha=16)
+    use = {"sql": m.KeyUse(requests=3, prompt_tokens=30, completion_tokens=9),
+           "llama8": m.KeyUse(requests=5, prompt_tokens=50, completion_tokens=10)}
+    project(tmp_path / "a.duckdb", [
+        m.AdapterDeclared(at=t0, spec=spec),
+        m.IdleMapPublished(at=t0, router="gw", boot_id="b", tick=1, callers={"team-a": use}),
+    ]).close()
+    con = duckdb.connect(str(tmp_path / "a.duckdb"), read_only=True)
+    try:
+        rows = con.execute("SELECT adapter, base, key_name, requests, prompt_tokens, completion_tokens "
+                           "FROM usage_by_adapter_daily").fetchall()
+    finally:
+        con.close()
+    assert rows == [("sql", "llama8", "team-a", 3, 30, 9)]  # the base's own requests are not an adapter's
