@@ -368,7 +368,9 @@ def kv_text(planned: int, observed: int, against: bool = True) -> str:
         return f"{observed:,} / -"
     if not against:
         return f"{observed:,} / {planned:,} (not sized by its card)"
-    return f"{observed:,} / {planned:,} ({(planned - observed) / observed:+.1%})"
+    # Signed as the reader reads "observed / planned": observed below the plan is negative (the
+    # JSON's kv_error is the plan's error, the other way round, as ctl model plan states it).
+    return f"{observed:,} / {planned:,} ({(observed - planned) / observed:+.1%})"
 
 
 replay_option = click.option("--replay", "use_replay", is_flag=True,

@@ -98,7 +98,7 @@ replicas healthy/wanted · split tp×pp (pp nodes per replica) · GPU-hours held
   deepseek-v3   unplaceable        0/1   org/deepseek-v3   bf16 vllm   8×4     H100-80GB       -    0.00   -
   gemma-9b      starting           0/1   org/gemma-9b      bf16 vllm   1×1     L40S-48GB       -    1.60   -
   llama-70b     serving            1/1   org/llama-70b     bf16 vllm   4×2     H100-80GB      5m   12.80   -
-  mistral       serving            1/1   org/mistral-24b   fp8 vllm    1×1     L40S-48GB       -    2.17   96,000 / 100,000 (+4.2%)
+  mistral       serving            1/1   org/mistral-24b   fp8 vllm    1×1     L40S-48GB       -    2.17   96,000 / 100,000 (-4.2%)
   qwen-8b       serving            1/1   org/qwen-8b       bf16 vllm   1×1     H100-80GB   1h32m    1.60   -
 
 deepseek-v3: needs 4 whole H100-80GB nodes on one fabric; ib-a has 0 free, ib-b 0
@@ -146,7 +146,7 @@ def test_model_show_table(live_projector: Settings) -> None:
     assert "  booking           books 0.9 of each GPU it uses (what vLLM takes), beside other replicas that fit" in lines
     # Placed before GPUs were shared: it booked the whole 45 GiB card, of which its engine holds 40.
     assert any(x.split()[:3] == ["mistral-r2", "healthy", "n4"] and "n4: 40.0 / 45.0 GiB" in x for x in lines)
-    assert any(x.split()[:3] == ["mistral-r2", "healthy", "n4"] and "n4:1 GPU-n4-1" in x and "(+4.2%)" in x for x in lines)
+    assert any(x.split()[:3] == ["mistral-r2", "healthy", "n4"] and "n4:1 GPU-n4-1" in x and "(-4.2%)" in x for x in lines)
     assert "Events (the latest 20, oldest first; `llmgw replay --model mistral` for all)" in lines
     assert lines[-1].split()[:4] == ["38", "2026-03-02", "10:52:00", "replica"]
 
