@@ -72,7 +72,7 @@ def untoken(tok: str) -> str:
 
 
 def fleet(node: str, kind: str) -> str:
-    """``llmgw.fleet.<node>.<kind>``: inventory, health, lost, returned."""
+    """``llmgw.fleet.<node>.<kind>``: inventory, health, lost, returned; files, download, evicted (what its disk holds)."""
     return f"{PREFIX}.fleet.{token(node)}.{kind}"
 
 
@@ -113,7 +113,9 @@ def inbox_prefix(user: str) -> str:
 
 # Events that name the node they speak for, and their kind of fleet subject.
 _FLEET_KINDS: dict[type, str] = {m.NodeInventoryReported: "inventory", m.GpuHealthChanged: "health",
-                                 m.NodeLost: "lost", m.NodeReturned: "returned", m.NodeRetired: "retired"}
+                                 m.NodeLost: "lost", m.NodeReturned: "returned", m.NodeRetired: "retired",
+                                 m.NodeFilesReported: "files", m.DownloadProgressed: "download",
+                                 m.DownloadFinished: "download", m.FilesEvicted: "evicted"}
 
 
 def disagrees(subject: str, event: m.Event) -> str | None:
@@ -180,6 +182,16 @@ def subject_for(event: m.Event) -> str:
             return fleet(node, "returned")
         case m.NodeRetired(node=node):
             return fleet(node, "retired")
+        case m.NodeFilesReported(node=node):
+            return fleet(node, "files")
+        case m.DownloadProgressed(node=node) | m.DownloadFinished(node=node):
+            return fleet(node, "download")
+        case m.FilesEvicted(node=node):
+            return fleet(node, "evicted")
+        case m.ModelPrefetchRequested(name=name):
+            return model(name, "prefetch")
+        case m.ModelPinned(name=name):
+            return model(name, "pinned")
         case m.HeartbeatSent(node=node):
             return heartbeat(node)
         case m.IdleMapPublished(router=router):

@@ -119,6 +119,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             raise ConfigError("an agent user needs its node name")
         # Its own node's facts only: lost/returned are the liveness monitor's (the scheduler's).
         pub += [s.fleet(node, "inventory"), s.fleet(node, "health"), s.heartbeat(node),
+                s.fleet(node, "files"), s.fleet(node, "download"), s.fleet(node, "evicted"),  # what its disk holds
                 f"{P}.control.replica.*.state.{s.token(node)}", f"{P}.control.replica.*.overbooked.{s.token(node)}"]
         # Engines follow placements; the fleet stream holds the node's own last health.
         pub += _read(CONTROL, FLEET)
@@ -165,6 +166,8 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             f"{P}.control.model.*.declared",
             f"{P}.control.model.*.scaled",
             f"{P}.control.model.*.removed",
+            f"{P}.control.model.*.prefetch",  # `ctl model prefetch`, `ctl model pin/unpin`
+            f"{P}.control.model.*.pinned",
             f"{P}.control.adapter.*.declared",  # `ctl adapter add`
             f"{P}.control.adapter.*.removed",
             f"{P}.control.replica.*.stopped",  # `ctl idle --stop`

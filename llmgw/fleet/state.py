@@ -28,6 +28,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.fleet.files import NodeFiles, fold_files
 
 # Bumped whenever apply() folds any event differently, or a checkpoint carries more: a
 # snapshot of the fold made by another version is not resumed from (llmgw/fleet/snapshots.py),
@@ -40,8 +41,9 @@ from llmgw import subjects
 # 8: an observed reservation is keyed by the engine arguments that sized it and never kept from a
 # simulated node or an explicit cache size, and the models' history notes which node reported it.
 # 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at;
-# 10: LoRA adapters (declared, and which replica holds which).
-FOLD_VERSION = 10
+# 10: LoRA adapters (declared, and which replica holds which); 11: which node holds which model
+# files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py).
+FOLD_VERSION = 11
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -162,6 +164,12 @@ class FleetState:
     # when no router reports it: ``adapters_held`` joins it to the replicas that exist).
     adapters: dict[str, m.AdapterSpec] = field(default_factory=dict)
     loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
+    # Model files by node (NodeFilesReported), downloads in flight and the last finished, by node
+    # then source; the models an operator pinned on disk (ctl model pin).
+    files: dict[str, NodeFiles] = field(default_factory=dict)
+    downloads: dict[str, dict[str, m.DownloadProgressed]] = field(default_factory=dict)
+    downloaded: dict[str, dict[str, m.DownloadFinished]] = field(default_factory=dict)
+    pinned: set[str] = field(default_factory=set)
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -425,6 +433,11 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 node.lost, node.lost_at, node.updated_at = False, None, event.at
         case m.NodeRetired():
             state.nodes.pop(event.node, None)  # its next inventory, if ever, brings it back
+            state.files.pop(event.node, None)
+        case m.NodeFilesReported() | m.DownloadProgressed() | m.DownloadFinished() | m.FilesEvicted():
+            fold_files(state.files, state.downloads, state.downloaded, event)
+        case m.ModelPinned():
+            (state.pinned.add if event.pinned else state.pinned.discard)(event.name)
         case m.ModelDeclared(spec=spec):
             state.models[spec.name] = ModelView(spec=spec, replicas_wanted=spec.replicas, declared_at=event.at)
         case m.ModelScaled() | m.ModelAutoscaled():

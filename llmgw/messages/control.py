@@ -156,6 +156,22 @@ class ModelUnplaceable(Event, tag="ModelUnplaceable", frozen=True, kw_only=True)
     code: Label = ""  # UNPLACEABLE_CODES; "" before codes
 
 
+class ModelPrefetchRequested(Event, tag="ModelPrefetchRequested", frozen=True, kw_only=True):
+    """An operator asked nodes to fetch a model's files before any replica needs them (``ctl model
+    prefetch``); each node's agent acts for its own node only."""
+
+    name: Ref
+    nodes: Annotated[tuple[Ref, ...], msgspec.Meta(max_length=MAX_GPUS)] = ()  # (): every node
+    revision: Label = ""  # "": the hub's main
+
+
+class ModelPinned(Event, tag="ModelPinned", frozen=True, kw_only=True):
+    """An operator said a model's files stay on disk whatever the budget (``ctl model pin``), or no longer."""
+
+    name: Ref
+    pinned: bool = True
+
+
 class GpuRef(msgspec.Struct, frozen=True, kw_only=True):
     """One GPU a replica holds."""
 
@@ -334,4 +350,6 @@ ControlEvent = (
     | ReplicaOverBooked
     | AdapterDeclared
     | AdapterRemoved
+    | ModelPrefetchRequested
+    | ModelPinned
 )

@@ -90,7 +90,87 @@ class NodeRetired(Event, tag="NodeRetired", frozen=True, kw_only=True):
     reason: Text = ""
 
 
-FleetEvent = NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned | NodeRetired
+# --- what a node holds on disk: llmgw.fleet.<node>.files|download|evicted ------------
+
+MAX_HELD_SOURCES = 256  # model sources in one report: a node's disk, not a registry
+MAX_HELD_FILES = 128  # files of one source in a report: a 405B checkpoint has under 200 shards; the agent keeps the largest
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]  # a PiB: more than any node's disk
+Digest = Annotated[str, msgspec.Meta(max_length=80, pattern=r"^((sha256|git-sha1):[0-9a-f]{40,64})?\Z")]
+
+
+class HeldFile(msgspec.Struct, frozen=True, kw_only=True):
+    """One file of a model source on a node's disk."""
+
+    path: Text  # relative to the source's snapshot or directory
+    size: Bytes
+    digest: Digest = ""  # "sha256:…" (the cache's LFS blob hash, or the agent's for a GGUF), "git-sha1:…"; "": not yet
+    complete: bool = True  # False: a partial download (resumed, never served)
+
+
+class HeldSource(msgspec.Struct, frozen=True, kw_only=True):
+    """A model source (a repository id, as a spec names it) and what of it one of a node's stores holds."""
+
+    source: Text
+    store: Label  # hf-cache | models-dir
+    revision: Label = ""  # the cache's commit hash; "" in the models directory (no revision recorded)
+    files: Annotated[tuple[HeldFile, ...], msgspec.Meta(max_length=MAX_HELD_FILES)] = ()
+    complete: bool = True  # every file its own index names is there, none partial
+    size: Bytes = 0  # all its files together (the report may list only the largest)
+    last_used: Time | None = None
+
+
+class NodeFilesReported(Event, tag="NodeFilesReported", frozen=True, kw_only=True):
+    """A full account of the model files on a node's disk; replaces what was known of its files."""
+
+    node: Name
+    boot_id: Label = ""
+    sources: Annotated[tuple[HeldSource, ...], msgspec.Meta(max_length=MAX_HELD_SOURCES)] = ()
+    disk_budget: Bytes = 0  # what the agent may fill (``--cache-max-gib``)
+    disk_free: Bytes = 0  # what the disk under its stores has free
+    truncated: bool = False  # more sources than a report carries: the least recently used were left out
+
+
+class DownloadProgressed(Event, tag="DownloadProgressed", frozen=True, kw_only=True):
+    """A node's agent is fetching a model's files: how far, and how fast (at most every few seconds)."""
+
+    node: Name
+    model: Ref
+    source: Text
+    done: Bytes
+    total: Bytes
+    rate: Annotated[float, msgspec.Meta(ge=0, le=1 << 50)] = 0.0  # bytes per second since the last report
+    started_at: Time | None = None
+
+
+class DownloadFinished(Event, tag="DownloadFinished", frozen=True, kw_only=True):
+    """A download ended: verified (``ok``), or refused with the reason (a digest mismatch, a full disk)."""
+
+    node: Name
+    model: Ref
+    source: Text
+    ok: bool
+    size: Bytes = 0
+    seconds: Seconds = 0.0
+    files: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    mismatches: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # files whose digest disagreed, fetched again
+    reason: Text = ""
+    code: Label = ""  # verified | mismatch | disk-full | not-found | error
+    started_at: Time | None = None
+
+
+class FilesEvicted(Event, tag="FilesEvicted", frozen=True, kw_only=True):
+    """An agent deleted a source's files to stay within its disk budget (least recently used first)."""
+
+    node: Name
+    source: Text
+    store: Label
+    size: Bytes
+    last_used: Time | None = None
+    reason: Text = ""
+
+
+FleetEvent = (NodeInventoryReported | GpuHealthChanged | NodeLost | NodeReturned | NodeRetired | NodeFilesReported
+              | DownloadProgressed | DownloadFinished | FilesEvicted)
 
 
 # --- heartbeat stream: llmgw.heartbeat.<node> (latest only, never replayed) --
