@@ -343,6 +343,8 @@ def scaling_text(s: m.ModelSummary) -> str:
 
 
 def why_text(s: m.ModelSummary) -> str:
+    if s.state == "failing":
+        return f"its engine fails to start: {s.failure or '(no output)'}"
     return s.unplaceable or ("a request wakes it" if s.state == "parked" else
                              "`ctl model scale` brings it back" if s.state == "stopped" else "")
 
@@ -388,7 +390,8 @@ def _notice(text: str) -> None:
 def list_models(use_replay: bool, as_json: bool, settings: Settings) -> None:
     """Every declared model: state, replicas, split, idle, GPU-hours held today.
 
-    States: serving, starting, parked (a request wakes it), unplaceable or stopped.
+    States: serving, starting, failing (its engines fail to start: the line why),
+    parked (a request wakes it), unplaceable or stopped.
 
     Example:
 
@@ -491,7 +494,8 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
     if spec.engine_args:
         rows.append(("engine args", " ".join(spec.engine_args)))
     if why:
-        rows.append(("why", why + (f" (since {_time(s.unplaceable_since)})" if s.unplaceable else "")))
+        since = s.unplaceable_since if s.unplaceable else s.failure_at if s.state == "failing" else None
+        rows.append(("why", why + (f" (since {_time(since)})" if since else "")))
     for k, v in rows:
         kv.add_row(k, v)
     console.print(kv)

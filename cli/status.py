@@ -178,7 +178,7 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     )
     if r.model_states:
         counts = Counter(r.model_states.values())
-        order = ("serving", "starting", "parked", "unplaceable", "stopped")
+        order = ("serving", "starting", "failing", "parked", "unplaceable", "stopped")
         console.print("models: " + ", ".join(
             f"{counts[k]} {k} ({', '.join(n for n, v in r.model_states.items() if v == k)})" for k in order if counts[k]))
     if r.model_list:
@@ -226,6 +226,15 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
         for u in r.unplaceable:
             un.add_row(u.name, _time(u.since), u.reason)
         console.print(un)
+    failing = [s for s in r.model_list if s.state == "failing"]
+    if failing:
+        console.print("Failing models (their engines fail to start; the last error line an agent reported)")
+        fail = Table(box=box.SIMPLE)
+        for col in ("model", "since", "error"):
+            fail.add_column(col, overflow="fold")
+        for s in failing:
+            fail.add_row(s.name, _time(s.failure_at), s.failure or "(no output)")
+        console.print(fail)
     if replicas:
         render_replicas(r, console)
     console.print(f"Replicas nobody asked for (idle ≥ {human_duration(r.idle_threshold_s)}; - = no router knows)")

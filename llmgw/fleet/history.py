@@ -13,6 +13,7 @@ their open replicas (and one figure per model per day), never the history.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
@@ -82,6 +83,10 @@ class ModelHistory:
     starts: dict[str, list[_Start]] = field(default_factory=dict)
     start_count: dict[str, int] = field(default_factory=dict)
     answered: dict[str, _Answered] = field(default_factory=dict)
+    # A model whose engines keep failing to start: the last error line an agent reported, and when, until
+    # one of its replicas is healthy or it is declared again (``model_state``'s "failing").
+    failure: dict[str, str] = field(default_factory=dict)
+    failure_at: dict[str, datetime] = field(default_factory=dict)
 
     def note(self, seq: int, event: m.ControlEvent) -> None:
         """One control-stream event, at its sequence."""
@@ -109,11 +114,18 @@ class ModelHistory:
                     self.observed_kv[model], self.observed_on[model] = event.observed_kv_tokens, event.node
                 if event.state in ("starting", "healthy") and model in self.starts:
                     self._phase(model, event)
+                if event.state == "healthy":
+                    self.failure.pop(model, None)
+                    self.failure_at.pop(model, None)
+                elif failed(event.state, event.restarts):
+                    self.failure[model], self.failure_at[model] = error_line(event.detail), event.at
             case m.ReplicaStopped():
                 self._close(event.replica_id, event.at)
             case m.ModelDeclared():
                 self.observed_kv.pop(model, None)
                 self.observed_on.pop(model, None)
+                self.failure.pop(model, None)  # a new declaration may be the fix: its replicas will say
+                self.failure_at.pop(model, None)
 
     def _phase(self, model: str, event: m.ReplicaStateChanged) -> None:
         """A cold start's first start and first health, from its replica's reports."""
@@ -191,6 +203,34 @@ def about(event: m.Event, placed: dict[str, _Held] | None = None) -> str | None:
                 return held.model
             return event.model
     return None
+
+
+def failed(state: str, restarts: int) -> bool:
+    """Whether a replica's report says its engine failed: given up, or exited and is being restarted (a
+    running engine's failed health check is unhealthy with no restart yet)."""
+    return state == "failed" or (state in ("unhealthy", "starting") and restarts > 0)
+
+
+# Where an agent's failure detail begins the engine's lines: after how it ended and what happens next.
+_NODE = re.compile(r"^[\w.-]+: (?=engine (?:exited|failed)\b)")  # the fold's "node: " before a report
+_EXITED = re.compile(r"^engine (?:exited|failed)\b.*?(?:; restart \d+ of \d+ in [\d.]+s| after \d+ restarts): ")
+# A Python exception's last line (vLLM's traceback ends with what went wrong).
+_EXCEPTION = re.compile(r"^\s*[\w.]*(?:Error|Exception)\b.*:")
+_ERROR = re.compile(r"(?i)\b(?:error|failed|fatal|no such file|permission denied|out of memory|killed|"
+                    r"segmentation fault|core dumped)\b|^\S+ E ")
+_LOG_PREFIX = re.compile(r"^[\d.]+ [DIWE] (?:\w{3} +)?")  # llama.cpp's time and level
+ERROR_LINE_MAX = 300
+
+
+def error_line(detail: str) -> str:
+    """The line of an engine failure's report that says what went wrong: a Python exception's last line,
+    else the first error line (llama.cpp says the cause first and then what it stopped), else the first."""
+    lines = [x.strip() for x in _EXITED.sub("", _NODE.sub("", detail, count=1), count=1).split(" | ") if x.strip()]
+    if not lines:
+        return detail[:ERROR_LINE_MAX]
+    line = (next((x for x in reversed(lines) if _EXCEPTION.search(x) and "Traceback" not in x), None)
+            or next((x for x in lines if _ERROR.search(x)), lines[0]))
+    return _LOG_PREFIX.sub("", line)[:ERROR_LINE_MAX]
 
 
 def split_by_day(start: datetime, end: datetime) -> list[tuple[date, float]]:

@@ -17,7 +17,7 @@ folds into and the views over it; split, a reader checking one event would read 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import compress
@@ -225,14 +225,18 @@ class FleetState:
         held = self.held_gpus() if held is None else held
         return [g for g in node.gpus.values() if g.healthy and (node.name, g.index) not in held]
 
-    def model_states(self) -> dict[str, str]:
-        """Each declared model's cold-start state (``model_state``)."""
+    def model_states(self, failing: Collection[str] = ()) -> dict[str, str]:
+        """Each declared model's cold-start state (``model_state``); ``failing``: models whose engines the
+        history saw fail since they were last healthy (a re-placed replica has not failed yet itself)."""
         healthy: dict[str, bool] = {}
+        failed = set(failing)
         for r in self.replicas.values():
             healthy[r.model] = healthy.get(r.model, False) or r.state == "healthy"
+            if r.state == "failed" or (r.state != "healthy" and r.restarts > 0):
+                failed.add(r.model)
         return {name: model_state(healthy=healthy.get(name, False), placed=name in healthy,
                                   replicas_wanted=v.replicas_wanted, replicas_by=v.replicas_by,
-                                  unplaceable=v.unplaceable_reason)
+                                  unplaceable=v.unplaceable_reason, failing=name in failed)
                 for name, v in self.models.items()}
 
     def adapters_held(self, replica: ReplicaView) -> tuple[str, ...]:
@@ -474,11 +478,15 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
     return state
 
 
-def model_state(*, healthy: bool, placed: bool, replicas_wanted: int, replicas_by: str, unplaceable: str | None) -> str:
-    """A declared model's cold-start state: serving, starting, stopped, unplaceable or parked.
+def model_state(*, healthy: bool, placed: bool, replicas_wanted: int, replicas_by: str, unplaceable: str | None,
+                failing: bool = False) -> str:
+    """A declared model's cold-start state: serving, starting, failing, stopped, unplaceable or parked.
 
     Serving: a replica is healthy. Starting: replicas are placed, none healthy
-    yet. Stopped: the operator scaled it to 0, and only a scale brings it back.
+    yet. Failing: placed, none healthy, and its engines failed to start (the
+    agent restarts them, the scheduler re-places them; a router holds a request
+    for it as for a starting one, since the next start may hold). Stopped: the
+    operator scaled it to 0, and only a scale brings it back.
     Unplaceable: none placed and the scheduler said why. Parked: none placed,
     stopped for idleness or scaled to zero by the autoscaler: a request wakes it.
     The fold and the router's pool both ask this, each from its own view.
@@ -486,7 +494,7 @@ def model_state(*, healthy: bool, placed: bool, replicas_wanted: int, replicas_b
     if healthy:
         return "serving"
     if placed:
-        return "starting"
+        return "failing" if failing else "starting"
     if replicas_wanted == 0 and replicas_by != "autoscaler":
         return "stopped"
     return "unplaceable" if unplaceable else "parked"

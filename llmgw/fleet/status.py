@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
-from llmgw.fleet.history import ModelHistory, split_by_day
+from llmgw.fleet.history import ModelHistory, error_line, split_by_day
+from llmgw.fleet.history import failed as failed_report
 from llmgw.fleet.observed import compared
 from llmgw.fleet.state import Cursor, FleetState, ReplicaView
 
@@ -201,7 +202,7 @@ def kv_observed(state: FleetState, spec: m.ModelSpec, replicas: list[ReplicaView
 def model_summaries(state: FleetState, now: datetime | None,
                     history: ModelHistory | None = None) -> tuple[m.ModelSummary, ...]:
     """Every declared model at a glance, by name: ``ctl model list``."""
-    states = state.model_states()
+    states = state.model_states(history.failure if history is not None else ())
     by_model: dict[str, list[ReplicaView]] = {}
     for r in state.replicas.values():
         by_model.setdefault(r.model, []).append(r)
@@ -213,6 +214,7 @@ def model_summaries(state: FleetState, now: datetime | None,
         # The model is idle as long as its least idle replica; one no router knows could have been asked.
         known = bool(idles) and all(i is not None for i, _ in idles)
         idle, since = min(idles, key=lambda x: x[0] or 0.0) if known else (None, None)
+        failure, failure_at = _failure(name, reps, history) if states[name] == "failing" else (None, None)
         out.append(m.ModelSummary(
             name=name, state=states[name], healthy=sum(r.state == "healthy" for r in reps), placed=len(reps),
             wanted=v.replicas_wanted, set_by=v.replicas_by, min_replicas=spec.min_replicas,
@@ -225,8 +227,19 @@ def model_summaries(state: FleetState, now: datetime | None,
             unplaceable_since=_utc(v.unplaceable_at), declared_at=_utc(v.declared_at),
             gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
             idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),
+            failure=failure, failure_at=_utc(failure_at),
         ))
     return tuple(out)
+
+
+def _failure(name: str, replicas: list[ReplicaView], history: ModelHistory | None) -> tuple[str | None, datetime | None]:
+    """A failing model's last error line and when: the history's (it outlives a re-placed replica), else its
+    replicas' latest failure report."""
+    if history is not None and name in history.failure:
+        return history.failure[name], history.failure_at.get(name)
+    failed = [r for r in replicas if failed_report(r.state, r.restarts) and r.detail]
+    latest = max(failed, key=lambda r: r.state_at or datetime.min.replace(tzinfo=UTC), default=None)
+    return (error_line(latest.detail), latest.state_at) if latest is not None else (None, None)
 
 
 def model_detail(state: FleetState, now: datetime | None, name: str, history: ModelHistory | None = None,
@@ -262,6 +275,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         for _, v in sorted(state.models.items())
         if v.unplaceable_reason is not None
     )
+    summaries = model_summaries(state, now, history)  # model_states says the same: one answer
     return m.StatusReport(
         now=_utc(now),
         idle_threshold_s=float(idle_threshold_s),
@@ -278,8 +292,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         unknown_idle=unknown,
         unprojected_events=cursor.unprojected,
         clamped_events=cursor.clamped,
-        model_states=dict(sorted(state.model_states().items())),
-        model_list=model_summaries(state, now, history),
+        model_states={s.name: s.state for s in summaries},
+        model_list=summaries,
         replica_list=replica_rows(state, now) if replicas else (),
         model_detail=model_detail(state, now, model, history, cursor) if model else None,
         tenants=tenant_usage(state, now),

@@ -117,7 +117,7 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    state: str  # serving | starting | parked | unplaceable | stopped
+    state: str  # serving | starting | failing | parked | unplaceable | stopped
     healthy: int
     placed: int
     wanted: int
@@ -144,6 +144,9 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float = -1.0
     idle_since: datetime | None = None
     gpu_hours_today: float = 0.0  # GPUs its replicas held since midnight UTC of ``now``, stopped ones too
+    # Failing: the last error line its engines' failures reported (an agent's report), and when.
+    failure: str | None = None
+    failure_at: datetime | None = None
 
 
 class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
