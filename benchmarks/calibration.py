@@ -2,6 +2,15 @@
 
     python benchmarks/calibration.py            # the markdown table docs/planning.md quotes
     python benchmarks/calibration.py ROWS.jsonl # the same for other rows (a candidate's, before it joins)
+    python benchmarks/calibration.py --fit      # what the fit gives each profile's fitted terms
+
+The fitted terms of each vLLM profile (``FITTED``: the sampler's copies, and memory outside torch)
+are fitted here: memory outside torch is what the profile's own logs print (``non_torch``), the copies
+a least-squares grid fit (``fit``) on the profile's KV rows, each error in units of its tolerance; ``llmgw/engine/profiles.py``
+holds what the fit gives on the whole set (``tests/test_calibration.py`` checks that it still does).
+Beside the in-sample figures the table prints leave-one-source-out ones: every row planned with
+factors fitted without any row of its own source (a repository, or a site), so that a factor only
+its own row supports shows up.
 
 Rows are ``tests/data/vllm_observed.jsonl``: figures vLLM printed at start-up
 (``Model loading took X GiB``, ``Available KV cache memory: Y GiB``, ``GPU KV cache
@@ -14,9 +23,11 @@ a folder under ``examples/models`` or ``tests/data/calibration``, optionally wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,8 +89,21 @@ def _info(row: dict[str, Any]) -> Any:
     return info
 
 
-def evaluate(row: dict[str, Any]) -> Result:
-    """One row: what the planner predicts for its model, card, split and settings, next to what vLLM printed."""
+def _batch(row: dict[str, Any], profile: Any) -> tuple[int, int]:
+    """The row's (max_num_batched_tokens, max_num_seqs): as it states them, else the version's defaults on its card."""
+    gpu = str(row.get("gpu_class") or row.get("gpu") or "")
+    tokens, seqs = profile.batch(gpu, int(float(row["gpu_memory_gib"]) * 1024))
+    if row.get("max_num_seqs"):
+        seqs = int(row["max_num_seqs"])
+        tokens = max(tokens, seqs)
+    if row.get("max_num_batched_tokens"):
+        tokens = int(row["max_num_batched_tokens"])
+    return tokens, seqs
+
+
+def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
+    """One row: what the planner predicts for its model, card, split and settings, next to what vLLM printed
+    (``profile``: plan with these factors instead of the version's profile)."""
     from llmgw.planner import memory as M
 
     r = Result(row)
@@ -97,13 +121,8 @@ def evaluate(row: dict[str, Any]) -> Result:
     from llmgw.engine.profiles import profile_for
 
     mem_gib = float(row["gpu_memory_gib"])
-    profile = profile_for("vllm", str(row.get("vllm_version") or ""))
-    tokens, seqs = profile.batch(gpu, int(mem_gib * 1024))
-    if row.get("max_num_seqs"):
-        seqs = int(row["max_num_seqs"])
-        tokens = max(tokens, seqs)
-    if row.get("max_num_batched_tokens"):
-        tokens = int(row["max_num_batched_tokens"])
+    profile = profile or profile_for("vllm", str(row.get("vllm_version") or ""))
+    tokens, seqs = _batch(row, profile)
     weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs))
     graphs = M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if profile.graphs_in_budget and not row.get("enforce_eager") else 0.0
     budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
@@ -152,11 +171,169 @@ def summary(used: list[Result]) -> str:
             f"{sum(r.fits == r.observed_fits for r in v)} of {len(v)}.")
 
 
+def _figures(group: list[Result]) -> tuple[str, str, str, str]:
+    """A group's KV within, KV error mean / worst, weights within and verdicts right, as table cells."""
+    kv_rows = [r for r in group if r.kv_ok is not None]
+    errs = [abs(r.kv - r.observed_kv) for r in kv_rows]  # type: ignore[operator]
+    w = [r for r in group if r.weights_ok is not None]
+    v = [r for r in group if r.fits is not None]
+    err = f"{statistics.mean(errs):.2f} / {max(errs):.2f}" if errs else "-"
+    return (f"{sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)}", err, f"{sum(bool(r.weights_ok) for r in w)} of {len(w)}",
+            f"{sum(r.fits == r.observed_fits for r in v)} of {len(v)}")
+
+
 def evaluate_all(path: Path = ROWS) -> list[Result]:
     return [evaluate(row) for row in rows(path)]
 
 
-def table(results: list[Result]) -> str:
+# --- the fit of each profile's terms, and leave-one-source-out scoring ---------------------------
+
+COPIES = tuple(i / 4 for i in range(49))  # the sampler's copies tried: 0 to 12, by a quarter
+NON_TORCH_MAX_GIB = 0.6
+
+
+@dataclass(frozen=True)
+class Terms:
+    """One KV row split into what the fitted terms change: its KV with none of them, the forward pass's
+    activation peak (the sampler's dummy pass counts only where it is the larger) and one copy of the
+    sampler's logits (max_num_seqs x vocab x fp32), in GiB."""
+
+    result: Result  # the row planned with no sampler pass and nothing outside torch
+    fwd: float
+    unit: float
+    large: bool  # a large card's batch: the profile's large_sampler_copies apply
+    source: str
+
+    def kv(self, copies: float, large_copies: float, non_torch: float) -> float:
+        c = large_copies if large_copies and self.large else copies
+        return float(self.result.kv) + self.fwd - max(self.fwd, c * self.unit) - non_torch  # type: ignore[arg-type]
+
+    @property
+    def tolerance(self) -> float:
+        return max(0.1 * abs(float(self.result.observed_kv)), KV_FLOOR_GIB)  # type: ignore[arg-type]
+
+
+def source_of(row: dict[str, Any]) -> str:
+    """A row's source for leave-one-out: its GitHub repository (one author's logs are one source), else its site."""
+    url = str(row["source"]).removeprefix("https://")
+    parts = url.split("/")
+    return "/".join(parts[1:3]) if parts[0] == "github.com" else parts[0]
+
+
+def _zero(profile: Any) -> Any:
+    return dataclasses.replace(profile, sampler_copies=0.0, large_sampler_copies=0.0, non_torch_gib=0.0)
+
+
+def terms(row: dict[str, Any]) -> Terms | None:
+    """The row's fit terms; None for a row with no KV figure to fit on."""
+    from llmgw.engine.profiles import profile_for
+    from llmgw.planner import memory as M
+
+    if row.get("excluded") or row.get("weights_only"):
+        return None
+    profile = profile_for("vllm", str(row.get("vllm_version") or ""))
+    zero = _zero(profile)
+    r = evaluate(row, zero)
+    if r.observed_kv is None or r.kv is None:
+        return None
+    info = _info(row)
+    tp, pp = int(row.get("tp") or 1), int(row.get("pp") or 1)
+    tokens, seqs = _batch(row, zero)
+    allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
+    fwd = (M.overhead_bytes_per_gpu(info, "vllm", tp, pp, profile=zero, batch=(tokens, seqs))
+           - M.vision_profile_bytes(info, tokens, tp) - allreduce)
+    return Terms(r, fwd / GIB, seqs * info.vocab_size * 4 / GIB, tokens >= profile.large_batch[0], source_of(row))
+
+
+def fit(ts: list[Terms], large: bool, prior: tuple[float, float], non_torch: float) -> tuple[float, float]:
+    """(sampler_copies, large_sampler_copies) minimising the squared KV errors in units of each row's tolerance,
+    over the grid ``COPIES``, with memory outside torch held at ``non_torch``. Where the rows cannot tell figures
+    apart (the sampler's pass is nowhere the larger), the one nearest ``prior``; no rows: ``prior``."""
+    if not ts:
+        return prior
+    w = [1 / t.tolerance ** 2 for t in ts]
+    best: tuple[float, float, tuple[float, float]] | None = None
+    for c in COPIES:
+        for cl in (COPIES if large else (0.0,)):
+            obj = round(sum(wi * (t.kv(c, cl, non_torch) - float(t.result.observed_kv)) ** 2  # type: ignore[arg-type]
+                            for wi, t in zip(w, ts, strict=True)), 9)
+            near = abs(c - prior[0]) + abs(cl - prior[1])
+            if best is None or (obj, near) < best[:2]:
+                best = (obj, near, (c, cl))
+    assert best is not None
+    return best[2]
+
+
+def non_torch(ts: list[Terms], sources: int = 1) -> float | None:
+    """What these rows' own logs print as memory outside torch on a single GPU (the median), None when fewer than
+    ``sources`` sources print it: a measured term, not a fitted one (on a split card it holds NCCL's and the
+    all-reduce's buffers too)."""
+    printed = [(t.source, float(t.result.row["non_torch_gib"])) for t in ts
+               if t.result.row.get("non_torch_gib") is not None and int(t.result.row.get("tp") or 1) == 1
+               and int(t.result.row.get("pp") or 1) == 1]
+    if len({src for src, _ in printed}) < sources or not printed:
+        return None
+    return round(statistics.median(v for _, v in printed), 2)
+
+
+def fitted_profiles(ts: Iterable[Terms]) -> dict[str, Any]:
+    """Every vLLM profile with its terms fitted on these rows: memory outside torch as its logs print it where two
+    sources or more do (else as all the rows' logs do), then the sampler's copies, what its rows cannot tell
+    apart taken from the neighbouring version ranges' fit."""
+    from llmgw.engine.profiles import VLLM_PROFILES, profile_for
+
+    groups: dict[str, list[Terms]] = {}
+    pool = list(ts)
+    for t in pool:
+        groups.setdefault(profile_for("vllm", str(t.result.row.get("vllm_version"))).name, []).append(t)
+    pooled_nt = non_torch(pool) or 0.0
+    out = {}
+    for i, p in enumerate(VLLM_PROFILES):
+        group = groups.get(p.name, [])
+        nt = non_torch(group, sources=2)  # one source's figure would be a factor only its own rows support
+        nt = pooled_nt if nt is None else nt
+        # What the rows cannot tell apart takes the neighbouring version ranges' fit: the code changes by version.
+        near = [t for q in VLLM_PROFILES[max(0, i - 1):i + 2] if q is not p for t in groups.get(q.name, [])]
+        c0, _ = fit(near or pool, False, (0.0, 0.0), pooled_nt)
+        c, cl = fit(group, bool(p.large_sampler_copies), (c0, c0), nt)
+        out[p.name] = dataclasses.replace(p, sampler_copies=c, large_sampler_copies=cl, non_torch_gib=nt)
+    return out
+
+
+def leave_one_source_out(path: Path = ROWS) -> list[Result]:
+    """Every row planned with its profile's terms fitted on the rows of every other source."""
+    from llmgw.engine.profiles import profile_for
+
+    all_rows = rows(path)
+    ts = [t for t in (terms(row) for row in all_rows) if t is not None]
+    fits: dict[str, dict[str, Any]] = {}
+    out = []
+    for row in all_rows:
+        if row.get("excluded") or row.get("weights_only"):
+            out.append(evaluate(row))
+            continue
+        src = source_of(row)
+        if src not in fits:
+            fits[src] = fitted_profiles(t for t in ts if t.source != src)
+        out.append(evaluate(row, fits[src][profile_for("vllm", str(row.get("vllm_version") or "")).name]))
+    return out
+
+
+def fit_table(path: Path = ROWS) -> str:
+    """Markdown: each profile's fitted terms on the whole set beside what llmgw/engine/profiles.py holds."""
+    from llmgw.engine.profiles import VLLM_PROFILES
+
+    fitted = fitted_profiles(t for t in (terms(row) for row in rows(path)) if t is not None)
+    out = ["| vLLM profile | sampler copies fit / held | large-batch copies fit / held | non-torch GiB fit / held |",
+           "|---|---|---|---|"]
+    for p in VLLM_PROFILES:
+        f = fitted[p.name]
+        out.append(f"| {p.name} | {f.sampler_copies:g} / {p.sampler_copies:g} | {f.large_sampler_copies:g} / "
+                   f"{p.large_sampler_copies:g} | {f.non_torch_gib:g} / {p.non_torch_gib:g} |")
+    return "\n".join(out)
+
+
+def table(results: list[Result], held_out: list[Result] | None = None) -> str:
     """Markdown: every row in the set with its errors, then the excluded ones, then the summary."""
     out = ["| model | GPU | tp | util | vLLM (profile) | weights GiB pred / obs | KV GiB pred / obs | KV error | fits pred / obs |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -174,18 +351,22 @@ def table(results: list[Result]) -> str:
                    f"{row['gpu_memory_utilization']:g} | {row.get('vllm_version') or '-'} ({r.profile}) | {r.weights:.2f} / {obs_w} | "
                    f"{r.kv:.2f} / {obs_kv} | {err} | {'yes' if r.fits else 'no'} / {'yes' if r.observed_fits else 'no'} |")
     out.append("")
-    out.append(summary(used))
+    out.append("In sample: " + summary(used))
+    held = [r for r in held_out if not r.excluded] if held_out is not None else []
+    if held:
+        out.append("")
+        out.append("Leave one source out: " + summary(held))
     out.append("")
-    out.append("| vLLM profile | rows | KV within max(10%, 0.75 GiB) | KV error mean / worst GiB | weights within 5% | verdicts right |")
-    out.append("|---|---|---|---|---|---|")
+    out.append("| vLLM profile | rows | KV within max(10%, 0.75 GiB) | KV error mean / worst GiB | weights within 5% | "
+               "verdicts right |" + (" LOSO: KV within | LOSO: KV error mean / worst GiB | LOSO: verdicts right |" if held else ""))
+    out.append("|---|---|---|---|---|---|" + ("---|---|---|" if held else ""))
+    held_groups = by_profile(held)
     for name, group in by_profile(used).items():
-        kv_rows = [r for r in group if r.kv_ok is not None]
-        errs = [abs(r.kv - r.observed_kv) for r in kv_rows]  # type: ignore[operator]
-        w = [r for r in group if r.weights_ok is not None]
-        v = [r for r in group if r.fits is not None]
-        err = f"{statistics.mean(errs):.2f} / {max(errs):.2f}" if errs else "-"
-        out.append(f"| {name} | {len(group)} | {sum(bool(r.kv_ok) for r in kv_rows)} of {len(kv_rows)} | {err} | "
-                   f"{sum(bool(r.weights_ok) for r in w)} of {len(w)} | {sum(r.fits == r.observed_fits for r in v)} of {len(v)} |")
+        line = f"| {name} | {len(group)} | " + " | ".join(_figures(group))
+        if held:
+            kv, err, _, verdicts = _figures(held_groups.get(name, []))
+            line += f" | {kv} | {err} | {verdicts}"
+        out.append(line + " |")
     out.append("")
     out.append("Excluded: " + "; ".join(f"{r.row['model']} ({r.excluded})" for r in results if r.excluded) + ".")
     return "\n".join(out)
@@ -193,4 +374,9 @@ def table(results: list[Result]) -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    print(table(evaluate_all(Path(sys.argv[1]) if len(sys.argv) > 1 else ROWS)))
+    args = [a for a in sys.argv[1:] if a != "--fit"]
+    source = Path(args[0]) if args else ROWS
+    if "--fit" in sys.argv[1:]:
+        print(fit_table(source))
+    else:
+        print(table(evaluate_all(source), leave_one_source_out(source)))

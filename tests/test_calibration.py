@@ -60,3 +60,27 @@ def test_every_engine_profile_is_pinned_on_its_own_logs() -> None:
         assert kv, f"no KV row of {p.name}"
         assert sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv), (p.name, [(r.row["model"], r.kv, r.observed_kv) for r in kv])
 
+
+
+def test_the_profiles_hold_what_the_fit_gives() -> None:
+    """The engine profiles' fitted terms are reproducible: benchmarks/calibration.py's fit on the set gives them."""
+    from llmgw.engine.profiles import VLLM_PROFILES
+
+    fitted = calibration.fitted_profiles(t for t in (calibration.terms(row) for row in calibration.rows()) if t is not None)
+    for p in VLLM_PROFILES:
+        f = fitted[p.name]
+        assert (f.sampler_copies, f.large_sampler_copies, f.non_torch_gib) == \
+            (p.sampler_copies, p.large_sampler_copies, p.non_torch_gib), p.name
+
+
+def test_leave_one_source_out_is_scored_beside_in_sample() -> None:
+    """Every KV row is also planned with factors fitted without its own source's rows; the figures are in the table,
+    and the held-out verdicts are all right."""
+    held = [r for r in calibration.leave_one_source_out() if not r.excluded]
+    table = calibration.table(calibration.evaluate_all(), held)
+    assert "Leave one source out:" in table
+    verdicts = [r for r in held if r.fits is not None]
+    assert verdicts and all(r.fits == r.observed_fits for r in verdicts), \
+        [(r.row["model"], r.kv, r.observed_kv) for r in verdicts if r.fits != r.observed_fits]
+    kv = [r for r in held if r.kv_ok is not None]
+    assert sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv)
