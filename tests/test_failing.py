@@ -13,10 +13,13 @@ import pytest
 from click.testing import CliRunner
 from live_projector import publish_fresh, serving
 from projection_events import inventory, placed, t
+from test_cli_models import FLEET, control, invoke
 
 from llmgw import messages as m
+from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.config import Settings
+from llmgw.engine.demomodel import write_demo_model
 from llmgw.fleet.history import error_line
 
 TINY = m.ModelSpec(name="tiny", source="org/tiny", precision="q8_0", engine="llama.cpp", gpu_class="L40S-48GB",
@@ -109,3 +112,20 @@ def test_a_healthy_replica_ends_failing(settings: Settings, tmp_path: Path) -> N
     assert code == 0, out
     (row,) = json.loads(out)
     assert (row["state"], row["failure"]) == ("serving", None)
+
+
+async def test_deploy_file_that_its_model_directory_lacks_is_refused(bus: Bus, nats_url: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deploy --file nothere.gguf`` was accepted, and its engines then crash-looped."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    made = write_demo_model(tmp_path / "tiny")
+    args = ["ctl", "model", "deploy", "tiny", str(made.gguf.parent), "--from-plan", "--fleet", str(FLEET),
+            "--precision", "q8_0", "--context", "1024"]
+    r = await invoke(nats_url, *args, "--file", "nothere.gguf")
+    assert r.exit_code == 1, r.output
+    assert r.output == (f"Error: --file nothere.gguf: no such file in {made.gguf.parent} (GGUF files there: "
+                        f"{made.gguf.name}); give one of those, or a path to the GGUF\n")
+    assert await control(bus) == []
+    ok = await invoke(nats_url, *args, "--file", made.gguf.name)
+    assert ok.exit_code == 0, ok.output
+    assert len(await control(bus)) == 1

@@ -14,7 +14,9 @@ from llmgw import subjects
 from llmgw.config import Settings
 from llmgw.ctl.ask import connect, replay_state
 from llmgw.ctl.plan import plan_locally
+from llmgw.engine.argv import is_repo_id
 from llmgw.errors import LlmgwError
+from llmgw.fleet.state import FleetState
 from llmgw.fleet.status import IdleRow
 
 if TYPE_CHECKING:
@@ -110,7 +112,9 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
     """
     bus = await connect(settings, "llmgw-ctl-model")
     try:
-        state = await replay_state(bus, (subjects.STREAM_CONTROL,))
+        state = await replay_state(bus, (subjects.STREAM_CONTROL, subjects.STREAM_FLEET))
+        if (missing := missing_file(spec, state)) is not None:
+            raise LlmgwError(missing)
         view = state.models.get(spec.name)
         if view is None:
             return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
@@ -131,6 +135,33 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
         return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
     finally:
         await bus.close()
+
+
+def missing_file(spec: m.ModelSpec, state: FleetState) -> str | None:
+    """Why a llama.cpp spec's GGUF cannot be there, where that is knowable; None otherwise.
+
+    A bare file name of a model directory is read from that directory: one that exists here without
+    it is refused. Otherwise the nodes' files reports decide: where every node that holds the source
+    reports its files and none the GGUF, no node has it (a repository's may still be downloaded).
+    """
+    if spec.engine != "llama.cpp" or not spec.file or Path(spec.file).is_absolute():
+        return None
+    name = Path(spec.file).name
+    source = Path(spec.source).expanduser()
+    if (source.is_absolute() or not is_repo_id(spec.source)) and source.is_dir():
+        if (source / spec.file).is_file():
+            return None
+        there = sorted(p.name for p in source.glob("*.gguf"))[:8]
+        return (f"--file {spec.file}: no such file in {source} (GGUF files there: {', '.join(there) or 'none'}); "
+                "give one of those, or a path to the GGUF")
+    if is_repo_id(spec.source):
+        return None  # an agent downloads what no node holds
+    nodes = [n for n, nf in state.files.items() if spec.source in nf.sources]
+    if nodes and not any(name == Path(f.path).name for n in nodes for h in state.files[n].sources[spec.source]
+                         for f in h.files):
+        return (f"--file {spec.file}: no node holds it: {spec.source} on {', '.join(sorted(nodes)[:4])} has no such "
+                "file; give a GGUF the model's directory holds")
+    return None
 
 
 def keep_adapters(old: m.ModelSpec, new: m.ModelSpec, declared: dict[str, m.AdapterSpec]) -> m.ModelSpec:
