@@ -1,0 +1,134 @@
+"""Weights on nodes: a real agent reports its stores, fetches from a stand-in hub, verifies, evicts.
+
+The hub is outside the project: ``hubserver`` serves its file API on a local port, and the agent's
+``huggingface_hub`` reaches it through ``HF_ENDPOINT``, as huggingface_hub's own tests do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+from hubserver import Hub, Repo, serving
+from running import running, until
+from streams import stored
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.agent.downloads import FileKeeper, FilesConfig
+from llmgw.agent.files import Disk, report, scan_hf_cache, scan_models_dir
+from llmgw.agent.node import Agent
+from llmgw.agent.simnvml import SimNvml
+from llmgw.bus import Bus
+from llmgw.fleet.files import holders
+from llmgw.fleet.state import fold
+from llmgw.fleetfile import load
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+GGUF = os.urandom(300_000)
+SHARD = os.urandom(200_000)
+REPO = "acme/tiny-GGUF"
+CKPT = "acme/tiny"
+
+
+def gguf_spec(name: str = "tiny", source: str = REPO, file: str = "tiny-q4_k_m.gguf") -> m.ModelSpec:
+    return m.ModelSpec(name=name, source=source, precision="q4_K_M", engine="llama.cpp", gpu_class="H100-80GB",
+                       context=4096, file=file, gib_per_gpu=1.0)
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Hub]:
+    repos = {REPO: Repo(files={"tiny-q4_k_m.gguf": GGUF, "tiny-q8_0.gguf": GGUF[:1000], "README.md": b"# tiny\n"}),
+             CKPT: Repo(files={"config.json": b'{"model_type": "llama"}', "model.safetensors": SHARD,
+                               "tokenizer.json": b"{}", "original/consolidated.pth": b"x" * 5000})}
+    with serving(Hub(repos=repos)) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        yield h
+
+
+def keeper_for(tmp_path: Path, node: str = "h100-a-03", **kw: object) -> FileKeeper:
+    cfg = FilesConfig(models_dir=tmp_path / "models", hf_cache=tmp_path / "hf", rescan_s=0.2, progress_s=0.1,
+                      **kw)  # type: ignore[arg-type]
+    return FileKeeper(node, cfg, boot_id="boot-1")
+
+
+def agent_with(bus: Bus, fleet_file: Path, keeper: FileKeeper) -> Agent:
+    node = load(fleet_file).node(keeper.node)
+    return Agent(bus, SimNvml(node), node.name, fabric=node.fabric, simulated=True, services=[keeper])
+
+
+async def files_events(bus: Bus) -> list[m.NodeFilesReported]:
+    return [e for e in await stored(bus, subjects.STREAM_FLEET, limit_s=10) if isinstance(e, m.NodeFilesReported)]
+
+
+# --- what a node holds ---------------------------------------------------------------------------
+
+
+async def test_an_agent_reports_its_gguf_with_a_sha256_kept_beside_it(bus: Bus, fleet_file: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "models" / "acme__tiny-GGUF"
+    folder.mkdir(parents=True)
+    (folder / "tiny-q4_k_m.gguf").write_bytes(GGUF)
+    (folder / "tiny-q8_0.gguf.part").write_bytes(GGUF[:100])  # a download broken off
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await until(lambda: (folder / "tiny-q4_k_m.gguf.sha256").exists(), "the GGUF's sha256 kept beside it")
+        await until(lambda: bool(keeper.last and keeper.last.sources[0].files[0].digest), "a report with the digest")
+        await keeper.outbox.flush()  # type: ignore[union-attr]
+    want = hashlib.sha256(GGUF).hexdigest()
+    assert (folder / "tiny-q4_k_m.gguf.sha256").read_text() == f"{want}  tiny-q4_k_m.gguf\n"
+    reports = await files_events(bus)
+    first, last = reports[0], reports[-1]
+    assert first.sources[0].files[0].digest == ""  # reported at once; hashed after, once
+    (held,) = last.sources
+    assert (held.source, held.store, held.complete) == (REPO, "models-dir", False)
+    assert [(f.path, f.size, f.digest, f.complete) for f in held.files] == [
+        ("tiny-q4_k_m.gguf", len(GGUF), f"sha256:{want}", True), ("tiny-q8_0.gguf", 100, "", False)]
+    state = fold(await stored(bus, subjects.STREAM_FLEET, limit_s=10))
+    assert holders(state.files, gguf_spec()) == {"h100-a-03"}  # its file is there, complete
+    assert holders(state.files, gguf_spec(file="tiny-q8_0.gguf")) == set()  # partial: not held
+    # A second scan trusts the kept digest (newer than the file) and hashes nothing again.
+    mtime = (folder / "tiny-q4_k_m.gguf.sha256").stat().st_mtime_ns
+    assert scan_models_dir(tmp_path / "models")[0].files[0].digest == f"sha256:{want}"
+    assert (folder / "tiny-q4_k_m.gguf.sha256").stat().st_mtime_ns == mtime
+
+
+async def test_the_hf_cache_is_reported_with_blob_digests(hub: Hub, tmp_path: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    await asyncio.to_thread(snapshot_download, CKPT, cache_dir=tmp_path / "hf", endpoint=hub.url,
+                            allow_patterns=["*.json", "*.safetensors"])
+    (held,) = scan_hf_cache(tmp_path / "hf")
+    assert (held.source, held.store, held.revision, held.complete) == (CKPT, "hf-cache", hub.repos[CKPT].commit, True)
+    digests = {f.path: f.digest for f in held.files}
+    assert digests["model.safetensors"] == f"sha256:{hashlib.sha256(SHARD).hexdigest()}"
+    assert digests["config.json"].startswith("git-sha1:")
+    spec = m.ModelSpec(name="tiny-vllm", source=CKPT, precision="bf16", engine="vllm", gpu_class="H100-80GB", context=4096)
+    ev = report("n1", "b", [held], Disk(budget=1 << 40, free=1 << 30), T0)
+    assert holders(fold([ev]).files, spec) == {"n1"}
+
+
+def test_a_report_is_bounded_at_decode_and_the_agent_keeps_within_it() -> None:
+    many = [m.HeldSource(source=f"org/m{i}", store="models-dir", size=1, last_used=datetime(2026, 1, 1 + i % 28, tzinfo=UTC),
+                         files=(m.HeldFile(path="w.gguf", size=1),)) for i in range(m.MAX_HELD_SOURCES + 40)]
+    too_many = m.NodeFilesReported(at=T0, node="n1", sources=tuple(many))
+    with pytest.raises(msgspec.ValidationError, match="length"):
+        m.FLEET_DECODER.decode(m.encode(too_many))
+    ev = report("n1", "b", many, Disk(budget=0, free=0), T0)
+    assert ev.truncated and len(ev.sources) == m.MAX_HELD_SOURCES
+    assert m.FLEET_DECODER.decode(m.encode(ev)) == ev
+    assert min(s.last_used for s in ev.sources if s.last_used) >= max(  # the most recently used are kept
+        s.last_used for s in many if s not in ev.sources and s.last_used)
+    shards = m.HeldSource(source="org/big", store="hf-cache", files=tuple(
+        m.HeldFile(path=f"f{i:04d}.json" if i % 2 else f"model-{i:05d}.safetensors", size=i) for i in range(400)))
+    (big,) = report("n1", "b", [shards], Disk(budget=0, free=0), T0).sources
+    assert len(big.files) == m.MAX_HELD_FILES and all(f.path.endswith(".safetensors") for f in big.files)
+    bad = m.encode(m.NodeFilesReported(at=T0, node="n1", sources=(m.HeldSource(
+        source="x", store="hf-cache", files=(m.HeldFile(path="a", size=1, digest="md5:abc"),)),)))
+    with pytest.raises(msgspec.ValidationError):
+        m.FLEET_DECODER.decode(bad)
