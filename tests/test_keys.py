@@ -365,3 +365,27 @@ async def test_a_router_restarting_mid_minute_keeps_the_window(bus: Bus, served:
         assert await ask(second, secret) == 429  # 2 + 1 before the restart: the minute is full
     finally:
         await second.stop()
+
+
+async def test_six_normal_clients_on_a_one_slot_model_queue_and_none_is_shed(bus: Bus) -> None:
+    """Issue 43 #7: six concurrent normal clients on one slot got thousands of 429s saying "this priority is
+    shed first"; normal requests wait their turn, and only past the queue's bound hear it is full."""
+    engine = spawn("one", "--latency-ms", "50", name="S6")
+    router = Router(bus, "rt-six", tick_s=3600)
+    try:
+        spec = m.ModelSpec(name="one", source="x", precision="q8_0", engine="llama.cpp", gpu_class="CPU",
+                           context=2048, parallel=1)
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+        await place(bus, "S6", "one", engine.url)
+        await router.start("127.0.0.1", 0)
+        await router.sink.wait_for(lambda p: bool(p.healthy.get("one")) and "one" in p.declared)
+
+        async def client() -> list[int]:
+            return [await ask(router, None, "one") for _ in range(3)]
+
+        statuses = [s for got in await asyncio.gather(*(client() for _ in range(6))) for s in got]
+        assert statuses == [200] * 18
+        assert router.metrics.errors("one", "shed") == 0
+    finally:
+        await router.stop()
+        engine.stop()

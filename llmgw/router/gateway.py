@@ -57,6 +57,7 @@ RETRY_AFTER_S = 5
 USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the engine's `usage` in
 PRIORITIES = ("high", "normal", "low")  # the order a freed slot goes in (ctl key --priority)
 QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low ones are shed
+QUEUE_MAX_PER_SLOT = 32  # … and before a normal or high one hears the queue is full
 _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
 _NO_DIGEST = "0" * 64
 
@@ -213,19 +214,26 @@ class Gateway:
 
         Below saturation nothing waits (the engines' own slots). At it, requests queue here, high
         before normal before low; past QUEUE_PER_SLOT x slots queued, a low request is refused at
-        once, and a higher one takes the place of the newest lower one queued (which is refused).
+        once ("shed"), and a higher one takes the place of the newest lower one queued (which is
+        refused), or, with none lower, waits too: normal and high ones are refused ("full") only
+        past QUEUE_MAX_PER_SLOT x slots. Shedding is for the lower priorities, not for a queue of
+        normal requests.
         """
         cap = self._saturated(model)
         if not cap:
             return ""
         queues = self._queues.setdefault(model, {p: deque() for p in PRIORITIES})
-        bound = QUEUE_PER_SLOT * cap * len(self.pool.healthy.get(model, ()))
-        if sum(len(q) for q in queues.values()) >= bound:
+        slots = cap * len(self.pool.healthy.get(model, ()))
+        waiting = sum(len(q) for q in queues.values())
+        if waiting >= QUEUE_PER_SLOT * slots:
             lower = PRIORITIES[PRIORITIES.index(priority) + 1:]
             victim = next((queues[p] for p in reversed(lower) if queues[p]), None)
-            if victim is None:
+            if victim is not None:
+                victim.pop().set_result("displaced")
+            elif priority == PRIORITIES[-1]:
                 return "shed"
-            victim.pop().set_result("shed")
+            elif waiting >= QUEUE_MAX_PER_SLOT * slots:
+                return "full"
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         queue = queues[priority]
         queue.append(fut)
@@ -407,10 +415,12 @@ class Gateway:
         target = lora.base if lora is not None else model
         if (refused := await self._admit(target, who.priority if who is not None else "normal")):
             self.metrics.error(model, "shed")
-            return api.error(429 if refused == "shed" else 503,
-                             f"model {model!r} is at capacity and {'this priority is shed first' if refused == 'shed' else 'no slot freed in time'}; "
-                             f"retry after {RETRY_AFTER_S}s", "server_error", "model_at_capacity", "model",
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
+            why = {"shed": "low-priority requests are shed first", "full": "its queue is full",
+                   "displaced": "a higher-priority request took this one's place in its queue",
+                   }.get(refused, "no slot freed in time")
+            return api.error(503 if refused == "timeout" else 429,
+                             f"model {model!r} is at capacity and {why}; retry after {RETRY_AFTER_S}s",
+                             "server_error", "model_at_capacity", "model", headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
             rep, body = await self._pick(model, lora, body, key)
         except AdapterError as e:
