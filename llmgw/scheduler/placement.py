@@ -8,7 +8,9 @@ make the same decisions under the same ids, and JetStream keeps one of each.
 A replica takes ``tp`` healthy GPUs of its class on one node, or, with ``pp > 1``,
 ``tp`` GPUs on each of ``pp`` nodes of ONE fabric; never across. On each it books
 what its plan needs there (``booking_mib``); a GPU holds replicas while their
-bookings fit its memory, and an exclusive replica holds whole GPUs alone.
+bookings fit its memory, and an exclusive replica holds whole GPUs alone. Among the nodes it
+fits on, one whose disk holds its files complete (``llmgw.fleet.files.holders``) comes first: a
+download is minutes where a start from disk is seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
+from llmgw.fleet.files import expected_bytes, gib, holders
 from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, booking_mib, by_fabric
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
@@ -121,24 +124,42 @@ Where = tuple[tuple[str, ...], tuple[m.GpuRef, ...], str]
 
 
 def place(state: FleetState, spec: m.ModelSpec, room: Room,
-          avoid: set[str] | frozenset[str] = frozenset()) -> Where | None:
+          avoid: set[str] | frozenset[str] = frozenset(), held: set[str] | frozenset[str] = frozenset()) -> Where | None:
     """Nodes, GPUs (each with the MiB booked on it) and fabric for one replica of ``spec``, or None.
 
     Best fit. A replica that shares goes to the partly booked GPU it leaves the least room on,
     before an empty GPU, so whole cards stay free for models that need them; an empty one comes
     from the node (or fabric) with the fewest free GPUs that still fits, so large holes stay open.
     Nodes in ``avoid`` (already serving this model) come last, so one lost node does not take
-    every replica. The chosen GPUs are taken out of ``room``.
+    every replica. Nodes in ``held`` (their disks hold the spec's files) come before the others,
+    after ``avoid``. The chosen GPUs are taken out of ``room``.
     """
     if not spec.exclusive and spec.tp == 1 and spec.pp == 1:
+        if held and (where := _place_small_on(state, spec, room, held - avoid)) is not None:
+            return where
         where = _place_small(state, spec, room, avoid)
     else:
-        where = _place_split(state, spec, room, avoid)
+        where = _place_split(state, spec, room, avoid, held)
     return where
 
 
 def _gpu(state: FleetState, node: str, index: int) -> GpuView:
     return state.nodes[node].gpus[index]
+
+
+def _place_small_on(state: FleetState, spec: m.ModelSpec, room: Room, nodes: set[str] | frozenset[str]) -> Where | None:
+    """Best fit on these nodes only: the tightest partly booked GPU there, else the fullest node's empty one."""
+    if not nodes:
+        return None
+    need = booking_mib(spec, room.card_mib) if room.card_mib else 1
+    for free, node, index in room.part[bisect.bisect_left(room.part, (need, "", -1)):]:
+        if node in nodes and booking_mib(spec, (gpu := _gpu(state, node, index)).memory_mib) <= free:
+            return _took(state, spec, room, [(gpu, free)])
+    whole = [n for n in nodes if n in room.whole]
+    if whole:
+        best = min(whole, key=lambda n: (len(room.whole[n]), n))
+        return _took(state, spec, room, [(room.whole[best][0], None)])
+    return None
 
 
 def _place_small(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str]) -> Where | None:
@@ -161,7 +182,8 @@ def _place_small(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
     return None
 
 
-def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str]) -> Where | None:
+def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[str] | frozenset[str],
+                 held: set[str] | frozenset[str] = frozenset()) -> Where | None:
     # Only the partly booked GPUs a rank fits on (the bisection skips those with too little free),
     # and a node's key from counts: the GPU lists are built for the chosen nodes alone.
     part_by_node: dict[str, list[tuple[int, int]]] = {}
@@ -176,14 +198,14 @@ def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
         options = [n for n in whole.keys() | part_by_node.keys()
                    if len(whole.get(n, ())) + len(part_by_node.get(n, ())) >= tp]
 
-        def key(n: str) -> tuple[bool, int, int, str]:
-            # Fewest whole GPUs broken into, then the node with the fewest free GPUs left (best fit).
-            return n in avoid, max(0, tp - len(part_by_node.get(n, ()))), len(whole.get(n, ())), n
+        def key(n: str) -> tuple[bool, bool, int, int, str]:
+            # Holding its files, then fewest whole GPUs broken into, then the fewest free GPUs left (best fit).
+            return n in avoid, n not in held, max(0, tp - len(part_by_node.get(n, ()))), len(whole.get(n, ())), n
     else:  # whole GPUs only (exclusive, or nothing partly booked fits): every option breaks tp of them
         options = [n for n, gpus in whole.items() if len(gpus) >= tp]
 
-        def key(n: str) -> tuple[bool, int, int, str]:
-            return n in avoid, tp, len(whole[n]), n
+        def key(n: str) -> tuple[bool, bool, int, int, str]:
+            return n in avoid, n not in held, tp, len(whole[n]), n
 
     def fits(n: str) -> list[tuple[GpuView, int | None]]:
         out: list[tuple[GpuView, int | None]] = [(_gpu(state, n, i), free) for free, i in sorted(part_by_node.get(n, ()))]
@@ -198,10 +220,10 @@ def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
         if len(group) < spec.pp:
             continue
         chosen = sorted(group, key=key)[: spec.pp]
-        choices.append((sum(len(whole.get(n, ())) for n in chosen), fabric, chosen))
+        choices.append((sum(n not in held for n in chosen), sum(len(whole.get(n, ())) for n in chosen), fabric, chosen))
     if not choices:
         return None
-    _, fabric, chosen = min(choices)
+    _, _, fabric, chosen = min(choices)
     return _took(state, spec, room, [g for n in chosen for g in fits(n)], fabric)
 
 
@@ -439,9 +461,12 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             continue  # backing off: a replica that keeps failing must not loop hot
         n = memory.placed.get(name, 0)
         avoid = {node for r in running for node in r.nodes}
+        # Which nodes hold its files, only where any node reported its disk: a fleet without file
+        # reports (simulated agents) places exactly as before.
+        held = holders(state.files, spec) if state.files else set()
         placed_now = 0
         for _ in range(missing):
-            where = place(state, spec, room_for(spec.gpu_class), avoid)
+            where = place(state, spec, room_for(spec.gpu_class), avoid, held)
             if where is None:
                 break
             nodes, gpus, fabric = where
@@ -449,6 +474,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             rid = replica_id(name, n)
             woken = "" if name in why else _woken(memory, name, running)
             reason = why.get(name) or woken or f"{len(running) + placed_now} of {wanted} running"
+            if state.files and not set(nodes) <= held:
+                reason += "; " + _download_note(state, spec, held)
             event = m.ReplicaPlaced(
                 at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
                 cause=cause.get(name, "wake" if woken else ""),
@@ -471,6 +498,9 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             if cls not in fabrics_by_class:
                 fabrics_by_class[cls] = class_fabrics(state, cls)
             reason = unplaceable_reason(state, spec, room_for(cls), fabrics_by_class[cls])
+            if held:
+                reason += (f"; its files are on {len(held)} node{'s' if len(held) != 1 else ''} "
+                           f"({', '.join(sorted(held)[:4])}), none with room for it")
             if outdated:  # a roll waiting for room: the old spec serves meanwhile (roll "surge")
                 reason = (f"spec changed, and no room for a replica of the new spec beside the old: {reason}; "
                           f"{len(outdated)} replica{'s' if len(outdated) != 1 else ''} of the old spec keep serving "
@@ -517,3 +547,12 @@ def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> st
     if running or wish is None or stop is None or wish.control_seq < stop:
         return ""
     return f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
+
+
+def _download_note(state: FleetState, spec: m.ModelSpec, held: set[str]) -> str:
+    """What a placement on a node without the spec's files costs, for its reason."""
+    size = expected_bytes(state.files, spec)
+    dl = f"downloads {gib(size)} first" if size else "downloads them first"
+    if held:
+        return f"its files are only on {', '.join(sorted(held)[:4])}, which have no room: {dl}"
+    return f"its files are on no node: {dl}"

@@ -1,0 +1,116 @@
+"""Placement prefers nodes whose disks hold a model's files: the pure scheduler, folded as the service folds."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import msgspec
+from test_scheduler import T0, World, placed
+from test_sharing import CARD_MIB, card
+
+from llmgw import messages as m
+from llmgw.fleet.files import holders, where_files_are
+from llmgw.fleet.state import booking_mib
+
+GGUF_SIZE = 2_700_000_000
+NODES = [f"n{i}" for i in range(8)]
+HOLDERS = ("n2", "n5")
+
+
+def small(name: str, gib: float, **kw: object) -> m.ModelSpec:
+    fields: dict[str, object] = {"context": 2048, "source": f"./models/{name}", **kw}
+    return m.ModelSpec(name=name, precision="q8_0", engine="llama.cpp", gpu_class="L4-16GB", gib_per_gpu=gib,
+                       **fields)  # type: ignore[arg-type]
+
+
+def tiny(**kw: object) -> m.ModelSpec:
+    return small("tiny", 3.0, **{"source": "acme/tiny-GGUF", "file": "tiny-q4_k_m.gguf", **kw})
+
+
+def files_on(node: str, *held: tuple[str, str, bool]) -> m.NodeFilesReported:
+    """A node's report: (source, file, complete) each."""
+    return m.NodeFilesReported(at=T0, node=node, sources=tuple(
+        m.HeldSource(source=src, store="models-dir", complete=ok, size=GGUF_SIZE,
+                     files=(m.HeldFile(path=f, size=GGUF_SIZE, complete=ok),)) for src, f, ok in held))
+
+
+def world() -> World:
+    w = World(*(card(n) for n in NODES))
+    for n in HOLDERS:
+        w.feed(files_on(n, ("acme/tiny-GGUF", "tiny-q4_k_m.gguf", True)))
+    # Beside them: another precision of the same repository, a partial download of this one, other models.
+    w.feed(files_on("n0", ("acme/tiny-GGUF", "tiny-q8_0.gguf", True)))
+    w.feed(files_on("n1", ("acme/tiny-GGUF", "tiny-q4_k_m.gguf", False), ("acme/other", "o.gguf", True)))
+    return w
+
+
+def holder_room(w: World, avoid: set[str]) -> bool:
+    """Whether a holder not in ``avoid`` has a GPU with room for one tiny replica."""
+    booked = w.state.booked()
+    need = booking_mib(tiny(), CARD_MIB)
+    return any(CARD_MIB - booked.get((n, 0), 0) >= need for n in HOLDERS if n not in avoid)
+
+
+def test_holders_are_the_nodes_with_the_spec_file_complete() -> None:
+    w = world()
+    assert holders(w.state.files, tiny()) == set(HOLDERS)
+    assert holders(w.state.files, tiny(file="tiny-q8_0.gguf")) == {"n0"}
+    assert where_files_are(w.state.files, tiny()) == "files on 2 nodes (n2, n5)"
+    assert where_files_are(w.state.files, tiny(source="acme/none")) == \
+        "files on no node: a placement downloads them first"
+
+
+def test_a_holder_comes_before_a_tighter_fit_without_the_files() -> None:
+    w = world()
+    w.feed(m.ModelDeclared(at=T0, spec=small("filler", 12.0, source="./filler")))
+    (filler,) = placed(w.step())
+    assert filler.nodes[0] not in HOLDERS  # best fit alone would put tiny beside it (the tightest card)
+    w.feed(m.ModelDeclared(at=T0, spec=tiny()))
+    (got,) = placed(w.step())
+    assert got.nodes[0] in HOLDERS and got.reason == "0 of 1 running"
+
+
+def test_200_wakes_on_8_nodes_where_2_hold_the_files_go_to_a_holder_whenever_one_has_room() -> None:
+    rng = random.Random(42)
+    wakes = on_holder = without_room = 0
+    for i in range(200):
+        w = world()
+        # Other models take random room first, sometimes all of the holders'.
+        for j in range(rng.randrange(0, 14)):
+            w.feed(m.ModelDeclared(at=T0, spec=small(f"f{j}", rng.choice([2.0, 5.0, 9.0, 14.0]), source=f"./f{j}")))
+        w.step()
+        w.feed(m.ModelDeclared(at=T0, spec=tiny(replicas=0)))
+        w.step()
+        want = 1 if i % 2 else 2  # a wake from zero, or a wake and a scale-up beside it
+        w.feed(m.ModelScaled(at=T0 + timedelta(seconds=1), name="tiny", replicas=want))
+        avoid: set[str] = set()
+        rooms = [holder_room(w, avoid)]
+        got = placed(w.step(T0 + timedelta(seconds=1)))
+        for n, e in enumerate(got):
+            if n:
+                rooms.append(holder_room_before(w, e, got[:n]))
+            wakes += rooms[n]
+            on_holder += rooms[n] and e.nodes[0] in HOLDERS
+            if not rooms[n]:
+                without_room += 1
+                assert e.nodes[0] in HOLDERS or "downloads 2.5 GiB first" in e.reason, e.reason
+    assert wakes >= 150 and without_room >= 5, (wakes, without_room)  # both cases were met
+    assert on_holder / wakes >= 0.99, (on_holder, wakes)
+
+
+def holder_room_before(w: World, e: m.ReplicaPlaced, earlier: list[m.ReplicaPlaced]) -> bool:
+    """Whether a holder the earlier replicas of this pass were not on had room before ``e`` took its GPU."""
+    booked = w.state.booked()
+    for g in e.gpus:
+        booked[(g.node, g.index)] -= g.mib
+    need = booking_mib(tiny(), CARD_MIB)
+    used = {n for p in earlier for n in p.nodes}
+    return any(CARD_MIB - booked.get((n, 0), 0) >= need for n in HOLDERS if n not in used)
+
+
+def test_unplaceable_says_where_the_files_are() -> None:
+    w = world()
+    w.feed(m.ModelDeclared(at=T0, spec=msgspec.structs.replace(tiny(), tp=2)))
+    (why,) = [e for e in w.step() if isinstance(e, m.ModelUnplaceable)]
+    assert why.reason.endswith("; its files are on 2 nodes (n2, n5), none with room for it")
