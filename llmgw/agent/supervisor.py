@@ -19,7 +19,7 @@ import logging
 import os
 import shlex
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from llmgw import messages as m
@@ -114,6 +114,9 @@ class EngineSupervisor:
         self.caught_up = asyncio.Event()
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
         self.turns = StartTurns()  # engines sharing a GPU start one at a time
+        # Set by the agent when it keeps the node's model files (llmgw.agent.downloads.FileKeeper.ready):
+        # an engine starts only once its files are complete and verified here; a reason is why they are not.
+        self.files_ready: Callable[[m.ModelSpec], Awaitable[str | None]] | None = None
         # One HTTP client for every engine's health checks and readings (llmgw/engine/upstream.py, as the router's).
         self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
         self._versions = VersionCache(self.config.version_cache)
@@ -223,7 +226,17 @@ class EngineSupervisor:
                 run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
                 run.memory_of, run.http, run.turns = self.memory_of, self.http, self.turns
                 self.runs[rid] = run
-                self._tasks[rid] = asyncio.create_task(run.run(), name=f"engine-{rid}")
+                self._tasks[rid] = asyncio.create_task(self._when_files_ready(run), name=f"engine-{rid}")
+
+    async def _when_files_ready(self, run: EngineRun) -> None:
+        """Fetch the replica's files first (agent work, not the engine's start-up), then run its engine."""
+        if self.files_ready is not None:
+            run.report("starting", f"fetching the files of {run.placed.spec.source}")
+            why = await self.files_ready(run.placed.spec)
+            if why is not None:
+                run.report("failed", why)
+                return
+        await run.run()
 
     async def _end(self, rid: str) -> None:
         task = self._tasks.pop(rid)
