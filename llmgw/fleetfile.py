@@ -53,9 +53,17 @@ class FleetNode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def default_gpu_name(self) -> str:
-        """What NVML would call this GPU: ``NVIDIA H100 80GB``-style."""
+        """What NVML would call this GPU: ``NVIDIA H100 80GB``-style; a ``gpu_name`` that does not name
+        the file's class by itself (``host memory (simulated card)``) follows it, so that an agent,
+        which classes a GPU by its name, reports the class the file says."""
         model, _, mem = self.gpu_class.rpartition("-")
-        return self.gpu_name or f"NVIDIA {model} {mem}"
+        if not self.gpu_name:
+            return f"NVIDIA {model} {mem}"
+        names_it = re.match(rf"(?:(?:NVIDIA|Tesla|GeForce|Quadro)\s+)*{re.escape(model)}[\s-]", self.gpu_name, re.I)
+        first_gb = re.search(r"(\d+)\s*GB\b", self.gpu_name, re.I)
+        if names_it and first_gb and f"{int(first_gb.group(1))}GB" == mem:
+            return self.gpu_name
+        return f"{model} {mem} ({self.gpu_name})"
 
 
 class _FaultRow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

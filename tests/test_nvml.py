@@ -11,6 +11,7 @@ import re
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pynvml as real
@@ -413,3 +414,12 @@ def test_cli_without_nvml_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch
         "Error: NVML is not available (NVML Shared Library Not Found); "
         "on a machine without GPUs use --simulate examples/fleet.toml\n"
     )
+
+
+@pytest.mark.parametrize("example", ["fleet.toml", "cpu.toml", "cpu-vllm.toml"])
+def test_a_fleet_files_gpu_class_holds_whatever_its_gpu_name(example: str) -> None:
+    """Issue 43 #8: examples/cpu.toml says CPU-16GB with a gpu_name, and the agent reported host-16GB."""
+    fleet = load(Path(__file__).resolve().parent.parent / "examples" / example)
+    for node in fleet.nodes:
+        for g in SimNvml(node).gpus():
+            assert gpu_class(g.name, g.memory_mib) == node.gpu_class, (node.name, g.name)
