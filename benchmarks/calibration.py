@@ -50,6 +50,7 @@ class Result:
     fits: bool | None = None
     observed_fits: bool | None = None
     excluded: str = ""
+    counted_tokens: int | None = None  # the tokens the planner counts in the KV figure the log prints
 
     @property
     def kv_ok(self) -> bool | None:
@@ -128,14 +129,14 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
     r.weights = weights / GIB
     r.kv = (budget - weights - overhead - graphs) / GIB
-    per_token = kv.bytes_per_token
+    context = int(row.get("max_model_len") or info.max_position_embeddings)
     if row.get("kv_cache_gib") is not None:
         r.observed_kv = float(row["kv_cache_gib"])
+        r.counted_tokens = M.engine_kv_tokens(kv, r.observed_kv * GIB, context, profile)
     elif row.get("kv_tokens"):
-        r.observed_kv = int(row["kv_tokens"]) * per_token / GIB
+        r.observed_kv = M.engine_kv_bytes(kv, int(row["kv_tokens"]), context, profile) / GIB
     elif row.get("gpu_blocks"):
-        r.observed_kv = int(row["gpu_blocks"]) * int(row.get("block_size") or 16) * per_token / GIB
-    context = int(row.get("max_model_len") or info.max_position_embeddings)
+        r.observed_kv = M.engine_kv_bytes(kv, int(row["gpu_blocks"]) * int(row.get("block_size") or 16), context, profile) / GIB
     r.fits = r.kv > 0 and kv.bytes_for(context) <= r.kv * GIB
     r.observed_fits = not row.get("failed_to_start", False)
     return r

@@ -84,3 +84,20 @@ def test_leave_one_source_out_is_scored_beside_in_sample() -> None:
         [(r.row["model"], r.kv, r.observed_kv) for r in verdicts if r.fits != r.observed_fits]
     kv = [r for r in held if r.kv_ok is not None]
     assert sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv)
+
+
+def test_the_kv_tokens_vllm_prints_are_the_tokens_the_planner_counts() -> None:
+    """Where a log prints both its KV cache (GiB) and its size in tokens, the planner's token count of that GiB
+    figure is vLLM's, within 2 % (its blocks round). A hybrid's linear-attention layers get pages of the attention
+    layers' size: vLLM's hybrid allocator counts a token as (attention + linear) layers' worth of page, so Qwen3.5-27B
+    at tp 4 under 0.19.0 (leadawon/LAMBO's log: "Available KV cache memory: 7.8 GiB", "GPU KV cache size: 127,008
+    tokens") holds a quarter of the tokens its 16 attention layers alone would."""
+    checked = []
+    for row in calibration.rows():
+        if row.get("excluded") or row.get("kv_cache_gib") is None or not row.get("kv_tokens") or row["kv_cache_gib"] <= 0:
+            continue
+        r = calibration.evaluate(row)
+        assert r.counted_tokens is not None
+        checked.append((row["model"], r.counted_tokens, row["kv_tokens"]))
+        assert abs(r.counted_tokens - row["kv_tokens"]) <= 0.02 * row["kv_tokens"], checked[-1]
+    assert any(model == "Qwen/Qwen3.5-27B" for model, _, _ in checked)

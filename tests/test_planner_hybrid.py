@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw import messages as m
+from llmgw.engine.profiles import profile_for
 from llmgw.errors import ModelError
 from llmgw.planner import candidates as P
 from llmgw.planner import memory as M
@@ -87,10 +88,31 @@ def test_a_hybrid_plan_holds_the_context_its_attention_layers_allow() -> None:
     req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(1,), engine_version="0.29.0")
     c = P.plan(info, state, req).candidates[0]
     shape = M.kv_shape(info, "vllm", 1)
-    assert c.fits and c.kv_tokens == pytest.approx(c.kv_gib_per_gpu * GIB / shape.bytes_per_token, rel=1e-3)
+    # From 0.20 vLLM counts its tokens as sequences of max_model_len that fit, times that length: the state is paid.
+    context = min(info.max_position_embeddings, 32768)
+    assert c.fits and c.kv_tokens == pytest.approx(c.kv_gib_per_gpu * GIB / shape.bytes_for(context) * context, rel=1e-3)
     # Its full 262,144-token context fits on one H100: as 64 attention layers it would need 64 GiB of KV.
     assert c.max_context == info.max_position_embeddings == 262144
     assert shape.bytes_for(262144) < c.kv_gib_per_gpu * GIB < 4 * 262144 * shape.bytes_per_token
+
+
+def test_before_0_20_a_hybrids_token_costs_its_attention_and_linear_layers_pages() -> None:
+    """Qwen3.5-27B at tp 4 on RTX 3090s under vLLM 0.19.0 (https://github.com/leadawon/LAMBO, logs/vllm_serve.log:
+    "Available KV cache memory: 7.8 GiB", "GPU KV cache size: 127,008 tokens"): its hybrid allocator gives the 48
+    linear layers pages of the 16 attention layers' size, so a token of its count costs 64 layers' worth (one KV
+    head of 256 a rank: 1 KiB a layer), a quarter of what the attention layers alone would count."""
+    info = load(DENSE)
+    shape = M.kv_shape(info, "vllm", 4)
+    assert (shape.per_layer, shape.full_layers, shape.group_layers) == (2 * 1 * 256 * 2, 16, 64)
+    assert shape.engine_token_bytes == 64 * 1024 == 4 * shape.bytes_per_token
+    v019 = profile_for("vllm", "0.19.0")
+    assert M.engine_kv_tokens(shape, 7.8 * GIB, 100_000, v019) == pytest.approx(127_008, rel=0.02)
+    state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=4, mem=24576))
+    req = m.PlanRequest(model=info.name, precisions=("bf16",), tp=(4,), context=100_000, engine_version="0.19.0",
+                        gpu_memory_utilization=0.93)
+    c = P.plan(info, state, req).candidates[0]
+    # The plan's tokens per GiB are the log's (127,008 / 7.8 GiB), not four times as many.
+    assert c.kv_tokens / c.kv_gib_per_gpu == pytest.approx(127_008 / 7.8, rel=0.02)
 
 
 def test_mamba_hybrids_are_refused_with_the_reason() -> None:

@@ -53,6 +53,10 @@ class EngineProfile:
     large_batch: tuple[int, int] = (8192, 1024)  # max_num_batched_tokens, max_num_seqs on a large card
     small_batch: tuple[int, int] = (2048, 256)
     a100_is_small: bool = True  # the A100 80GB gets the small defaults even though it has 70 GiB or more
+    # How its log counts "GPU KV cache size: N tokens": before 0.20 its blocks shared among the layer groups
+    # (a hybrid's token costs its attention and linear layers' pages); from 0.20 how many sequences of
+    # max_model_len fit, times that length (Gemma-4-26B-A4B under 0.20.2: 984,297 tokens, no block multiple).
+    tokens_by_concurrency: bool = False
 
     @property
     def name(self) -> str:
@@ -90,12 +94,14 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     # 0.20 already takes the CUDA graphs from the budget (its logs print the "equivalent to" line; 0.19.1's do not).
     EngineProfile("vllm", (0, 12), (0, 16), "0.15.1", sampler_copies=9.0),
     EngineProfile("vllm", (0, 16), (0, 20), "0.19.1", sampler_copies=4.75),
-    EngineProfile("vllm", (0, 20), (0, 21), "0.20.2", sampler_copies=5.0, graphs_in_budget=True),
+    EngineProfile("vllm", (0, 20), (0, 21), "0.20.2", sampler_copies=5.0, graphs_in_budget=True,
+                  tokens_by_concurrency=True),
     # ~1.75 copies: Qwen3-32B at tp 2 on a 96 GB card under 0.27.1 left 1.66 GiB beside weights and KV in all,
     # less than 3 copies of 1,024 sequences' logits alone (1.74 GiB).
-    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=1.75, graphs_in_budget=True),
+    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=1.75, graphs_in_budget=True,
+                  tokens_by_concurrency=True),
     EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.75, graphs_in_budget=True,
-                  default_util=0.92, a100_is_small=False),
+                  default_util=0.92, a100_is_small=False, tokens_by_concurrency=True),
 )
 LLAMACPP_PROFILE = EngineProfile("llama.cpp", (0,), None, "", default_util=0.9)
 NEWEST = VLLM_PROFILES[-1]

@@ -46,6 +46,7 @@ from llmgw.planner.memory import (
     KvShape,
     Precision,
     cuda_graph_bytes_per_gpu,
+    engine_kv_tokens,
     gib,
     layout,
     precision,
@@ -186,10 +187,13 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
         graphs = 0.0
     budget = util * mem
     block = LLAMACPP_CTX_PAD if p.engine == "llama.cpp" else VLLM_BLOCK
-    kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
+    if p.engine == "vllm":  # the tokens its log would print (a hybrid's count in its layer groups' pages)
+        kv_tokens = engine_kv_tokens(kv, kv_budget, want, profile) // VLLM_BLOCK * VLLM_BLOCK
+    else:
+        kv_tokens = max(0, int(kv_budget // kv.bytes_per_token) // VLLM_BLOCK * VLLM_BLOCK) if kv.bytes_per_token else 0
     estimated = kv_tokens
     if observed is not None and not kv.uniform:
-        observed = None  # vLLM counted another unit (a layer group's blocks): not comparable, the estimate stands
+        observed = None  # vLLM's metrics count another unit (one layer group's blocks): the estimate stands
     if observed is not None and kv.bytes_per_token:
         # An engine of this very spec ran here: what it reserved replaces the estimate.
         kv_tokens = observed

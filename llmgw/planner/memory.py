@@ -45,7 +45,10 @@ spreads over, on one node):
   rank. Sliding-window layers hold at most their window plus the batch in
   flight (vLLM's hybrid allocator; llama.cpp's SWA cache). Gemma 4's full-attention
   layers have their own head size and KV heads, and its KV-sharing layers hold none;
-  a hybrid model's linear-attention layers hold a fixed state per sequence instead.
+  a hybrid model's linear-attention layers hold a fixed state per sequence instead. The tokens
+  vLLM prints for its cache are another unit for a hybrid (``engine_kv_tokens``): before 0.20 its
+  hybrid allocator gives every layer group pages of one size, so one token of its count costs the
+  attention and linear layers' pages (Qwen3.5-27B: 64 layers' worth, where 16 keep KV).
 
 A candidate fits when weights + overhead leave room for the context asked for
 (default: the model's full context, else the largest that fits, at least 2048
@@ -480,12 +483,21 @@ class KvShape(NamedTuple):
     window: int  # window + tokens in flight; 0 when no layer slides
     state: int = 0  # bytes per sequence its linear-attention layers on this GPU hold, whatever its length
     window_per_layer: int = 0  # bytes per token per windowed layer when they differ from the others' (Gemma 4)
+    group_layers: int = 0  # vLLM's hybrid allocator: the layers one token of its count pays a page in (0: uniform)
 
     @property
     def uniform(self) -> bool:
         """Every layer keeps every token alike: vLLM's count of KV tokens is then this shape's tokens. (With
         sliding or linear-attention layers its hybrid allocator counts blocks of one layer group instead.)"""
         return not self.window_layers and not self.state
+
+    @property
+    def engine_token_bytes(self) -> int:
+        """What one token of vLLM's own count ("GPU KV cache size: N tokens") stands for. Its hybrid allocator
+        gives every layer group (attention, sliding, linear; as many layers each) pages of one size, and a linear
+        layer's state a page as large as an attention layer's: N = the cache / (groups x layers a group x an
+        attention layer's bytes a token), so a hybrid's token costs its attention and linear layers' worth."""
+        return self.per_layer * self.group_layers if self.group_layers else self.bytes_per_token
 
     @property
     def _window_bytes(self) -> int:
@@ -538,8 +550,41 @@ def kv_shape(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, kv_bytes
     window_layers = sum(1 for i in layers if i in sliding)
     window = (info.sliding_window or 0) + batch if window_layers else 0
     linear = sum(1 for i in layers if i in _linear_set(info))
-    return KvShape(per_layer, len(layers) - window_layers - linear, window_layers, window,
-                   linear * linear_state_bytes(info, 1 if engine == "llama.cpp" else tp), per_window)
+    full = len(layers) - window_layers - linear
+    groups = 0 if engine == "llama.cpp" or per_window else hybrid_group_layers((full, window_layers, linear))
+    return KvShape(per_layer, full, window_layers, window,
+                   linear * linear_state_bytes(info, 1 if engine == "llama.cpp" else tp), per_window, groups)
+
+
+def engine_kv_tokens(kv: KvShape, budget: float, context: int, profile: EngineProfile = NEWEST) -> int:
+    """The tokens a vLLM version prints as its KV cache size ("GPU KV cache size: N tokens") for ``budget``
+    bytes on a GPU: before 0.20 its blocks shared among its layer groups (``engine_token_bytes`` a token);
+    from 0.20 how many sequences of ``context`` (max_model_len) the cache holds, times that length. Both are
+    the cache / bytes per token for a model whose every layer keeps every token."""
+    if budget <= 0:
+        return 0
+    if profile.tokens_by_concurrency:
+        one = kv.bytes_for(context)
+        return int(budget / one * context) if one else 0
+    return int(budget // kv.engine_token_bytes) if kv.engine_token_bytes else 0
+
+
+def engine_kv_bytes(kv: KvShape, tokens: int, context: int, profile: EngineProfile = NEWEST) -> float:
+    """The KV cache bytes behind a count of tokens a vLLM version printed (``engine_kv_tokens`` undone)."""
+    if profile.tokens_by_concurrency:
+        return tokens / context * kv.bytes_for(context) if context else 0.0
+    return float(tokens * kv.engine_token_bytes)
+
+
+def hybrid_group_layers(kinds: tuple[int, ...]) -> int:
+    """vLLM's KV cache groups of a hybrid model (``_get_kv_cache_groups_uniform_page_size``): each kind's layers
+    (full attention, sliding window, linear attention) split into groups of the smallest kind's count (the
+    largest's when within 1.5x of it), the last of each kind padded; the layers of all groups, 0 for one kind."""
+    present = [n for n in kinds if n]
+    if len(present) < 2:
+        return 0
+    size = min(present) if max(present) >= 1.5 * min(present) else max(present)
+    return sum(-(-n // size) for n in present) * size
 
 
 def linear_state_bytes(info: m.ModelInfo, tp: int) -> int:
