@@ -132,3 +132,116 @@ def test_a_report_is_bounded_at_decode_and_the_agent_keeps_within_it() -> None:
         source="x", store="hf-cache", files=(m.HeldFile(path="a", size=1, digest="md5:abc"),)),)))
     with pytest.raises(msgspec.ValidationError):
         m.FLEET_DECODER.decode(bad)
+
+
+# --- fetching: prefetch, progress, digests, resume -------------------------------------------------
+
+
+async def prefetch(bus: Bus, spec: m.ModelSpec, nodes: tuple[str, ...] = ()) -> None:
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+    await bus.publish(m.ModelPrefetchRequested(at=m.utcnow(), name=spec.name, nodes=nodes))
+
+
+async def finished(bus: Bus, n: int = 1) -> list[m.DownloadFinished]:
+    out: list[m.DownloadFinished] = []
+
+    async def enough() -> bool:
+        nonlocal out
+        out = [e for e in await stored(bus, subjects.STREAM_FLEET, limit_s=10) if isinstance(e, m.DownloadFinished)]
+        return len(out) >= n
+
+    await until(enough, f"{n} finished download(s)", limit_s=60, every_s=0.2)
+    return out
+
+
+async def test_a_prefetch_fetches_one_gguf_reports_progress_and_verifies_it(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    hub.rate = 400_000  # bytes a second: the 300 kB file takes most of a second
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, gguf_spec(), nodes=("h100-a-03",))
+        (done,) = await finished(bus)
+        await until(lambda: keeper.holds(gguf_spec()), "the keeper's own view")
+        await keeper.outbox.flush()  # type: ignore[union-attr]
+    assert (done.ok, done.code, done.size, done.files, done.mismatches, done.model) == (True, "verified", len(GGUF), 1, 0, "tiny")
+    path = tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf"
+    assert path.read_bytes() == GGUF
+    assert (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q8_0.gguf").exists() is False  # one precision only
+    assert path.with_name(path.name + ".sha256").read_text().split()[0] == hashlib.sha256(GGUF).hexdigest()
+    events = await stored(bus, subjects.STREAM_FLEET, limit_s=10)
+    progress = [e for e in events if isinstance(e, m.DownloadProgressed)]
+    assert progress and all(p.total == len(GGUF) and 0 <= p.done <= p.total for p in progress)
+    assert [p.done for p in progress] == sorted(p.done for p in progress)
+    assert any(p.rate > 0 for p in progress)
+    state = fold(events)
+    assert holders(state.files, gguf_spec()) == {"h100-a-03"}
+    assert state.downloads == {} and state.downloaded["h100-a-03"][REPO].ok
+    assert hub.served == ["GET acme/tiny-GGUF/tiny-q4_k_m.gguf 0"]
+
+
+async def test_a_corrupted_byte_is_caught_deleted_and_fetched_again(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    hub.corrupt = 1
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, gguf_spec())
+        (done,) = await finished(bus)
+    assert (done.ok, done.code, done.mismatches) == (True, "verified", 1)
+    assert (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf").read_bytes() == GGUF
+    assert hub.served == ["GET acme/tiny-GGUF/tiny-q4_k_m.gguf 0"] * 2
+
+
+async def test_a_file_that_keeps_disagreeing_is_refused_and_never_left_to_serve(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    hub.corrupt = 99
+    keeper = keeper_for(tmp_path, attempts=2)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, gguf_spec())
+        (done,) = await finished(bus)
+        assert await keeper.ready(gguf_spec()) is not None  # an engine would not start
+    assert (done.ok, done.code, done.mismatches) == (False, "mismatch", 2)
+    assert "did not match the hub's digest 2 times" in done.reason
+    assert not (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf").exists()
+
+
+async def test_a_download_broken_off_resumes_where_it_stopped(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    # huggingface_hub writes what it received in 10 MiB chunks: a break after 15 MiB leaves 10 on disk.
+    big = os.urandom(24 << 20)
+    hub.repos["acme/big-GGUF"] = Repo(files={"big-q4_k_m.gguf": big})
+    hub.cut_after = 15 << 20
+    spec = gguf_spec(name="big", source="acme/big-GGUF", file="big-q4_k_m.gguf")
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, spec)
+        (done,) = await finished(bus)
+    assert done.ok, done.reason
+    assert (tmp_path / "models" / "acme__big-GGUF" / "big-q4_k_m.gguf").read_bytes() == big
+    assert hub.served == ["GET acme/big-GGUF/big-q4_k_m.gguf 0", f"GET acme/big-GGUF/big-q4_k_m.gguf {10 << 20}"]
+
+
+async def test_a_checkpoint_is_fetched_into_the_hf_cache_without_other_formats(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    spec = m.ModelSpec(name="tiny-vllm", source=CKPT, precision="bf16", engine="vllm", gpu_class="H100-80GB",
+                       context=4096)
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, spec)
+        (done,) = await finished(bus)
+        await keeper.outbox.flush()  # type: ignore[union-attr]
+    assert done.ok, done.reason
+    assert sorted(s.rsplit("/", 1)[-1].split()[0] for s in hub.served) == ["config.json", "model.safetensors",
+                                                                           "tokenizer.json"]
+    (held,) = scan_hf_cache(tmp_path / "hf")
+    assert held.complete and {f.path for f in held.files} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert holders(fold(await stored(bus, subjects.STREAM_FLEET, limit_s=10)).files, spec) == {"h100-a-03"}
+
+
+async def test_a_prefetch_for_other_nodes_fetches_nothing_here(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, gguf_spec(), nodes=("h100-a-01",))
+        await prefetch(bus, gguf_spec(name="other", file="tiny-q8_0.gguf"), nodes=("h100-a-03",))
+        (done,) = await finished(bus)
+    assert done.model == "other" and hub.served == ["GET acme/tiny-GGUF/tiny-q8_0.gguf 0"]

@@ -127,6 +127,7 @@ class _Fetch:
     model: str
     source: str
     total: int = 0
+    files: int = 0
     started: float = field(default_factory=time.monotonic)
     started_at: datetime = field(default_factory=m.utcnow)
 
@@ -335,7 +336,7 @@ class FileKeeper:
         mismatches = 0
         try:
             plan = await asyncio.to_thread(self._remote_files, spec, revision)
-            fetch.total = sum(size for _, size, _ in plan)
+            fetch.total, fetch.files = sum(size for _, size, _ in plan), len(plan)
             await self._make_room(spec.source, fetch.total - self._on_disk(spec))
             for attempt in range(self.config.attempts):
                 progress = asyncio.create_task(self._progress(spec, fetch))
@@ -371,7 +372,7 @@ class FileKeeper:
     def _finished(self, spec: m.ModelSpec, fetch: _Fetch, *, ok: bool, code: str, reason: str,
                   mismatches: int) -> str | None:
         self._put(m.DownloadFinished(at=m.utcnow(), node=self.node, model=spec.name, source=spec.source, ok=ok,
-                                     size=fetch.total, seconds=round(time.monotonic() - fetch.started, 3),
+                                     size=fetch.total, files=fetch.files, seconds=round(time.monotonic() - fetch.started, 3),
                                      mismatches=mismatches, reason=reason, code=code, started_at=fetch.started_at))
         self._wake.set()
         return None if ok else f"files of {spec.source} not fetched ({code}): {reason}"
