@@ -29,10 +29,14 @@ def ctl() -> None:
         "remove": "llmgw.cli.models:remove",
         "list": "llmgw.cli.models:list_models",
         "show": "llmgw.cli.models:show",
+        "prefetch": "llmgw.cli.files:prefetch",
+        "pin": "llmgw.cli.files:pin",
+        "unpin": "llmgw.cli.files:unpin",
+        "files": "llmgw.cli.files:files_cmd",
     },
 )
 def model() -> None:
-    """Plan, deploy, scale, list, show and remove models."""
+    """Plan, deploy, scale, list, show and remove models; fetch, pin and find their files."""
 
 
 @ctl.group(cls=LazyGroup, lazy={"add": "llmgw.cli.adapter:add", "remove": "llmgw.cli.adapter:remove",

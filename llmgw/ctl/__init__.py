@@ -6,7 +6,8 @@
   candidate ``deploy`` chooses;
 * ``declare``: declarations (``deploy``, ``apply``), stops, keys, retired nodes,
   injected faults, and ``up``'s first model;
-* ``adapters``: LoRA adapters declared on a base (``ctl adapter add``), removed, listed.
+* ``adapters``: LoRA adapters declared on a base (``ctl adapter add``), removed, listed;
+* ``files``: model files on nodes: prefetch requests, pins, where each model's files are.
 
 Every function opens its own short-lived bus connection (``reconnect=False``: a
 command that cannot reach NATS says so at once) and closes it. Heavy imports (the
@@ -14,7 +15,7 @@ bus, DuckDB, the planner) happen inside the functions, so a command pays only fo
 what it uses.
 """
 
-from llmgw.ctl import adapters
+from llmgw.ctl import adapters, files
 from llmgw.ctl.ask import (
     CATCH_UP_S,
     STATUS_WAIT_S,
@@ -51,7 +52,7 @@ from llmgw.ctl.declare import (
 from llmgw.ctl.plan import choose, gguf_file, local_model, plan, plan_locally, plan_remotely
 
 __all__ = [
-    "CATCH_UP_S", "DERIVED", "adapters", "STATUS_WAIT_S", "Declaration", "Entry", "Notice", "Progress", "choose", "connect",
+    "CATCH_UP_S", "DERIVED", "adapters", "files", "STATUS_WAIT_S", "Declaration", "Entry", "Notice", "Progress", "choose", "connect",
     "declare", "fetch_idle", "fetch_status", "first_stored", "gguf_file", "inject_fault", "involves_model",
     "involves_node", "key_digest", "keys", "list_models", "local_model", "new_key_secret", "plan", "plan_locally",
     "plan_remotely", "prepare_up", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",

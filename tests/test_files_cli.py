@@ -1,0 +1,71 @@
+"""``ctl model prefetch|pin|unpin|files`` through the CLI, against a real nats-server and a real agent."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from running import running
+from streams import stored
+from test_files import agent_with, finished, gguf_spec, hub, keeper_for  # noqa: F401 - hub: a fixture
+
+from llmgw import messages as m
+from llmgw import subjects
+from llmgw.bus import Bus
+from llmgw.cli.main import cli
+from llmgw.config import Settings
+from llmgw.fleetfile import inventory, load
+
+NODE = "h100-a-03"
+
+
+async def ctl(settings: Settings, *args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, cli, ["ctl", "model", *args, "--nats-url", settings.nats_url])
+
+
+@pytest.mark.usefixtures("hub")
+async def test_prefetch_pin_and_files_as_an_operator_sees_them(
+        bus: Bus, settings: Settings, fleet_file: Path, tmp_path: Path) -> None:
+    fleet = load(fleet_file)
+    for n in fleet.nodes:
+        if n.name != NODE:
+            await bus.publish(inventory(n, m.utcnow()))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=gguf_spec()))
+    result = await ctl(settings, "files")
+    assert result.exit_code == 0, result.output
+    assert result.output == "tiny          -  on 0 nodes\n"
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        result = await ctl(settings, "prefetch", "tiny", "--nodes", NODE)
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("asked 1 node to fetch tiny's files (control #")
+        assert result.output.endswith(f"): {NODE} fetch\n")
+        (done,) = await finished(bus)
+        assert done.ok
+        await keeper.outbox.flush()  # type: ignore[union-attr]
+        result = await ctl(settings, "pin", "tiny")
+        assert result.exit_code == 0 and result.output.startswith("pinned tiny: no agent evicts its files"), result.output
+        result = await ctl(settings, "files")
+        assert result.output == f"tiny    0.3 MiB  on 1 node: {NODE}  (pinned)\n"
+        again = await ctl(settings, "prefetch", "tiny", "--nodes", NODE)
+        assert again.output.endswith(f"): none fetch; {NODE} hold them already\n"), again.output
+    result = await ctl(settings, "unpin", "tiny")
+    assert result.exit_code == 0, result.output
+    events = await stored(bus, subjects.STREAM_CONTROL, limit_s=10)
+    assert [e.pinned for e in events if isinstance(e, m.ModelPinned)] == [True, False]
+
+
+async def test_prefetch_mistakes_are_errors(bus: Bus, settings: Settings, fleet_file: Path) -> None:
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=gguf_spec()))
+    for args, said in [
+        (("prefetch", "nope"), "Error: no model named 'nope' is declared (declared: tiny); deploy it first with "
+                                "`llmgw ctl model deploy nope MODEL --from-plan`"),
+        (("prefetch", "tiny", "--nodes", "gpu-9"), "Error: no node named gpu-9 has reported (nodes: none reported yet)"),
+        (("prefetch", "tiny", "--nodes", "gpu-9", "--all"), "Error: name nodes with --nodes or ask every node with --all, not both"),
+        (("prefetch", "tiny"), "Error: no node has H100-80GB GPUs, where tiny is placed; name nodes with --nodes or ask every node with --all"),
+        (("unpin", "tiny"), "Error: tiny is not pinned (pinned: none)"),
+    ]:
+        result = await ctl(settings, *args)
+        assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == said, (args, result.output)
