@@ -63,8 +63,11 @@ class Child:
                                      env=self.env, start_new_session=True)
 
     def tail(self, n: int = 5) -> str:
+        """The last ``n`` lines of this run's output (the log is appended to: earlier runs' are not this one's)."""
         try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                lines = f.read().decode(errors="replace").strip().splitlines()
         except OSError:
             return ""
         return " | ".join(lines[-n:])
@@ -83,6 +86,39 @@ class Child:
         if self.log is not None:
             self.log.close()
             self.log = None
+
+
+# How a part that could not bind its port says so (the router's ConfigError, aiohttp's OSError).
+_BIND_ERROR = ("address already in use", "cannot listen on", "errno 98", "cannot assign requested address")
+LISTEN_OPTIONS = {"router": "--router-listen", "dashboard": "--dashboard-listen"}
+
+
+def check_ports(binds: list[tuple[str, str]]) -> None:
+    """Every HOST:PORT ``up`` hands a part, before anything starts: well formed, not one port twice, free."""
+    import socket
+
+    from llmgw.cli.router import listen_address
+
+    seen: dict[int, tuple[str, str]] = {}
+    for option, value in binds:
+        try:
+            host, port = listen_address(value)
+        except click.BadParameter as e:
+            raise LlmgwError(f"{option} {e.message}") from None
+        if port and port in seen and (seen[port][1] == host or "0.0.0.0" in (host, seen[port][1])):
+            raise LlmgwError(f"{seen[port][0]} and {option} both say {value}; give the dashboard another port")
+        seen[port] = (option, host)
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                why = "already in use (another llmgw up, router or dashboard?)" if e.errno == 98 else \
+                    f"not one to bind here ({e.strerror})"
+                raise LlmgwError(f"{option} {value}: the port is {why}; stop what holds it, or give {option} "
+                                 "HOST:PORT with another port (port 0: a free one)") from None
 
 
 def _router_url(router: Child, within_s: float = 10.0) -> str:
@@ -205,7 +241,7 @@ def _default_models_dir() -> str | None:
 @click.option("--simulate", "fleet_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Also run simulated agents for every node of this fleet file (no GPU; fake engines unless --engines real).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="JetStream store, DuckDB file and logs [default: $LLMGW_DATA_DIR or ~/.local/share/llmgw].")
+              help="JetStream store, DuckDB file and logs [default: $LLMGW_DATA_DIR, else $XDG_DATA_HOME/llmgw, else ~/.local/share/llmgw].")
 @click.option("--port", type=click.IntRange(0, 65535), default=4222, show_default=True, help="nats-server port on loopback (0: a free one).")
 @click.option("--nats-url", help="Use this running NATS instead of starting one.")
 @click.option("--router-listen", default="127.0.0.1:8080", show_default=True, help="Where the OpenAI-compatible router listens.")
@@ -258,6 +294,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         parse_engine_cmds(engine_cmds)
     except LlmgwError as e:
         raise click.BadParameter(str(e), param_hint="--engine-cmd") from e
+    check_ports([("--router-listen", router_listen),
+                 *([("--dashboard-listen", dashboard_listen)] if dashboard_listen != "off" else [])])
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
     server = None
@@ -321,8 +359,12 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             children.append(child)
         if note:
             click.echo(note)
-        router_url = _router_url(children[3]) or f"http://{router_listen}"
-        click.echo(f"router: {router_url}/v1  (OpenAI API; models at /v1/models)")
+        router = children[3]
+        router_url = _router_url(router)
+        if router_url or (router.proc is not None and router.proc.poll() is None):
+            click.echo(f"router: {router_url or f'http://{router_listen}'}/v1  (OpenAI API; models at /v1/models)")
+        else:  # it exited before it said where it listens: the URL would be someone else's server
+            click.echo(f"router: not serving ({router.tail(1) or 'no output'}); see {router.log_path}")
         board = next((c for c in children if c.name == "dashboard"), None)
         if board is not None:
             board_url = _router_url(board)
@@ -345,6 +387,13 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                 code = child.proc.poll() if child.proc else None
                 if code is None:
                     continue
+                said = child.tail(3)
+                if child.name in LISTEN_OPTIONS and any(b in said.lower() for b in _BIND_ERROR):
+                    # Its port was taken after the check: no restart binds it either.
+                    option = LISTEN_OPTIONS[child.name]
+                    said = said.replace("pick another --listen", f"pick another {option}")
+                    raise click.ClickException(f"{child.name} could not bind its port ({said}); free it, or give "
+                                               f"{option} HOST:PORT with another port (port 0: a free one)")
                 if child.restarts >= MAX_RESTARTS and child.optional:
                     click.echo(f"{child.name} keeps exiting (code {code}): {child.tail(2)}; going on without it "
                                f"(see {child.log_path})", err=True)
