@@ -37,12 +37,22 @@ from llmgw.engine import fake
               help="End every stream with a usage chunk, asked for or not (as vLLM's --enable-force-include-usage).")
 @click.option("--done-linger-ms", type=click.FloatRange(0, 60_000), default=0.0, show_default=True,
               help="Pause between a stream's [DONE] and the end of its body (clients that stop reading at [DONE] close first).")
+@click.option("--max-loras", type=click.IntRange(0, 1024), default=0, show_default=True,
+              help="Load LoRA adapters at runtime as vLLM does (/v1/load_lora_adapter); N as its --max-loras (0: none).")
+@click.option("--max-cpu-loras", type=click.IntRange(0, 4096), default=0, show_default=True,
+              help="Loaded adapters whose weights it keeps, LRU, as vLLM's --max-cpu-loras (below --max-loras: that).")
+@click.option("--lora-load-ms", type=click.FloatRange(0, 600_000), default=0.0, show_default=True,
+              help="Time to load one adapter, and to read one again that its cache dropped.")
+@click.option("--lora", "attached", multiple=True, metavar="NAME",
+              help="An adapter attached at start as llama.cpp's --lora (repeat; ids 0, 1, … in order), "
+                   "applied at the scales of a request's \"lora\" field.")
 @click.option("--join", "join_address", metavar="HOST:PORT",
               help="Be a worker part: join the head at HOST:PORT and hold until it goes away (no HTTP).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
                 chunk_interval_ms: float, die_after_chunks: int, die_on_request: bool, refuse: bool,
                 startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, cache_slots: int,
                 prefill_ms_per_token: float, force_include_usage: bool, done_linger_ms: float,
+                max_loras: int, max_cpu_loras: int, lora_load_ms: float, attached: tuple[str, ...],
                 join_address: str | None) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
@@ -50,12 +60,23 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
     /health, /stats. Replies name the replica (system_fingerprint, header
     x-llmgw-replica) so callers can tell which replica answered.
 
+    LoRA adapters, as vLLM holds them (--max-loras: /v1/load_lora_adapter and
+    /v1/unload_lora_adapter, a request's model naming one) or as llama-server
+    does (--lora NAME, a request's "lora": [{"id": 0, "scale": 1.0}]): replies
+    name the adapters that answered (content, header x-llmgw-adapter), and
+    /stats counts requests per adapter, loads, reloads and evictions.
+
     Example:
 
     \b
         llmgw fake-engine --host 127.0.0.1 --port 0 --model qwen --latency-ms 20 --chunks 20
         llmgw fake-engine --port 0 --model qwen --chunks 10 --die-after-chunks 3
+        llmgw fake-engine --port 0 --model qwen --max-loras 2 --lora-load-ms 150
+        llmgw fake-engine --port 0 --model qwen --lora support --lora sql
     """
+    if max_loras and attached:
+        raise click.UsageError("--max-loras (vLLM's runtime loading) and --lora (llama.cpp's attached adapters) "
+                               "are two engines' ways; give one")
     if join_address:
         try:
             run(fake.join(join_address, name or model))
@@ -75,5 +96,7 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
                          die_on_request=die_on_request, refuse=refuse, startup_s=startup_s,
                          kv_tokens=kv_tokens, parts=parts, rendezvous_port=rendezvous_port,
                          cache_slots=cache_slots, prefill_ms_per_token=prefill_ms_per_token,
-                         force_include_usage=force_include_usage, done_linger_ms=done_linger_ms)
+                         force_include_usage=force_include_usage, done_linger_ms=done_linger_ms,
+                         max_loras=max_loras, max_cpu_loras=max_cpu_loras, lora_load_ms=lora_load_ms,
+                         attached=attached)
     run(fake.serve(opts, sock, host))

@@ -6,6 +6,12 @@ It answers /v1/chat/completions (plain and streamed), /v1/completions,
 embeddings) so a test can tell which replica answered, and can misbehave on
 purpose: slow replies, paced chunks, refusing, or dying before the first byte
 or in the middle of a stream.
+
+LoRA adapters, either way a real engine has them (llmgw/engine/fakeadapters.py): vLLM's,
+loaded at runtime (``/v1/load_lora_adapter``, a set delay each), a request's ``model``
+naming one; or llama.cpp's, attached at start (``--lora``) and applied at the request's
+``lora`` scales. Replies say which adapters answered (their content, the ``x-llmgw-adapter``
+header) and /stats counts requests per adapter.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
+
+from llmgw.engine.fakeadapters import Adapters, Lora
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -43,6 +51,7 @@ class _Body(msgspec.Struct):
     stream_options: _StreamOptions | None = None
     messages: list[_Message] = []
     prompt: str | list[object] = ""
+    lora: list[Lora] | None = None
 
     def text(self) -> bytes:
         """The prompt as the engine sees it: each message's role and text, in order (or the prompt)."""
@@ -71,19 +80,21 @@ class PrefixCache:
         self.used: list[float] = [0.0] * slots
 
     @staticmethod
-    def blocks(text: bytes) -> list[int]:
+    def blocks(text: bytes, key: tuple[str, ...] = ()) -> list[int]:
+        """The hashes of the whole blocks of ``text``, each of all before it and of ``key`` (its adapters:
+        the same text under another adapter shares no block, as in vLLM's cache, whose hashes hold its LoRA)."""
         size = BYTES_PER_TOKEN * BLOCK_TOKENS
-        out, h = [], 0
+        out, h = [], hash(key) if key else 0
         for i in range(0, len(text) - size + 1, size):  # only whole blocks are cached
             h = hash((h, text[i:i + size]))
             out.append(h)
         return out
 
-    def take(self, text: bytes) -> int:
-        """Cached tokens for this prompt; its slot now holds it."""
+    def take(self, text: bytes, key: tuple[str, ...] = ()) -> int:
+        """Cached tokens for this prompt (under adapters ``key``); its slot now holds it."""
         if not self.slots:
             return 0
-        blocks = self.blocks(text)
+        blocks = self.blocks(text, key)
         best, shared = 0, -1
         for i, held in enumerate(self.slots):
             n = 0
@@ -100,8 +111,6 @@ class PrefixCache:
 
 
 _DECODER = msgspec.json.Decoder(_Body)
-
-
 @dataclass
 class EngineOptions:
     """How the fake engine behaves; every default is a healthy, instant engine."""
@@ -123,6 +132,28 @@ class EngineOptions:
     prefill_ms_per_token: float = 0.0  # time per prompt token not served from the cache, before the reply
     force_include_usage: bool = False  # a usage chunk on every stream, asked or not (vLLM's --enable-force-include-usage)
     done_linger_ms: float = 0.0  # between a stream's [DONE] and the end of its body (a real engine's generator ends later)
+    max_loras: int = 0  # vLLM's LoRA slots: adapters loaded at runtime (0: none, llama.cpp's or no LoRA)
+    max_cpu_loras: int = 0  # vLLM's cache of loaded adapter weights (below max_loras: max_loras)
+    lora_load_ms: float = 0.0  # time to load one adapter, at load and when read again
+    attached: tuple[str, ...] = field(default_factory=tuple)  # llama.cpp's --lora adapters, ids in this order
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """Who answers a completion: the replica, with which adapters, under which model name."""
+
+    engine: FakeEngine
+    adapters: tuple[str, ...]
+    model: str
+
+    @property
+    def text(self) -> str:
+        said = f" (adapter{'s' if len(self.adapters) > 1 else ''} {', '.join(self.adapters)})" if self.adapters else ""
+        return f"hello from {self.engine.name}{said}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {**self.engine._headers, **({"x-llmgw-adapter": ",".join(self.adapters)} if self.adapters else {})}
 
 
 class FakeEngine:
@@ -139,6 +170,8 @@ class FakeEngine:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self._prefill = asyncio.Lock()  # one prompt is prefilled at a time, as on one GPU
+        self.adapters = Adapters(opts.model, max_loras=opts.max_loras, max_cpu_loras=opts.max_cpu_loras,
+                                 load_ms=opts.lora_load_ms, attached=opts.attached)
 
     def _loading(self) -> web.Response | None:
         left = self._ready_at - time.monotonic()
@@ -165,6 +198,7 @@ class FakeEngine:
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
         app.router.add_get("/metrics", self.metrics)
+        self.adapters.routes(app)
         return app
 
     async def _begin(self, request: web.Request) -> _Body | web.Response:
@@ -183,16 +217,20 @@ class FakeEngine:
         try:
             body = _DECODER.decode(await request.read())
         except msgspec.DecodeError as e:
+            if "$.lora" in str(e):  # llama-server's words
+                return web.json_response({"error": {"code": 400, "message": "Field 'lora': Error: 'lora' must be an "
+                                                    "array of objects with 'id' and 'scale' fields",
+                                                    "type": "invalid_request_error"}}, status=400)
             return web.json_response({"error": {"message": f"bad JSON: {e}", "type": "invalid_request_error"}}, status=400)
         if self.opts.latency_ms > 0:
             await asyncio.sleep(self.opts.latency_ms / 1000)
         return body
 
-    async def _prefill_prompt(self, body: _Body) -> dict[str, object]:
+    async def _prefill_prompt(self, body: _Body, adapters: tuple[str, ...] = ()) -> dict[str, object]:
         """Take the prompt through the cache (and the prefill time of what it lacked); its usage."""
         text = body.text()
         prompt = max(1, len(text) // BYTES_PER_TOKEN)
-        cached = min(self.cache.take(text), prompt)
+        cached = min(self.cache.take(text, adapters), prompt)
         self.prompt_tokens += prompt
         self.cached_tokens += cached
         if self.opts.prefill_ms_per_token > 0 and prompt > cached:
@@ -200,53 +238,67 @@ class FakeEngine:
                 await asyncio.sleep((prompt - cached) * self.opts.prefill_ms_per_token / 1000)
         return {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def _completion(self, request: web.Request) -> tuple[_Body, _Answer] | web.Response:
+        """A completion's body and who answers it: which adapters, under which model name."""
         body = await self._begin(request)
         if isinstance(body, web.Response):
             return body
+        used = await self.adapters.serving(body.model, body.lora)
+        if isinstance(used, web.Response):
+            return used
+        return body, _Answer(self, used, body.model if used and self.adapters.runtime else self.opts.model)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        got = await self._completion(request)
+        if isinstance(got, web.Response):
+            return got
+        body, answer = got
         rid = f"chatcmpl-{self.name}-{self.requests}"
-        prompt = await self._prefill_prompt(body)
+        prompt = await self._prefill_prompt(body, answer.adapters)
         if body.stream:
-            return await self._stream(request, rid, "chat.completion.chunk", chat=True, body=body, prompt=prompt)
+            return await self._stream(request, rid, "chat.completion.chunk", chat=True, body=body, prompt=prompt,
+                                      answer=answer)
         reply = {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.opts.model,
+            "model": answer.model,
             "system_fingerprint": self.name,
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": f"hello from {self.name}"},
+                    "message": {"role": "assistant", "content": answer.text},
                     "finish_reason": "stop",
                 }
             ],
             "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
         }
-        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=answer.headers)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._begin(request)
-        if isinstance(body, web.Response):
-            return body
+        got = await self._completion(request)
+        if isinstance(got, web.Response):
+            return got
+        body, answer = got
         rid = f"cmpl-{self.name}-{self.requests}"
-        prompt = await self._prefill_prompt(body)
+        prompt = await self._prefill_prompt(body, answer.adapters)
         if body.stream:
-            return await self._stream(request, rid, "text_completion", chat=False, body=body, prompt=prompt)
+            return await self._stream(request, rid, "text_completion", chat=False, body=body, prompt=prompt,
+                                      answer=answer)
         reply = {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.opts.model,
+            "model": answer.model,
             "system_fingerprint": self.name,
-            "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "stop", "logprobs": None}],
+            "choices": [{"index": 0, "text": answer.text, "finish_reason": "stop", "logprobs": None}],
             "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
         }
-        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
+        return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=answer.headers)
 
     async def _stream(self, request: web.Request, rid: str, obj: str, *, chat: bool, body: _Body,
-                      prompt: dict[str, object]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self._headers})
+                      prompt: dict[str, object], answer: _Answer) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **answer.headers})
         await resp.prepare(request)
         created = int(time.time())
         pause = self.opts.chunk_interval_ms / 1000
@@ -261,7 +313,7 @@ class FakeEngine:
                 choice["delta"] = {"role": "assistant", "content": text} if i == 0 else {"content": text}
             else:
                 choice["text"] = text
-            chunk = {"id": rid, "object": obj, "created": created, "model": self.opts.model,
+            chunk = {"id": rid, "object": obj, "created": created, "model": answer.model,
                      "system_fingerprint": self.name, "choices": [choice]}
             await resp.write(b"data: " + _ENCODER.encode(chunk) + b"\n\n")
             if pause > 0 and not last:
@@ -271,7 +323,7 @@ class FakeEngine:
             n = int(prompt["prompt_tokens"])  # type: ignore[call-overload]
             usage = {**prompt, "completion_tokens": self.opts.chunks, "total_tokens": n + self.opts.chunks}
             await resp.write(b"data: " + _ENCODER.encode({"id": rid, "object": obj, "created": created,
-                                                          "model": self.opts.model, "choices": [],
+                                                          "model": answer.model, "choices": [],
                                                           "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         if self.opts.done_linger_ms > 0:
@@ -299,9 +351,8 @@ class FakeEngine:
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=self._headers)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.opts.model, "object": "model", "created": 0, "owned_by": self.name}]}
-        )
+        base = {"id": self.opts.model, "object": "model", "created": 0, "owned_by": self.name}
+        return web.json_response({"object": "list", "data": [base, *self.adapters.cards()]})
 
     async def health(self, request: web.Request) -> web.Response:
         return self._loading() or web.Response(text="ok")
@@ -317,7 +368,7 @@ class FakeEngine:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                                  "cached_tokens": self.cached_tokens})
+                                  "cached_tokens": self.cached_tokens, **self.adapters.stats()})
 
 
 def bind(host: str, port: int) -> socket.socket:
