@@ -251,3 +251,72 @@ def test_how_an_engine_ended_is_said_from_its_status_and_its_last_words(code: in
     from llmgw.engine.argv import exit_reason
 
     assert exit_reason(code, lines).startswith(said)
+
+
+# --- LoRA adapters --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rank", "flag"), [(0, None), (1, "1"), (5, "8"), (8, "8"), (12, "16"), (300, "320"),
+                                            (600, "512")])
+def test_a_vllm_with_adapter_slots_gets_lora_on_a_rank_it_accepts_and_a_cpu_cache_of_twice_its_slots(
+        rank: int, flag: str | None) -> None:
+    argv = engine_argv(_vllm_spec(max_adapters=3, max_lora_rank=rank), 8000, "h", {"vllm": ["vllm", "serve"]},
+                       simulate=False)
+    lora = argv[argv.index("--enable-lora"):]
+    assert lora[:3] == ["--enable-lora", "--max-loras", "3"]
+    # vLLM refuses any --max-lora-rank but 1, 8, 16, … 512; a spec without one gets vLLM's default (16).
+    assert (argv[argv.index("--max-lora-rank") + 1] if "--max-lora-rank" in argv else None) == flag
+    assert argv[argv.index("--max-cpu-loras") + 1] == "6"
+
+
+def test_only_a_vllm_with_adapter_slots_runs_with_the_runtime_lora_endpoints() -> None:
+    from llmgw.engine.argv import engine_env
+
+    with_slots, without = _vllm_spec(max_adapters=2, max_lora_rank=8), _vllm_spec()
+    assert engine_env(with_slots) == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert engine_env(without) == {} and engine_env(with_slots, simulate=True) == {}
+    argv = engine_argv(without, 8000, "h", {"vllm": ["vllm", "serve"]}, simulate=False)
+    assert not any("lora" in a for a in argv)
+
+
+def test_a_llama_server_attaches_every_adapter_in_its_order_in_one_lora_list() -> None:
+    """Given twice, llama-server loads both but warns that only the last is used; its list is CSV."""
+    spec = m.ModelSpec(name="tiny", source="/m/tiny", file="tiny-Q8_0.gguf", precision="q8_0", engine="llama.cpp",
+                       gpu_class="c", context=512, adapters=(m.AdapterRef(name="sql", path="/a/sql.gguf"),
+                                                             m.AdapterRef(name="odd", path='/a/x,"y".gguf')))
+    argv = engine_argv(spec, 9, "h", default_commands(), simulate=False)
+    assert argv.count("--lora") == 1
+    assert argv[argv.index("--lora") + 1] == '/a/sql.gguf,"/a/x,""y"".gguf"'
+    fake = engine_argv(spec, 9, "h", default_commands(), simulate=True)
+    assert [fake[i + 1] for i, a in enumerate(fake) if a == "--lora"] == ["sql", "odd"]  # ids 0 and 1, by name
+    bare = msgspec.structs.replace(spec, adapters=())
+    assert "--lora" not in engine_argv(bare, 9, "h", default_commands(), simulate=False)
+
+
+def test_a_simulated_vllm_gets_the_same_slots_and_the_nodes_load_time() -> None:
+    spec = _vllm_spec(max_adapters=2, max_lora_rank=8)
+    argv = engine_argv(spec, 7, "h", default_commands(), simulate=True, lora_load_ms=150)
+    assert argv[argv.index("--max-loras"):][:6] == ["--max-loras", "2", "--max-cpu-loras", "4", "--lora-load-ms", "150"]
+    assert "--lora-load-ms" not in engine_argv(spec, 7, "h", default_commands(), simulate=True)
+
+
+async def test_a_printed_lora_plan_is_what_the_agent_runs_with_its_environment(bus: Bus, tmp_path: Path) -> None:
+    info = model(LLAMA8)
+    reply = P.plan(info, fleet(node("n1", "fa", count=1)),
+                   m.PlanRequest(model=info.name, precisions=("bf16",), max_adapters=2, max_lora_rank=12))
+    c = next(c for c in reply.candidates if c.engine == "vllm")
+    config = EngineConfig(cmds=NODE_CMDS, host="0.0.0.0", advertise_host="gpu-node-1", models_dir=tmp_path)
+    ((argvs, env),) = agent_argvs(c.spec(P.plan_name(info.name)), ("n1",), config, bus)
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert c.command == "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True " + shlex.join(as_printed(argvs[-1]))
+    assert "--enable-lora --max-loras 2 --max-lora-rank 16 --max-cpu-loras 4" in c.command
+
+
+def test_a_fake_engines_load_time_from_the_environment_is_bounded() -> None:
+    from llmgw.engine.argv import fake_lora_load_ms
+    from llmgw.errors import ConfigError
+
+    assert fake_lora_load_ms("150") == 150.0
+    for bad in ("-1", "nan", "1e9", "soon"):
+        with pytest.raises(ConfigError, match="LLMGW_FAKE_LORA_LOAD_MS"):
+            fake_lora_load_ms(bad)

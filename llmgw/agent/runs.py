@@ -34,8 +34,10 @@ from llmgw.engine.argv import (
     JOINED_MARKERS,
     default_commands,
     engine_argv,
+    engine_env,
     exit_reason,
     failure_tail,
+    fake_lora_load_ms,
     head_env,
     kv_tokens_from_metrics,
     kv_tokens_from_props,
@@ -65,8 +67,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
 
 
 def version_cache_path() -> Path | None:
@@ -106,6 +106,8 @@ class EngineConfig:
     log_max_bytes: int = 64 * 1024 * 1024
     log_keep: int = 3
     fake_startup_s: float = 0.0  # simulation: each fake engine's start-up time
+    # Simulation: a fake vLLM's time to load a LoRA adapter (LLMGW_FAKE_LORA_LOAD_MS when unset).
+    fake_lora_load_ms: float | None = None
     # Set for every engine process: NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, Ray's port range (--engine-env).
     env: dict[str, str] = field(default_factory=dict)
     # Org__Name model folders here (LLMGW_MODELS_DIR): a GGUF of a repository id found there is not downloaded.
@@ -126,6 +128,8 @@ class EngineConfig:
         self.advertise_host = self.advertise_host or env.get("LLMGW_ADVERTISE_HOST") or default_advertise
         if self.models_dir is None and env.get("LLMGW_MODELS_DIR"):
             self.models_dir = Path(env["LLMGW_MODELS_DIR"])
+        if self.fake_lora_load_ms is None:
+            self.fake_lora_load_ms = fake_lora_load_ms(env.get("LLMGW_FAKE_LORA_LOAD_MS", "0"))
 
     @property
     def check_host(self) -> str:
@@ -278,17 +282,19 @@ class EngineRun:
     def _argvs(self) -> tuple[list[list[str]], dict[str, str]]:
         host, spec = self.config.host, self.placed.spec
         self.port = free_port(host)
+        load_ms = self.config.fake_lora_load_ms or 0.0
+        env = engine_env(spec, simulate=self.config.simulate)
         if not self.multi:
             return [engine_argv(spec, self.port, host, self.config.cmds, simulate=self.config.simulate,
                                 name=self.replica_id, startup_s=self.config.fake_startup_s,
-                                models_dir=self.config.models_dir, cpu=self.config.cpu)], {}
+                                models_dir=self.config.models_dir, cpu=self.config.cpu, lora_load_ms=load_ms)], env
         rendezvous = free_port(host) if self.rank == 0 else 0
         if self.rank == 0:
             self.head_address = f"{self.config.advertise_host}:{rendezvous}"
         argvs = part_argvs(spec, self.rank, self.port, host, self.config.cmds, simulate=self.config.simulate,
                            name=self.replica_id, head_address=self.head_address, rendezvous_port=rendezvous,
-                           startup_s=self.config.fake_startup_s, cpu=self.config.cpu)
-        return argvs, head_env(self.config.check_host, rendezvous) if self.rank == 0 else {}
+                           startup_s=self.config.fake_startup_s, cpu=self.config.cpu, lora_load_ms=load_ms)
+        return argvs, {**head_env(self.config.check_host, rendezvous), **env} if self.rank == 0 else {}
 
     async def _start(self) -> list[asyncio.Task[None]]:
         argvs, extra_env = self._argvs()

@@ -77,6 +77,81 @@ VLLM_FLAGS: tuple[tuple[tuple[int, ...], str], ...] = (
 )
 GIB = 1 << 30
 
+# --- LoRA adapters -----------------------------------------------------------------------------------
+# What vLLM's --max-lora-rank accepts (vllm/config/lora.py ``MaxLoRARanks``); a rank between is
+# rounded up, since vLLM refuses any other value (the planner's ``VLLM_RANKS``, which sizes the buffers).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM registers /v1/load_lora_adapter and /v1/unload_lora_adapter only with this set ("1" or
+# "true", any case, vllm/envs.py); routers load adapters where they are asked for through them.
+VLLM_RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# --max-cpu-loras, the worker's host-RAM cache of adapter weights, as a multiple of --max-loras.
+# vLLM's unload only forgets the name: the weights stay in that cache until its LRU drops them, and
+# a name loaded again is a new entry. A cache of exactly --max-loras (vLLM's default) then holds
+# the stale copies of what routers unloaded beside the live ones, and its LRU can drop a live one,
+# which vLLM re-reads from disk on its next request; twice as many entries leave room for as many
+# stale ones as live ones. More would only hold more stale copies, in host RAM nothing plans.
+CPU_LORAS_PER_SLOT = 2
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank ``--max-lora-rank`` accepts that holds ``rank``; 0 for none. Above vLLM's largest,
+    its largest: the engine then refuses such an adapter when it is loaded, saying so, rather than not starting."""
+    if rank <= 0:
+        return 0
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+
+
+def lora_flags(spec: m.ModelSpec, *, simulate: bool = False, load_ms: float = 0.0) -> list[str]:
+    """A spec's adapter flags. vLLM with ``max_adapters``: LoRA on, its slots, rank and CPU cache;
+    llama.cpp: every attached adapter, in order (the order is each one's id in a request's ``lora``).
+    The fake engine takes the same slots (and ``load_ms``, its time to load one), its attached
+    adapters by name, one ``--lora`` each: it reads no file."""
+    if spec.engine == "vllm":
+        if spec.max_adapters <= 0:
+            return []
+        slots = str(spec.max_adapters)
+        cache = ["--max-cpu-loras", str(spec.max_adapters * CPU_LORAS_PER_SLOT)]
+        if simulate:
+            return ["--max-loras", slots, *cache, *(("--lora-load-ms", f"{load_ms:g}") if load_ms > 0 else ())]
+        rank = vllm_lora_rank(spec.max_lora_rank)  # 0: not planned, vLLM's own default (16)
+        return ["--enable-lora", "--max-loras", slots, *(("--max-lora-rank", str(rank)) if rank else ()), *cache]
+    if not spec.adapters:
+        return []
+    if simulate:
+        return [arg for ref in spec.adapters for arg in ("--lora", ref.name)]
+    # One --lora of comma-separated paths, as llama-server documents it: given twice, it loads both
+    # but warns "specified multiple times ... only last value will be used". Its list is CSV: a path
+    # holding a comma or a quote is quoted, a quote in it doubled (common/arg.cpp ``parse_csv_row``).
+    return ["--lora", ",".join(_csv_field(ref.path) for ref in spec.adapters)]
+
+
+def _csv_field(text: str) -> str:
+    return f'"{text.replace(chr(34), chr(34) * 2)}"' if "," in text or '"' in text else text
+
+
+MAX_LORA_LOAD_MS = 600_000.0
+
+
+def fake_lora_load_ms(raw: str) -> float:
+    """A fake engine's adapter load time as an environment gives it (LLMGW_FAKE_LORA_LOAD_MS), bounded."""
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= MAX_LORA_LOAD_MS:  # NaN too
+        raise ConfigError(f"LLMGW_FAKE_LORA_LOAD_MS={raw[:40]!r}: a fake engine's adapter load time is "
+                          f"milliseconds from 0 to {MAX_LORA_LOAD_MS:.0f}")
+    return ms
+
+
+def engine_env(spec: m.ModelSpec, *, simulate: bool = False) -> dict[str, str]:
+    """What a replica's engine runs with beyond the node's environment: a vLLM serving adapters, the
+    runtime LoRA endpoints (only then: vLLM warns that they are for development, and they are not
+    wanted where nothing loads adapters)."""
+    if spec.engine == "vllm" and spec.max_adapters > 0 and not simulate:
+        return dict(VLLM_RUNTIME_LORA_ENV)
+    return {}
+
 
 def vllm_flags(version: str) -> list[str]:
     """The flags of ``VLLM_FLAGS`` that vLLM ``version`` has; none for a version not recorded."""
@@ -90,20 +165,23 @@ def vllm_flags(version: str) -> list[str]:
 
 
 def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool, name: str = "",
-                startup_s: float = 0.0, models_dir: Path | None = None, cpu: bool = False) -> list[str]:
-    """The command line for one replica's engine.
+                startup_s: float = 0.0, models_dir: Path | None = None, cpu: bool = False,
+                lora_load_ms: float = 0.0) -> list[str]:
+    """The command line for one replica's engine (and ``engine_env`` what it runs with).
 
     ``cpu``: the node's GPUs are simulated and a real vLLM runs on the host's CPU. It then gets
     what a CPU engine needs, from the node rather than from typed ``--engine-arg``s: float32
     where the plan said a 16-bit type (bf16 attention on a CPU with AMX crashes vLLM's worker),
     eager mode, and its KV cache as bytes (the plan's KV figure for the simulated card) instead
-    of a memory fraction, which on a CPU means a fraction of the host's RAM.
+    of a memory fraction, which on a CPU means a fraction of the host's RAM. ``lora_load_ms``: a
+    fake engine's time to load an adapter.
     """
     if simulate:
         return [*cmds["fake"], "--host", host, "--port", str(port), "--model", spec.name, "--name", name or spec.name,
                 *(("--startup-s", f"{startup_s:g}") if startup_s > 0 else ()),
                 # A plausible reservation: a little under the plan, as a real engine's often is.
-                *(("--kv-tokens", str(spec.kv_tokens_planned * 97 // 100)) if spec.kv_tokens_planned > 0 else ())]
+                *(("--kv-tokens", str(spec.kv_tokens_planned * 97 // 100)) if spec.kv_tokens_planned > 0 else ()),
+                *lora_flags(spec, simulate=True, load_ms=lora_load_ms)]
     if spec.engine == "vllm":
         argv = [*cmds["vllm"], spec.source, "--tensor-parallel-size", str(spec.tp)]
         if spec.pp > 1:
@@ -122,13 +200,14 @@ def engine_argv(spec: m.ModelSpec, port: int, host: str, cmds: Mapping[str, Sequ
             argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"]
         elif spec.kv_gib_per_gpu > 0:
             argv += ["--kv-cache-memory-bytes", str(int(spec.kv_gib_per_gpu * GIB))]
-        argv += ["--host", host, "--port", str(port), "--served-model-name", spec.name, *vllm_flags(spec.engine_version)]
+        argv += ["--host", host, "--port", str(port), "--served-model-name", spec.name, *vllm_flags(spec.engine_version),
+                 *lora_flags(spec)]
         if cpu and "--enforce-eager" not in spec.engine_args:
             argv.append("--enforce-eager")
         return [*argv, *spec.engine_args]
     # llama.cpp's -c is the KV pool its -np slots share: each slot gets the declared context.
     argv = [*cmds["llama.cpp"], *gguf_location(spec, models_dir), "-c", str(spec.context * spec.slots), "-np", str(spec.slots),
-            "-ngl", "999", "--host", host, "--port", str(port), "--alias", spec.name]
+            "-ngl", "999", "--host", host, "--port", str(port), "--alias", spec.name, *lora_flags(spec)]
     return [*argv, *spec.engine_args]
 
 
@@ -172,7 +251,7 @@ def kv_tokens_from_metrics(text: str) -> int:
 
 def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping[str, Sequence[str]], *, simulate: bool,
                name: str, head_address: str = "", rendezvous_port: int = 0, startup_s: float = 0.0,
-               cpu: bool = False) -> list[list[str]]:
+               cpu: bool = False, lora_load_ms: float = 0.0) -> list[list[str]]:
     """The processes one node runs for its part of a replica over ``spec.pp`` nodes, in start order.
 
     vLLM: a Ray cluster per replica. The head (rank 0) runs ``ray start --head`` and then
@@ -183,7 +262,8 @@ def part_argvs(spec: m.ModelSpec, rank: int, port: int, host: str, cmds: Mapping
     """
     if simulate:
         if rank == 0:
-            return [[*engine_argv(spec, port, host, cmds, simulate=True, name=name, startup_s=startup_s),
+            return [[*engine_argv(spec, port, host, cmds, simulate=True, name=name, startup_s=startup_s,
+                                  lora_load_ms=lora_load_ms),
                      "--parts", str(spec.pp), "--rendezvous-port", str(rendezvous_port)]]
         return [[*cmds["fake"], "--model", spec.name, "--name", f"{name}/part{rank}", "--join", head_address]]
     gpus = str(spec.tp)
@@ -217,7 +297,9 @@ def shown_argv(spec: m.ModelSpec) -> list[str]:
 
 
 def shown_command(spec: m.ModelSpec) -> str:
-    return shlex.join(shown_argv(spec))
+    """``shown_argv`` as one shell line, after what the engine's environment needs (``engine_env``)."""
+    env = engine_env(spec)
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(shown_argv(spec))])
 
 
 def shown_part_argvs(spec: m.ModelSpec, rank: int) -> list[list[str]]:
@@ -234,7 +316,7 @@ def shown_node_commands(spec: m.ModelSpec) -> tuple[str, ...]:
     lines = []
     for rank in range(spec.pp):
         *before, engine = shown_part_argvs(spec, rank)
-        env = head_env(SHOWN_LOCAL_HOST, SHOWN_RAY_PORT) if rank == 0 else {}
+        env = {**head_env(SHOWN_LOCAL_HOST, SHOWN_RAY_PORT), **engine_env(spec)} if rank == 0 else {}
         words = [*(f"{shlex.join(argv)} &" for argv in before), *(f"{k}={shlex.quote(v)}" for k, v in env.items()),
                  shlex.join(engine)]
         lines.append(f"node {rank + 1}{' (head)' if rank == 0 else ''}: {' '.join(words)}")
