@@ -296,3 +296,139 @@ def test_cli_hf_says_what_it_wrote_and_how_vllm_serves_it_on_a_cpu(tmp_path: Pat
     assert f"  llmgw ctl model plan {d} --fleet examples/cpu.toml   # or against a running control plane" in lines
     assert any(ln.startswith(f"  vllm serve {d} --dtype float32 --enforce-eager --max-model-len 1024 "
                              "--kv-cache-memory-bytes 64M ") for ln in lines)
+
+
+# --- a random LoRA for it -----------------------------------------------------------------------------
+
+
+def _bf16_values(raw: bytes) -> np.ndarray:
+    return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+def _safetensors(path: Path) -> tuple[dict[str, Any], bytes]:
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def test_the_gguf_adapter_is_laid_out_as_llama_cpp_loads_one(tmp_path: Path) -> None:
+    from llmgw.engine.demolora import write_demo_lora
+
+    model = write_demo_model(tmp_path / "tiny")  # embedding 64, 4 heads of 16, 2 KV heads, FFN 256
+    made = write_demo_lora(tmp_path / "tiny", "sql", rank=8, alpha=16)
+    assert made.path == tmp_path / "tiny" / "loras" / "sql.gguf"
+    r = gguf.GGUFReader(made.path)
+    assert [field(r, k) for k in ("general.architecture", "general.type", "adapter.type")] == ["llama", "adapter", "lora"]
+    assert field(r, "adapter.lora.alpha") == 16.0
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 2 * 7 * model.layers
+    # ggml's ne: lora_a [in, r], lora_b [r, out]; llama.cpp checks them against the base's [in, out].
+    expect = {"attn_q": (64, 64), "attn_k": (64, 32), "attn_v": (64, 32), "attn_output": (64, 64),
+              "ffn_gate": (64, 256), "ffn_up": (64, 256), "ffn_down": (256, 64)}
+    for module, (n_in, n_out) in expect.items():
+        a, b = tensors[f"blk.1.{module}.weight.lora_a"], tensors[f"blk.1.{module}.weight.lora_b"]
+        assert ([int(d) for d in a.shape], [int(d) for d in b.shape]) == ([n_in, 8], [8, n_out]), module
+        assert a.tensor_type == b.tensor_type == gguf.GGMLQuantizationType.F16
+    # Not PEFT's fresh B = 0, which would change nothing: about the base weights' own spread once scaled.
+    b = np.asarray(tensors["blk.0.attn_q.weight.lora_b"].data, dtype=np.float32)
+    a = np.asarray(tensors["blk.0.attn_q.weight.lora_a"].data, dtype=np.float32)
+    delta = 16 / 8 * b @ a
+    assert 0.01 < float(delta.std()) < 0.04
+
+
+def test_the_peft_adapter_is_laid_out_as_vllm_loads_one(tmp_path: Path) -> None:
+    from llmgw.engine.demolora import write_demo_lora
+
+    write_demo_model(tmp_path / "hf", format="hf")  # embedding 128, 4 heads of 32, 2 KV heads, FFN 512
+    made = write_demo_lora(tmp_path / "hf", "chat", format="hf", rank=16, alpha=32, targets=("q_proj", "v_proj"))
+    assert made.path == tmp_path / "hf" / "loras" / "chat"
+    cfg = json.loads((made.path / "adapter_config.json").read_text())
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == ("LORA", 16, 32, ["q_proj", "v_proj"])
+    assert cfg["base_model_name_or_path"] == str((tmp_path / "hf").resolve()) and cfg["bias"] == "none"
+    header, data = _safetensors(made.path / "adapter_model.safetensors")
+    header.pop("__metadata__")
+    at = "base_model.model.model.layers"
+    assert set(header) == {f"{at}.{i}.self_attn.{mod}.lora_{ab}.weight" for i in range(2)
+                           for mod in ("q_proj", "v_proj") for ab in "AB"}
+    # PEFT's order: lora_A [r, in], lora_B [out, r].
+    assert header[f"{at}.0.self_attn.q_proj.lora_A.weight"]["shape"] == [16, 128]
+    assert header[f"{at}.0.self_attn.v_proj.lora_B.weight"]["shape"] == [64, 16]
+    assert {e["dtype"] for e in header.values()} == {"BF16"}
+    lo, hi = header[f"{at}.1.self_attn.v_proj.lora_B.weight"]["data_offsets"]
+    assert np.count_nonzero(_bf16_values(data[lo:hi])) == 64 * 16
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "hf"])
+@pytest.mark.parametrize("rank", [8, 64])
+def test_the_planner_reads_back_the_adapter_and_fits_it_to_its_model(tmp_path: Path, fmt: str, rank: int) -> None:
+    from llmgw.engine.demolora import write_demo_lora
+    from llmgw.planner import adapters
+
+    model = write_demo_model(tmp_path / "m", format=fmt)  # type: ignore[arg-type]
+    made = write_demo_lora(tmp_path / "m", "a1", format=fmt, rank=rank, alpha=2 * rank)  # type: ignore[arg-type]
+    facts = adapters.read(made.path)
+    assert (facts.format, facts.rank, facts.alpha, facts.layers) == ({"gguf": "gguf", "hf": "peft"}[fmt], rank,
+                                                                      2.0 * rank, 2)
+    assert facts.target_modules == tuple(sorted(made.targets))
+    h, ffn, kv = model.embd, model.ffn, model.kv_heads * model.embd // model.heads
+    per_layer = 2 * h + 2 * (h + kv) + 2 * h + 3 * (h + ffn)  # in + out of q, k, v, o, gate, up, down
+    assert facts.size_bytes == made.tensor_bytes == 2 * rank * per_layer * model.layers  # 16-bit either way
+    assert adapters.check_base(facts, modelinfo.load_dir(tmp_path / "m")) is None
+
+
+def test_an_adapter_of_one_demo_model_is_refused_on_another(tmp_path: Path) -> None:
+    from llmgw.engine.demolora import write_demo_lora
+    from llmgw.planner import adapters
+
+    write_demo_model(tmp_path / "small")
+    write_demo_model(tmp_path / "wide", embd=128)
+    made = write_demo_lora(tmp_path / "small", "a1")
+    why = adapters.check_base(adapters.read(made.path), modelinfo.load_dir(tmp_path / "wide"))
+    assert why is not None and "an adapter of another model" in why
+
+
+def test_two_names_are_two_adapters_and_one_name_the_same_again(tmp_path: Path) -> None:
+    from llmgw.engine.demolora import write_demo_lora
+
+    write_demo_model(tmp_path / "m")
+    one, other = write_demo_lora(tmp_path / "m", "a1"), write_demo_lora(tmp_path / "m", "a2")
+    first = one.path.read_bytes()
+    assert write_demo_lora(tmp_path / "m", "a1").path.read_bytes() == first
+    assert other.path.read_bytes() != first
+
+
+def test_cli_writes_the_model_and_its_adapters_and_says_how_to_declare_them(tmp_path: Path) -> None:
+    d = tmp_path / "llmgw-demo"
+    res = CliRunner().invoke(cli, ["demo-model", str(d), "--lora", "sql", "--lora", "chat", "--lora-rank", "16"])
+    assert res.exit_code == 0, res.output
+    assert (d / "llmgw-demo-Q8_0.gguf").is_file() and (d / "config.json").is_file()
+    assert f"wrote {d}/loras/sql.gguf (GGUF adapter, F16, 88 KiB of tensors): LoRA rank 16, alpha 16" in res.output
+    assert f"llmgw ctl adapter add chat {d}/loras/chat.gguf --base llmgw-demo" in res.output
+    assert f"--lora {d}/loras/sql.gguf --lora {d}/loras/chat.gguf" in res.output
+    # Into the model already there: the hf form's adapters are PEFT, for vLLM.
+    hf = tmp_path / "hf"
+    assert CliRunner().invoke(cli, ["demo-model", str(hf), "--format", "hf"]).exit_code == 0
+    res = CliRunner().invoke(cli, ["demo-model", str(hf), "--lora", "a1", "--lora-targets", "q_proj,attn_v"])
+    assert res.exit_code == 0, res.output
+    assert f"{hf} holds the hf demo model already" in res.output and (hf / "loras" / "a1" / "adapter_config.json").is_file()
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve" in res.output and "--max-lora-rank 8" in res.output
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--lora", "a/b"], ["--lora 'a/b'", "letters, digits"]),
+    (["--lora", "a", "--lora-rank", "0"], ["--lora-rank 0", "1..512"]),
+    (["--lora", "a", "--lora-alpha", "nan"], ["--lora-alpha nan"]),
+    (["--lora", "a", "--lora-targets", "lm_head"], ["--lora-targets 'lm_head'", "q_proj"]),
+])
+def test_cli_a_bad_adapter_is_an_error_before_anything_is_written(tmp_path: Path, args: list[str],
+                                                                  words: list[str]) -> None:
+    res = CliRunner().invoke(cli, ["demo-model", str(tmp_path / "m"), *args])
+    assert res.exit_code == 1 and res.output.startswith("Error: ") and all(w in res.output for w in words), res.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_an_adapter_for_the_other_engines_form_of_the_model_is_refused(tmp_path: Path) -> None:
+    assert CliRunner().invoke(cli, ["demo-model", str(tmp_path / "g")]).exit_code == 0
+    res = CliRunner().invoke(cli, ["demo-model", str(tmp_path / "g"), "--lora", "a", "--format", "hf"])
+    assert res.exit_code == 1 and "holds the gguf demo model" in res.output and "--format gguf" in res.output
+    assert not (tmp_path / "g" / "loras").exists()

@@ -7,7 +7,9 @@
 * ``upstream``: the one outbound HTTP edge towards engines (the router's proxying, the
   agents' health checks);
 * ``fake``: a small OpenAI-compatible engine for tests and benchmarks;
-* ``demomodel``: a tiny random-weight model to plan and serve offline.
+* ``fakeadapters``: its LoRA adapters, held as vLLM's or llama-server's are;
+* ``demomodel``: a tiny random-weight model to plan and serve offline, and
+  ``demolora`` a random LoRA adapter for it.
 """
 
 from typing import TYPE_CHECKING
@@ -16,7 +18,13 @@ from llmgw import lazy_face
 
 if TYPE_CHECKING:
     from llmgw.engine import fake
-    from llmgw.engine.argv import llmgw_program, parse_engine_cmds, shown_command
+    from llmgw.engine.argv import llmgw_program, parse_engine_cmds, shown_command, vllm_lora_rank
+    from llmgw.engine.demolora import (
+        check_demo_lora,
+        demo_model_format,
+        parse_lora_targets,
+        write_demo_lora,
+    )
     from llmgw.engine.demomodel import write_demo_model
     from llmgw.engine.upstream import Timeouts, Upstream
 
@@ -25,9 +33,15 @@ _FACE = {
     "llmgw_program": "llmgw.engine.argv",
     "parse_engine_cmds": "llmgw.engine.argv",
     "shown_command": "llmgw.engine.argv",
+    "vllm_lora_rank": "llmgw.engine.argv",
+    "check_demo_lora": "llmgw.engine.demolora",
+    "demo_model_format": "llmgw.engine.demolora",
+    "parse_lora_targets": "llmgw.engine.demolora",
+    "write_demo_lora": "llmgw.engine.demolora",
     "write_demo_model": "llmgw.engine.demomodel",
     "Timeouts": "llmgw.engine.upstream",
     "Upstream": "llmgw.engine.upstream",
 }
-__all__ = ["Timeouts", "Upstream", "fake", "llmgw_program", "parse_engine_cmds", "shown_command", "write_demo_model"]
+__all__ = ["Timeouts", "Upstream", "check_demo_lora", "demo_model_format", "fake", "llmgw_program", "parse_engine_cmds",
+           "parse_lora_targets", "shown_command", "vllm_lora_rank", "write_demo_lora", "write_demo_model"]
 __getattr__ = lazy_face(__name__, _FACE)

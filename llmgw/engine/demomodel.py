@@ -170,7 +170,7 @@ def _config(*, context: int, layers: int, embd: int, heads: int, kv_heads: int, 
     }
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> Path:
+def write_json(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
@@ -265,7 +265,7 @@ def write_demo_model(dir: Path, *, format: Format = "gguf", context: int = 2048,
         w.close()
         tmp.unlink(missing_ok=True)
 
-    config_path = _write_json(dir / "config.json", _config(
+    config_path = write_json(dir / "config.json", _config(
         context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
         dtype="float16", bos=1, eos=2))
     return DemoModel(format="gguf", weights=path, config=config_path, file_bytes=path.stat().st_size,
@@ -293,7 +293,7 @@ def hf_tokenizer() -> Any:
     return tok
 
 
-def _bf16(w: Any) -> bytes:
+def bf16_bytes(w: Any) -> bytes:
     """float32 to bfloat16, rounded to nearest even: numpy has no bfloat16, and its bits are float32's top half."""
     import numpy as np
 
@@ -301,7 +301,7 @@ def _bf16(w: Any) -> bytes:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
 
 
-def _write_safetensors(path: Path, tensors: Iterable[tuple[str, tuple[int, ...]]], data: Iterable[bytes]) -> None:
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, tuple[int, ...]]], data: Iterable[bytes]) -> None:
     """A JSON header of names, dtypes, shapes and offsets, then the bf16 tensors back to back (no torch needed)."""
     header: dict[str, Any] = {}
     offset = 0
@@ -357,18 +357,18 @@ def _write_hf(dir: Path, *, context: int, layers: int, embd: int, heads: int, kv
         # One at a time: 32 layers of 2048 would hold ~1.7 GB of float32 at once.
         for _, shape in shapes:
             if len(shape) == 1:
-                yield _bf16(np.ones(shape, dtype=np.float32))  # RMSNorm's gain: 1 leaves activations as they are
+                yield bf16_bytes(np.ones(shape, dtype=np.float32))  # RMSNorm's gain: 1 leaves activations as they are
             else:
-                yield _bf16(rng.standard_normal(shape, dtype=np.float32) * WEIGHT_SCALE)
+                yield bf16_bytes(rng.standard_normal(shape, dtype=np.float32) * WEIGHT_SCALE)
 
     dir.mkdir(parents=True, exist_ok=True)
     weights = dir / "model.safetensors"
-    _write_safetensors(weights, shapes, tensors())
+    write_safetensors(weights, shapes, tensors())
     tokenizer = dir / "tokenizer.json"
     tok.save(str(tokenizer))
     files = (
         tokenizer,
-        _write_json(dir / "tokenizer_config.json", {
+        write_json(dir / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": None,
             "eos_token": HF_SPECIALS[2],
@@ -380,9 +380,9 @@ def _write_hf(dir: Path, *, context: int, layers: int, embd: int, heads: int, kv
             "model_max_length": context,
             "chat_template": CHAT_TEMPLATE,
         }),
-        _write_json(dir / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": bos}),
+        write_json(dir / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": bos}),
     )
-    config = _write_json(dir / "config.json", _config(
+    config = write_json(dir / "config.json", _config(
         context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
         dtype="bfloat16", bos=bos, eos=eos))
     params = sum(math.prod(shape) for _, shape in shapes)
