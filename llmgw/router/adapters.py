@@ -68,7 +68,9 @@ class Adapters:
         # Per vLLM replica, its adapters by last use (oldest first); None until its engine was asked.
         self.held: dict[str, OrderedDict[str, float]] = {}
         self._loads: dict[tuple[str, str], asyncio.Future[float]] = {}
+        self._asking: dict[str, asyncio.Future[None]] = {}
         self.loads = self.unloads = 0
+        self.missing = 0  # requests an engine answered 404 for: it did not hold the adapter sent to it
 
     def get(self, model: str) -> Adapter | None:
         return self.pool.adapters.get(model)
@@ -103,6 +105,17 @@ class Adapters:
             self.held[rep.replica_id].move_to_end(name)
             self.held[rep.replica_id][name] = time.time()
             return Chosen(self._take(rep), body)
+        pending = next(((rid, fut) for (rid, a), fut in self._loads.items() if a == name), None)
+        if pending is not None:  # being loaded already: wait for that one, on that replica
+            rid, fut = pending
+            loading = next((r for r in reps if r.replica_id == rid), None)
+            if loading is not None:
+                took = self._take(loading)
+                try:
+                    return Chosen(took, body, await asyncio.shield(fut))
+                except BaseException:
+                    loading.outstanding -= 1
+                    raise
         rep = min(reps, key=lambda r: (r.outstanding, len(self.held.get(r.replica_id, ()))))
         took = self._take(rep)  # counted while it loads: the next request sees it busy
         try:
@@ -113,7 +126,20 @@ class Adapters:
         return Chosen(took, body, waited)
 
     async def _learn(self, rep: Replica) -> None:
-        """What a vLLM replica's engine holds, from its /v1/models (adapters list their base as parent)."""
+        """What a vLLM replica's engine holds, from its /v1/models (adapters list their base as parent);
+        asked once, however many requests arrive meanwhile."""
+        asking = self._asking.get(rep.replica_id)
+        if asking is not None:
+            await asyncio.shield(asking)
+            return
+        asking = self._asking[rep.replica_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._ask(rep)
+        finally:
+            asking.set_result(None)
+            del self._asking[rep.replica_id]
+
+    async def _ask(self, rep: Replica) -> None:
         held: OrderedDict[str, float] = OrderedDict()
         try:
             async with asyncio.timeout(10):
@@ -183,6 +209,7 @@ class Adapters:
 
     def forget(self, rep: Replica, name: str) -> None:
         """The engine said it does not hold ``name`` (another router unloaded it): load it again next time."""
+        self.missing += 1
         held = self.held.get(rep.replica_id)
         if held is not None:
             held.pop(name, None)
