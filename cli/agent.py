@@ -13,7 +13,16 @@ import click
 import msgspec
 
 from llmgw import messages as m
-from llmgw.agent import Agent, EngineConfig, EngineSupervisor, NvmlPort, RealNvml, SimNvml
+from llmgw.agent import (
+    Agent,
+    EngineConfig,
+    EngineSupervisor,
+    FileKeeper,
+    FilesConfig,
+    NvmlPort,
+    RealNvml,
+    SimNvml,
+)
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
@@ -91,7 +100,18 @@ def engine_config(opts: dict[str, Any]) -> EngineConfig:
     return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, cpu=on_cpu, fake_startup_s=opts["engine_startup_s"],
                         env=opts["engine_env"], log_dir=opts["log_dir"],
                         log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
-                        host="127.0.0.1" if on_cpu else "")
+                        host="127.0.0.1" if on_cpu else "", models_dir=opts.get("models_dir"))
+
+
+def _services(node: str, opts: dict[str, Any]) -> tuple[EngineSupervisor, ...] | tuple[EngineSupervisor, FileKeeper]:
+    """The node's engine supervisor and, when it keeps its model files, the file keeper it waits for."""
+    engines = EngineSupervisor(node, engine_config(opts))
+    if not opts.get("keep_files"):
+        return (engines,)
+    keeper = FileKeeper(node, FilesConfig(models_dir=opts["models_dir"], hf_cache=opts["hf_cache"],
+                                          cache_max_bytes=int(opts["cache_max_gib"] * (1 << 30))))
+    engines.files_ready = keeper.ready
+    return engines, keeper
 
 
 def _stop_all(agents: list[Agent]) -> None:
@@ -106,13 +126,15 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
         agents = [
             Agent(bus, port, node, fabric=fabric, fabric_source=source, simulated=opts["simulated"],
                   heartbeat_s=opts["heartbeat_s"], poll_s=opts["poll_s"], faults=opts["faults"],
-                  services=(EngineSupervisor(node, engine_config(opts)),))
+                  services=_services(node, opts))
             for node, port, fabric, source in ports
         ]
         for a in agents:
             for svc in a.services:
                 if isinstance(svc, EngineSupervisor):
                     svc.fabric_of = lambda agent=a: agent.fabric
+                elif isinstance(svc, FileKeeper):
+                    svc.boot_id = a.boot_id  # its reports carry the agent's boot, as the inventory does
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             # Not in the main thread (tests, embedding): Ctrl-C then ends it the hard way.
@@ -162,13 +184,26 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
               help="Rotate an engine's log when it reaches this size: <replica>.log becomes <replica>.log.1.")
 @click.option("--log-keep", type=click.IntRange(0, 100), default=3, show_default=True,
               help="Rotated logs kept per engine (.log.1 … .log.N); older ones are deleted.")
+@click.option("--keep-files/--no-keep-files", default=None,
+              help="Report the model files on this node's disk, fetch them before an engine starts, keep the disk "
+                   "budget [default: on, off with --simulate].")
+@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path), envvar="LLMGW_MODELS_DIR",
+              help="Org__Name folders of GGUF files and checkpoints; where GGUFs are fetched to "
+                   "[env LLMGW_MODELS_DIR; default: ~/.cache/llmgw/models].")
+@click.option("--hf-cache", type=click.Path(file_okay=False, path_type=Path), envvar="HF_HUB_CACHE",
+              help="The Hugging Face cache, where checkpoints are fetched to [env HF_HUB_CACHE; default: "
+                   "huggingface_hub's, ~/.cache/huggingface/hub].")
+@click.option("--cache-max-gib", type=click.FloatRange(0, 1 << 20), default=0.0,
+              help="Disk the model files may take; the least recently used that no placed or pinned model needs "
+                   "are evicted to stay within it [default: the disk's size less 5% (10 GiB at least)].")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
 @click.pass_context
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
           poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float,
-          engines: str | None, log_dir: Path | None, log_max_mib: int, log_keep: int, once: bool, as_json: bool,
+          engines: str | None, log_dir: Path | None, log_max_mib: int, log_keep: int, keep_files: bool | None,
+          models_dir: Path | None, hf_cache: Path | None, cache_max_gib: float, once: bool, as_json: bool,
           settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
@@ -189,7 +224,17 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "engine_cmds": cmds, "engine_startup_s": engine_startup_s,
                             "engine_env": _engine_env(engine_env), "engines": engines,
                             "log_dir": log_dir.resolve() if log_dir else None,
-                            "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep}
+                            "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep,
+                            "keep_files": fleet_path is None if keep_files is None else keep_files,
+                            "cache_max_gib": cache_max_gib}
+    if opts["keep_files"] or models_dir is not None:
+        opts["models_dir"] = (models_dir or Path.home() / ".cache" / "llmgw" / "models").expanduser().resolve()
+    if opts["keep_files"]:
+        if hf_cache is None:
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            hf_cache = Path(HF_HUB_CACHE)
+        opts["hf_cache"] = hf_cache.expanduser().resolve()
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     if fleet_path is not None:
         fleet = load(fleet_path)

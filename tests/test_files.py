@@ -24,11 +24,14 @@ from llmgw import subjects
 from llmgw.agent.downloads import FileKeeper, FilesConfig
 from llmgw.agent.files import Disk, report, scan_hf_cache, scan_models_dir
 from llmgw.agent.node import Agent
+from llmgw.agent.runs import EngineConfig
 from llmgw.agent.simnvml import SimNvml
+from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus
+from llmgw.engine.argv import default_commands, engine_argv
 from llmgw.fleet.files import holders
 from llmgw.fleet.state import fold
-from llmgw.fleetfile import load
+from llmgw.fleetfile import FleetNode, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 GGUF = os.urandom(300_000)
@@ -245,3 +248,99 @@ async def test_a_prefetch_for_other_nodes_fetches_nothing_here(
         await prefetch(bus, gguf_spec(name="other", file="tiny-q8_0.gguf"), nodes=("h100-a-03",))
         (done,) = await finished(bus)
     assert done.model == "other" and hub.served == ["GET acme/tiny-GGUF/tiny-q8_0.gguf 0"]
+
+
+# --- an engine starts only on complete, verified files ----------------------------------------------
+
+
+def placement(node: str, spec: m.ModelSpec, rid: str = "tiny-r1") -> m.ReplicaPlaced:
+    ref = m.GpuRef(node=node, index=0, uuid=load_node(node).gpu_uuid(0), mib=1024)
+    return m.ReplicaPlaced(at=m.utcnow(), replica_id=rid, model=spec.name, nodes=(node,), gpus=(ref,), spec=spec)
+
+
+def load_node(name: str) -> FleetNode:
+    return load(Path(__file__).parent.parent / "examples" / "fleet.toml").node(name)
+
+
+async def replica_states(bus: Bus, rid: str) -> list[m.ReplicaStateChanged]:
+    return [e for e in await stored(bus, subjects.STREAM_CONTROL, limit_s=10)
+            if isinstance(e, m.ReplicaStateChanged) and e.replica_id == rid]
+
+
+def engines_with(keeper: FileKeeper, **kw: object) -> EngineSupervisor:
+    sup = EngineSupervisor(keeper.node, EngineConfig(models_dir=keeper.config.models_dir, **kw))  # type: ignore[arg-type]
+    sup.files_ready = keeper.ready
+    return sup
+
+
+async def test_a_replica_placed_without_its_files_fetches_them_before_its_engine_starts(
+        bus: Bus, hub: Hub, tmp_path: Path) -> None:
+    hub.rate, hub.corrupt = 1_000_000, 1
+    keeper = keeper_for(tmp_path)
+    sup = engines_with(keeper, simulate=True)
+    agent = Agent(bus, SimNvml(load_node(keeper.node)), keeper.node, simulated=True, services=[sup, keeper])
+    spec = gguf_spec()
+    async with running(agent):
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+        await bus.publish(placement(keeper.node, spec))
+        await until(lambda: sup.runs.get("tiny-r1") is not None and sup.runs["tiny-r1"].state == "healthy",
+                    "the engine healthy", limit_s=30)
+    (done,) = await finished(bus)
+    states = await replica_states(bus, "tiny-r1")
+    assert states[0].state == "starting" and states[0].detail == f"fetching the files of {REPO}"
+    healthy = next(s for s in states if s.state == "healthy")
+    # The engine's own start came after the verified download: nothing started on a partial or wrong file.
+    started = [s for s in states if s.state == "starting" and s.detail != states[0].detail]
+    assert done.ok and done.mismatches == 1 and done.at <= started[0].at <= healthy.at
+    local = tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf"
+    assert local.read_bytes() == GGUF
+    # A llama.cpp engine is pointed at that file (``-m``), never at the hub.
+    argv = engine_argv(spec, 8080, "127.0.0.1", default_commands(), simulate=False, models_dir=keeper.config.models_dir)
+    assert argv[argv.index("-m") + 1] == str(local)
+
+
+async def test_files_that_never_verify_fail_the_replica_and_start_no_engine(
+        bus: Bus, hub: Hub, tmp_path: Path) -> None:
+    hub.corrupt = 99
+    keeper = keeper_for(tmp_path, attempts=2)
+    sup = engines_with(keeper, simulate=True)
+    agent = Agent(bus, SimNvml(load_node(keeper.node)), keeper.node, simulated=True, services=[sup, keeper])
+    spec = gguf_spec()
+    async with running(agent):
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+        await bus.publish(placement(keeper.node, spec))
+        await until(lambda: sup.runs.get("tiny-r1") is not None and sup.runs["tiny-r1"].state == "failed",
+                    "the replica failed", limit_s=30)
+        assert sup.runs["tiny-r1"].proc is None  # no engine was started
+    states = await replica_states(bus, "tiny-r1")
+    assert [s.state for s in states] == ["starting", "failed"]
+    assert states[1].detail.startswith(f"files of {REPO} not fetched (mismatch): tiny-q4_k_m.gguf of {REPO} did not "
+                                       "match the hub's digest 2 times")
+
+
+@pytest.mark.slow
+async def test_a_real_llama_server_serves_the_gguf_its_agent_fetched(bus: Bus, hub: Hub, tmp_path: Path) -> None:
+    from llama import llama_server_binary
+
+    from llmgw.engine.demomodel import write_demo_model
+
+    binary = llama_server_binary()
+    demo = write_demo_model(tmp_path / "demo", context=2048)
+    hub.repos["acme/demo-GGUF"] = Repo(files={demo.weights.name: demo.weights.read_bytes()})
+    hub.rate = 2_000_000
+    spec = m.ModelSpec(name="demo", source="acme/demo-GGUF", precision="q8_0", engine="llama.cpp",
+                       gpu_class="H100-80GB", context=512, file=demo.weights.name, gib_per_gpu=1.0)
+    keeper = keeper_for(tmp_path)
+    cmds = dict(default_commands(), **{"llama.cpp": [str(binary), "-t", "1"]})
+    sup = engines_with(keeper, cmds=cmds, cpu=True, host="127.0.0.1", health_timeout_s=60)
+    agent = Agent(bus, SimNvml(load_node(keeper.node)), keeper.node, simulated=True, services=[sup, keeper])
+    async with running(agent):
+        await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+        await bus.publish(placement(keeper.node, spec, rid="demo-r1"))
+        await until(lambda: sup.runs.get("demo-r1") is not None and sup.runs["demo-r1"].state == "healthy",
+                    "llama-server healthy on the fetched file", limit_s=90)
+        argv = sup.runs["demo-r1"].tail[0]
+    local = tmp_path / "models" / "acme__demo-GGUF" / demo.weights.name
+    assert f"-m {local}" in argv and local.read_bytes() == demo.weights.read_bytes()
+    (done,) = await finished(bus)
+    assert done.ok and done.code == "verified"

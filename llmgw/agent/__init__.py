@@ -7,6 +7,9 @@
   runs one ``runs.EngineRun`` per replica placed here, and asks the engines their versions;
   ``runs.EngineRun`` starts its engine with the argv from ``llmgw.engine.argv``, checks its
   health, reads what it reserved and keeps its log.
+* ``downloads.FileKeeper`` reports the model files on the node's disk (``files`` scans the
+  stores), fetches what prefetches and placements need before an engine starts, verifies
+  every file's digest, and evicts the least recently used within the disk budget.
 
 **When an engine dies**: ``EngineRun.run`` wakes from ``_any_exit``, which watches the
 engine's process itself (a pidfd, never its pipes: vLLM's children hold those open after
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 from llmgw import lazy_face
 
 if TYPE_CHECKING:
+    from llmgw.agent.downloads import FileKeeper, FilesConfig
     from llmgw.agent.node import Agent
     from llmgw.agent.nvml import NvmlPort, RealNvml
     from llmgw.agent.runs import EngineConfig
@@ -33,11 +37,13 @@ if TYPE_CHECKING:
 
 _FACE = {
     "Agent": "llmgw.agent.node",
+    "FileKeeper": "llmgw.agent.downloads",
+    "FilesConfig": "llmgw.agent.downloads",
     "NvmlPort": "llmgw.agent.nvml",
     "RealNvml": "llmgw.agent.nvml",
     "SimNvml": "llmgw.agent.simnvml",
     "EngineConfig": "llmgw.agent.runs",
     "EngineSupervisor": "llmgw.agent.supervisor",
 }
-__all__ = ["Agent", "EngineConfig", "EngineSupervisor", "NvmlPort", "RealNvml", "SimNvml"]
+__all__ = ["Agent", "EngineConfig", "EngineSupervisor", "FileKeeper", "FilesConfig", "NvmlPort", "RealNvml", "SimNvml"]
 __getattr__ = lazy_face(__name__, _FACE)
