@@ -30,11 +30,18 @@ class CacheUse(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: _TokenCount
 
 
+# The caller a router's map names for requests that came with no key (a router that asks for none):
+# never a key's name (names begin with a letter or digit), so it is nobody's but theirs.
+ANONYMOUS_CALLER = "-"
+
+
 class KeyUse(msgspec.Struct, frozen=True, kw_only=True):
     """One API key's use of one model over a router's tick (what its engines' usage said)."""
 
     requests: _TokenCount = 0
     errors: _TokenCount = 0  # answered 4xx or 5xx
+    throttled: _TokenCount = 0  # of the errors, answered 429 (its rate or quota, the model at capacity)
+    forbidden: _TokenCount = 0  # of the errors, answered 403 (a model its key may not use)
     prompt_tokens: _TokenCount = 0
     completion_tokens: _TokenCount = 0
     cached_tokens: _TokenCount = 0

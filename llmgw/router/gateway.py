@@ -41,6 +41,7 @@ from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
 from llmgw.fleet.pool import Adapter
+from llmgw.messages.usage import ANONYMOUS_CALLER
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.adapters import AdapterError, Adapters, lora_body
@@ -253,6 +254,8 @@ class Gateway:
         if request is not None and (who := request.get("llmgw_key")) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
+        elif request is not None:  # no key: the anonymous caller's, so that usage and chargeback add up
+            key_use_of(self._key_use, ANONYMOUS_CALLER, model).add_tokens(usage)
         if self.idle_tracking and usage.prompt_tokens:
             use = self._cache_use.setdefault(rep.replica_id, [model, 0, 0])
             use[1] += usage.prompt_tokens
@@ -385,8 +388,10 @@ class Gateway:
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
-            if (who := request.get("llmgw_key")) is not None and label:
-                key_use_of(self._key_use, who.name, label).add_request(status, time.perf_counter() - t0)
+            if label:
+                who = request.get("llmgw_key")
+                key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
+                           label).add_request(status, time.perf_counter() - t0)
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The body as the engine will get it (decompressed), or None once it passes the limit."""

@@ -137,15 +137,18 @@ class Quotas:
 class KeyUseCounter:
     """One key's use of one model since the router's last published map."""
 
-    __slots__ = ("requests", "errors", "prompt", "completion", "cached", "ttft_s", "latency_s")
+    __slots__ = ("requests", "errors", "throttled", "forbidden", "prompt", "completion", "cached", "ttft_s",
+                 "latency_s")
 
     def __init__(self) -> None:
-        self.requests = self.errors = self.prompt = self.completion = self.cached = 0
+        self.requests = self.errors = self.throttled = self.forbidden = self.prompt = self.completion = self.cached = 0
         self.ttft_s = self.latency_s = 0.0
 
     def add_request(self, status: int, seconds: float) -> None:
         self.requests += 1
         self.errors += status >= 400
+        self.throttled += status == 429
+        self.forbidden += status == 403
         self.latency_s += seconds
 
     def add_tokens(self, usage: Usage) -> None:
@@ -155,7 +158,9 @@ class KeyUseCounter:
 
     def message(self) -> m.KeyUse:
         cap = TOKENS_MAX
-        return m.KeyUse(requests=min(self.requests, cap), errors=min(self.errors, cap), prompt_tokens=min(self.prompt, cap),
+        return m.KeyUse(requests=min(self.requests, cap), errors=min(self.errors, cap),
+                        throttled=min(self.throttled, cap), forbidden=min(self.forbidden, cap),
+                        prompt_tokens=min(self.prompt, cap),
                         completion_tokens=min(self.completion, cap), cached_tokens=min(self.cached, cap),
                         ttft_s=min(self.ttft_s, 1e12), latency_s=min(self.latency_s, 1e12))
 
@@ -163,6 +168,8 @@ class KeyUseCounter:
         """Take off what a published map carried; True when nothing is left."""
         self.requests -= sent.requests
         self.errors -= sent.errors
+        self.throttled -= sent.throttled
+        self.forbidden -= sent.forbidden
         self.prompt -= sent.prompt_tokens
         self.completion -= sent.completion_tokens
         self.cached -= sent.cached_tokens
