@@ -344,3 +344,25 @@ async def test_a_real_llama_server_serves_the_gguf_its_agent_fetched(bus: Bus, h
     assert f"-m {local}" in argv and local.read_bytes() == demo.weights.read_bytes()
     (done,) = await finished(bus)
     assert done.ok and done.code == "verified"
+
+
+async def test_making_room_evicts_the_least_recently_used_and_says_so(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    for name, age_s in (("acme__old-GGUF", 7200), ("acme__newer-GGUF", 60)):
+        folder = tmp_path / "models" / name
+        folder.mkdir(parents=True)
+        (folder / "w.gguf").write_bytes(os.urandom(200_000))
+        then = datetime.now(UTC).timestamp() - age_s
+        os.utime(folder / "w.gguf", (then, then))
+    keeper = keeper_for(tmp_path, cache_max_bytes=len(GGUF) + 250_000)  # room for the new one and one of the two
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await prefetch(bus, gguf_spec())
+        (done,) = await finished(bus)
+        await keeper.outbox.flush()  # type: ignore[union-attr]
+    assert done.ok, done.reason
+    events = await stored(bus, subjects.STREAM_FLEET, limit_s=10)
+    (evicted,) = [e for e in events if isinstance(e, m.FilesEvicted)]
+    assert (evicted.node, evicted.source, evicted.store, evicted.size) == ("h100-a-03", "acme/old-GGUF", "models-dir", 200_000)
+    assert not (tmp_path / "models" / "acme__old-GGUF").exists() and (tmp_path / "models" / "acme__newer-GGUF").exists()
+    state = fold(events)
+    assert set(state.files["h100-a-03"].sources) == {REPO, "acme/newer-GGUF"}

@@ -143,7 +143,7 @@ def scan_models_dir(models_dir: Path, used: Mapping[str, datetime] | None = None
                 files.append(m.HeldFile(path=rel.removesuffix(".incomplete").removesuffix(".part"),
                                         size=st.st_size, complete=False))
                 continue
-            newest = max(newest, st.st_atime, st.st_mtime)
+            newest = max(newest, st.st_mtime)  # not atime: hashing a file reads it, and that is no use
             digest = kept_digest(path) if rel.endswith(".gguf") else ""
             files.append(m.HeldFile(path=rel, size=st.st_size, digest=digest))
         if not files:

@@ -105,8 +105,12 @@ def download_rate(finished: Mapping[str, Mapping[str, m.DownloadFinished]]) -> f
 
 
 def gib(n: int) -> str:
-    """Bytes as GiB for a person: "13.4 GiB"."""
-    return f"{n / (1 << 30):.1f} GiB"
+    """Bytes for a person: "13.4 GiB", "512.0 MiB", "146.5 KiB"."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
 
 
 def where_files_are(files: Mapping[str, NodeFiles], spec: m.ModelSpec, nodes: Iterable[str] | None = None) -> str:
