@@ -114,3 +114,16 @@ def test_unplaceable_says_where_the_files_are() -> None:
     w.feed(m.ModelDeclared(at=T0, spec=msgspec.structs.replace(tiny(), tp=2)))
     (why,) = [e for e in w.step() if isinstance(e, m.ModelUnplaceable)]
     assert why.reason.endswith("; its files are on 2 nodes (n2, n5), none with room for it")
+
+
+def test_each_files_event_reads_as_one_line() -> None:
+    t = T0
+    assert m.describe(m.DownloadFinished(at=t, node="n1", model="tiny", source="acme/tiny-GGUF", ok=True,
+                                         size=3 << 30, seconds=12.5, files=1, mismatches=1)) == (
+        "node n1 fetched acme/tiny-GGUF for tiny: 1 file, 3.0 GiB in 12.5s, verified, 1 refetched after a digest mismatch")
+    assert m.describe(m.DownloadProgressed(at=t, node="n1", model="tiny", source="acme/tiny-GGUF", done=1 << 30,
+                                           total=4 << 30, rate=50 << 20)) == (
+        "node n1 fetching acme/tiny-GGUF for tiny: 1.0 GiB of 4.0 GiB (25%) at 50.0 MiB/s")
+    assert m.describe(files_on("n2", ("acme/tiny-GGUF", "t.gguf", True), ("acme/x", "x.gguf", False))) == (
+        "node n2 holds 2 model sources (1 complete, 5.0 GiB)")
+    assert m.describe(m.ModelPrefetchRequested(at=t, name="tiny")) == "model tiny: prefetch asked of every node"

@@ -26,6 +26,27 @@ def describe(event: Event) -> str:
             return f"node {event.node} returned"
         case f.NodeRetired():
             return f"node {event.node} retired by an operator" + (f": {event.reason}" if event.reason else "")
+        case f.NodeFilesReported():
+            done = sum(1 for h in event.sources if h.complete)
+            return (f"node {event.node} holds {len(event.sources)} model source{'s' if len(event.sources) != 1 else ''} "
+                    f"({done} complete, {_size(sum(h.size for h in event.sources))})"
+                    + (" and more not listed" if event.truncated else ""))
+        case f.DownloadProgressed():
+            share = f" ({event.done * 100 // event.total}%)" if event.total else ""
+            return (f"node {event.node} fetching {event.source} for {event.model}: {_size(event.done)} of "
+                    f"{_size(event.total)}{share} at {_size(int(event.rate))}/s")
+        case f.DownloadFinished():
+            if event.ok:
+                again = f", {event.mismatches} refetched after a digest mismatch" if event.mismatches else ""
+                return (f"node {event.node} fetched {event.source} for {event.model}: {event.files} file"
+                        f"{'s' if event.files != 1 else ''}, {_size(event.size)} in {event.seconds:.1f}s, verified{again}")
+            return f"node {event.node} did NOT fetch {event.source} for {event.model} ({event.code}): {event.reason}"
+        case f.FilesEvicted():
+            return f"node {event.node} evicted {event.source} ({_size(event.size)}, {event.store}): {event.reason}"
+        case c.ModelPrefetchRequested():
+            return f"model {event.name}: prefetch asked of {', '.join(event.nodes) or 'every node'}"
+        case c.ModelPinned():
+            return f"model {event.name} {'pinned: its files stay on disk' if event.pinned else 'unpinned'}"
         case c.ModelDeclared(spec=s):
             return (f"model {s.name} declared: {s.replicas} × {s.gpu_class} tp{s.tp} pp{s.pp} "
                     f"{s.precision} ({s.engine})")
@@ -60,3 +81,9 @@ def describe(event: Event) -> str:
             return (f"router {event.router} tick {event.tick}: {len(event.last_request)} replicas with requests, "
                     f"{len(event.serving_since)} without since routing began")
     return type(event).__name__
+
+
+def _size(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
