@@ -3,10 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+from click.testing import CliRunner
+from live_projector import publish_fresh, serving
 from test_keys import ask, declared, until_status_model
 from test_router import place
 
+from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
+from llmgw.config import Settings
 from llmgw.engine.fake import spawn
 from llmgw.messages.usage import ANONYMOUS_CALLER
 from llmgw.router.server import Router
@@ -48,3 +58,55 @@ async def test_429s_and_403s_are_counted_apart_from_other_errors(bus: Bus) -> No
     finally:
         await router.stop()
         engine.stop()
+
+
+def usage_events() -> list[m.Event]:
+    _, alpha = declared("ka", tenant="alpha")
+    now = m.utcnow()
+    use = {"ka": {"m1": m.KeyUse(requests=3, errors=1, throttled=1, prompt_tokens=300, completion_tokens=30)},
+           ANONYMOUS_CALLER: {"m1": m.KeyUse(requests=5, prompt_tokens=50, completion_tokens=50)}}
+    return [msgspec.structs.replace(alpha, at=now),
+            m.IdleMapPublished(at=now, router="rt", boot_id="b", tick=1, callers=use)]
+
+
+def usage(settings: Settings, *args: str) -> tuple[int, str]:
+    r = CliRunner().invoke(cli, ["ctl", "usage", *args, "--nats-url", settings.nats_url])
+    return r.exit_code, r.output
+
+
+def test_usage_live_asks_the_status_service_and_counts_anonymous_traffic(settings: Settings, tmp_path: Path) -> None:
+    events = usage_events()
+    asyncio.run(publish_fresh(settings, events))
+    with serving(settings, tmp_path / "live.duckdb", len(events)):
+        code, out = usage(settings, "--live", "--json")
+        assert code == 0, out
+        assert json.loads(out) == [
+            {"tenant": "alpha", "requests_today": 3, "tokens_today": 330, "requests_7d": 3, "tokens_7d": 330},
+            {"tenant": "", "requests_today": 5, "tokens_today": 100, "requests_7d": 5, "tokens_7d": 100}]
+        code, table = usage(settings, "--live")
+        assert code == 0 and table.startswith("live, from the status service (as of "), table
+    code, keys = usage(settings, "--live", "--by", "key")
+    assert code == 0, keys
+    lines = keys.splitlines()
+    assert lines[0].startswith("live, from the control and usage streams, folded here (as of ")
+    assert lines[2].split() == ["ka", "3", "330", "3", "330"]
+    assert lines[3].split() == ["(anonymous)", "5", "100", "5", "100"]
+    code, err = usage(settings, "--live", "--by", "model")
+    assert code == 1 and err.startswith("Error: --live answers --by tenant or --by key"), err
+
+
+def test_usage_from_the_analysts_copy_says_how_old_it_is(tmp_path: Path) -> None:
+    from analyst_history import project
+    from test_export import held
+
+    db = tmp_path / "llmgw.duckdb"
+    project(db, usage_events()).close()
+    project(tmp_path / "other.duckdb", usage_events()).export_copy(tmp_path / "llmgw.analysts.duckdb")
+    with held(db):
+        r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "model", "--db", str(db)])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith(f"{db} is held by a running projector: read its analysts' copy "
+                               f"{tmp_path / 'llmgw.analysts.duckdb'} (written "), r.stderr
+    assert " ago; --live for the figures up to now)" in r.stderr
+    # The anonymous caller's requests are the model's too.
+    assert r.stdout.splitlines()[1].split() == ["m1", "8", "1", "350", "80", "0"]

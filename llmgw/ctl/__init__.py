@@ -29,6 +29,7 @@ from llmgw.ctl.ask import (
     involves_model,
     involves_node,
     list_models,
+    live_usage,
     read_entries,
     replay_state,
     show_model,
@@ -54,7 +55,7 @@ from llmgw.ctl.plan import choose, gguf_file, local_model, plan, plan_locally, p
 __all__ = [
     "CATCH_UP_S", "DERIVED", "adapters", "files", "STATUS_WAIT_S", "Declaration", "Entry", "Notice", "Progress", "choose", "connect",
     "declare", "fetch_idle", "fetch_status", "first_stored", "gguf_file", "inject_fault", "involves_model",
-    "involves_node", "key_digest", "keys", "list_models", "local_model", "new_key_secret", "plan", "plan_locally",
+    "involves_node", "key_digest", "keys", "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally",
     "plan_remotely", "prepare_up", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",
     "show_model", "spec_changes", "stop_idle", "stream_heads",
 ]

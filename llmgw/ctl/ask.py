@@ -110,6 +110,31 @@ async def first_stored(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STR
     return stored_at(min(firsts)) if firsts else None
 
 
+# --- usage -------------------------------------------------------------------------------------------
+
+LiveUsage = tuple[str, int, int, int, int]  # name, requests today, tokens today, requests 7 days, tokens 7 days
+
+
+async def live_usage(settings: Settings, by: str) -> tuple[list[LiveUsage], datetime | None]:
+    """What the routers' maps said, summed per tenant (the status service's figures) or per key (the
+    control and usage streams folded here); and as of when. The fold keeps no figures per model."""
+    if by == "model":
+        raise LlmgwError("--live answers --by tenant or --by key (the fold sums requests and tokens per key and "
+                         "day); per model, read the projection: leave --live out")
+    if by == "tenant":
+        report = await fetch_status(settings, 1800.0, replay=False)
+        return [(u.tenant, u.requests_today, u.tokens_today, u.requests_7d, u.tokens_7d) for u in report.tenants], \
+            report.now
+    from llmgw.fleet.status import key_usage
+
+    bus = await connect(settings, "llmgw-ctl-usage")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_CONTROL, subjects.STREAM_USAGE))
+    finally:
+        await bus.close()
+    return [(k, r, t, r7, t7) for k, _, r, t, r7, t7 in key_usage(state, m.utcnow())], state.as_of
+
+
 # --- models ------------------------------------------------------------------------------------------
 
 

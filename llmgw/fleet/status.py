@@ -352,6 +352,20 @@ def tenant_usage(state: FleetState, now: datetime | None) -> tuple[m.TenantUsage
                  for t, r in sorted(sums.items(), key=lambda x: (-x[1][3], x[0])))
 
 
+def key_usage(state: FleetState, now: datetime | None) -> list[tuple[str, str, int, int, int, int]]:
+    """Every key the routers' maps named (the anonymous caller too), with its tenant: (key, tenant,
+    requests today, tokens today, requests in seven days, tokens in seven days), the most tokens first."""
+    today, first = _days(now)
+    out = []
+    for key, days in state.key_usage.items():
+        declared = state.keys.get(key)
+        week = [v for d, v in days.items() if first <= d <= today]
+        now_ = days.get(today, [0, 0])
+        out.append((key, declared.tenant if declared is not None else "", now_[0], now_[1],
+                    sum(v[0] for v in week), sum(v[1] for v in week)))
+    return sorted(out, key=lambda r: (-r[5], r[0]))
+
+
 def keys_near_limits(state: FleetState, now: datetime | None) -> tuple[m.KeyNearLimit, ...]:
     today, _ = _days(now)
     out = []
