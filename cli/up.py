@@ -93,6 +93,13 @@ _BIND_ERROR = ("address already in use", "cannot listen on", "errno 98", "cannot
 LISTEN_OPTIONS = {"router": "--router-listen", "dashboard": "--dashboard-listen"}
 
 
+def look_line(engines: str) -> str:
+    """What to try next: real engines on a simulated card serve the README's tiny demo model, not a 14B."""
+    plan = ("llmgw ctl model plan ./models/tiny --context 1024  (after `llmgw demo-model ./models/tiny`)"
+            if engines == "real" else "llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct")
+    return f"look: llmgw ctl status   |   {plan}   |   llmgw ctl idle"
+
+
 def check_ports(binds: list[tuple[str, str]]) -> None:
     """Every HOST:PORT ``up`` hands a part, before anything starts: well formed, not one port twice, free."""
     import socket
@@ -378,7 +385,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             click.echo(f"export {' '.join(exports)}   # so the commands below find this NATS"
                        + (", its logins" if logins else "") + (" and its DuckDB file (llmgw export)"
                                                                if root != default_data_dir().resolve() else ""))
-        click.echo("look: llmgw ctl status   |   llmgw ctl model plan Qwen/Qwen2.5-14B-Instruct   |   llmgw ctl idle")
+        click.echo(look_line(engines))
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):
             if nats is not None:

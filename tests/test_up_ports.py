@@ -41,3 +41,10 @@ def test_the_router_and_the_dashboard_on_one_port_is_refused(tmp_path: Path) -> 
     assert r.exit_code == 1, r.output
     assert r.output == ("Error: --router-listen and --dashboard-listen both say 127.0.0.1:18181; give the "
                         "dashboard another port\n")
+
+
+def test_up_with_real_engines_points_at_the_demo_model_not_a_14b() -> None:
+    from llmgw.cli.up import look_line
+
+    assert "./models/tiny" in look_line("real") and "14B" not in look_line("real")
+    assert "Qwen/Qwen2.5-14B-Instruct" in look_line("fake")
