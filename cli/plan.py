@@ -181,3 +181,8 @@ def plan(model: str, fleet_path: Path | None, precisions: tuple[str, ...], tps: 
         echo_json(data)
     else:
         render(reply, model)
+        if fleet_path is None:
+            from llmgw.ctl import files
+
+            for line in run(files.plan_files(settings, reply)):
+                click.echo(line)

@@ -159,23 +159,28 @@ async def finished(bus: Bus, n: int = 1) -> list[m.DownloadFinished]:
 
 async def test_a_prefetch_fetches_one_gguf_reports_progress_and_verifies_it(
         bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
-    hub.rate = 400_000  # bytes a second: the 300 kB file takes most of a second
+    # huggingface_hub writes in 10 MiB chunks, so progress read from the disk moves by 10 MiB: 24 MiB at
+    # 16 MiB a second shows it moving.
+    data = os.urandom(24 << 20)
+    hub.repos[REPO].files["tiny-q4_k_m.gguf"] = data
+    hub.rate = 16 << 20
     keeper = keeper_for(tmp_path)
     async with running(agent_with(bus, fleet_file, keeper)):
         await prefetch(bus, gguf_spec(), nodes=("h100-a-03",))
         (done,) = await finished(bus)
         await until(lambda: keeper.holds(gguf_spec()), "the keeper's own view")
         await keeper.outbox.flush()  # type: ignore[union-attr]
-    assert (done.ok, done.code, done.size, done.files, done.mismatches, done.model) == (True, "verified", len(GGUF), 1, 0, "tiny")
+    assert (done.ok, done.code, done.size, done.files, done.mismatches, done.model) == (
+        True, "verified", len(data), 1, 0, "tiny")
     path = tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf"
-    assert path.read_bytes() == GGUF
+    assert path.read_bytes() == data
     assert (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q8_0.gguf").exists() is False  # one precision only
-    assert path.with_name(path.name + ".sha256").read_text().split()[0] == hashlib.sha256(GGUF).hexdigest()
+    assert path.with_name(path.name + ".sha256").read_text().split()[0] == hashlib.sha256(data).hexdigest()
     events = await stored(bus, subjects.STREAM_FLEET, limit_s=10)
     progress = [e for e in events if isinstance(e, m.DownloadProgressed)]
-    assert progress and all(p.total == len(GGUF) and 0 <= p.done <= p.total for p in progress)
+    assert progress and all(p.total == len(data) and 0 <= p.done <= p.total for p in progress)
     assert [p.done for p in progress] == sorted(p.done for p in progress)
-    assert any(p.rate > 0 for p in progress)
+    assert any(0 < p.done < p.total and p.rate > 0 for p in progress), progress
     state = fold(events)
     assert holders(state.files, gguf_spec()) == {"h100-a-03"}
     assert state.downloads == {} and state.downloaded["h100-a-03"][REPO].ok

@@ -69,3 +69,26 @@ async def test_prefetch_mistakes_are_errors(bus: Bus, settings: Settings, fleet_
     ]:
         result = await ctl(settings, *args)
         assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == said, (args, result.output)
+
+
+async def test_a_plan_says_on_how_many_nodes_each_candidates_files_are(
+        bus: Bus, settings: Settings, fleet_file: Path, tmp_path: Path) -> None:
+    import msgspec
+
+    from llmgw.ctl import files, plan_locally
+    from llmgw.engine.demomodel import write_demo_model
+
+    demo = write_demo_model(tmp_path / "tiny", context=2048)
+    reply = plan_locally(str(demo.weights.parent), fleet_file, m.PlanRequest(model=str(demo.weights.parent),
+                                                                             context=1024), None)
+    reply = msgspec.structs.replace(reply, candidates=tuple(
+        msgspec.structs.replace(c, source="acme/tiny-GGUF") for c in reply.candidates))
+    assert await files.plan_files(settings, reply) == []  # no agent keeps files: nothing said
+    held = next(c.file for c in reply.candidates if c.file)
+    await bus.publish(m.NodeFilesReported(at=m.utcnow(), node=NODE, sources=(m.HeldSource(
+        source="acme/tiny-GGUF", store="models-dir", size=10, files=(m.HeldFile(path=held, size=10),)),)))
+    lines = await files.plan_files(settings, reply)
+    assert f"files: acme/tiny-GGUF {held} files on 1 node ({NODE})" in lines
+    assert len(lines) == len({(c.source, c.file) for c in reply.candidates})
+    assert all(line.endswith("files on no node: a placement downloads them first") for line in lines
+               if f" {held} " not in line)

@@ -9,7 +9,7 @@ from llmgw import messages as m
 from llmgw.config import Settings
 from llmgw.ctl.ask import connect, replay_state
 from llmgw.errors import LlmgwError
-from llmgw.fleet.files import expected_bytes, holders
+from llmgw.fleet.files import expected_bytes, holders, where_files_are
 from llmgw.fleet.state import FleetState
 
 
@@ -125,3 +125,26 @@ async def files(settings: Settings, name: str | None = None) -> list[ModelFiles]
         return model_files(await replay_state(bus), name)
     finally:
         await bus.close()
+
+
+async def plan_files(settings: Settings, reply: m.PlanReply) -> list[str]:
+    """For a plan from the running control plane: on how many nodes each candidate's files are, one
+    line per distinct source and file (a fleet file knows no disks, so a plan against one has none)."""
+    from llmgw import subjects
+
+    bus = await connect(settings, "llmgw-ctl-files")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_FLEET,))
+    finally:
+        await bus.close()
+    if not state.files:
+        return []  # no agent keeps files (simulated fleets): nothing to say
+    out: dict[tuple[str, str], str] = {}
+    for c in reply.candidates:
+        if not c.source or (c.source, c.file or "") in out:
+            continue
+        probe = m.ModelSpec(name="plan", source=c.source, precision=c.precision, engine=c.engine,
+                            gpu_class=c.gpu_class, context=1, file=c.file)
+        what = f"{c.source} {c.file}" if c.file else f"{c.source} (checkpoint)"
+        out[(c.source, c.file or "")] = f"files: {what} {where_files_are(state.files, probe)}"
+    return list(out.values())

@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 
 from llmgw import messages as m
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")  # what vLLM loads; a GGUF is one file, named
 FilesEvent = m.NodeFilesReported | m.DownloadProgressed | m.DownloadFinished | m.FilesEvicted
 
 
@@ -71,7 +71,7 @@ def held_complete(held: Iterable[m.HeldSource], spec: m.ModelSpec) -> bool:
         if file is not None:
             if any(f.complete and PurePosixPath(f.path).name == file for f in h.files):
                 return True
-        elif h.complete and any(f.path.endswith(WEIGHT_SUFFIXES) for f in h.files):
+        elif h.complete and any(f.path.endswith(CHECKPOINT_WEIGHTS) for f in h.files):
             return True
     return False
 
@@ -89,7 +89,7 @@ def expected_bytes(files: Mapping[str, NodeFiles], spec: m.ModelSpec) -> int:
         for h in nf.sources.get(spec.source, []):
             if file is not None:
                 best = max([best, *(f.size for f in h.files if f.complete and PurePosixPath(f.path).name == file)])
-            elif h.complete:
+            elif held_complete([h], spec):
                 best = max(best, h.size)
     return best
 
