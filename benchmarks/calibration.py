@@ -116,10 +116,11 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     tp, pp = int(row.get("tp") or 1), int(row.get("pp") or 1)
     kv_dtype = row.get("kv_cache_dtype") or "auto"
     gpu = str(row.get("gpu_class") or row.get("gpu") or "")
-    if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
-        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu) / GIB
-        return r
     from llmgw.engine.profiles import profile_for
+
+    if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
+        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu, profile_for("vllm", str(row.get("vllm_version") or ""))) / GIB
+        return r
 
     mem_gib = float(row["gpu_memory_gib"])
     profile = profile or profile_for("vllm", str(row.get("vllm_version") or ""))

@@ -368,20 +368,31 @@ def tensor_bits(p: Precision, t: Tensor, info: m.ModelInfo) -> float:
 _EXPERTS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_exps_bias"})
 # vLLM pads mxfp4 experts for its kernels (mxfp4.py, create_weights): Marlin (Ampere, Ada; the widest
 # padding outside Blackwell) rounds the hidden size up to 256 and each rank's intermediate to 128;
-# FlashInfer on Blackwell (B200, GB200, B300) and AITER on MI350/MI355 round both to 256.
+# FlashInfer on Blackwell (B200, GB200, B300) and AITER on MI350/MI355 round both to 256. On Hopper
+# from 0.11 (the profile's ``mxfp4_hopper_triton``) the OAI Triton kernels hold them: the hidden size
+# to 256, each rank's intermediate only to 64 (gpt-oss-120b on one H100: 64.38 GiB printed under 0.11.0
+# and 0.14.1, Marlin's padding says 65.90; at tp 2 on H200s under 0.15.1 32.98, Marlin's 34.32).
 MXFP4_ALIGN = (256, 128)  # hidden, intermediate per rank
 MXFP4_WIDE_ALIGN = (256, 256)
+MXFP4_HOPPER_ALIGN = (256, 64)
 _MXFP4_WIDE = re.compile(r"^(g?b[1-3]00|mi35\d)", re.IGNORECASE)
+_HOPPER = re.compile(r"^(gh200|h100|h200|h800|h20)", re.IGNORECASE)
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def mxfp4_expert_bytes(info: m.ModelInfo, tp: int, gpu_class: str = "") -> float:
+def mxfp4_expert_bytes(info: m.ModelInfo, tp: int, gpu_class: str = "", hopper_triton: bool = True) -> float:
     """One MoE layer's routed experts on one rank as vLLM holds an mxfp4 checkpoint's: padded
-    fp4 weights, an e8m0 scale per 32 of them, and 16-bit biases."""
-    h_align, i_align = MXFP4_WIDE_ALIGN if _MXFP4_WIDE.match(gpu_class) else MXFP4_ALIGN
+    fp4 weights, an e8m0 scale per 32 of them, and 16-bit biases (``hopper_triton``: the version
+    runs the Triton kernels on Hopper)."""
+    if _MXFP4_WIDE.match(gpu_class):
+        h_align, i_align = MXFP4_WIDE_ALIGN
+    elif hopper_triton and _HOPPER.match(gpu_class):
+        h_align, i_align = MXFP4_HOPPER_ALIGN
+    else:
+        h_align, i_align = MXFP4_ALIGN
     h = _round_up(info.hidden_size, h_align)
     i = _round_up(-(-info.moe_intermediate_size // tp), i_align)
     fp4 = info.num_experts * 3 * i * h / 2  # gate and up (2i x h) and down (h x i), two weights a byte
@@ -445,8 +456,10 @@ def kv_heads_per_rank(info: m.ModelInfo, tp: int) -> int:
     return max(1, info.num_kv_heads // tp)
 
 
-def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1, gpu_class: str = "") -> float:
-    """The worst rank's share of the weights (``gpu_class`` decides vLLM's padding of mxfp4 experts)."""
+def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1, gpu_class: str = "",
+                         profile: EngineProfile = NEWEST) -> float:
+    """The worst rank's share of the weights (``gpu_class`` and the version's ``profile`` decide vLLM's padding
+    of mxfp4 experts)."""
     lay = layout(info, p)
     if p.engine == "llama.cpp":
         # Layer split over tp GPUs; token embeddings stay in host memory unless they are the output too.
@@ -456,7 +469,7 @@ def weight_bytes_per_gpu(info: m.ModelInfo, p: Precision, tp: int, pp: int = 1, 
         return max(per)
     kv_share = kv_heads_per_rank(info, tp) / max(1, info.num_kv_heads)
     # mxfp4: vLLM re-lays the checkpoint's experts out for its kernels, padded (see mxfp4_expert_bytes).
-    mx = mxfp4_expert_bytes(info, tp, gpu_class) if p.name == "mxfp4" and info.num_experts else 0.0
+    mx = mxfp4_expert_bytes(info, tp, gpu_class, profile.mxfp4_hopper_triton) if p.name == "mxfp4" and info.num_experts else 0.0
     worst = 0.0
     parts = stages(info.num_layers, pp)
     for s, r in enumerate(parts):
@@ -668,6 +681,6 @@ def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "au
     """Weights, overhead and KV shape per GPU: they depend on the split, the engine version's profile, its
     batch (max_num_batched_tokens, max_num_seqs) and the card (for mxfp4 experts, the kernels vLLM picks on it)."""
     kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
-    return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class),
+    return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class, profile),
             overhead_bytes_per_gpu(info, p.engine, tp, pp, profile=profile, batch=batch),
             kv_shape(info, p.engine, tp, pp, kv_bytes))
