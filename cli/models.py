@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -436,8 +437,9 @@ def echo_rendered(draw: Callable[[Console], object]) -> None:
 
     terminal = Console().is_terminal
     buf = io.StringIO()
-    draw(Console(file=buf, width=Console().width if terminal else 160, force_terminal=terminal, highlight=False,
-                 markup=False))
+    # COLUMNS said: that width, piped or not (rich reads it).
+    width = Console().width if terminal or os.environ.get("COLUMNS", "").isdigit() else 160
+    draw(Console(file=buf, width=width, force_terminal=terminal, highlight=False, markup=False))
     click.echo("\n".join(line.rstrip() for line in buf.getvalue().splitlines()).strip("\n"))
 
 
@@ -460,6 +462,13 @@ def gpu_ranges(gpus: tuple[m.GpuRef, ...]) -> str:
                 start = prev = i
         parts.append(f"{node}:{','.join(runs)}")
     return " ".join(parts)
+
+
+DETAIL_IN_TABLE = 32  # a replica's detail up to this long is shown in its row; a longer one under the table
+
+
+def _long(detail: str) -> bool:
+    return len(detail) > DETAIL_IN_TABLE
 
 
 def _time(t: datetime | None) -> str:
@@ -525,15 +534,22 @@ def render_detail(d: m.ModelDetail, console: Console) -> None:
         reps = Table(box=box.SIMPLE)
         for col in ("replica", "state", "nodes", "GPUs", "fabric", "endpoint", "restarts", "idle", "KV tokens obs / plan",
                     "GPU used / booked", "prompt cached"):
-            reps.add_column(col, overflow="fold", justify="right" if col in ("restarts", "idle", "prompt cached") else "left")
+            # Ids are read and copied whole: never folded (a UUID or URL folds only where the width is short).
+            whole = col in ("replica", "nodes", "fabric")
+            reps.add_column(col, overflow="fold", no_wrap=whole,
+                            justify="right" if col in ("restarts", "idle", "prompt cached") else "left")
         for r in d.replicas:
-            state = f"{r.state}: {r.detail}" if r.detail else r.state
+            # An engine's failure detail is many joined lines: under the table, where it has the width.
+            state = f"{r.state}: {r.detail}" if r.detail and not _long(r.detail) else r.state
             reps.add_row(r.replica_id, state, ",".join(r.nodes), "\n".join(f"{g.node}:{g.index} {g.uuid}" for g in r.gpus),
                          r.fabric or "-", r.endpoint or "-", str(r.restarts), human_duration(r.idle_s),
                          kv_text(r.kv_tokens_planned, r.kv_tokens_observed, against=r.kv_error is not None),
                          memory_text(r),
                          cached_text(r))
         console.print(reps)
+        for r in d.replicas:
+            if _long(r.detail):
+                console.print(f"  {r.replica_id} {r.state}: {r.detail}")
         for r in d.replicas:
             if (o := r.overbooked) is not None:
                 console.print(f"  {r.replica_id} held more than it booked: {o.used_mib / 1024:.1f} GiB on {o.node} against "

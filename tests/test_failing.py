@@ -129,3 +129,27 @@ async def test_deploy_file_that_its_model_directory_lacks_is_refused(bus: Bus, n
     ok = await invoke(nats_url, *args, "--file", made.gguf.name)
     assert ok.exit_code == 0, ok.output
     assert len(await control(bus)) == 1
+
+
+def test_model_show_keeps_each_replica_on_its_line_at_220_columns(settings: Settings) -> None:
+    """The replica table folded the endpoint URL and GPU UUID over four lines at COLUMNS=220: the state
+    column carried the engine's whole joined output."""
+    uuid = "GPU-c3081f2a-5d6e-7b8c-9d0e-1f2a3b4c5d6e"
+    events = [*EVENTS[:2],
+              m.ReplicaPlaced(at=t(2), replica_id="tiny-r1", model="tiny", nodes=("n4",), fabric="pcie", spec=TINY,
+                              gpus=(m.GpuRef(node="n4", index=0, uuid=uuid),)),
+              m.ReplicaStateChanged(at=t(3), replica_id="tiny-r1", model="tiny", node="n4", state="unhealthy",
+                                    restarts=1, endpoint="http://127.0.0.1:41234",
+                                    detail=f"engine exited (0); restart 1 of 3 in 1s: {LINES}")]
+    asyncio.run(publish_fresh(settings, events))
+    r = CliRunner(env={"COLUMNS": "220"}).invoke(cli, ["ctl", "model", "show", "tiny", "--replay",
+                                                       "--nats-url", settings.nats_url])
+    assert r.exit_code == 0, r.output
+    (row,) = [x for x in r.output.splitlines() if x.split()[:2] == ["tiny-r1", "unhealthy"]]
+    assert f"n4:0 {uuid}" in row and "http://127.0.0.1:41234" in row, r.output
+    assert max(len(x) for x in r.output.splitlines()) <= 220
+    # The engine's lines are all there, below the table, not folded into it.
+    table = r.output[:r.output.index("\nEvents (")]
+    assert "\n  tiny-r1 unhealthy: engine exited (0); restart 1 of 3 in 1s: " in table
+    assert "failed to open GGUF file 'nothere.gguf' (No such file or directory)" in " ".join(
+        x.strip() for x in table.splitlines())
