@@ -127,3 +127,22 @@ def test_each_files_event_reads_as_one_line() -> None:
     assert m.describe(files_on("n2", ("acme/tiny-GGUF", "t.gguf", True), ("acme/x", "x.gguf", False))) == (
         "node n2 holds 2 model sources (1 complete, 5.0 GiB)")
     assert m.describe(m.ModelPrefetchRequested(at=t, name="tiny")) == "model tiny: prefetch asked of every node"
+
+
+def test_the_status_report_says_on_how_many_nodes_a_models_files_are_and_what_is_being_fetched() -> None:
+    from llmgw.fleet.status import model_summaries
+
+    w = World(*(card(n) for n in NODES))
+    w.feed(m.ModelDeclared(at=T0, spec=tiny()))
+    (before,) = model_summaries(w.state, T0)
+    assert (before.files_nodes, before.fetching) == (-1, ())  # no node reports its disk: unknown, not none
+    w = world()
+    w.feed(m.ModelDeclared(at=T0, spec=tiny()))
+    w.feed(m.DownloadProgressed(at=T0, node="n7", model="tiny", source="acme/tiny-GGUF", done=1 << 30,
+                                total=GGUF_SIZE, rate=1e8))
+    (row,) = [s for s in model_summaries(w.state, T0) if s.name == "tiny"]
+    assert row.files_nodes == 2
+    assert row.fetching == (m.FileFetch(node="n7", done=1 << 30, total=GGUF_SIZE, rate=1e8, at=T0),)
+    w.feed(m.DownloadFinished(at=T0, node="n7", model="tiny", source="acme/tiny-GGUF", ok=True))
+    (row,) = [s for s in model_summaries(w.state, T0) if s.name == "tiny"]
+    assert row.fetching == ()

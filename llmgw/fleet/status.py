@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
+from llmgw.fleet.files import holders as file_holders
 from llmgw.fleet.history import ModelHistory, error_line, split_by_day
 from llmgw.fleet.history import failed as failed_report
 from llmgw.fleet.observed import compared
@@ -228,6 +229,10 @@ def model_summaries(state: FleetState, now: datetime | None,
             gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
             idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),
             failure=failure, failure_at=_utc(failure_at),
+            files_nodes=len(file_holders(state.files, spec)) if state.files else -1,
+            fetching=tuple(m.FileFetch(node=node, done=d.done, total=d.total, rate=d.rate, at=_utc(d.at))
+                           for node, on in sorted(state.downloads.items()) for src, d in on.items()
+                           if src == spec.source and d.model == name),
         ))
     return tuple(out)
 

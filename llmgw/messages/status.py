@@ -106,6 +106,16 @@ class IdleReplica(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
 
 
+class FileFetch(msgspec.Struct, frozen=True, kw_only=True):
+    """A download of a model's files on one node, as its agent last reported it."""
+
+    node: str
+    done: int
+    total: int
+    rate: float  # bytes a second
+    at: datetime | None = None
+
+
 class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     """One declared model at a glance: a row of ``ctl model list`` and of ``ctl status``.
 
@@ -147,6 +157,10 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     # Failing: the last error line its engines' failures reported (an agent's report), and when.
     failure: str | None = None
     failure_at: datetime | None = None
+    # Nodes whose disks hold its files complete (their agents' NodeFilesReported); -1: no node reports
+    # its disk (agents without --keep-files), so nothing is known either way.
+    files_nodes: int = -1
+    fetching: tuple[FileFetch, ...] = ()  # its downloads in flight
 
 
 class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
