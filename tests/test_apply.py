@@ -137,6 +137,9 @@ async def test_a_change_to_only_the_autoscaling_knobs_keeps_the_declared_figures
     assert isinstance(last, m.ModelDeclared)
     assert (last.spec.min_replicas, last.spec.max_replicas) == (0, 2)
     assert (last.spec.gib_per_gpu, last.spec.kv_tokens) == (older.gib_per_gpu, older.kv_tokens)
+    from llmgw.scheduler.placement import same_run
+
+    assert same_run(older, last.spec)  # what the scheduler rolls by: nothing to roll
 
     # An input the engine runs with: it rolls, and the printout says which derived figures moved with it.
     longer = await invoke(nats_url, *deploy_args("--candidate", "1", "--context", "32768",
