@@ -110,7 +110,7 @@ def _services(node: str, opts: dict[str, Any]) -> tuple[EngineSupervisor, ...] |
         return (engines,)
     keeper = FileKeeper(node, FilesConfig(models_dir=opts["models_dir"], hf_cache=opts["hf_cache"],
                                           cache_max_bytes=int(opts["cache_max_gib"] * (1 << 30))))
-    engines.files_ready = keeper.ready
+    engines.files_ready, engines.files_held = keeper.ready, keeper.holds
     return engines, keeper
 
 

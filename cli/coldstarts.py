@@ -39,6 +39,14 @@ def summary_line(d: m.ModelDetail) -> str:
     if waited:
         line += (f" · {waited} request{'s' if waited != 1 else ''} waited "
                  f"(p50 {_s(percentile(waits, 50))}, p95 {_s(percentile(waits, 95))})")
+    fetched = [c for c in starts if c.fetching_at is not None]
+    if fetched:  # its agents keep files: wakes on a node that had them against those that fetched them first
+        cached = [t for c in starts if c.fetching_at is None and (t := c.total_s) is not None]
+        uncached = [t for c in fetched if (t := c.total_s) is not None]
+        downloads = [x for c in fetched if (x := c.download_s) is not None]
+        line += (f" · files on the node: {len(cached)}, p50 {_s(percentile(cached, 50))} p95 "
+                 f"{_s(percentile(cached, 95))} · fetched first: {len(fetched)}, p50 {_s(percentile(uncached, 50))} "
+                 f"p95 {_s(percentile(uncached, 95))} (download p50 {_s(percentile(downloads, 50))})")
     return line
 
 

@@ -274,7 +274,7 @@ async def replica_states(bus: Bus, rid: str) -> list[m.ReplicaStateChanged]:
 
 def engines_with(keeper: FileKeeper, **kw: object) -> EngineSupervisor:
     sup = EngineSupervisor(keeper.node, EngineConfig(models_dir=keeper.config.models_dir, **kw))  # type: ignore[arg-type]
-    sup.files_ready = keeper.ready
+    sup.files_ready, sup.files_held = keeper.ready, keeper.holds
     return sup
 
 

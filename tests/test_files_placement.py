@@ -146,3 +146,43 @@ def test_the_status_report_says_on_how_many_nodes_a_models_files_are_and_what_is
     w.feed(m.DownloadFinished(at=T0, node="n7", model="tiny", source="acme/tiny-GGUF", ok=True))
     (row,) = [s for s in model_summaries(w.state, T0) if s.name == "tiny"]
     assert row.fetching == ()
+
+
+def test_the_ledger_times_the_download_and_tells_cached_wakes_from_fetched_ones() -> None:
+    from llmgw.cli.coldstarts import summary_line
+    from llmgw.fleet.history import ModelHistory
+    from llmgw.fleet.status import model_detail
+
+    w = world()
+    history = ModelHistory()
+    seq = 0
+
+    def feed(e: m.Event) -> None:
+        nonlocal seq
+        seq += 1
+        w.feed(e)
+        if isinstance(e, m.ControlEvent):  # type: ignore[misc, arg-type]
+            history.note(seq, e)
+
+    spec = tiny(min_replicas=0, max_replicas=2)
+    feed(m.ModelDeclared(at=T0, spec=spec))
+    for i, (node, fetch_s) in enumerate([("n2", None), ("n7", 30.0), ("n5", None), ("n6", 50.0)]):
+        t = T0 + timedelta(minutes=10 * i)
+        rid = f"tiny-r{i + 1}"
+        feed(m.ReplicaPlaced(at=t, replica_id=rid, model="tiny", nodes=(node,), gpus=(), spec=spec, cause="wake",
+                             reason="woken by r1: 1 request waiting"))
+        start = t + timedelta(seconds=0.1)
+        if fetch_s is not None:
+            feed(m.ReplicaStateChanged(at=start, replica_id=rid, model="tiny", node=node, state="starting",
+                                       detail="fetching the files of acme/tiny-GGUF"))
+            start += timedelta(seconds=fetch_s)
+        feed(m.ReplicaStateChanged(at=start, replica_id=rid, model="tiny", node=node, state="starting"))
+        feed(m.ReplicaStateChanged(at=start + timedelta(seconds=2), replica_id=rid, model="tiny", node=node,
+                                   state="healthy", endpoint="http://x:1"))
+    starts = history.cold_starts("tiny")
+    assert [c.download_s for c in starts] == [None, 30.0, None, 50.0]
+    assert [round(c.total_s or 0, 1) for c in starts] == [2.1, 32.1, 2.1, 52.1]
+    detail = model_detail(w.state, T0 + timedelta(hours=1), "tiny", history)
+    assert detail is not None
+    assert summary_line(detail).endswith(
+        " · files on the node: 2, p50 2.10s p95 2.10s · fetched first: 2, p50 32.10s p95 52.10s (download p50 30.00s)")

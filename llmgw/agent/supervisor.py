@@ -32,6 +32,7 @@ from llmgw.engine.argv import (
     version_argv,
 )
 from llmgw.engine.upstream import Timeouts, Upstream
+from llmgw.fleet.files import FETCHING_DETAIL
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.proc import die_with, exited, kill_group
 
@@ -117,6 +118,7 @@ class EngineSupervisor:
         # Set by the agent when it keeps the node's model files (llmgw.agent.downloads.FileKeeper.ready):
         # an engine starts only once its files are complete and verified here; a reason is why they are not.
         self.files_ready: Callable[[m.ModelSpec], Awaitable[str | None]] | None = None
+        self.files_held: Callable[[m.ModelSpec], bool] | None = None  # whether they are here already
         # One HTTP client for every engine's health checks and readings (llmgw/engine/upstream.py, as the router's).
         self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
         self._versions = VersionCache(self.config.version_cache)
@@ -231,7 +233,8 @@ class EngineSupervisor:
     async def _when_files_ready(self, run: EngineRun) -> None:
         """Fetch the replica's files first (agent work, not the engine's start-up), then run its engine."""
         if self.files_ready is not None:
-            run.report("starting", f"fetching the files of {run.placed.spec.source}")
+            if self.files_held is None or not self.files_held(run.placed.spec):  # the ledger's download phase
+                run.report("starting", f"{FETCHING_DETAIL}{run.placed.spec.source}")
             why = await self.files_ready(run.placed.spec)
             if why is not None:
                 run.report("failed", why)

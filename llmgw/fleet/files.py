@@ -16,6 +16,9 @@ from pathlib import PurePosixPath
 from llmgw import messages as m
 
 CHECKPOINT_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")  # what vLLM loads; a GGUF is one file, named
+# What an agent's "starting" report says while it fetches a replica's files before its engine starts:
+# the cold-start ledger's download phase ends at the next "starting" (the engine's own).
+FETCHING_DETAIL = "fetching the files of "
 FilesEvent = m.NodeFilesReported | m.DownloadProgressed | m.DownloadFinished | m.FilesEvicted
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
 from llmgw import messages as m
+from llmgw.fleet.files import FETCHING_DETAIL
 
 RECENT_EVENTS = 20  # per model: what ``ctl model show`` lists
 COLD_STARTS_KEPT = 64  # per model: the ledger's latest wakes and scale-ups
@@ -42,6 +43,7 @@ class _Start:
     placed_at: datetime
     started_at: datetime | None = None
     healthy_at: datetime | None = None
+    fetching_at: datetime | None = None  # its agent fetched its files first (FETCHING_DETAIL)
 
 
 @dataclass
@@ -131,7 +133,9 @@ class ModelHistory:
         """A cold start's first start and first health, from its replica's reports."""
         for start in reversed(self.starts[model]):
             if start.replica_id == event.replica_id:
-                if event.state == "starting" and start.started_at is None:
+                if event.state == "starting" and event.detail.startswith(FETCHING_DETAIL):
+                    start.fetching_at = start.fetching_at or event.at
+                elif event.state == "starting" and start.started_at is None:
                     start.started_at = event.at
                 elif event.state == "healthy" and start.healthy_at is None:
                     start.healthy_at = event.at
@@ -160,7 +164,7 @@ class ModelHistory:
             out.append(m.ColdStart(
                 replica_id=s.replica_id, model=model, cause=s.cause, placed_at=s.placed_at,
                 wanted_at=a.held_since if a is not None else (s.placed_at if s.cause == "scale-up" else None),
-                started_at=s.started_at, healthy_at=s.healthy_at,
+                started_at=s.started_at, healthy_at=s.healthy_at, fetching_at=s.fetching_at,
                 released_at=a.released_at if a is not None else None,
                 first_byte_at=a.first_byte_at if a is not None else None,
                 requests=a.requests if a is not None else 0, waits_s=tuple(a.waits_s) if a is not None else ()))

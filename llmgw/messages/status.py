@@ -225,6 +225,16 @@ class ColdStart(msgspec.Struct, frozen=True, kw_only=True):
     first_byte_at: datetime | None = None
     requests: int = 0  # requests held for it (0: none known)
     waits_s: tuple[float, ...] = ()  # each held request's wait until released (sorted, the first 1,024)
+    # Its agent fetched its files before starting the engine (placed → fetching → started): the download
+    # phase. None: they were on the node (cached), or its agent keeps no files.
+    fetching_at: datetime | None = None
+
+    @property
+    def download_s(self) -> float | None:
+        """How long its files took to fetch; None when nothing was fetched or it has not started."""
+        if self.fetching_at is None or self.started_at is None:
+            return None
+        return (self.started_at - self.fetching_at).total_seconds()
 
     @property
     def total_s(self) -> float | None:
