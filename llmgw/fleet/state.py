@@ -42,8 +42,9 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # simulated node or an explicit cache size, and the models' history notes which node reported it.
 # 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at;
 # 10: LoRA adapters (declared, and which replica holds which); 11: which node holds which model
-# files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py).
-FOLD_VERSION = 11
+# files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py);
+# 12: the models' history times each cold start's download (its agent fetching the files first).
+FOLD_VERSION = 12
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
