@@ -195,7 +195,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
                    "huggingface_hub's, ~/.cache/huggingface/hub].")
 @click.option("--cache-max-gib", type=click.FloatRange(0, 1 << 20), default=0.0,
               help="Disk the model files may take; the least recently used that no placed or pinned model needs "
-                   "are evicted to stay within it [default: the disk's size less 5% (10 GiB at least)].")
+                   "are evicted to stay within it [default: the disk's size less 5% of it, or less 10 GiB where that "
+                   "is more].")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
