@@ -69,6 +69,9 @@ class Adapters:
         self.held: dict[str, OrderedDict[str, float]] = {}
         self._loads: dict[tuple[str, str], asyncio.Future[float]] = {}
         self._asking: dict[str, asyncio.Future[None]] = {}
+        # Requests in flight per (replica, adapter): an adapter in use is never the one unloaded.
+        self.busy: dict[tuple[str, str], int] = {}
+        self._freed = asyncio.Event()  # set whenever a request is done with an adapter
         self.loads = self.unloads = 0
         self.missing = 0  # requests an engine answered 404 for: it did not hold the adapter sent to it
 
@@ -81,7 +84,32 @@ class Adapters:
         held = self.held.get(rep.replica_id)
         return held is not None and adapter in held
 
+    def finished(self, replica_id: str, name: str) -> None:
+        """A request ``choose`` gave ``replica_id`` for ``name`` is done."""
+        key = (replica_id, name)
+        left = self.busy.get(key, 0) - 1
+        if left > 0:
+            self.busy[key] = left
+        else:
+            self.busy.pop(key, None)
+            self._freed.set()
+
     async def choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
+        """As ``_choose``, and the request counted as using ``name`` there until ``finished``."""
+        return await self._choose(name, adapter, body, exclude)
+
+    def _hold(self, rep: Replica, name: str) -> Replica:
+        """Take ``rep`` for a request of ``name``: counted on the replica, and ``name`` in use there from
+        now, before any await, so that no load beside it unloads the adapter it is about to use."""
+        key = (rep.replica_id, name)
+        self.busy[key] = self.busy.get(key, 0) + 1
+        return self._take(rep)
+
+    def _unhold(self, rep: Replica, name: str) -> None:
+        rep.outstanding -= 1
+        self.finished(rep.replica_id, name)
+
+    async def _choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
         """A replica of the base holding ``name`` (loaded there first if need be), taken; None: no replica
         of the base is healthy (the caller wakes it). AdapterError when it cannot be served at all."""
         reps = [r for r in self.pool.healthy.get(adapter.base, ()) if r is not exclude]
@@ -95,7 +123,7 @@ class Adapters:
                                    f"no healthy replica of {adapter.base} has adapter {name!r} attached yet (its "
                                    "replicas roll to attach it); retry shortly")
             rep = min(holders, key=lambda r: r.outstanding)
-            return Chosen(self._take(rep), lora_body(body, rep.adapters, name, adapter.scale))
+            return Chosen(self._hold(rep, name), lora_body(body, rep.adapters, name, adapter.scale))
         for rep in reps:
             if rep.replica_id not in self.held:
                 await self._learn(rep)
@@ -104,24 +132,25 @@ class Adapters:
             rep = min(holders, key=lambda r: r.outstanding)
             self.held[rep.replica_id].move_to_end(name)
             self.held[rep.replica_id][name] = time.time()
-            return Chosen(self._take(rep), body)
+            return Chosen(self._hold(rep, name), body)
         pending = next(((rid, fut) for (rid, a), fut in self._loads.items() if a == name), None)
         if pending is not None:  # being loaded already: wait for that one, on that replica
             rid, fut = pending
             loading = next((r for r in reps if r.replica_id == rid), None)
             if loading is not None:
-                took = self._take(loading)
+                took = self._hold(loading, name)
                 try:
-                    return Chosen(took, body, await asyncio.shield(fut))
+                    await asyncio.shield(fut)
+                    return Chosen(took, body)  # the load's time is the answer of the request that made it
                 except BaseException:
-                    loading.outstanding -= 1
+                    self._unhold(loading, name)
                     raise
         rep = min(reps, key=lambda r: (r.outstanding, len(self.held.get(r.replica_id, ()))))
-        took = self._take(rep)  # counted while it loads: the next request sees it busy
+        took = self._hold(rep, name)  # counted while it loads: the next request sees it busy
         try:
             waited = await self._load(rep, name, adapter)
         except BaseException:
-            rep.outstanding -= 1
+            self._unhold(rep, name)
             raise
         return Chosen(took, body, waited)
 
@@ -176,10 +205,24 @@ class Adapters:
     async def _load_now(self, rep: Replica, name: str, adapter: Adapter) -> float:
         held = self.held.setdefault(rep.replica_id, OrderedDict())
         limit = self.pool.declared[adapter.base].max_adapters if adapter.base in self.pool.declared else 0
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
         while limit and len(held) >= limit:
-            oldest = next(iter(held))
+            # The least recently used that no request is using; while every one is in use, wait for one
+            # to be done (bounded): a name past the engine's slots and its weight cache makes vLLM read
+            # adapters from disk again and again.
+            oldest = next((a for a in held if not self.busy.get((rep.replica_id, a))), None)
+            if oldest is None:
+                self._freed.clear()
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await self._freed.wait()
+                except TimeoutError:
+                    raise AdapterError(503, "adapter_slots_busy",
+                                       f"every adapter slot of {rep.replica_id} stayed in use for "
+                                       f"{LOAD_TIMEOUT_S:g}s; retry shortly") from None
+                continue
+            held.pop(oldest, None)  # first: a request arriving meanwhile must not be sent to it
             await self._call(rep, "/v1/unload_lora_adapter", {"lora_name": oldest}, ok_also=(404,))
-            held.pop(oldest, None)
             self.unloads += 1
             await self._publish(m.AdapterUnloaded(at=m.utcnow(), router=self.name, replica_id=rep.replica_id,
                                                   adapter=oldest, reason=f"least recently used; {name} needed room"))

@@ -71,6 +71,8 @@ class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the r
         self.resp = resp
 
 
+# The load of an adapter a request waited for, as a header of its answer (``x-llmgw-adapter-load-ms``).
+LORA_LOAD: web.RequestKey[dict[str, str]] = web.RequestKey("llmgw_lora_load", dict)
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
@@ -154,24 +156,31 @@ class Gateway:
         return self._take(best)
 
     async def _pick(self, model: str, lora: Adapter | None, body: bytes, key: int | None,
-                    exclude: Replica | None = None) -> tuple[Replica | None, bytes]:
+                    exclude: Replica | None = None, picked: list[str] | None = None,
+                    request: web.Request | None = None) -> tuple[Replica | None, bytes]:
         """The replica for a request and the body to send it: an adapter's holder (``adapters``), or a
         replica of the model; a llama.cpp replica with adapters attached gets every one at scale 0."""
         if lora is not None:
             chosen = await self.adapters.choose(model, lora, body, exclude)
-            return (chosen.replica, chosen.body) if chosen is not None else (None, body)
+            if chosen is None:
+                return None, body
+            if picked is not None:
+                picked.append(chosen.replica.replica_id)
+            if chosen.loaded_s and request is not None:  # the adapter's load it waited for, in its answer
+                request[LORA_LOAD] = {"x-llmgw-adapter-load-ms": f"{chosen.loaded_s * 1000:.1f}"}
+            return chosen.replica, chosen.body
         rep = self.acquire(model, exclude=exclude, key=key) if exclude is not None else self.acquire(model, key=key)
         if rep is not None and rep.adapters:
             body = lora_body(body, rep.adapters, "", 0.0)
         return rep, body
 
     async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
-                     key: int | None) -> Replica | None:
+                     key: int | None, picked: list[str]) -> Replica | None:
         """Another replica after ``rep`` could not be reached (the same once more when there is none)."""
         try:
-            other, _ = await self._pick(model, lora, body, key, exclude=rep)
+            other, _ = await self._pick(model, lora, body, key, exclude=rep, picked=picked)
             if other is None:
-                other, _ = await self._pick(model, lora, body, key)
+                other, _ = await self._pick(model, lora, body, key, picked=picked)
         except AdapterError:
             return None
         return other
@@ -415,6 +424,15 @@ class Gateway:
 
     async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
                        body: bytes, t0: float, key: int | None = None, strip_usage: bool = False) -> web.StreamResponse:
+        picked: list[str] = []  # replicas an adapter's request was given, each one ``finished`` at the end
+        try:
+            return await self._send(request, route, model, stream, body, t0, key, strip_usage, picked)
+        finally:
+            for rid in picked:
+                self.adapters.finished(rid, model)
+
+    async def _send(self, request: web.Request, route: str, model: str, stream: bool, body: bytes, t0: float,
+                    key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
         who: m.KeyDeclared | None = request.get("llmgw_key")
         lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
         target = lora.base if lora is not None else model
@@ -427,7 +445,7 @@ class Gateway:
                              f"model {model!r} is at capacity and {why}; retry after {RETRY_AFTER_S}s",
                              "server_error", "model_at_capacity", "model", headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            rep, body = await self._pick(model, lora, body, key)
+            rep, body = await self._pick(model, lora, body, key, picked=picked, request=request)
         except AdapterError as e:
             self.metrics.error(model, e.code)
             return api.error(e.status, str(e), "server_error", e.code, "model",
@@ -443,7 +461,9 @@ class Gateway:
                 return self._unavailable(target, state)
             state, held_since = await self.wake.hold(target)
             try:
-                rep, body = await self._pick(model, lora, body, key) if state == "serving" else (None, body)
+                rep, body = (await self._pick(model, lora, body, key, picked=picked, request=request)
+                             if state == "serving"
+                             else (None, body))
             except AdapterError as e:
                 self.metrics.error(model, e.code)
                 return api.error(e.status, str(e), "server_error", e.code, "model")
@@ -460,7 +480,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other = None if retried else await self._other(model, lora, body, rep, key)
+                other = None if retried else await self._other(model, lora, body, rep, key, picked)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
@@ -486,7 +506,7 @@ class Gateway:
                 self.adapters.forget(rep, model)
                 retried = True
                 try:
-                    rep, body = await self._pick(model, lora, body, key)
+                    rep, body = await self._pick(model, lora, body, key, picked=picked)
                 except AdapterError as e:
                     return api.error(e.status, str(e), "server_error", e.code, "model")
                 if rep is None:
@@ -515,7 +535,7 @@ class Gateway:
                                      "invalid_request_error", "request_too_large")
                 return web.Response(status=up.status, body=data, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"),
-                    "x-llmgw-replica": rep.replica_id,
+                    "x-llmgw-replica": rep.replica_id, **request.get(LORA_LOAD, {}),
                 })
             except BaseException:
                 up.close()  # a client gone or a write failed: never reuse a half-read connection
@@ -537,7 +557,7 @@ class Gateway:
         resp = web.StreamResponse(status=up.status, headers={
             "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
-            "x-llmgw-replica": rep.replica_id,
+            "x-llmgw-replica": rep.replica_id, **request.get(LORA_LOAD, {}),
         })
         read = up.content.readany
         tail: deque[bytes] = deque()

@@ -31,7 +31,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 ERROR_KINDS = ("bad_request", "too_large", "body_timeout", "unauthorized", "forbidden_model", "rate_limited",
                "quota_exceeded", "shed", "unknown_model", "no_replica",
                "wake_timeout", "unplaceable", "stopped", "upstream_connect", "upstream_timeout", "upstream_broken",
-               "client_closed")
+               "client_closed", "adapter_not_attached", "adapter_load_failed", "adapter_slots_busy")
 
 _Tokens = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]  # an engine's count; a negative or absurd one is refused
 
