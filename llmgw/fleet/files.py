@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import PurePosixPath
 
 from llmgw import messages as m
 
@@ -64,7 +63,12 @@ def fold_files(state_files: dict[str, NodeFiles], downloads: dict[str, dict[str,
 
 def wanted_file(spec: m.ModelSpec) -> str | None:
     """The one file a spec serves from (a GGUF's name), or None for a whole checkpoint."""
-    return PurePosixPath(spec.file).name if spec.file else None
+    return _name(spec.file) if spec.file else None
+
+
+def _name(path: str) -> str:
+    """A path's last part (PurePosixPath(path).name without building one: placement asks this per node)."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def held_complete(held: Iterable[m.HeldSource], spec: m.ModelSpec) -> bool:
@@ -72,7 +76,7 @@ def held_complete(held: Iterable[m.HeldSource], spec: m.ModelSpec) -> bool:
     file = wanted_file(spec)
     for h in held:
         if file is not None:
-            if any(f.complete and PurePosixPath(f.path).name == file for f in h.files):
+            if any(f.complete and _name(f.path) == file for f in h.files):
                 return True
         elif h.complete and any(f.path.endswith(CHECKPOINT_WEIGHTS) for f in h.files):
             return True
@@ -84,14 +88,34 @@ def holders(files: Mapping[str, NodeFiles], spec: m.ModelSpec) -> set[str]:
     return {node for node, nf in files.items() if (held := nf.sources.get(spec.source)) and held_complete(held, spec)}
 
 
+def by_source(files: Mapping[str, NodeFiles]) -> dict[str, list[tuple[str, list[m.HeldSource]]]]:
+    """Source → (node, what it holds of it): built once, so that each spec's holders are found without a
+    walk over every node (``holders_of``)."""
+    out: dict[str, list[tuple[str, list[m.HeldSource]]]] = {}
+    for node, nf in files.items():
+        for source, held in nf.sources.items():
+            out.setdefault(source, []).append((node, held))
+    return out
+
+
+def holders_of(index: Mapping[str, list[tuple[str, list[m.HeldSource]]]], spec: m.ModelSpec) -> set[str]:
+    """``holders`` over a ``by_source`` index."""
+    return {node for node, held in index.get(spec.source, ()) if held_complete(held, spec)}
+
+
 def expected_bytes(files: Mapping[str, NodeFiles], spec: m.ModelSpec) -> int:
     """How much a download of a spec's files is, from any node that holds them complete; 0: none knows."""
+    return expected_bytes_of(by_source(files), spec)
+
+
+def expected_bytes_of(index: Mapping[str, list[tuple[str, list[m.HeldSource]]]], spec: m.ModelSpec) -> int:
+    """``expected_bytes`` over a ``by_source`` index."""
     file = wanted_file(spec)
     best = 0
-    for nf in files.values():
-        for h in nf.sources.get(spec.source, []):
+    for _, held in index.get(spec.source, ()):
+        for h in held:
             if file is not None:
-                best = max([best, *(f.size for f in h.files if f.complete and PurePosixPath(f.path).name == file)])
+                best = max([best, *(f.size for f in h.files if f.complete and _name(f.path) == file)])
             elif held_complete([h], spec):
                 best = max(best, h.size)
     return best

@@ -27,7 +27,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
-from llmgw.fleet.files import expected_bytes, gib, holders
+from llmgw.fleet.files import by_source, expected_bytes_of, gib, holders_of
 from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, booking_mib, by_fabric
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
@@ -83,6 +83,7 @@ class Room:
     def __init__(self, state: FleetState, booked: dict[tuple[str, int], int], gpu_class: str) -> None:
         self.whole: dict[str, list[GpuView]] = {}
         self.part: list[tuple[int, str, int]] = []
+        self.part_free: dict[tuple[str, int], int] = {}  # the same by GPU: a node's GPUs without a search
         self.card_mib = 0  # the class's smallest card: a booking's size for the bisection
         for node in state.nodes.values():
             if node.lost:
@@ -96,6 +97,7 @@ class Room:
                     self.whole.setdefault(node.name, []).append(g)
                 elif used < g.memory_mib:
                     self.part.append((g.memory_mib - used, node.name, g.index))
+                    self.part_free[node.name, g.index] = g.memory_mib - used
         for gpus in self.whole.values():
             gpus.sort(key=lambda g: g.index)
         self.part.sort()
@@ -114,6 +116,9 @@ class Room:
             free = was_free - mib
         if free > 0:
             bisect.insort(self.part, (free, gpu.node, gpu.index))
+            self.part_free[gpu.node, gpu.index] = free
+        else:
+            self.part_free.pop((gpu.node, gpu.index), None)
 
     def most_free(self) -> tuple[int, str, int] | None:
         """The partly booked GPU with the most free MiB, or None."""
@@ -151,10 +156,12 @@ def _place_small_on(state: FleetState, spec: m.ModelSpec, room: Room, nodes: set
     """Best fit on these nodes only: the tightest partly booked GPU there, else the fullest node's empty one."""
     if not nodes:
         return None
-    need = booking_mib(spec, room.card_mib) if room.card_mib else 1
-    for free, node, index in room.part[bisect.bisect_left(room.part, (need, "", -1)):]:
-        if node in nodes and booking_mib(spec, (gpu := _gpu(state, node, index)).memory_mib) <= free:
-            return _took(state, spec, room, [(gpu, free)])
+    # A few nodes: their GPUs looked at directly, never a walk over the fleet's partly booked ones.
+    fits = [(free, node, g.index) for node in sorted(nodes) for g in state.nodes[node].gpus.values()
+            if (free := room.part_free.get((node, g.index), 0)) and booking_mib(spec, g.memory_mib) <= free]
+    if fits:
+        free, node, index = min(fits)
+        return _took(state, spec, room, [(_gpu(state, node, index), free)])
     whole = [n for n in nodes if n in room.whole]
     if whole:
         best = min(whole, key=lambda n: (len(room.whole[n]), n))
@@ -386,6 +393,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     # What each class has free, computed once and kept current: recomputing it for
     # every replica made a first pass over 4000 GPUs take seconds.
     room_by_class: dict[str, Room] = {}
+    files_by_source = by_source(state.files) if state.files else {}  # once a pass: holders by source
     fabrics_by_class: dict[str, dict[str, list[NodeView]]] = {}  # for the reasons; GPUs held change nothing in it
     stopped_models: set[str] = set()
 
@@ -463,7 +471,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         avoid = {node for r in running for node in r.nodes}
         # Which nodes hold its files, only where any node reported its disk: a fleet without file
         # reports (simulated agents) places exactly as before.
-        held = holders(state.files, spec) if state.files else set()
+        held = holders_of(files_by_source, spec) if files_by_source else set()
         placed_now = 0
         for _ in range(missing):
             where = place(state, spec, room_for(spec.gpu_class), avoid, held)
@@ -474,8 +482,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             rid = replica_id(name, n)
             woken = "" if name in why else _woken(memory, name, running)
             reason = why.get(name) or woken or f"{len(running) + placed_now} of {wanted} running"
-            if state.files and not set(nodes) <= held:
-                reason += "; " + _download_note(state, spec, held)
+            if files_by_source and not set(nodes) <= held:
+                reason += "; " + _download_note(files_by_source, spec, held)
             event = m.ReplicaPlaced(
                 at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
                 cause=cause.get(name, "wake" if woken else ""),
@@ -549,9 +557,10 @@ def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> st
     return f"woken by {wish.router}: {wish.waiting} request{'s' if wish.waiting != 1 else ''} waiting"
 
 
-def _download_note(state: FleetState, spec: m.ModelSpec, held: set[str]) -> str:
+def _download_note(files_by_source: dict[str, list[tuple[str, list[m.HeldSource]]]], spec: m.ModelSpec,
+                   held: set[str]) -> str:
     """What a placement on a node without the spec's files costs, for its reason."""
-    size = expected_bytes(state.files, spec)
+    size = expected_bytes_of(files_by_source, spec)
     dl = f"downloads {gib(size)} first" if size else "downloads them first"
     if held:
         return f"its files are only on {', '.join(sorted(held)[:4])}, which have no room: {dl}"
