@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -371,3 +372,23 @@ async def test_making_room_evicts_the_least_recently_used_and_says_so(
     assert not (tmp_path / "models" / "acme__old-GGUF").exists() and (tmp_path / "models" / "acme__newer-GGUF").exists()
     state = fold(events)
     assert set(state.files["h100-a-03"].sources) == {REPO, "acme/newer-GGUF"}
+
+
+async def test_a_prefetch_from_before_the_agent_started_is_done_unless_an_eviction_came_after_it(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    await prefetch(bus, gguf_spec())  # stored while no agent ran
+    async with running(agent_with(bus, fleet_file, keeper_for(tmp_path))):
+        (done,) = await finished(bus)
+    assert done.ok and len(hub.served) == 1
+    # Evicted since (by this node's agent, which records it): the old request is not the latest word.
+    folder = tmp_path / "models" / "acme__tiny-GGUF"
+    for f in folder.glob("tiny-q4_k_m.gguf*"):
+        f.unlink()
+    state = tmp_path / "models" / ".llmgw-files.json"
+    state.write_text(json.dumps({"used": {}, "evicted": {REPO: datetime.now(UTC).isoformat()}}))
+    keeper = keeper_for(tmp_path)
+    async with running(agent_with(bus, fleet_file, keeper)):
+        await until(lambda: keeper.caught_up.is_set(), "the keeper caught up with the control stream")
+        assert keeper._prefetch.empty() and not keeper._fetching  # the old request was not queued
+        await asyncio.sleep(0.5)  # and nothing was fetched a moment later either
+    assert len(hub.served) == 1 and len(await finished(bus)) == 1

@@ -30,6 +30,7 @@ from pathlib import Path
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.agent.files import (
+    PARTIAL_SUFFIXES,
     Disk,
     digest_matches,
     disk_free,
@@ -204,6 +205,9 @@ class FileKeeper:
             if root.is_dir():
                 for dirpath, _, names in os.walk(root):
                     for n in names:
+                        if n.endswith(PARTIAL_SUFFIXES):  # a download growing is progress, not a new report
+                            out.append((dirpath, n, -1, -1))
+                            continue
                         with contextlib.suppress(OSError):
                             st = os.stat(os.path.join(dirpath, n))
                             out.append((dirpath, n, st.st_size, st.st_mtime_ns))
