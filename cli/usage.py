@@ -24,7 +24,8 @@ def _shown(by: str, name: str | None) -> str:
 
 
 @click.command("usage")
-@click.option("--by", type=click.Choice(["key", "tenant", "model"]), default="tenant", show_default=True)
+@click.option("--by", type=click.Choice(["key", "tenant", "model", "adapter"]), default="tenant", show_default=True,
+              help="Sum per API key, tenant, model, or LoRA adapter (an adapter's requests, by its own name).")
 @click.option("--since", "since_days", type=click.IntRange(1, 3660), default=7, show_default=True,
               help="Days (UTC) back, today included.")
 @click.option("--live", is_flag=True,
@@ -50,6 +51,7 @@ def usage(by: str, since_days: int, live: bool, db: Path | None, data_dir: Path 
     Example:
         llmgw ctl usage --by tenant --since 30
         llmgw ctl usage --by key --json
+        llmgw ctl usage --by adapter
         llmgw ctl usage --live
     """
     if live:

@@ -339,13 +339,13 @@ WITH adapters AS (
 )
 SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.model AS adapter, a.base, u.key_name,
        sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
-       sum(u.completion_tokens) AS completion_tokens
+       sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens
 FROM usage_by_key u JOIN adapters a USING (model)
 GROUP BY ALL
 """, {"day": "the day (UTC)", "adapter": "the adapter's name, as a request's model names it",
       "base": "the declared model it runs on", "key_name": "the API key's name", "requests": "requests answered",
       "errors": "of them, 4xx or 5xx", "prompt_tokens": "prompt tokens (engines' usage)",
-      "completion_tokens": "completion tokens"}),
+      "completion_tokens": "completion tokens", "cached_tokens": "prompt tokens from the prefix cache"}),
 
     "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
                          "replicas held GPUs) split by each tenant's share of its tokens that day; a day with no "

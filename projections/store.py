@@ -725,7 +725,7 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
     return out, views_out, as_of
 
 
-USAGE_BY = {"key": "key_name", "tenant": "tenant", "model": "model"}
+USAGE_BY = {"key": "key_name", "tenant": "tenant", "model": "model", "adapter": "adapter"}
 
 
 def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, ...]]:
@@ -735,9 +735,10 @@ def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, 
     con = _open_read_only(source)
     try:
         con.execute("SET TimeZone = 'UTC'")
+        view = "usage_by_adapter_daily" if by == "adapter" else "usage_by_key_daily"
         return con.execute(
             f"SELECT {column}, sum(requests)::BIGINT, sum(errors)::BIGINT, sum(prompt_tokens)::BIGINT, "
-            "sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT FROM usage_by_key_daily "
+            f"sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT FROM {view} "
             "WHERE day > current_date - ?::INTEGER GROUP BY 1 ORDER BY 4 + 5 DESC, 1", [since_days]).fetchall()
     except duckdb.Error as e:
         raise ProjectionError(f"cannot read usage from {source}: {e}; is it a projection of this version?") from e

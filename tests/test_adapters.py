@@ -146,3 +146,7 @@ def test_duckdb_counts_what_keys_asked_of_each_adapter(tmp_path: Path) -> None:
     finally:
         con.close()
     assert rows == [("sql", "llama8", "team-a", 3, 30, 9)]  # the base's own requests are not an adapter's
+    from llmgw.projections.store import usage_rows
+
+    # ctl usage --by adapter reads the same view.
+    assert usage_rows(tmp_path / "a.duckdb", "adapter", 3650) == [("sql", 3, 0, 30, 9, 0)]

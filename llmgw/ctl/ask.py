@@ -118,9 +118,9 @@ LiveUsage = tuple[str, int, int, int, int]  # name, requests today, tokens today
 async def live_usage(settings: Settings, by: str) -> tuple[list[LiveUsage], datetime | None]:
     """What the routers' maps said, summed per tenant (the status service's figures) or per key (the
     control and usage streams folded here); and as of when. The fold keeps no figures per model."""
-    if by == "model":
+    if by in ("model", "adapter"):
         raise LlmgwError("--live answers --by tenant or --by key (the fold sums requests and tokens per key and "
-                         "day); per model, read the projection: leave --live out")
+                         f"day); per {by}, read the projection: leave --live out")
     if by == "tenant":
         report = await fetch_status(settings, 1800.0, replay=False)
         return [(u.tenant, u.requests_today, u.tokens_today, u.requests_7d, u.tokens_7d) for u in report.tenants], \
