@@ -59,14 +59,14 @@ def adapter_spec(name: str, base: m.ModelSpec, source: str, models_dir: str | No
         info = modelinfo.load(base.source, models_dir_=models_dir)
     except ModelError as e:
         raise LlmgwError(str(e)) from None
-    if (why := adapters.check_base(facts, info)) is not None:
-        raise LlmgwError(f"adapter {name} cannot run on {base.name} ({base.source}): {why}")
     want = "peft" if base.engine == "vllm" else "gguf"
     if facts.format != want:
         form = "a PEFT directory (adapter_config.json + adapter_model.safetensors)" if want == "peft" else (
             "a GGUF adapter (llama.cpp's convert_lora_to_gguf.py writes one from a PEFT directory)")
         raise LlmgwError(f"adapter {name} is a {facts.format} adapter; {base.name} runs {base.engine}, which loads "
                          f"{form}")
+    if (why := adapters.check_base(facts, info)) is not None:
+        raise LlmgwError(f"adapter {name} cannot run on {base.name} ({base.source}): {why}")
     if base.engine == "vllm":
         if base.max_adapters <= 0:
             raise LlmgwError(f"{base.name} was declared without LoRA; redeploy it with --max-adapters N "
@@ -80,7 +80,7 @@ def adapter_spec(name: str, base: m.ModelSpec, source: str, models_dir: str | No
 
 def _with_adapters(base: m.ModelSpec, attached: tuple[m.AdapterRef, ...], gib_delta: float) -> m.ModelSpec:
     return msgspec.structs.replace(base, adapters=attached,
-                                   gib_per_gpu=round(max(0.0, base.gib_per_gpu + gib_delta), 3))
+                                   gib_per_gpu=round(max(0.0, base.gib_per_gpu + gib_delta), 6))
 
 
 async def add(settings: Settings, name: str, base_name: str, source: str, models_dir: str | None) -> AdapterChange:

@@ -170,7 +170,7 @@ def keep_adapters(old: m.ModelSpec, new: m.ModelSpec, declared: dict[str, m.Adap
     if new.adapters or not old.adapters or new.engine != "llama.cpp":
         return new
     extra = sum(declared[a.name].size_bytes for a in old.adapters if a.name in declared) / (1 << 30) / max(1, new.tp)
-    return msgspec.structs.replace(new, adapters=old.adapters, gib_per_gpu=round(new.gib_per_gpu + extra, 3))
+    return msgspec.structs.replace(new, adapters=old.adapters, gib_per_gpu=round(new.gib_per_gpu + extra, 6))
 
 
 # --- keys -------------------------------------------------------------------------------------------------
