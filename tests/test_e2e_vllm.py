@@ -105,7 +105,7 @@ def test_a_real_vllm_serves_counts_caches_wakes_and_restarts_under_llmgw(tmp_pat
         vllm_plans = [c for c in plan["candidates"] if c["engine"] == "vllm" and c["fits"]]
         assert vllm_plans and {c["engine_version"] for c in vllm_plans} == {version}
         ok(url, "ctl", "model", "deploy", "tiny", str(model_dir), "--from-plan", "--engine", "vllm",
-           "--context", str(CONTEXT))
+           "--context", str(CONTEXT), "--max-adapters", "1")
         first = wait_for("tiny-r1 healthy", lambda: healthy(url, "tiny-r1"), within_s=START_S)
         placed = next(e for e in control_events(url) if e["type"] == "ReplicaPlaced" and e["replica_id"] == "tiny-r1")
         assert placed["spec"]["engine_version"] == version  # what the agent runs is what was planned for
@@ -161,6 +161,24 @@ def test_a_real_vllm_serves_counts_caches_wakes_and_restarts_under_llmgw(tmp_pat
         again = json.loads(ok(url, "ctl", "model", "plan", str(model_dir), "--context", str(CONTEXT), "--json"))
         assert [(c["kv_tokens"], c["observed_kv_tokens"]) for c in again["candidates"]] == \
             [(c["kv_tokens"], c["observed_kv_tokens"]) for c in plan["candidates"]]
+
+        # LoRA: two adapters and one slot. The router loads each where it is asked for (vLLM's runtime
+        # load), the second unloading the first, and vLLM itself answers each differently from the base.
+        made = subprocess.run([LLMGW, "demo-model", str(model_dir), "--lora", "a1", "--lora", "a2"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert made.returncode == 0, made.stdout + made.stderr
+        for name in ("a1", "a2"):
+            ok(url, "ctl", "adapter", "add", name, str(model_dir / "loras" / name), "--base", "tiny")
+        said: dict[str, list[str]] = {}
+        for name in ("tiny", "a1", "a2", "a1"):
+            said.setdefault(name, []).append(client.completions.create(
+                model=name, prompt="the quick brown fox", max_tokens=8, temperature=0, seed=1).choices[0].text)
+        assert said["a1"][0] == said["a1"][1] and len({said["tiny"][0], said["a1"][0], said["a2"][0]}) == 3
+        usage = [json.loads(line)["event"] for line in ok(url, "replay", "--stream", "usage", "--json").splitlines()
+                 if line.strip()]
+        moves = [(e["type"], e["adapter"]) for e in usage if e["type"] in ("AdapterLoaded", "AdapterUnloaded")]
+        assert moves == [("AdapterLoaded", "a1"), ("AdapterUnloaded", "a1"), ("AdapterLoaded", "a2"),
+                         ("AdapterUnloaded", "a2"), ("AdapterLoaded", "a1")]
 
         # Nobody asks: stopped; the next request wakes it and is answered.
         stopped = wait_for("tiny-r1 stopped for idleness", lambda: json.loads(
