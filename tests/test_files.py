@@ -57,8 +57,8 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Hub]:
 
 
 def keeper_for(tmp_path: Path, node: str = "h100-a-03", **kw: object) -> FileKeeper:
-    cfg = FilesConfig(models_dir=tmp_path / "models", hf_cache=tmp_path / "hf", rescan_s=0.2, progress_s=0.1,
-                      **kw)  # type: ignore[arg-type]
+    cfg = FilesConfig(models_dir=tmp_path / "models", hf_cache=tmp_path / "hf",
+                      **{"rescan_s": 0.2, "progress_s": 0.1, **kw})  # type: ignore[arg-type]
     return FileKeeper(node, cfg, boot_id="boot-1")
 
 
@@ -392,3 +392,15 @@ async def test_a_prefetch_from_before_the_agent_started_is_done_unless_an_evicti
         assert keeper._prefetch.empty() and not keeper._fetching  # the old request was not queued
         await asyncio.sleep(0.5)  # and nothing was fetched a moment later either
     assert len(hub.served) == 1 and len(await finished(bus)) == 1
+
+
+async def test_files_deleted_behind_the_agents_back_are_fetched_again_not_trusted(
+        bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
+    keeper = keeper_for(tmp_path, rescan_s=3600)  # no rescan comes to the rescue
+    async with running(agent_with(bus, fleet_file, keeper)):
+        assert await keeper.ready(gguf_spec()) is None and keeper.holds(gguf_spec())
+        (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf").unlink()
+        assert not keeper.holds(gguf_spec())
+        assert await keeper.ready(gguf_spec()) is None
+    assert (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf").read_bytes() == GGUF
+    assert len(hub.served) == 2

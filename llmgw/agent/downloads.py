@@ -161,7 +161,17 @@ class FileKeeper:
         return {p.spec.source for p in self.placed.values()} | pinned | set(self._fetching)
 
     def holds(self, spec: m.ModelSpec) -> bool:
-        return held_complete([h for h in self.held if h.source == spec.source], spec)
+        """Whether the spec's files are here, complete: as last scanned, and still on disk (someone may
+        have deleted them since; an engine must never be started on a file that is gone)."""
+        held = [h for h in self.held if h.source == spec.source and self._present(h)]
+        return held_complete(held, spec)
+
+    def _present(self, h: m.HeldSource) -> bool:
+        if h.store == "models-dir":
+            root = self.config.models_dir / source_dir_name(h.source)
+        else:
+            root = self.config.hf_cache / f"models--{h.source.replace('/', '--')}" / "snapshots" / h.revision
+        return all((root / f.path).is_file() for f in h.files if f.complete)
 
     # --- the local record: when each source was last used, and evicted ---------------------------
 
