@@ -228,6 +228,9 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep,
                             "keep_files": fleet_path is None if keep_files is None else keep_files,
                             "cache_max_gib": cache_max_gib}
+    if opts["keep_files"] and fleet_path is not None and not node and len(load(fleet_path).nodes) > 1:
+        raise click.UsageError("--keep-files with --simulate needs --node: simulated agents in one process share "
+                               "one disk, and each would report the same files as its own")
     if opts["keep_files"] or models_dir is not None:
         opts["models_dir"] = (models_dir or Path.home() / ".cache" / "llmgw" / "models").expanduser().resolve()
     if opts["keep_files"]:

@@ -92,3 +92,27 @@ async def test_a_plan_says_on_how_many_nodes_each_candidates_files_are(
     assert len(lines) == len({(c.source, c.file) for c in reply.candidates})
     assert all(line.endswith("files on no node: a placement downloads them first") for line in lines
                if f" {held} " not in line)
+
+
+def test_simulated_agents_sharing_one_disk_cannot_all_keep_files(fleet_file: Path) -> None:
+    result = CliRunner().invoke(cli, ["agent", "--simulate", str(fleet_file), "--keep-files"])
+    assert result.exit_code == 2
+    assert "--keep-files with --simulate needs --node: simulated agents in one process share one disk" in result.output
+
+
+def test_a_files_event_is_believed_only_on_its_own_nodes_subject() -> None:
+    ev = m.NodeFilesReported(at=m.utcnow(), node="n1")
+    assert subjects.subject_for(ev) == "llmgw.fleet.n1.files"
+    assert subjects.disagrees("llmgw.fleet.n1.files", ev) is None
+    assert subjects.disagrees("llmgw.fleet.n2.files", ev) == (
+        "NodeFilesReported names node 'n1' but was published on 'llmgw.fleet.n2.files': the subject's node and the "
+        "payload's must agree")
+    done = m.DownloadFinished(at=m.utcnow(), node="n1", model="x", source="a/b", ok=True)
+    assert subjects.disagrees("llmgw.fleet.n1.evicted", done) is not None
+    from llmgw.bus import natsconf
+
+    agent = natsconf.permissions("agent", "n1")["publish"]  # type: ignore[index]
+    assert {"llmgw.fleet.n1.files", "llmgw.fleet.n1.download", "llmgw.fleet.n1.evicted"} <= set(agent["allow"])
+    assert "llmgw.control.model.>" in agent["deny"]  # no agent asks for a prefetch or a pin
+    cli_role = natsconf.permissions("cli")["publish"]  # type: ignore[index]
+    assert {"llmgw.control.model.*.prefetch", "llmgw.control.model.*.pinned"} <= set(cli_role["allow"])
