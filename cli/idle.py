@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from llmgw import messages as m
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
@@ -67,8 +68,9 @@ def idle(older_than_s: float, model: str | None, stop: bool, dry_run: bool, repl
     """
     from llmgw import ctl
 
+    adapters: list[m.AdapterStatus] = []
     rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True),
-                                              use_snapshots=not no_snapshot, model=model))
+                                              use_snapshots=not no_snapshot, model=model, adapters=adapters))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []
@@ -83,9 +85,15 @@ def idle(older_than_s: float, model: str | None, stop: bool, dry_run: bool, repl
             "gpu_hours_idle": round(sum(r.gpu_hours_idle for r in chosen), 4),
             "unknown": [r.replica_id for r in unknown],
             "stopped": stopped, "dry_run": dry_run, "source": source,
+            "adapters_idle": [{"name": a.name, "base": a.base, "last_request": a.last_request.isoformat()
+                               if a.last_request else None, "held_by": list(a.held_by)} for a in adapters],
         })
         return
     _render(chosen, unknown, older_than_s, stop, dry_run, model)
+    if adapters:
+        names = ", ".join(f"{a.name} ({a.base})" for a in adapters)
+        click.echo(f"LoRA adapters nobody asked for in {human_duration(older_than_s)}: {names}; "
+                   "`llmgw ctl adapter remove NAME` frees their slots")
 
 
 def _render(chosen: list[IdleRow], unknown: list[IdleRow], older_than_s: float, stop: bool, dry_run: bool,

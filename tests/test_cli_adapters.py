@@ -82,3 +82,18 @@ def test_a_vllm_base_takes_an_adapter_within_its_declared_rank(settings: Setting
     assert out.exit_code == 0, out.output
     assert "a router loads it where none does" in out.output
     assert len([e for e in control(settings) if isinstance(e, m.ModelDeclared)]) == 1  # vLLM: no re-declaration
+
+
+def test_ctl_idle_names_the_adapters_nobody_asked_for(settings: Settings, demo: dict[str, Path]) -> None:
+    now = m.utcnow()
+    spec = base("hf", demo["tinyhf"], "vllm", max_adapters=2, max_lora_rank=8)
+    adapters = [m.AdapterDeclared(at=now, spec=m.AdapterSpec(name=n, base="hf", source=n, path=f"/a/{n}",
+                                                             format="peft", rank=8, alpha=16)) for n in ("a", "b")]
+    used = m.IdleMapPublished(at=now, router="gw", boot_id="x", tick=1,
+                              callers={"-": {"a": m.KeyUse(requests=2, prompt_tokens=4, completion_tokens=2)}})
+    publish(settings, [spec, *adapters, used], fresh=True)
+    out = ctl(settings, "ctl", "idle", "--older-than", "1h", "--replay", "--json")
+    assert out.exit_code == 0, out.output
+    assert [a["name"] for a in json.loads(out.output)["adapters_idle"]] == ["b"]  # a was asked for (anonymously)
+    text = ctl(settings, "ctl", "idle", "--older-than", "1h", "--replay")
+    assert "LoRA adapters nobody asked for in 1h: b (hf)" in text.output

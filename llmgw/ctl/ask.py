@@ -180,16 +180,24 @@ async def show_model(settings: Settings, name: str, *, replay: bool = False,
 # --- idle --------------------------------------------------------------------------------------------
 
 
+def idle_adapters(adapters: tuple[m.AdapterStatus, ...], now: datetime,
+                  older_than_s: float) -> list[m.AdapterStatus]:
+    """The declared adapters nobody asked for in ``older_than_s`` (never, in the fold's memory, included)."""
+    return [a for a in adapters if a.last_request is None or (now - a.last_request).total_seconds() >= older_than_s]
+
+
 async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
                      notice: Notice = lambda _: None, use_snapshots: bool = True,
-                     model: str | None = None) -> tuple[list[IdleRow], datetime, str]:
+                     model: str | None = None,
+                     adapters: list[m.AdapterStatus] | None = None) -> tuple[list[IdleRow], datetime, str]:
     """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
 
     From the projector's status service when one answers with every event
     stored when we asked folded in (a projector that is behind would see old
     idle maps and overstate idleness); otherwise, or with ``replay``, by
     folding the streams here, which takes longer the longer the history.
-    With ``model``, only that model's replicas; a model not declared is an error.
+    With ``model``, only that model's replicas; a model not declared is an error. ``adapters``, when
+    given, is filled with the declared LoRA adapters nobody asked for that long.
     """
     now = now or m.utcnow()
     bus = await connect(settings, "llmgw-ctl-idle")
@@ -200,10 +208,14 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
     finally:
         await bus.close()
     if found is not None:
-        (rows, declared), source = found, "projector"
+        (rows, declared, listed), source = found, "projector"
     else:
+        from llmgw.fleet.status import adapter_status
+
         rows = [r for r in idle_rows(state, now) if nobody_asked(r, older_than_s)]
-        declared, source = sorted(state.models), "replay"
+        declared, listed, source = sorted(state.models), adapter_status(state), "replay"
+    if adapters is not None:
+        adapters.extend(a for a in idle_adapters(listed, now, older_than_s) if model is None or a.base == model)
     if model is not None:
         # An older projector lists no models: then only its rows can say a name exists.
         if declared and model not in declared and all(r.model != model for r in rows):
@@ -214,7 +226,7 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
 
 
 async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime,
-                               notice: Notice) -> tuple[list[IdleRow], list[str]] | None:
+                               notice: Notice) -> tuple[list[IdleRow], list[str], tuple[m.AdapterStatus, ...]] | None:
     """The projector's idle rows and declared models once it has folded what is stored now; None: no projector, or it lags."""
     from llmgw.errors import NoServiceError, ServiceError
 
@@ -231,7 +243,7 @@ async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime,
         return None
     # The report's order is idle_rows' order: most GPU-time idle first, unknown last.
     return ([IdleRow(r.replica_id, r.model, r.nodes, r.gpus, r.state, r.idle_s if r.idle_s >= 0 else None,
-                     r.idle_since) for r in report.idle], sorted(s.name for s in report.model_list))
+                     r.idle_since) for r in report.idle], sorted(s.name for s in report.model_list), report.adapters)
 
 
 class Entry(NamedTuple):

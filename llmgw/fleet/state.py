@@ -43,8 +43,9 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # 9: a replica keeps its last ReplicaOverBooked, and a report of the state it is in keeps its state_at;
 # 10: LoRA adapters (declared, and which replica holds which); 11: which node holds which model
 # files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py);
-# 12: the models' history times each cold start's download (its agent fetching the files first).
-FOLD_VERSION = 12
+# 12: the models' history times each cold start's download (its agent fetching the files first);
+# 13: when each model and adapter was last asked for (the routers' maps).
+FOLD_VERSION = 13
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -165,6 +166,9 @@ class FleetState:
     # when no router reports it: ``adapters_held`` joins it to the replicas that exist).
     adapters: dict[str, m.AdapterSpec] = field(default_factory=dict)
     loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
+    # When a router's map last said a model or adapter was asked for (by any caller, anonymous ones too),
+    # for the last ASKED_DAYS: the usage stream's alone (``status.adapter_status`` joins it to the declared).
+    asked: dict[str, datetime] = field(default_factory=dict)
     # Model files by node (NodeFilesReported), downloads in flight and the last finished, by node
     # then source; the models an operator pinned on disk (ctl model pin).
     files: dict[str, NodeFiles] = field(default_factory=dict)
@@ -554,18 +558,27 @@ def refusal(state: FleetState, subject: str, event: m.Event, *, subject_checked:
 
 
 KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"
+ASKED_DAYS = 30  # how long the fold remembers when a model or adapter was last asked for
 
 
 def _count_key_usage(state: FleetState, event: m.IdleMapPublished) -> None:
     """What each key asked over a router's tick, added to its day (UTC); days past the window are dropped."""
     day = event.at.astimezone(UTC).strftime("%Y-%m-%d")
     oldest = (event.at.astimezone(UTC) - timedelta(days=KEY_USAGE_DAYS - 1)).strftime("%Y-%m-%d")
+    asked = state.asked
     for key, per in event.callers.items():
         days = state.key_usage.setdefault(key, {})
-        row = days.setdefault(day, [0, 0])
-        for use in per.values():
+        row = days.get(day)
+        if row is None:
+            row = days[day] = [0, 0]
+            cutoff = event.at - timedelta(days=ASKED_DAYS)
+            for name in [n for n, t in asked.items() if t < cutoff]:  # once a key's day: names go in time
+                del asked[name]
+        for model, use in per.items():
             row[0] += use.requests
             row[1] += use.prompt_tokens + use.completion_tokens
+            if use.requests:
+                asked[model] = event.at
         for old in [d for d in days if d < oldest]:
             del days[old]
 

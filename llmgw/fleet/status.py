@@ -315,7 +315,8 @@ def adapter_status(state: FleetState) -> tuple[m.AdapterStatus, ...]:
         for a in state.adapters_held(r):
             held.setdefault(a, []).append(r.replica_id)
     return tuple(m.AdapterStatus(name=a.name, base=a.base, format=a.format, rank=a.rank, size_bytes=a.size_bytes,
-                                 held_by=tuple(held.get(a.name, ()))) for _, a in sorted(state.adapters.items()))
+                                 held_by=tuple(held.get(a.name, ())), last_request=_utc(state.asked.get(a.name)))
+                 for _, a in sorted(state.adapters.items()))
 
 
 def gpu_bookings(state: FleetState) -> tuple[m.GpuBooking, ...]:

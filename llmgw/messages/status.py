@@ -72,6 +72,7 @@ class AdapterStatus(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     size_bytes: int
     held_by: tuple[str, ...] = ()
+    last_request: datetime | None = None  # when a router last said it was asked for (None: not in 30 days)
 
 
 class FabricNodes(msgspec.Struct, frozen=True, kw_only=True):
