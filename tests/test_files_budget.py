@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -126,3 +127,22 @@ async def test_a_full_disk_is_refused_with_the_figures_before_a_byte_is_written(
                    "raise agent --cache-max-gib, unpin a model (ctl model unpin) or stop a replica on this node")
     assert set(on_disk(tmp_path)) == {"acme/m0-GGUF"}
     assert not list((tmp_path / "models").glob("acme__m9-GGUF"))
+
+
+async def test_every_injected_digest_mismatch_is_caught_and_fetched_again(hub: Hub, tmp_path: Path) -> None:
+    rng = random.Random(3)
+    k = FileKeeper(NODE, FilesConfig(models_dir=tmp_path / "models", hf_cache=tmp_path / "hf",
+                                     cache_max_bytes=1 << 30, endpoint=hub.url, attempts=4))
+    injected = caught = 0
+    for round_ in range(5):
+        for i in range(8):
+            shutil.rmtree(tmp_path / "models", ignore_errors=True)
+            k.held = []
+            bad = rng.randrange(0, 4)  # up to attempts - 1: each must be caught, and the last copy served
+            hub.corrupt, before = bad, len(hub.served)
+            assert await k.ready(spec(i)) is None, (round_, i)
+            injected += bad
+            caught += len(hub.served) - before - 1
+            path = tmp_path / "models" / f"acme__m{i}-GGUF" / f"m{i}.gguf"
+            assert path.read_bytes() == hub.repos[spec(i).source].files[f"m{i}.gguf"]
+    assert injected >= 40 and caught == injected, (injected, caught)
