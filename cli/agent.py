@@ -111,6 +111,9 @@ def _services(node: str, opts: dict[str, Any]) -> tuple[EngineSupervisor, ...] |
     keeper = FileKeeper(node, FilesConfig(models_dir=opts["models_dir"], hf_cache=opts["hf_cache"],
                                           cache_max_bytes=int(opts["cache_max_gib"] * (1 << 30))))
     engines.files_ready, engines.files_held = keeper.ready, keeper.holds
+    # The engines read the files the keeper verified, where it keeps them, and never fetch on their own:
+    # an engine's download would be unverified, unbudgeted and hidden in its start-up.
+    engines.config.env = {"HF_HUB_CACHE": str(opts["hf_cache"]), "HF_HUB_OFFLINE": "1", **engines.config.env}
     return engines, keeper
 
 

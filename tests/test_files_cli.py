@@ -116,3 +116,16 @@ def test_a_files_event_is_believed_only_on_its_own_nodes_subject() -> None:
     assert "llmgw.control.model.>" in agent["deny"]  # no agent asks for a prefetch or a pin
     cli_role = natsconf.permissions("cli")["publish"]  # type: ignore[index]
     assert {"llmgw.control.model.*.prefetch", "llmgw.control.model.*.pinned"} <= set(cli_role["allow"])
+
+
+def test_an_agent_keeping_files_points_its_engines_at_them_and_keeps_them_offline(tmp_path: Path) -> None:
+    from llmgw.cli.agent import _services
+
+    opts = {"engines": "real", "simulated": False, "engine_cmds": {}, "engine_startup_s": 0.0,
+            "engine_env": {"NCCL_SOCKET_IFNAME": "ib0"}, "log_dir": None, "log_max_bytes": 1, "log_keep": 0,
+            "keep_files": True, "models_dir": tmp_path / "models", "hf_cache": tmp_path / "hf", "cache_max_gib": 1.0}
+    engines, keeper = _services("n1", opts)  # type: ignore[misc]
+    assert engines.config.env == {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert engines.config.models_dir == keeper.config.models_dir == tmp_path / "models"
+    assert keeper.config.cache_max_bytes == 1 << 30 and engines.files_ready == keeper.ready
+    assert _services("n1", {**opts, "keep_files": False})[0].files_ready is None
