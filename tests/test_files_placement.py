@@ -186,3 +186,17 @@ def test_the_ledger_times_the_download_and_tells_cached_wakes_from_fetched_ones(
     assert detail is not None
     assert summary_line(detail).endswith(
         " · files on the node: 2, p50 2.10s p95 2.10s · fetched first: 2, p50 32.10s p95 52.10s (download p50 30.00s)")
+
+
+def test_a_placement_without_the_files_pays_the_recorded_download_rate() -> None:
+    from llmgw.fleet.files import download_rate, fetch_s
+
+    w = world()
+    assert fetch_s(w.state.files, w.state.downloaded, tiny(), ["n3"]) == 0.0  # no download recorded: no figure
+    for node, size, seconds in (("n2", 4 << 30, 40.0), ("n5", 2 << 30, 40.0)):
+        w.feed(m.DownloadFinished(at=T0, node=node, model="x", source=f"acme/{node}", ok=True, size=size,
+                                  seconds=seconds))
+    w.feed(m.DownloadFinished(at=T0, node="n6", model="x", source="acme/bad", ok=False, size=1 << 40, seconds=1.0))
+    assert download_rate(w.state.downloaded) == (6 << 30) / 80.0  # verified downloads only
+    assert fetch_s(w.state.files, w.state.downloaded, tiny(), ["n2"]) == 0.0  # holds them
+    assert fetch_s(w.state.files, w.state.downloaded, tiny(), ["n3"]) == GGUF_SIZE / ((6 << 30) / 80.0)

@@ -131,6 +131,16 @@ def download_rate(finished: Mapping[str, Mapping[str, m.DownloadFinished]]) -> f
     return size / seconds if seconds else 0.0
 
 
+def fetch_s(files: Mapping[str, NodeFiles], downloaded: Mapping[str, Mapping[str, m.DownloadFinished]],
+            spec: m.ModelSpec, nodes: Iterable[str]) -> float:
+    """Seconds a replica placed on these nodes spends fetching its files first, at the fleet's recorded
+    download rate (``download_rate``); 0 where each node holds them, or nothing was recorded to say."""
+    if not files or set(nodes) <= holders(files, spec):
+        return 0.0
+    rate, size = download_rate(downloaded), expected_bytes(files, spec)
+    return size / rate if rate > 0 and size > 0 else 0.0
+
+
 def gib(n: int) -> str:
     """Bytes for a person: "13.4 GiB", "512.0 MiB", "146.5 KiB"."""
     if n >= 1 << 30:
