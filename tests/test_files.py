@@ -29,6 +29,7 @@ from llmgw.agent.runs import EngineConfig
 from llmgw.agent.simnvml import SimNvml
 from llmgw.agent.supervisor import EngineSupervisor
 from llmgw.bus import Bus
+from llmgw.config import Settings
 from llmgw.engine.argv import default_commands, engine_argv
 from llmgw.fleet.files import holders
 from llmgw.fleet.state import fold
@@ -404,3 +405,45 @@ async def test_files_deleted_behind_the_agents_back_are_fetched_again_not_truste
         assert await keeper.ready(gguf_spec()) is None
     assert (tmp_path / "models" / "acme__tiny-GGUF" / "tiny-q4_k_m.gguf").read_bytes() == GGUF
     assert len(hub.served) == 2
+
+
+async def test_the_scheduler_places_on_the_node_holding_the_files_and_the_next_replica_fetches_them(
+        bus: Bus, settings: Settings, hub: Hub, tmp_path: Path) -> None:
+    from llmgw.scheduler.service import SchedulerService
+
+    spec = msgspec.structs.replace(gguf_spec(), replicas=1)
+    held = tmp_path / "h100-a-02" / "models" / "acme__tiny-GGUF"
+    held.mkdir(parents=True)
+    (held / "tiny-q4_k_m.gguf").write_bytes(GGUF)
+    agents, sups = [], {}
+    for name in ("h100-a-01", "h100-a-02"):  # best fit alone takes h100-a-01 (the tie goes by name)
+        keeper = keeper_for(tmp_path / name, node=name)
+        sups[name] = engines_with(keeper, simulate=True)
+        agents.append(Agent(bus, SimNvml(load_node(name)), name, simulated=True, services=[sups[name], keeper]))
+    sched_bus = await Bus.connect(settings, "sched")
+    sched = SchedulerService(sched_bus, tick_s=0.1)
+    stop = asyncio.Event()
+    async with running(agents[0]), running(agents[1]):
+
+        async def both_reported() -> bool:
+            return {e.node for e in await files_events(bus)} == {"h100-a-01", "h100-a-02"}
+
+        await until(both_reported, "both nodes' file reports stored before the scheduler folds")
+        task = asyncio.create_task(sched.run(stop))
+        try:
+            await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))
+            await until(lambda: "tiny-r1" in sups["h100-a-02"].runs and sups["h100-a-02"].runs["tiny-r1"].state == "healthy",
+                        "tiny-r1 healthy on the node holding its file", limit_s=30)
+            await bus.publish(m.ModelScaled(at=m.utcnow(), name="tiny", replicas=2))
+            await until(lambda: "tiny-r2" in sups["h100-a-01"].runs and sups["h100-a-01"].runs["tiny-r2"].state == "healthy",
+                        "tiny-r2 healthy on the other node, after fetching", limit_s=30)
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+            await sched_bus.close()
+    placed = {e.replica_id: e for e in await stored(bus, subjects.STREAM_CONTROL, limit_s=10)
+              if isinstance(e, m.ReplicaPlaced)}
+    assert placed["tiny-r1"].nodes == ("h100-a-02",) and "downloads" not in placed["tiny-r1"].reason
+    assert placed["tiny-r2"].nodes == ("h100-a-01",)
+    assert placed["tiny-r2"].reason.endswith("its files are only on h100-a-02 (each already serves it): downloads 293.0 KiB first")
+    assert hub.served == ["GET acme/tiny-GGUF/tiny-q4_k_m.gguf 0"]  # only the second replica's node fetched

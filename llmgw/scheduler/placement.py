@@ -483,7 +483,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
             woken = "" if name in why else _woken(memory, name, running)
             reason = why.get(name) or woken or f"{len(running) + placed_now} of {wanted} running"
             if files_by_source and not set(nodes) <= held:
-                reason += "; " + _download_note(files_by_source, spec, held)
+                reason += "; " + _download_note(files_by_source, spec, held, avoid)
             event = m.ReplicaPlaced(
                 at=now, replica_id=rid, model=name, nodes=nodes, gpus=gpus, spec=spec, fabric=fabric, reason=reason,
                 cause=cause.get(name, "wake" if woken else ""),
@@ -558,10 +558,11 @@ def _woken(memory: SchedulerMemory, name: str, running: list[ReplicaView]) -> st
 
 
 def _download_note(files_by_source: dict[str, list[tuple[str, list[m.HeldSource]]]], spec: m.ModelSpec,
-                   held: set[str]) -> str:
-    """What a placement on a node without the spec's files costs, for its reason."""
+                   held: set[str], avoid: set[str]) -> str:
+    """What a placement on a node without the spec's files costs, and why not a holder, for its reason."""
     size = expected_bytes_of(files_by_source, spec)
     dl = f"downloads {gib(size)} first" if size else "downloads them first"
-    if held:
-        return f"its files are only on {', '.join(sorted(held)[:4])}, which have no room: {dl}"
-    return f"its files are on no node: {dl}"
+    if not held:
+        return f"its files are on no node: {dl}"
+    why = ("each already serves it" if held <= avoid else "serving it or full" if held & avoid else "no room there")
+    return f"its files are only on {', '.join(sorted(held)[:4])} ({why}): {dl}"
