@@ -234,14 +234,18 @@ async def test_a_checkpoint_is_fetched_into_the_hf_cache_without_other_formats(
         bus: Bus, hub: Hub, fleet_file: Path, tmp_path: Path) -> None:
     spec = m.ModelSpec(name="tiny-vllm", source=CKPT, precision="bf16", engine="vllm", gpu_class="H100-80GB",
                        context=4096)
+    hub.corrupt = 1  # the first body served (config.json: a small file, its git sha1 disagrees)
     keeper = keeper_for(tmp_path)
     async with running(agent_with(bus, fleet_file, keeper)):
         await prefetch(bus, spec)
         (done,) = await finished(bus)
         await keeper.outbox.flush()  # type: ignore[union-attr]
-    assert done.ok, done.reason
-    assert sorted(s.rsplit("/", 1)[-1].split()[0] for s in hub.served) == ["config.json", "model.safetensors",
-                                                                           "tokenizer.json"]
+    assert done.ok and done.mismatches == 1 and done.files == 3, done
+    assert sorted(s.rsplit("/", 1)[-1].split()[0] for s in hub.served) == ["config.json", "config.json",
+                                                                           "model.safetensors", "tokenizer.json"]
+    snapshot = tmp_path / "hf" / "models--acme--tiny" / "snapshots" / hub.repos[CKPT].commit
+    assert (snapshot / "config.json").read_bytes() == hub.repos[CKPT].files["config.json"]
+    assert (snapshot / "model.safetensors").read_bytes() == SHARD
     (held,) = scan_hf_cache(tmp_path / "hf")
     assert held.complete and {f.path for f in held.files} == {"config.json", "model.safetensors", "tokenizer.json"}
     assert holders(fold(await stored(bus, subjects.STREAM_FLEET, limit_s=10)).files, spec) == {"h100-a-03"}
