@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,9 @@ async def test_prefetch_pin_and_files_as_an_operator_sees_them(
         assert result.exit_code == 0 and result.output.startswith("pinned tiny: no agent evicts its files"), result.output
         result = await ctl(settings, "files")
         assert result.output == f"tiny    0.3 MiB  on 1 node: {NODE}  (pinned)\n"
+        (row,) = json.loads((await ctl(settings, "files", "tiny", "--json")).output)
+        assert (row["name"], row["source"], row["nodes"], row["pinned"], row["fetching"], row["failed"]) == (
+            "tiny", "acme/tiny-GGUF", [NODE], True, [], [])
         again = await ctl(settings, "prefetch", "tiny", "--nodes", NODE)
         assert again.output.endswith(f"): none fetch; {NODE} hold them already\n"), again.output
     result = await ctl(settings, "unpin", "tiny")
