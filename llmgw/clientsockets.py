@@ -3,6 +3,14 @@
 A client is an IPv4 address or an IPv6 /64 (one host is given a whole /64). Past ``cap``
 open sockets from one client a new one is closed before a byte is read; 0 is no cap
 (behind a load balancer every socket is the balancer's).
+
+And what a request their parser refused may put in a log line: never a credential.
+aiohttp's parser quotes the line it choked on (``Invalid header value char: b'Authorization:
+Bearer sk-…\\x01'``), or just the value (``Got more than 8190 bytes when reading: b'Bearer
+sk-…'``): a malformed ``Authorization`` header would otherwise write the caller's whole secret
+into the router's or the dashboard's log, and into the 400 it answers. So every quoted piece of
+the request is cut to its header name (a bare value or request line to its length), and
+whatever follows a word that introduces a credential is dropped.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 from collections import Counter
 from typing import Any
 
@@ -82,3 +91,33 @@ class CountedConnection(web.RequestHandler):
             return  # refused in connection_made: aiohttp never saw it
         self._sockets.release(client)
         super().connection_lost(exc)
+
+
+# --- what a refused request may put in the log ---------------------------------------
+
+MAX_REASON = 200
+# A Python literal of the client's bytes (or text) as a parser quotes it, escapes included.
+_QUOTED = re.compile(r"""b?(['"])(?:\\.|(?!\1).)*?\1""", re.DOTALL)
+_NAME = re.compile(r"([!#$%&*+\-.^_`|~0-9A-Za-z]{1,64})\s*:")
+# Anything after these, up to the end of the line, may be a credential.
+_CREDENTIAL = re.compile(r"(?i)\b(proxy-authorization|authorization|bearer|basic|digest|cookie|api[-_]?key)\b(?!: … not logged\]).*")
+
+
+def _quoted(match: re.Match[str]) -> str:
+    inner = match.group(0)[1:-1] if match.group(0)[0] in "'\"" else match.group(0)[2:-1]
+    name = _NAME.match(inner)
+    return f"[{name.group(1)}: … not logged]" if name else f"[{len(inner)} characters not logged]"
+
+
+def redacted(text: str) -> str:
+    """``text`` on one line with no piece of the request it quotes and nothing after a credential's name."""
+    text = _QUOTED.sub(_quoted, " ".join(str(text).split()))
+    return _CREDENTIAL.sub(lambda mt: f"{mt.group(1)} … (not logged)", text)
+
+
+def unreadable(exc: BaseException | None, message: str | None = None) -> str:
+    """What aiohttp's parser said about a request, on one bounded line, with what it quoted of the request
+    left out (it may hold a credential)."""
+    cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
+    text = message or getattr(cause, "message", "") or str(cause or "") or type(cause).__name__
+    return redacted(str(text))[:MAX_REASON]

@@ -32,11 +32,12 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod
 
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
-from llmgw.clientsockets import ClientSockets, CountedConnection, client_of
+from llmgw.clientsockets import ClientSockets, CountedConnection, client_of, unreadable
 from llmgw.dashboard.page import login_page, page, render
 from llmgw.errors import BusError, ConfigError, LlmgwError, NoServiceError
 
@@ -56,6 +57,23 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
+
+
+class _Connection(CountedConnection):
+    """A connection whose request aiohttp's parser refuses is answered with one line in the log, the
+    request's quoted bytes left out (aiohttp's own logs a traceback quoting them, a malformed
+    ``Authorization`` header's secret included)."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:  # the dashboard's own failure: aiohttp's answer and its traceback
+            return super().handle_error(request, status, exc, message)
+        reason = unreadable(exc, message)
+        quiet = isinstance(exc, BadHttpMethod)  # not HTTP at all (TLS, a port scan): not worth a warning
+        (log.debug if quiet else log.warning)("dashboard: unreadable request from %s: %s", request.remote, reason)
+        resp = web.json_response({"error": f"the request could not be read: {reason}"}, status=status)
+        resp.force_close()  # the parser has lost its place in the stream
+        return resp
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
@@ -446,8 +464,8 @@ class Dashboard:
         assert server is not None
         loop = asyncio.get_running_loop()
 
-        def connection() -> CountedConnection:
-            return CountedConnection(server, self.sockets, loop=loop, access_log=None,
+        def connection() -> _Connection:
+            return _Connection(server, self.sockets, loop=loop, access_log=None,
                                      keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.idle_s)
 
         try:

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.clientsockets import unreadable
 from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
 from llmgw.fleet.pool import Adapter
 from llmgw.messages.usage import ANONYMOUS_CALLER
@@ -84,13 +85,6 @@ def _size_text(n: int) -> str:
         if n >= scale:
             return f"{n} bytes ({n / scale:g} {unit})"
     return f"{n} bytes"
-
-
-def unreadable(exc: BaseException | None, message: str | None = None) -> str:
-    """What aiohttp's parser said about a request, on one bounded line (it quotes the client's bytes)."""
-    cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
-    text = message or getattr(cause, "message", "") or str(cause or "") or type(cause).__name__
-    return " ".join(str(text).split())[:200]
 
 
 class Gateway:

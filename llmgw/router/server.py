@@ -32,13 +32,13 @@ from aiohttp import http_exceptions, web
 
 from llmgw import messages as m
 from llmgw.bus import Bus
-from llmgw.clientsockets import ClientSockets, CountedConnection
+from llmgw.clientsockets import ClientSockets, CountedConnection, unreadable
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
-from llmgw.router.gateway import ROUTES, Gateway, unreadable
+from llmgw.router.gateway import ROUTES, Gateway
 from llmgw.router.idle import IdleFor, IdleTracker
 from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
