@@ -6,14 +6,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
+import msgspec
 import pytest
+from projection_events import small_fleet
+from streams import fresh_streams, publish
+from test_keys import declared
+from test_snapshots import _forge, restarted_router
 
+from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.clientsockets import unreadable
 from llmgw.dashboard.app import Dashboard
+from llmgw.fleet.fold import Checkpoint
+from llmgw.fleet.replay import replay
 from llmgw.router.server import Router
 
 SECRET = "sk-llmgw-0123456789abcdef-THE-SECRET-PART"
@@ -94,3 +102,51 @@ def test_what_a_parser_quotes_of_a_request_is_left_out(said: str) -> None:
     line = unreadable(None, said)
     assert SECRET[8:] not in line and "\n" not in line, line
     assert "not logged" in line, line  # a person still sees that something was left out, and where
+
+
+# --- finding 2: a forged fold snapshot's keys ---------------------------------------------------------
+
+_, KEPT = declared("kept", requests_per_minute=10, tokens_per_day=1000)
+_, GONE = declared("gone")
+_, EVIL_KEY = declared("evil", priority="high")
+
+
+def _added(c: Checkpoint) -> None:
+    c.state.keys["evil"] = EVIL_KEY  # a key the streams never declared, high priority, no limits
+
+
+def _revived(c: Checkpoint) -> None:
+    c.state.keys["gone"] = GONE  # a revoked key brought back, as it was declared
+
+
+def _unlimited(c: Checkpoint) -> None:
+    c.state.keys["kept"] = msgspec.structs.replace(KEPT, requests_per_minute=None, tokens_per_day=None)
+
+
+@pytest.mark.parametrize("change, why", [
+    (_added, "key 'evil' is not live"),
+    (_revived, "key 'gone' is not live"),
+    (_unlimited, "key 'kept' is not what"),
+])
+async def test_a_snapshot_cannot_add_bring_back_or_unlimit_a_key(
+        bus: Bus, change: Callable[[Checkpoint], None], why: str) -> None:
+    await fresh_streams(bus)
+    await publish(bus, [*small_fleet()[:17], KEPT, GONE, m.KeyRevoked(at=m.utcnow(), name="gone")])
+    forged = await _forge(bus, change)
+    warned: list[str] = []
+    c = await replay(bus, warn=warned.append)
+    assert len(warned) == 1 and forged in warned[0] and why in warned[0], warned
+    assert set(c.state.keys) == {"kept"} and c.state.keys["kept"] == KEPT
+    # A router started now admits by the stream's keys, never the snapshot's.
+    sink = await restarted_router(bus)
+    assert sink.started_from != forged
+    assert {k.name: k for k in sink.keys_by_id.values()} == {"kept": KEPT}
+
+
+async def test_a_snapshot_whose_keys_are_the_streams_is_used(bus: Bus) -> None:
+    await fresh_streams(bus)
+    await publish(bus, [*small_fleet()[:17], KEPT, GONE, m.KeyRevoked(at=m.utcnow(), name="gone")])
+    honest = await _forge(bus, lambda c: None)
+    sink = await restarted_router(bus)
+    assert sink.started_from == honest
+    assert {k.name for k in sink.keys_by_id.values()} == {"kept"}

@@ -21,6 +21,10 @@ control-stream sequence it came from (a replica's placement, the report that set
 its endpoint, in the fold and in the routers' pool), and a reader that follows the
 control stream fetches those messages (one direct get each) and compares them
 before it uses the snapshot; one that disagrees is skipped like a bad checksum.
+API keys carry no sequence: the key messages up to the snapshot's position are
+read again (one filtered read of ``llmgw.control.key.>``, small beside the
+stream) and the keys they leave must be the snapshot's, record for record, so a
+forged snapshot can neither add a key, bring back a revoked one, nor lift a limit.
 
 Retention (applied by the projector after each write): the newest ``KEEP_NEWEST``,
 then the newest of each hour for a week, then the newest of each day for 90 days.
@@ -40,7 +44,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import BusError
 from llmgw.fleet.fold import Checkpoint, decode_state
-from llmgw.fleet.state import FOLD_VERSION, Cursor
+from llmgw.fleet.state import FOLD_VERSION, Cursor, clamp_times
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus
@@ -228,7 +232,7 @@ def _reported(rid: str, endpoint: str, nodes: tuple[str, ...]) -> Callable[[m.Ev
 
 
 async def unfounded(bus: Bus, c: Checkpoint, control_last: int) -> str:
-    """Why a snapshot's placements and endpoints are not what the control stream holds, or ""."""
+    """Why a snapshot's placements, endpoints and API keys are not what the control stream holds, or ""."""
     if why := inconsistent(c):
         return why
     checks = claims(c)
@@ -263,6 +267,9 @@ async def unfounded(bus: Bus, c: Checkpoint, control_last: int) -> str:
             return f"{what}: {subjects.STREAM_CONTROL}:{seq} {event}"
         if not says(event):
             return f"{what} is not what {subjects.STREAM_CONTROL}:{seq} says"
+    # The keys a router admits by: exactly those the control stream's key messages leave at its position.
+    if why := _keys_differ(c.state.keys, await keys_at(bus, cursor)):
+        return why
     # A replica stopped after its placement, by the snapshot's own position, is no longer there.
     placed = {r.replica_id: r.placed_seq for r in c.state.replicas.values()}
     placed.update({p.replica_id: p.placed_seq for p in c.pool.replicas.values()})
@@ -270,6 +277,52 @@ async def unfounded(bus: Bus, c: Checkpoint, control_last: int) -> str:
     for (rid, at), stop in zip(placed.items(), stops, strict=True):
         if at < stop <= cursor:
             return f"replica {rid} was stopped at {subjects.STREAM_CONTROL}:{stop}, after its placement at {at}"
+    return ""
+
+
+KEY_SUBJECTS = f"{subjects.PREFIX}.control.key.>"  # every key declared or revoked (the admin role's only)
+
+
+async def keys_at(bus: Bus, cursor: int) -> dict[str, m.KeyDeclared]:
+    """The live API keys as the control stream leaves them at ``cursor``: its key messages (one filtered
+    read), folded as every fold folds them (an event is believed only on its own subject, at its clamped time)."""
+    keys: dict[str, m.KeyDeclared] = {}
+    if cursor <= 0:
+        return keys
+    reader = bus.reader(subjects.STREAM_CONTROL, 1, stop_at=cursor, filter_subjects=[KEY_SUBJECTS],
+                        purpose="checks a fold snapshot's keys")
+    async for batch in reader.batches():
+        events: list[m.Event] = []
+        stored: list[int] = []
+        for raw in batch:
+            if raw.seq > cursor:
+                break
+            try:
+                event = m.CONTROL_DECODER.decode(raw.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # every fold skips it too
+            if subjects.disagrees(raw.subject, event) is None:
+                events.append(event)
+                stored.append(raw.ts_ns)
+        clamp_times(events, stored)
+        for folded in events:
+            if isinstance(folded, m.KeyDeclared):
+                keys[folded.name] = folded
+            elif isinstance(folded, m.KeyRevoked):
+                keys.pop(folded.name, None)
+    return keys
+
+
+def _keys_differ(said: dict[str, m.KeyDeclared], held: dict[str, m.KeyDeclared]) -> str:
+    """How a snapshot's keys differ from the control stream's at its position, or ""."""
+    for name in sorted(said):
+        if name not in held:
+            return f"its key {name!r} is not live in {subjects.STREAM_CONTROL} at its position (never declared, or revoked)"
+        if said[name] != held[name]:
+            return f"its key {name!r} is not what {subjects.STREAM_CONTROL} last declared for it"
+    for name in sorted(held):
+        if name not in said:
+            return f"it leaves out the key {name!r}, live in {subjects.STREAM_CONTROL} at its position"
     return ""
 
 
