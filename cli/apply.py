@@ -19,6 +19,7 @@ from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import parse_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
+from llmgw.messages import name_problem
 
 MAX_ENTRIES = 1000
 
@@ -31,6 +32,8 @@ def read_asks(path: Path) -> list[Ask]:
         raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise LlmgwError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:  # the parser recurses per level of nested arrays and inline tables
+        raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be declarations") from None
     extra = set(doc) - {"model"}
     if extra:
         raise LlmgwError(f"{path}: unknown top-level key(s) {', '.join(sorted(extra))}; declarations are [[model]] "
@@ -43,7 +46,9 @@ def read_asks(path: Path) -> list[Ask]:
     asks: list[Ask] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
-        at = f"{path}: model[{i}]" + (f" ({entry['name']})" if isinstance(entry, dict) and "name" in entry else "")
+        name = entry.get("name") if isinstance(entry, dict) else None
+        named = isinstance(name, str) and name_problem(name, "name", model=True) is None
+        at = f"{path}: model[{i}]" + (f" ({name})" if named else "")
         if not isinstance(entry, dict):
             raise LlmgwError(f"{at}: must be a table ([[model]])")
         fields: dict[str, Any] = dict(entry)
@@ -60,6 +65,8 @@ def read_asks(path: Path) -> list[Ask]:
         except msgspec.ValidationError as e:
             raise LlmgwError(f"{at}: {e}; the keys are deploy's options with underscores "
                              "(examples/models.toml)") from None
+        if (why := name_problem(ask.name, "name", model=True)) is not None:  # as deploy checks its NAME
+            raise LlmgwError(f"{at}: {why}") from None
         if ask.name in seen:
             raise LlmgwError(f"{at}: a second entry named {ask.name!r}; each model once")
         seen.add(ask.name)

@@ -93,6 +93,13 @@ async def test_the_same_deploy_twice_restarts_nothing_even_when_the_plan_moved(b
      '[[model]]\nname = "a"\nmodel = "Qwen/Qwen2.5-14B-Instruct"\ncontext = 4096', "a second entry named 'a'"),
     ('[[model]]\nname = "a"\nmodel = "Qwen/Qwen2.5-14B-Instruct"\nidle_ttl = "soon"', "idle_ttl"),
     ('[models]\nname = "a"', "unknown top-level key(s) models"),
+    # Issue 45: a name deploy refuses is refused here too (no reader could decode it), and so is one
+    # that is not text; TOML nested past what the parser recurses is an error, not a traceback.
+    ('[[model]]\nname = "../../etc"\nmodel = "Qwen/Qwen2.5-14B-Instruct"', "name must be 1 to 128 letters"),
+    ('[[model]]\nname = "a b"\nmodel = "Qwen/Qwen2.5-14B-Instruct"', "(got 'a b')"),
+    ('[[model]]\nname = "' + "n" * 5000 + '"\nmodel = "Qwen/Qwen2.5-14B-Instruct"', "(5,000 characters)"),
+    ("x = " + "[" * 5000 + "]" * 5000, "nested too deeply"),
+    ("[[model]]\nname = \"a\"\nengine_args = " + "{a=" * 3000 + "1" + "}" * 3000, "nested too deeply"),
     ("[[model]\n", "not valid TOML"),
     ('[[model]]\nname = "ok"\nmodel = "Qwen/Qwen2.5-14B-Instruct"\ncontext = 4096\n'
      '[[model]]\nname = "huge"\nmodel = "deepseek-ai/DeepSeek-V3"\ncandidate = 1\ngpu_class = "H100-80GB"',
