@@ -34,12 +34,12 @@ def read_asks(path: Path) -> list[Ask]:
         raise LlmgwError(f"{path} is not valid TOML: {e}") from None
     except RecursionError:  # the parser recurses per level of nested arrays and inline tables
         raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be declarations") from None
-    extra = set(doc) - {"model"}
+    extra = set(doc) - {"model", "adapter"}
     if extra:
         raise LlmgwError(f"{path}: unknown top-level key(s) {', '.join(sorted(extra))}; declarations are [[model]] "
-                         "tables (see examples/models.toml)")
+                         "and [[adapter]] tables (see examples/models.toml)")
     entries = doc.get("model", [])
-    if not isinstance(entries, list) or not entries:
+    if not isinstance(entries, list) or (not entries and not doc.get("adapter")):
         raise LlmgwError(f"{path} declares no model; add a [[model]] table with name and model (examples/models.toml)")
     if len(entries) > MAX_ENTRIES:
         raise LlmgwError(f"{path} declares {len(entries)} models; at most {MAX_ENTRIES} in one file")
@@ -74,6 +74,37 @@ def read_asks(path: Path) -> list[Ask]:
     return asks
 
 
+class AdapterEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An ``[[adapter]]`` table: ``ctl adapter add NAME SOURCE --base BASE``."""
+
+    name: str
+    source: str
+    base: str
+
+
+def read_adapters(path: Path) -> list[AdapterEntry]:
+    """The ``[[adapter]]`` entries of a declarations file (read after ``read_asks`` has checked the file)."""
+    entries = tomllib.loads(path.read_text()).get("adapter", [])
+    if not isinstance(entries, list):
+        raise LlmgwError(f"{path}: adapter must be [[adapter]] tables")
+    if len(entries) > MAX_ENTRIES:
+        raise LlmgwError(f"{path} declares {len(entries)} adapters; at most {MAX_ENTRIES} in one file")
+    out: list[AdapterEntry] = []
+    for i, entry in enumerate(entries):
+        at = f"{path}: adapter[{i}]"
+        try:
+            a = msgspec.convert(entry, AdapterEntry)
+        except msgspec.ValidationError as e:
+            raise LlmgwError(f"{at}: {e}; an adapter has name, source and base (ctl adapter add's)") from None
+        for key in ("name", "base"):
+            if (why := name_problem(getattr(a, key), key, model=True)) is not None:
+                raise LlmgwError(f"{at}: {why}") from None
+        if a.name in {x.name for x in out}:
+            raise LlmgwError(f"{at}: a second adapter named {a.name!r}; each adapter once")
+        out.append(a)
+    return out
+
+
 @click.command("apply")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--replan", is_flag=True, help="Publish the plans' figures afresh even for entries that did not change.")
@@ -88,9 +119,10 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
     FILE holds [[model]] tables whose keys are deploy's options with underscores
     (name, model, candidate, precision, tp, context, replicas, min_replicas,
     max_replicas, idle_ttl = "2h", routing, engine_args, exclusive = true,
-    gpu_memory_utilization = 0.3, ...). Every entry is
-    planned first: one that does not fit publishes nothing at all. Models declared
-    but not in FILE are left as they are (`ctl model remove` removes one).
+    gpu_memory_utilization = 0.3, max_adapters, ...), and [[adapter]] tables
+    (name, source, base: `ctl adapter add`'s), added once the models are. Every
+    model is planned first: one that does not fit publishes nothing at all. Models
+    declared but not in FILE are left as they are (`ctl model remove` removes one).
 
     \b
     Example:
@@ -100,6 +132,7 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
     from llmgw import ctl
 
     asks = read_asks(file)
+    lora = read_adapters(file)
     specs = []
     for ask in asks:
         try:
@@ -109,11 +142,18 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
         except LlmgwError as e:
             raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
     done = [run(ctl.declare(settings, spec, replan=replan, asked=ask.asked)) for ask, spec in zip(asks, specs, strict=True)]
+    added = [run(ctl.adapters.add(settings, a.name, a.base, a.source, models_dir)) for a in lora]
     if as_json:
-        echo_json([declaration_json(d) for d in done])
+        echo_json([declaration_json(d) for d in done] + [
+            {"adapter": msgspec.to_builtins(a.adapter), "seq": a.seq, "base_seq": a.base_seq, "unchanged": a.unchanged}
+            for a in added])
         return
     for d in done:
         echo_declaration(d)
+    for a in added:
+        state = "unchanged" if a.unchanged else "declared"
+        rolled = f"; {a.adapter.base} re-declared with it attached (a roll)" if a.base_seq is not None else ""
+        click.echo(f"{state} adapter {a.adapter.name} on {a.adapter.base} ({a.adapter.format}, rank {a.adapter.rank}){rolled}")
     changed = sum(d.seq is not None for d in done)
     click.echo(f"{len(done)} model{'s' if len(done) != 1 else ''} in {file}: {changed} declared or changed, "
                f"{len(done) - changed} unchanged")

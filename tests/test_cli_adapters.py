@@ -97,3 +97,21 @@ def test_ctl_idle_names_the_adapters_nobody_asked_for(settings: Settings, demo: 
     assert [a["name"] for a in json.loads(out.output)["adapters_idle"]] == ["b"]  # a was asked for (anonymously)
     text = ctl(settings, "ctl", "idle", "--older-than", "1h", "--replay")
     assert "LoRA adapters nobody asked for in 1h: b (hf)" in text.output
+
+
+def test_apply_takes_adapter_entries_once(settings: Settings, demo: dict[str, Path], tmp_path: Path) -> None:
+    publish(settings, [base("tiny", demo["tiny"], "llama.cpp")], fresh=True)
+    file = tmp_path / "lora.toml"
+    file.write_text("".join(f'[[adapter]]\nname = "{n}"\nsource = "{demo["tiny"] / "loras" / f"{n}.gguf"}"\n'
+                            'base = "tiny"\n\n' for n in ("sql", "law")))
+    first = ctl(settings, "apply", str(file))
+    assert first.exit_code == 0, first.output
+    assert "declared adapter sql on tiny (gguf, rank 8); tiny re-declared with it attached" in first.output
+    last = [e.spec for e in control(settings) if isinstance(e, m.ModelDeclared)][-1]
+    assert [a.name for a in last.adapters] == ["sql", "law"]
+    again = ctl(settings, "apply", str(file))
+    assert again.exit_code == 0 and again.output.count("unchanged adapter") == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[adapter]]\nname = "x"\nsource = "y"\nbase = "tiny"\nrank = 8\n')
+    refused = ctl(settings, "apply", str(bad))
+    assert refused.exit_code == 1 and "adapter[0]" in refused.output and "rank" in refused.output
