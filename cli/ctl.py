@@ -45,9 +45,10 @@ def adapter() -> None:
     """LoRA adapters on a declared base model: add, remove, list."""
 
 
-@ctl.group(cls=LazyGroup, lazy={"retire": "llmgw.cli.nodes:retire"})
+@ctl.group(cls=LazyGroup, lazy={"cordon": "llmgw.cli.nodes:cordon", "drain": "llmgw.cli.nodes:drain",
+                                "uncordon": "llmgw.cli.nodes:uncordon", "retire": "llmgw.cli.nodes:retire"})
 def node() -> None:
-    """Take a node that is gone for good out of the fleet."""
+    """Node maintenance: cordon, drain, uncordon; retire a node that is gone for good."""
 
 
 @ctl.group(cls=LazyGroup, lazy={"create": "llmgw.cli.keys:create", "list": "llmgw.cli.keys:list_keys",

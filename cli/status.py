@@ -176,6 +176,8 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
         f"{f' ({states})' if states else ''} · {plural(r.unprojected_events, 'unprojected event')}"
         f"{f' · {r.clamped_events} folded at their store time (clock off)' if r.clamped_events else ''}",
     )
+    for node, why in r.cordoned.items():
+        console.print(f"node {node}: {why} (nothing new is placed on it; `llmgw ctl node uncordon {node}`)")
     if r.model_states:
         counts = Counter(r.model_states.values())
         order = ("serving", "starting", "failing", "parked", "unplaceable", "stopped")

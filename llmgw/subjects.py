@@ -200,6 +200,10 @@ def subject_for(event: m.Event) -> str:
             return usage_wanted(router)
         case m.AdapterLoaded(router=router) | m.AdapterUnloaded(router=router):
             return usage_adapter(router)
+        case m.NodeCordoned(node=node):
+            return f"{PREFIX}.control.node.{token(node)}.cordoned"
+        case m.NodeUncordoned(node=node):
+            return f"{PREFIX}.control.node.{token(node)}.uncordoned"
         case m.AdapterDeclared(spec=spec):
             return adapter(spec.name, "declared")
         case m.AdapterRemoved(name=name):

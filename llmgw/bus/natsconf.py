@@ -154,6 +154,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             f"{P}.fleet.*.returned",
             f"{P}.control.model.*.unplaceable",
             f"{P}.control.model.*.autoscaled",
+            f"{P}.control.node.*.cordoned",  # quarantine after fatal GPU faults
             f"{P}.control.replica.*.placed",
             f"{P}.control.replica.*.stopped",
             *_read(FLEET, CONTROL, USAGE, HEARTBEAT),
@@ -169,6 +170,8 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
             f"{P}.control.model.*.prefetch",  # `ctl model prefetch`, `ctl model pin/unpin`
             f"{P}.control.model.*.pinned",
             f"{P}.control.adapter.*.declared",  # `ctl adapter add`
+            f"{P}.control.node.*.cordoned",  # `ctl node cordon`, `drain`
+            f"{P}.control.node.*.uncordoned",
             f"{P}.control.adapter.*.removed",
             f"{P}.control.replica.*.stopped",  # `ctl idle --stop`
             s.PLAN,

@@ -38,6 +38,7 @@ from llmgw.ctl.ask import (
 from llmgw.ctl.declare import (
     DERIVED,
     Declaration,
+    cordon_node,
     declare,
     inject_fault,
     key_digest,
@@ -53,7 +54,7 @@ from llmgw.ctl.declare import (
 from llmgw.ctl.plan import choose, gguf_file, local_model, plan, plan_locally, plan_remotely
 
 __all__ = [
-    "CATCH_UP_S", "DERIVED", "adapters", "files", "STATUS_WAIT_S", "Declaration", "Entry", "Notice", "Progress", "choose", "connect",
+    "CATCH_UP_S", "DERIVED", "adapters", "files", "STATUS_WAIT_S", "Declaration", "Entry", "Notice", "Progress", "choose", "connect", "cordon_node",
     "declare", "fetch_idle", "fetch_status", "first_stored", "gguf_file", "inject_fault", "involves_model",
     "involves_node", "key_digest", "keys", "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally",
     "plan_remotely", "prepare_up", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",

@@ -245,6 +245,25 @@ async def retire_node(settings: Settings, node: str, reason: str, *, force: bool
         await bus.close()
 
 
+async def cordon_node(settings: Settings, node: str, reason: str, *, drain: bool = False,
+                      uncordon: bool = False) -> tuple[int, list[str]]:
+    """Publish NodeCordoned (or NodeUncordoned) for a node in the fleet: its sequence, and the replicas on it."""
+    bus = await connect(settings, "llmgw-ctl-node")
+    try:
+        state = await replay_state(bus, (subjects.STREAM_FLEET, subjects.STREAM_CONTROL))
+        if node not in state.nodes:
+            names = ", ".join(sorted(state.nodes)) or "none"
+            raise LlmgwError(f"no node named {node!r} is in the fleet (nodes: {names}); see `llmgw ctl status`")
+        if uncordon and node not in state.cordoned:
+            raise LlmgwError(f"node {node} is not cordoned; nothing to do")
+        on = sorted(r.replica_id for r in state.replicas.values() if node in r.nodes)
+        event: m.Event = (m.NodeUncordoned(at=m.utcnow(), node=node) if uncordon else
+                          m.NodeCordoned(at=m.utcnow(), node=node, reason=reason, drain=drain))
+        return (await bus.publish(event)).seq, on
+    finally:
+        await bus.close()
+
+
 # --- the agents and llmgw up ---------------------------------------------------------------------------
 
 

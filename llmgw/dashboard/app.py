@@ -58,6 +58,19 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
 }
 
+# What a key's record holds that only the routers need (they read it from the control stream): an
+# open dashboard's readers are not theirs to have, however hard a digest is to reverse.
+KEY_SECRETS = ("salt", "digest")
+
+
+def public(event: m.Event) -> Any:
+    """An event as ``/api/status`` lists it: its fields, a key's salt and digest left out."""
+    doc = msgspec.to_builtins(event)
+    if type(event) is m.KeyDeclared:
+        for name in KEY_SECRETS:
+            doc.pop(name, None)
+    return doc
+
 
 class _Connection(CountedConnection):
     """A connection whose request aiohttp's parser refuses is answered with one line in the log, the
@@ -364,7 +377,7 @@ class Dashboard:
         if not self.clients:
             await self.refresh()
         body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(self.report),
-                "events": [msgspec.to_builtins(e) for e in reversed(self.events)]}
+                "events": [public(e) for e in reversed(self.events)]}
         return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
 
     def _refusal(self, client: str) -> web.Response | None:

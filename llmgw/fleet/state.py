@@ -44,8 +44,8 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # 10: LoRA adapters (declared, and which replica holds which); 11: which node holds which model
 # files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py);
 # 12: the models' history times each cold start's download (its agent fetching the files first);
-# 13: when each model and adapter was last asked for (the routers' maps).
-FOLD_VERSION = 13
+# 13: when each model and adapter was last asked for (the routers' maps); 14: cordoned nodes.
+FOLD_VERSION = 14
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -165,6 +165,9 @@ class FleetState:
     # engine, with when (the usage stream's; a stopped replica's entry goes with its next unload or
     # when no router reports it: ``adapters_held`` joins it to the replicas that exist).
     adapters: dict[str, m.AdapterSpec] = field(default_factory=dict)
+    # Nodes nothing new is placed on (ctl node cordon / drain, or the scheduler's quarantine).
+    cordoned: dict[str, m.NodeCordoned] = field(default_factory=dict)
+    uncordoned_at: dict[str, datetime] = field(default_factory=dict)  # an operator's last uncordon, per node
     loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
     # When a router's map last said a model or adapter was asked for (by any caller, anonymous ones too),
     # for the last ASKED_DAYS: the usage stream's alone (``status.adapter_status`` joins it to the declared).
@@ -466,6 +469,11 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 held.pop(event.adapter, None)
                 if not held:
                     del state.loaded[event.replica_id]
+        case m.NodeCordoned():
+            state.cordoned[event.node] = event
+        case m.NodeUncordoned():
+            state.cordoned.pop(event.node, None)
+            state.uncordoned_at[event.node] = event.at
         case m.AdapterDeclared(spec=adapter):
             state.adapters[adapter.name] = adapter
         case m.AdapterRemoved():

@@ -305,6 +305,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         near_limits=keys_near_limits(state, now),
         gpu_bookings=gpu_bookings(state) if replicas else (),
         adapters=adapter_status(state),
+        cordoned={n: (("draining" if c.drain else "cordoned") + (f": {c.reason}" if c.reason else "")
+                      if c.by == "operator" else c.reason) for n, c in sorted(state.cordoned.items())},
     )
 
 

@@ -242,7 +242,7 @@ class ReplicaOverBooked(Event, tag="ReplicaOverBooked", frozen=True, kw_only=Tru
 
 # Why a replica stops, as a code the scheduler decides on and analysts group by; ``reason`` is the
 # sentence for people. "" on events written before codes (readers derive one: ``stop_code``).
-STOP_CODES = ("idle", "scaled_down", "spec_changed", "removed", "gpu_unhealthy", "node_lost", "engine_failed",
+STOP_CODES = ("idle", "scaled_down", "spec_changed", "drained", "removed", "gpu_unhealthy", "node_lost", "engine_failed",
               "requested")
 # Why a model cannot be placed: no GPU of its class anywhere, or not enough free ones (or whole nodes).
 UNPLACEABLE_CODES = ("no_such_class", "no_room")
@@ -303,6 +303,23 @@ class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
     expires_at: Time | None = None
 
 
+class NodeCordoned(Event, tag="NodeCordoned", frozen=True, kw_only=True):
+    """Nothing new is placed on a node (``ctl node cordon``); with ``drain``, its replicas move off it one
+    by one, each new one healthy elsewhere before the old one stops (``ctl node drain``). The scheduler
+    cordons a node itself (``by`` = "quarantine") when it loses GPUs to fatal faults."""
+
+    node: Ref
+    reason: Text = ""
+    drain: bool = False
+    by: Label = "operator"  # operator | quarantine
+
+
+class NodeUncordoned(Event, tag="NodeUncordoned", frozen=True, kw_only=True):
+    """A cordoned node takes new replicas again (``ctl node uncordon``)."""
+
+    node: Ref
+
+
 class AdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """A LoRA adapter as its files state it (``llmgw.planner.adapters.read``), and the base it runs on."""
 
@@ -352,4 +369,6 @@ ControlEvent = (
     | AdapterRemoved
     | ModelPrefetchRequested
     | ModelPinned
+    | NodeCordoned
+    | NodeUncordoned
 )

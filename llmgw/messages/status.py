@@ -332,6 +332,8 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     # Every GPU some replica holds, with who booked how much of it: only when asked, with ``replicas``.
     gpu_bookings: tuple[GpuBooking, ...] = ()
     adapters: tuple[AdapterStatus, ...] = ()  # every declared LoRA adapter, and who holds it
+    # Nodes nothing new is placed on, with why ("draining: …", "quarantine: …", or the operator's reason).
+    cordoned: dict[str, str] = {}
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

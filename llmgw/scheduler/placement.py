@@ -19,7 +19,7 @@ import bisect
 import hashlib
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -29,6 +29,7 @@ from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
 from llmgw.fleet.files import by_source, expected_bytes_of, gib, holders_of
 from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, booking_mib, by_fabric
+from llmgw.scheduler.maintenance import quarantines
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
 BACKOFF_BASE_S = 5.0
@@ -80,13 +81,15 @@ class Room:
     a small replica finds the tightest GPU it fits by bisection instead of a walk over the fleet.
     """
 
-    def __init__(self, state: FleetState, booked: dict[tuple[str, int], int], gpu_class: str) -> None:
+    def __init__(self, state: FleetState, booked: dict[tuple[str, int], int], gpu_class: str,
+                 cordoned: Container[str] | None = None) -> None:
+        cordoned = state.cordoned if cordoned is None else cordoned
         self.whole: dict[str, list[GpuView]] = {}
         self.part: list[tuple[int, str, int]] = []
         self.part_free: dict[tuple[str, int], int] = {}  # the same by GPU: a node's GPUs without a search
         self.card_mib = 0  # the class's smallest card: a booking's size for the bisection
         for node in state.nodes.values():
-            if node.lost:
+            if node.lost or node.name in cordoned:  # cordoned: nothing new goes there
                 continue
             for g in node.gpus.values():
                 if g.gpu_class != gpu_class or not g.healthy:
@@ -377,6 +380,8 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
     target: dict[str, int] = {}
     why: dict[str, str] = {}
     cause: dict[str, str] = {}  # the ledger's code for the placements an autoscale causes
+    out += [Decision(event, msg_id) for event, msg_id in quarantines(state, now)]
+    cordoned = set(state.cordoned) | {d.event.node for d in out if isinstance(d.event, m.NodeCordoned)}
     for event_a, msg_id in autoscale(state, memory, now):
         out.append(Decision(event_a, msg_id))
         target[event_a.name] = event_a.replicas
@@ -399,7 +404,7 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
 
     def room_for(cls: str) -> Room:
         if cls not in room_by_class:
-            room_by_class[cls] = Room(state, booked, cls)
+            room_by_class[cls] = Room(state, booked, cls, cordoned)
         return room_by_class[cls]
 
     def stop(replica: ReplicaView, code: str, reason: str) -> None:
@@ -443,8 +448,9 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         replicas_wanted = target.get(name, model.replicas_wanted)
         wanted = max(replicas_wanted - memory.parked(name) - parked_now[name], 0)
         by_age = sorted(running, key=lambda r: (r.placed_at, r.replica_id))
-        current = [r for r in by_age if same_run(r.spec, spec)]
-        outdated = [r for r in by_age if not same_run(r.spec, spec)]
+        # A replica on a draining node is replaced as one of an old spec is: a new one elsewhere first.
+        current = [r for r in by_age if same_run(r.spec, spec) and not _draining(state, r)]
+        outdated = [r for r in by_age if not same_run(r.spec, spec) or _draining(state, r)]
         if len(current) > wanted:
             def scale_stop(r: ReplicaView, n: int = replicas_wanted) -> None:
                 stop(r, "scaled_down", f"scaled down to {n}")
@@ -455,7 +461,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
         healthy_new = sum(1 for r in current if r.state == "healthy")
         retire = max(len(outdated) - max(wanted - healthy_new, 0), 0)
         for replica in outdated[:retire]:
-            stop(replica, "spec_changed", "spec changed: replaced by a replica of the new spec")
+            if same_run(replica.spec, spec):  # it is on a draining node
+                stop(replica, "drained", f"draining {', '.join(replica.nodes)}: replaced by a replica elsewhere")
+            else:
+                stop(replica, "spec_changed", "spec changed: replaced by a replica of the new spec")
         outdated = outdated[retire:]
         running = current + outdated
         missing = wanted - len(current)
@@ -523,6 +532,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[De
                 key = _key(reason, model.declared_at, memory.count_changed_at.get(name, 0))
                 out.append(Decision(event_u, f"ModelUnplaceable:{name}:{n}:{key}"))
     return out
+
+
+def _draining(state: FleetState, replica: ReplicaView) -> bool:
+    return any((c := state.cordoned.get(n)) is not None and c.drain for n in replica.nodes)
 
 
 def _scale_down(state: FleetState, memory: SchedulerMemory, current: list[ReplicaView], extra: int,
