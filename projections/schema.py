@@ -67,7 +67,7 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("model", "VARCHAR", "the model the event is about, else NULL"),
         ("replica_id", "VARCHAR", "the replica the event is about, else NULL"),
         ("json", "VARCHAR", "the event as published (JSON; json->>'reason'); NULL for IdleMapPublished, "
-                            "whose content is in idle_history"),
+                            "whose content is in idle_history; a KeyDeclared without its salt and digest"),
     ]),
     "gpu_health": ("History: one row per GpuHealthChanged, a GPU whose health or reasons changed (only "
                    "changes are events; a node's inventory reports them all, see gpu_faults).", [

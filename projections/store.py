@@ -183,6 +183,13 @@ FROM (SELECT seq::BIGINT AS seq, subject, stored_ns::BIGINT AS stored_ns, json, 
                          unnest(string_split($4, ',')) AS stored_ns, unnest(string_split($5, chr(30))) AS json)))
 """  # (casting outside the unnest is a third faster than inside)
 
+# A key's salt and digest are the routers' (read from the control stream), never an analyst's: a
+# KeyDeclared is stored without them, and a file written before that loses them when it is opened.
+KEY_SECRETS = ("salt", "digest")
+KEY_PUBLIC = "json_merge_patch(json, '{" + ", ".join(f'"{k}": null' for k in KEY_SECRETS) + "}')::VARCHAR"
+FORGET_KEY_SECRETS = (f"UPDATE events SET json = {KEY_PUBLIC} WHERE type = 'KeyDeclared' AND ("
+                      + " OR ".join(f"json_exists(json, '$.{k}')" for k in KEY_SECRETS) + ")")
+
 # x: type, at, node, nodes[0], model, name, spec.name, replica_id, gpu_index, gpu_uuid,
 #    healthy, state, detail, reason, nodes, gpus, reasons (these three as JSON text, so that
 #    no query parses a whole payload a second time), code, observed_memory_mib, used_mib
@@ -190,7 +197,8 @@ _FROM_STAGE = """
 INSERT INTO events
 SELECT stream, seq, subject, CASE x[1] WHEN 'IdleChanges' THEN 'IdleMapPublished' ELSE x[1] END, ts,
        make_timestamptz(stored_ns // 1000), coalesce(x[3], x[4]),
-       coalesce(x[5], x[6], x[7]), x[8], CASE WHEN x[1] = 'IdleChanges' THEN NULL ELSE json END
+       coalesce(x[5], x[6], x[7]), x[8], CASE x[1] WHEN 'IdleChanges' THEN NULL
+                                              WHEN 'KeyDeclared' THEN @KEY_PUBLIC@ ELSE json END
 FROM stage_parsed;
 INSERT INTO gpu_health
 SELECT stream, seq, ts, x[3], x[9]::INTEGER, x[10], x[11]::BOOLEAN, coalesce(x[17]::JSON::VARCHAR[], []),
@@ -228,7 +236,8 @@ SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT, c[5]::
 FROM (SELECT stream, seq, ts, m, unnest(m.keys) AS c
       FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "keys": [["VARCHAR"]]}') AS m
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"keys":[[%'));
-""".replace("@XID@", XID.format(reasons="x[17]")).replace("@STOP_CODE@", STOP_CODE.format(reason="x[14]"))
+""".replace("@KEY_PUBLIC@", KEY_PUBLIC).replace("@XID@", XID.format(reasons="x[17]")).replace(
+    "@STOP_CODE@", STOP_CODE.format(reason="x[14]"))
 _CLEAR_STAGE = "DELETE FROM stage_parsed;"
 
 
@@ -462,6 +471,7 @@ class Store:
         try:
             con.execute("BEGIN TRANSACTION")
             con.execute(";\n".join(schema.statements()))
+            con.execute(FORGET_KEY_SECRETS)
             con.execute("COMMIT")
         except duckdb.Error as e:
             self.close()
@@ -673,6 +683,15 @@ def _open_read_only(source: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+# What the export leaves out: the projector's own resume point (its fold holds the keys' salts and
+# digests, which a resumed projector's snapshots must carry), and any key secret in a file a projector
+# of before this rule wrote and none has opened since.
+_EXPORTED = {
+    "projector_state": 'SELECT * EXCLUDE (checkpoint) FROM "projector_state"',
+    "events": f"SELECT * REPLACE (CASE WHEN type = 'KeyDeclared' THEN {KEY_PUBLIC} ELSE json END AS json) FROM events",
+}
+
+
 def copy_to_parquet(source: str | Path, dest: str | Path,
                     by_day: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int], datetime | None]:
     """Every table and view of ``source`` as Parquet under ``dest``; rows per table and per view, and the
@@ -699,18 +718,19 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
         as_of = row[0] if row else None
         for table in names:
             out[table] = con.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]  # type: ignore[index]
+            rows = _EXPORTED.get(table, f'SELECT * FROM "{table}"')
             if table in by_day:
                 where = dest / table
                 where.mkdir(parents=True, exist_ok=True)
                 if out[table]:
-                    con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM \"{table}\") "
+                    con.execute(f"COPY (SELECT *, (ts AT TIME ZONE 'UTC')::DATE AS day FROM ({rows})) "
                                 f"TO {_literal(where)} (FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE)")
                 else:  # one file with no rows: a reader's glob finds the table and its columns, not an error
                     (where / "day=1970-01-01").mkdir()
-                    con.execute(f"COPY (SELECT * FROM \"{table}\" LIMIT 0) TO "
+                    con.execute(f"COPY ({rows} LIMIT 0) TO "
                                 f"{_literal(where / 'day=1970-01-01' / 'data_0.parquet')} (FORMAT parquet)")
             else:
-                con.execute(f"COPY \"{table}\" TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
+                con.execute(f"COPY ({rows}) TO {_literal(dest / (table + '.parquet'))} (FORMAT parquet)")
         # The views too, as they read now (replica_lifetimes, gpu_hours_idle_daily, cold_starts, …): a tool
         # that reads Parquet has no SQL to run them with.
         views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal "

@@ -62,6 +62,9 @@ def test_every_table_lands_in_parquet_and_reads_back_the_same(db: Path, tmp_path
             read = (f"read_parquet('{where}/*/*.parquet', hive_partitioning = true)" if where.is_dir()
                     else f"read_parquet('{where}.parquet')")
             cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()]
+            if table == "projector_state":  # the projector's resume point stays its own (it holds key secrets)
+                assert "checkpoint" not in [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {read}").fetchall()]
+                cols.remove("checkpoint")
             mine = sorted(con.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall(), key=repr)
             theirs = sorted(con.execute(f"SELECT {', '.join(cols)} FROM {read}").fetchall(), key=repr)
             assert theirs == mine, table

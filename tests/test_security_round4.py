@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
+import duckdb
 import msgspec
 import pytest
+from analyst_history import project
 from projection_events import small_fleet
+from running import until
 from streams import fresh_streams, publish
 from test_keys import declared
 from test_snapshots import _forge, restarted_router
@@ -22,6 +28,8 @@ from llmgw.clientsockets import unreadable
 from llmgw.dashboard.app import Dashboard
 from llmgw.fleet.fold import Checkpoint
 from llmgw.fleet.replay import replay
+from llmgw.projections.export import export_parquet
+from llmgw.projections.store import Store
 from llmgw.router.server import Router
 
 SECRET = "sk-llmgw-0123456789abcdef-THE-SECRET-PART"
@@ -150,3 +158,56 @@ async def test_a_snapshot_whose_keys_are_the_streams_is_used(bus: Bus) -> None:
     sink = await restarted_router(bus)
     assert sink.started_from == honest
     assert {k.name for k in sink.keys_by_id.values()} == {"kept"}
+
+
+# --- finding 9: key salts and digests stay with the readers of control that need them ---------------
+
+
+def test_no_salt_or_digest_in_duckdbs_events_or_the_parquet_export(tmp_path: Path) -> None:
+    db = tmp_path / "llmgw.duckdb"
+    project(db, [*small_fleet(), KEPT]).close()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        (doc,) = [json.loads(r[0]) for r in con.execute("SELECT json FROM events WHERE type = 'KeyDeclared'").fetchall()]
+    finally:
+        con.close()
+    assert "salt" not in doc and "digest" not in doc, doc
+    assert doc["name"] == "kept" and doc["tokens_per_day"] == 1000  # what analysts read stays
+    out = tmp_path / "out"
+    export_parquet(db, out)
+    for f in out.rglob("*.parquet"):
+        data = f.read_bytes()
+        assert KEPT.salt.encode() not in data and KEPT.digest.encode() not in data, f
+
+
+async def test_the_dashboards_status_api_shows_keys_without_salt_or_digest(bus: Bus) -> None:
+    await publish(bus, [*small_fleet()[:5], KEPT])
+    async with a_dashboard(bus) as url, aiohttp.ClientSession() as s:
+        async def shown() -> str:
+            async with s.get(url + "api/status") as resp:
+                return await resp.text()
+
+        async def key_shown() -> bool:
+            return '"KeyDeclared"' in await shown()
+
+        await until(key_shown, "the key event on the dashboard")
+        text = await shown()
+    assert '"KeyDeclared"' in text and '"kept"' in text
+    assert KEPT.salt not in text and KEPT.digest not in text
+
+
+def test_a_file_written_before_keeps_no_key_secret_once_a_projector_opens_it(tmp_path: Path) -> None:
+    db = tmp_path / "llmgw.duckdb"
+    project(db, [*small_fleet(), KEPT]).close()
+    con = duckdb.connect(str(db))
+    try:  # as a projector of before this rule stored it: the payload as published
+        con.execute("UPDATE events SET json = ? WHERE type = 'KeyDeclared'", [m.encode(KEPT).decode()])
+    finally:
+        con.close()
+    Store(db).close()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        (doc,) = [json.loads(r[0]) for r in con.execute("SELECT json FROM events WHERE type = 'KeyDeclared'").fetchall()]
+    finally:
+        con.close()
+    assert "salt" not in doc and "digest" not in doc and doc["requests_per_minute"] == 10, doc
