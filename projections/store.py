@@ -41,7 +41,7 @@ from llmgw.fleet.state import (
     requests_moved,
 )
 from llmgw.projections import schema
-from llmgw.subjects import STREAM_CONTROL
+from llmgw.subjects import STREAM_CONTROL, STREAM_FLEET
 
 log = logging.getLogger(__name__)
 
@@ -241,11 +241,23 @@ FROM (SELECT stream, seq, ts, m, unnest(m.keys) AS c
 _CLEAR_STAGE = "DELETE FROM stage_parsed;"
 
 
+# A whole-card booking (mib 0) whose card no inventory had named when it was written takes the card's
+# memory once one does: the rows then do not depend on how the events were cut into commits (a crash
+# and a resume, or one long batch), only on the events.
+_CARDS_KNOWN = """
+UPDATE gpu_bookings SET booked_mib = coalesce(gpu_bookings.booked_mib, c.memory_mib), memory_mib = c.memory_mib
+FROM gpus c WHERE gpu_bookings.memory_mib IS NULL AND c.gpu_uuid = gpu_bookings.gpu_uuid;
+"""
+
+
 def _from_stage(chunks: list[Chunk]) -> str:
     """The history rows of the staged chunks; the bookings' only when the control stream is among them (its
-    events are few, the usage stream's idle maps most of a busy fleet's commits)."""
+    events are few, the usage stream's idle maps most of a busy fleet's commits), and the cards an
+    inventory names filled in where a booking waited for them."""
     control = any(c[0] == STREAM_CONTROL for c in chunks)
-    return _FROM_STAGE + (_BOOKINGS.replace("{source}", "stage_parsed") if control else "") + _CLEAR_STAGE
+    fleet = any(c[0] == STREAM_FLEET for c in chunks)
+    return (_FROM_STAGE + (_BOOKINGS.replace("{source}", "stage_parsed") if control else "")
+            + (_CARDS_KNOWN if control or fleet else "") + _CLEAR_STAGE)
 
 Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
 
