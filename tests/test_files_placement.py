@@ -200,3 +200,22 @@ def test_a_placement_without_the_files_pays_the_recorded_download_rate() -> None
     assert download_rate(w.state.downloaded) == (6 << 30) / 80.0  # verified downloads only
     assert fetch_s(w.state.files, w.state.downloaded, tiny(), ["n2"]) == 0.0  # holds them
     assert fetch_s(w.state.files, w.state.downloaded, tiny(), ["n3"]) == GGUF_SIZE / ((6 << 30) / 80.0)
+
+
+def test_what_if_takes_an_engines_start_up_without_the_download_and_adds_it_where_the_files_are_not() -> None:
+    from llmgw.whatif.meter import StartTimes
+
+    starts = StartTimes()
+    t = T0
+    spec = tiny()
+    for rid, fetch in (("tiny-r1", 0.0), ("tiny-r2", 60.0)):
+        starts.note(m.ReplicaPlaced(at=t, replica_id=rid, model="tiny", nodes=("n2",), gpus=(), spec=spec))
+        if fetch:
+            starts.note(m.ReplicaStateChanged(at=t + timedelta(seconds=0.5), replica_id=rid, model="tiny", node="n2",
+                                              state="starting", detail="fetching the files of acme/tiny-GGUF"))
+        starts.note(m.ReplicaStateChanged(at=t + timedelta(seconds=1 + fetch), replica_id=rid, model="tiny",
+                                          node="n2", state="starting"))
+        starts.note(m.ReplicaStateChanged(at=t + timedelta(seconds=3 + fetch), replica_id=rid, model="tiny",
+                                          node="n2", state="healthy"))
+    # r2's 60.5 s of download (fetching → its engine's own start) are not its engine's start-up.
+    assert starts.samples["tiny"] == [(1.0, 3.0), (0.5, 2.5)]

@@ -15,6 +15,7 @@ from datetime import datetime
 import msgspec
 
 from llmgw import messages as m
+from llmgw.fleet.files import FETCHING_DETAIL
 from llmgw.fleet.history import cause_of, percentile
 from llmgw.fleet.state import FleetState
 
@@ -267,6 +268,7 @@ class StartTimes:
     samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     placed: dict[str, tuple[str, datetime]] = field(default_factory=dict)  # open: rid → (model, placed_at)
     started: dict[str, float] = field(default_factory=dict)
+    fetching: dict[str, float] = field(default_factory=dict)  # open: when its agent began fetching its files
 
     def note(self, event: m.Event) -> None:
         kind = type(event)
@@ -278,25 +280,33 @@ class StartTimes:
             if opened is None:
                 return
             s = (event.at - opened[1]).total_seconds()
-            if event.state == "starting":  # type: ignore[attr-defined]
+            if event.state == "starting" and event.detail.startswith(FETCHING_DETAIL):  # type: ignore[attr-defined]
+                self.fetching.setdefault(rid, s)
+            elif event.state == "starting":  # type: ignore[attr-defined]
                 self.started.setdefault(rid, s)
             elif event.state == "healthy":  # type: ignore[attr-defined]
                 del self.placed[rid]
                 started = self.started.pop(rid, s)
-                self.samples.setdefault(opened[0], []).append((min(started, s), s))
+                # The engine's own start-up, without the download: a policy's placement pays that where
+                # its node lacks the files (``fetch_s``), not everywhere.
+                fetched = started - self.fetching.pop(rid) if rid in self.fetching else 0.0
+                self.samples.setdefault(opened[0], []).append((min(started, s) - fetched, s - fetched))
             elif event.state == "failed":  # type: ignore[attr-defined]
                 del self.placed[rid]
                 self.started.pop(rid, None)
+                self.fetching.pop(rid, None)
         elif kind is m.ReplicaStopped:
             self.placed.pop(event.replica_id, None)  # type: ignore[attr-defined]
             self.started.pop(event.replica_id, None)  # type: ignore[attr-defined]
+            self.fetching.pop(event.replica_id, None)  # type: ignore[attr-defined]
 
     def seed(self, starts: Iterable[m.ColdStart]) -> None:
         for c in starts:
             if c.healthy_at is not None:
                 h = (c.healthy_at - c.placed_at).total_seconds()
                 s = (c.started_at - c.placed_at).total_seconds() if c.started_at else h
-                self.samples.setdefault(c.model, []).append((min(s, h), h))
+                fetched = c.download_s or 0.0
+                self.samples.setdefault(c.model, []).append((min(s, h) - fetched, h - fetched))
 
     def of(self, model: str) -> tuple[float, float, str]:
         """(started, healthy) seconds after placement, and where they come from."""

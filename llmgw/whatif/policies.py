@@ -39,6 +39,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
+from llmgw.fleet.files import fetch_s
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.fleet.state import FleetState, ReplicaView, apply
 from llmgw.scheduler import placement as scheduler
@@ -126,6 +127,9 @@ class Sim:
                 apply(self.c.state, msgspec.structs.replace(inventory, at=since))
         else:
             self.c.state.nodes = nodes_shared.nodes
+            # What each node's disk holds, and the downloads it made, are the recorded fleet's too: a
+            # placement where the files are not pays the download (``_start``).
+            self.c.state.files, self.c.state.downloaded = nodes_shared.files, nodes_shared.downloaded
         for view in self.c.state.models.values():
             view.spec = policy.spec(view.spec)
         self.state = self.c.state
@@ -233,7 +237,9 @@ class Sim:
         if self.own_nodes:
             apply(self.state, event)
         node = getattr(event, "node", "")
-        if type(event) is not m.GpuHealthChanged:  # a node's inventory, lost, back, retired: a pass
+        if type(event) in (m.DownloadProgressed, m.DownloadFinished):
+            return  # a download going on changes no placement (a node's report of its files does)
+        if type(event) is not m.GpuHealthChanged:  # a node's inventory, lost, back, retired, files: a pass
             self._dirty(event.at)
             return
         if (node, event.gpu_index) in self.held_gpus:
@@ -361,6 +367,9 @@ class Sim:
         """An engine of the policy's own: starting, then healthy, after its model's ledger times."""
         r = self.state.replicas[rid]
         started, healthy, _ = self.starts.of(r.model)
+        # On nodes without its files, the engine starts only once they are fetched, at the recorded rate.
+        fetch = fetch_s(self.state.files, self.state.downloaded, r.spec, r.nodes)
+        started, healthy = started + fetch, healthy + fetch
         for state, after in (("starting", started), ("healthy", healthy)):
             for node in r.nodes:
                 self._later(r.placed_at + timedelta(seconds=after), m.ReplicaStateChanged(
