@@ -159,7 +159,16 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
 
 @contextmanager
 def serving(hub: Hub) -> Iterator[Hub]:
-    """Serve ``hub`` on a free local port (``hub.url``) until the block ends."""
+    """Serve ``hub`` on a free local port (``hub.url``) until the block ends.
+
+    huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported: a test before this one
+    that set it (as the planner's tests do, monkeypatched back afterwards) would leave it offline
+    for the whole process, and every fetch from this stand-in refused. Online while it serves.
+    """
+    from huggingface_hub import constants
+
+    was = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = False
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(hub))
     server.daemon_threads = True
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -171,3 +180,4 @@ def serving(hub: Hub) -> Iterator[Hub]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+        constants.HF_HUB_OFFLINE = was
