@@ -186,13 +186,22 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     if r.model_list:
         console.print("\nModels  (replicas healthy/wanted; idle: since anyone asked, - = no router knows)")
         models = Table(box=box.SIMPLE)
-        for col in ("model", "state", "replicas", "per replica", "GPUs held", "idle"):
-            models.add_column(col, justify="right" if col in ("replicas", "GPUs held", "idle") else "left")
+        files = any(s.files_nodes >= 0 for s in r.model_list)  # some agent reports its disk (--keep-files)
+        cols = ("model", "state", "replicas", "per replica", "GPUs held", "idle", *(("files on",) if files else ()))
+        for col in cols:
+            models.add_column(col, justify="right" if col in ("replicas", "GPUs held", "idle", "files on") else "left")
         for s in r.model_list[:limit]:
             models.add_row(s.name, s.state, f"{s.healthy}/{s.wanted}",
                            f"{s.gpus_per_replica} × {s.gpu_class} ({s.precision}, {plural(s.pp, 'node')})",
-                           str(s.gpus_held), human_duration(s.idle_s))
+                           str(s.gpus_held), human_duration(s.idle_s),
+                           *((plural(s.files_nodes, 'node') if s.files_nodes >= 0 else "-",) if files else ()))
         console.print(models)
+        for s in r.model_list:
+            for fetch in s.fetching:  # downloads in flight, as their agents last reported them
+                share = fetch.done / fetch.total if fetch.total else 0.0
+                bar = "█" * round(share * 20) + "░" * (20 - round(share * 20))
+                console.print(f"downloading {s.name} on {fetch.node}: {bar} {share:.0%} of "
+                              f"{fetch.total / (1 << 30):.2f} GiB at {fetch.rate / (1 << 20):.1f} MiB/s")
         if len(r.model_list) > limit:
             console.print(f"… and {len(r.model_list) - limit} more (--limit, `llmgw ctl model list`, or --json)\n")
     else:

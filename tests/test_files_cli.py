@@ -133,3 +133,27 @@ def test_an_agent_keeping_files_points_its_engines_at_them_and_keeps_them_offlin
     assert engines.config.models_dir == keeper.config.models_dir == tmp_path / "models"
     assert keeper.config.cache_max_bytes == 1 << 30 and engines.files_ready == keeper.ready
     assert _services("n1", {**opts, "keep_files": False})[0].files_ready is None
+
+
+def test_ctl_status_says_on_how_many_nodes_each_models_files_are_and_what_downloads() -> None:
+    import io
+
+    import msgspec
+    from rich.console import Console
+
+    from llmgw.cli.status import render
+    from llmgw.fleet.state import FleetState, apply
+    from llmgw.fleet.status import report
+
+    state = FleetState()
+    apply(state, m.ModelDeclared(at=m.utcnow(), spec=m.ModelSpec(
+        name="tiny", source="acme/tiny", precision="q4_K_M", engine="llama.cpp", gpu_class="L4-24GB", context=2048)))
+    r = report(state)
+    (s,) = r.model_list
+    fetch = m.FileFetch(node="n1", done=1 << 29, total=1 << 30, rate=50 * (1 << 20))
+    r = msgspec.structs.replace(r, model_list=(msgspec.structs.replace(s, files_nodes=2, fetching=(fetch,)),))
+    out = io.StringIO()
+    render(r, Console(file=out, width=160), limit=20)
+    text = out.getvalue()
+    assert "files on" in text and "2 nodes" in text
+    assert "downloading tiny on n1: ██████████░░░░░░░░░░ 50% of 1.00 GiB at 50.0 MiB/s" in text
