@@ -347,6 +347,25 @@ GROUP BY ALL
       "errors": "of them, 4xx or 5xx", "prompt_tokens": "prompt tokens (engines' usage)",
       "completion_tokens": "completion tokens", "cached_tokens": "prompt tokens from the prefix cache"}),
 
+    "adapter_idle": ("One row per LoRA adapter declared now: when anyone last asked for it through the routers "
+                     "(any caller, anonymous ones too) and for how long nobody has, as of the newest event.", """
+WITH declared AS (
+    SELECT json->'spec'->>'name' AS adapter, arg_max(json->'spec'->>'base', seq) AS base,
+           max(ts) AS declared_at
+    FROM events WHERE type = 'AdapterDeclared' GROUP BY 1
+), removed AS (
+    SELECT json->>'name' AS adapter, max(ts) AS removed_at FROM events WHERE type = 'AdapterRemoved' GROUP BY 1
+), asked AS (
+    SELECT model AS adapter, max(ts) AS last_request FROM usage_by_key WHERE requests > 0 GROUP BY 1
+)
+SELECT d.adapter, d.base, a.last_request,
+       epoch((SELECT max(ts) FROM events) - coalesce(a.last_request, d.declared_at)) AS idle_s
+FROM declared d LEFT JOIN removed r USING (adapter) LEFT JOIN asked a USING (adapter)
+WHERE r.removed_at IS NULL OR r.removed_at < d.declared_at
+""", {"adapter": "the adapter's name", "base": "the declared model it runs on",
+      "last_request": "when a router last counted a request for it (NULL: none in this history)",
+      "idle_s": "seconds nobody has asked for it, to the newest event (since its declaration when never asked)"}),
+
     "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
                          "replicas held GPUs) split by each tenant's share of its tokens that day; a day with no "
                          "tokens is the tenant '' (nobody to charge). Sums to the model's GPU-hours.", """

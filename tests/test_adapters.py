@@ -150,3 +150,30 @@ def test_duckdb_counts_what_keys_asked_of_each_adapter(tmp_path: Path) -> None:
 
     # ctl usage --by adapter reads the same view.
     assert usage_rows(tmp_path / "a.duckdb", "adapter", 3650) == [("sql", 3, 0, 30, 9, 0)]
+
+
+def test_duckdb_says_how_long_nobody_asked_for_each_adapter(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    import duckdb
+    from analyst_history import project
+
+    t0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
+
+    def declared(name: str) -> m.AdapterDeclared:
+        return m.AdapterDeclared(at=t0, spec=m.AdapterSpec(name=name, base="llama8", source=name, path=f"/a/{name}",
+                                                           format="peft", rank=8, alpha=16))
+
+    project(tmp_path / "i.duckdb", [
+        declared("sql"), declared("law"), declared("old"),
+        m.IdleMapPublished(at=t0 + timedelta(minutes=10), router="gw", boot_id="b", tick=1,
+                           callers={"-": {"sql": m.KeyUse(requests=1)}}),
+        m.AdapterRemoved(at=t0 + timedelta(minutes=20), name="old"),
+        m.IdleMapPublished(at=t0 + timedelta(hours=1), router="gw", boot_id="b", tick=2),
+    ]).close()
+    con = duckdb.connect(str(tmp_path / "i.duckdb"), read_only=True)
+    try:
+        rows = con.execute("SELECT adapter, idle_s FROM adapter_idle ORDER BY adapter").fetchall()
+    finally:
+        con.close()
+    assert rows == [("law", 3600.0), ("sql", 3000.0)]  # old was removed; law never asked: since declared
