@@ -128,10 +128,14 @@ async def what_if(bus: Bus, *, since: datetime, until: datetime, policies: list[
     if not held:
         raise WhatIfError("the streams hold no history yet: nothing to replay")
     first = stored_at(min(x.ts_ns for x in held))
-    if since < first:
-        raise WhatIfError(f"--since {_ts(since)} is before the first event stored ({_ts(first)}); "
-                          f"give --since {first:%Y-%m-%dT%H:%M:%S} or later")
     notes: list[str] = []
+    if since < first:
+        # A window that starts before the history starts where the history does (as a TTL longer than the
+        # window is taken), said in a note: `--since 1h` on a younger control plane is the common case.
+        if first >= until:
+            raise WhatIfError(f"the window ends ({_ts(until)}) before the first event stored ({_ts(first)})")
+        notes.append(f"the history starts at {_ts(first)}, after --since {_ts(since)}: the window starts there")
+        since = first
     usage = firsts[subjects.STREAM_USAGE]
     if usage is not None and usage.seq > 1 and stored_at(usage.ts_ns) > since:
         cut = stored_at(usage.ts_ns)
