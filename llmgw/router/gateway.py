@@ -169,15 +169,16 @@ class Gateway:
         return rep, body
 
     async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
-                     key: int | None, picked: list[str]) -> Replica | None:
-        """Another replica after ``rep`` could not be reached (the same once more when there is none)."""
+                     key: int | None, picked: list[str]) -> tuple[Replica | None, bytes]:
+        """Another replica after ``rep`` could not be reached (the same once more when there is none), and the
+        body to send it (a llama.cpp replica's ``lora`` list is its own)."""
         try:
-            other, _ = await self._pick(model, lora, body, key, exclude=rep, picked=picked)
+            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked)
             if other is None:
-                other, _ = await self._pick(model, lora, body, key, picked=picked)
+                other, sent = await self._pick(model, lora, body, key, picked=picked)
         except AdapterError:
-            return None
-        return other
+            return None, body
+        return other, sent
 
     def _take(self, rep: Replica) -> Replica:
         rep.outstanding += 1
@@ -474,7 +475,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other = None if retried else await self._other(model, lora, body, rep, key, picked)
+                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
