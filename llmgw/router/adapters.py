@@ -124,6 +124,8 @@ class Adapters:
                                    "replicas roll to attach it); retry shortly")
             rep = min(holders, key=lambda r: r.outstanding)
             return Chosen(self._hold(rep, name), lora_body(body, rep.adapters, name, adapter.scale))
+        if len(self.held) > 2 * len(self.pool.replicas) + 16:
+            self.drop_gone()  # stopped replicas' entries: bounded by the pool, not by every replica ever run
         for rep in reps:
             if rep.replica_id not in self.held:
                 await self._learn(rep)
