@@ -6,6 +6,9 @@ one-token completion), reads what it reserved, reports ``starting`` → ``health
 its endpoint) through the agent's outbox, sees its exit from the process (a pidfd, never
 its pipes), ends its whole process group, and restarts it with back-off until
 ``EngineConfig.max_restarts``, then reports ``failed`` with what its output said failed.
+
+Over 600 lines: one engine's whole life (start, health, what it reserved and holds, exit, restart)
+reads in one class; split, each half would carry the other's process and its state.
 """
 
 from __future__ import annotations
@@ -193,6 +196,9 @@ class RotatingLog:
         self._file.close()
 
 
+KV_RETRIES, KV_RETRY_S = 15, 2.0  # the reservation asked again after an empty first read: ~30 s
+
+
 class EngineRun:
     """One replica's engine on this node (or this node's part of it), and its restarts."""
 
@@ -221,6 +227,7 @@ class EngineRun:
         self.turns: StartTurns | None = None  # the node's start order for shared GPUs (the supervisor's)
         # What its engine holds here: last read, last reported (MiB), its KV figure, and over-bookings.
         self.used_mib, self._reported_mib, self._kv_tokens = 0, 0, 0
+        self._asks_kv = False  # a worker part of a multi-node replica has no cache of its own to report
         self.overbooked, self.crossings = False, 0
 
     @property
@@ -427,14 +434,26 @@ class EngineRun:
             else:
                 self._judge(used, source)  # a creep in small steps still crosses the margin once
 
+    async def _ask_kv_again(self) -> None:
+        """What it reserved, when the read at its healthy report came back empty (a /metrics that answered
+        late on a loaded host): asked again for a while, and reported once it says."""
+        for _ in range(KV_RETRIES if self._kv_tokens == 0 and self._asks_kv else 0):
+            await asyncio.sleep(KV_RETRY_S)
+            if (kv := await self._observe()) > 0:
+                self._kv_tokens = kv
+                self._report_memory(*await self._observe_memory())
+                return
+
     async def _serve(self) -> None:
-        """Until any of its processes exits, reading its memory meanwhile."""
-        refresh = asyncio.create_task(self._refresh_memory(), name=f"memory-{self.replica_id}")
+        """Until any of its processes exits, reading its memory (and a reservation not yet read) meanwhile."""
+        tasks = [asyncio.create_task(self._refresh_memory(), name=f"memory-{self.replica_id}"),
+                 asyncio.create_task(self._ask_kv_again(), name=f"kv-{self.replica_id}")]
         try:
             await self._any_exit()
         finally:
-            refresh.cancel()
-            await asyncio.gather(refresh, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _http(self) -> Upstream:
         if self.http is None:
@@ -577,6 +596,7 @@ class EngineRun:
                 worker = self.multi and self.rank > 0
                 up = await (self._joined() if worker else self._wait_healthy())
                 if up:
+                    self._asks_kv = not worker
                     self._kv_tokens = 0 if worker else await self._observe()
                     self._report_memory(*await self._observe_memory())
                 self._turn_done()  # healthy, or given up: the next engine on these GPUs may start
