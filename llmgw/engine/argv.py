@@ -79,7 +79,7 @@ GIB = 1 << 30
 
 # --- LoRA adapters -----------------------------------------------------------------------------------
 # What vLLM's --max-lora-rank accepts (vllm/config/lora.py ``MaxLoRARanks``); a rank between is
-# rounded up, since vLLM refuses any other value (the planner's ``VLLM_RANKS``, which sizes the buffers).
+# rounded up, since vLLM refuses any other value (the planner sizes the buffers by the same table).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM registers /v1/load_lora_adapter and /v1/unload_lora_adapter only with this set ("1" or
 # "true", any case, vllm/envs.py); routers load adapters where they are asked for through them.

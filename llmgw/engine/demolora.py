@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import zlib
 from collections.abc import Iterable
@@ -25,7 +24,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmgw import messages as m
-from llmgw.engine.demomodel import WEIGHT_SCALE, bf16_bytes, write_json, write_safetensors
+from llmgw.engine.demomodel import (
+    WEIGHT_SCALE,
+    bf16_bytes,
+    write_gguf_file,
+    write_json,
+    write_safetensors,
+)
 from llmgw.errors import ConfigError
 
 LoraFormat = Literal["gguf", "hf"]
@@ -183,11 +188,8 @@ def _write_gguf(path: Path, name: str, alpha: float, pairs: Iterable[tuple[int, 
             at = f"blk.{layer}.{MODULES[module]}.weight"
             w.add_tensor(f"{at}.lora_a", a.astype(np.float16))
             w.add_tensor(f"{at}.lora_b", b.astype(np.float16))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
+    except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
+        raise
+    write_gguf_file(w, tmp, path)

@@ -255,6 +255,19 @@ def write_demo_model(dir: Path, *, format: Format = "gguf", context: int = 2048,
     for tensor_name, data in weights:
         w.add_tensor(tensor_name, data, raw_dtype=q8 if data.dtype == np.uint8 else None)
     params = w.get_total_parameter_count()[0]
+    write_gguf_file(w, tmp, path)
+
+    config_path = write_json(dir / "config.json", _config(
+        context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+        dtype="float16", bos=1, eos=2))
+    return DemoModel(format="gguf", weights=path, config=config_path, file_bytes=path.stat().st_size,
+                     params=params, context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
+                     ffn=ffn, vocab_size=vocab)
+
+
+def write_gguf_file(w: Any, tmp: Path, path: Path) -> None:
+    """Write a filled ``gguf.GGUFWriter`` (opened on ``tmp``) and rename it to ``path``: an interrupted
+    run leaves no half file under the real name, and ``tmp`` is gone either way."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -264,13 +277,6 @@ def write_demo_model(dir: Path, *, format: Format = "gguf", context: int = 2048,
     finally:
         w.close()
         tmp.unlink(missing_ok=True)
-
-    config_path = write_json(dir / "config.json", _config(
-        context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
-        dtype="float16", bos=1, eos=2))
-    return DemoModel(format="gguf", weights=path, config=config_path, file_bytes=path.stat().st_size,
-                     params=params, context=context, layers=layers, embd=embd, heads=heads, kv_heads=kv_heads,
-                     ffn=ffn, vocab_size=vocab)
 
 
 def hf_tokenizer() -> Any:

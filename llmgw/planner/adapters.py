@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from llmgw import messages as m
+from llmgw.engine.argv import VLLM_LORA_RANKS
 from llmgw.errors import ModelError
 
 Format = Literal["peft", "gguf"]
@@ -290,7 +291,7 @@ def check_base(facts: AdapterFacts, info: m.ModelInfo) -> str | None:
 
 # --- what they take on a GPU ----------------------------------------------------------------------------
 
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank accepts
+VLLM_RANKS = VLLM_LORA_RANKS  # what vLLM's --max-lora-rank accepts: the engine command's one table
 LORA_DTYPE_BYTES = 2  # vLLM's --lora-dtype auto: the model's 16-bit type
 
 
