@@ -75,15 +75,6 @@ class Adapters:
         self.loads = self.unloads = 0
         self.missing = 0  # requests an engine answered 404 for: it did not hold the adapter sent to it
 
-    def get(self, model: str) -> Adapter | None:
-        return self.pool.adapters.get(model)
-
-    def holds(self, rep: Replica, adapter: str) -> bool:
-        if rep.adapters:
-            return adapter in rep.adapters
-        held = self.held.get(rep.replica_id)
-        return held is not None and adapter in held
-
     def finished(self, replica_id: str, name: str) -> None:
         """A request ``choose`` gave ``replica_id`` for ``name`` is done."""
         key = (replica_id, name)
@@ -93,10 +84,6 @@ class Adapters:
         else:
             self.busy.pop(key, None)
             self._freed.set()
-
-    async def choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
-        """As ``_choose``, and the request counted as using ``name`` there until ``finished``."""
-        return await self._choose(name, adapter, body, exclude)
 
     def _hold(self, rep: Replica, name: str) -> Replica:
         """Take ``rep`` for a request of ``name``: counted on the replica, and ``name`` in use there from
@@ -109,9 +96,10 @@ class Adapters:
         rep.outstanding -= 1
         self.finished(rep.replica_id, name)
 
-    async def _choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
-        """A replica of the base holding ``name`` (loaded there first if need be), taken; None: no replica
-        of the base is healthy (the caller wakes it). AdapterError when it cannot be served at all."""
+    async def choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
+        """A replica of the base holding ``name`` (loaded there first if need be), taken, and the request
+        counted as using ``name`` there until ``finished``; None: no replica of the base is healthy (the
+        caller wakes it). AdapterError when it cannot be served at all."""
         reps = [r for r in self.pool.healthy.get(adapter.base, ()) if r is not exclude]
         if not reps:
             return None
