@@ -161,10 +161,8 @@ class Adapters:
     async def _ask(self, rep: Replica) -> None:
         held: OrderedDict[str, float] = OrderedDict()
         try:
-            async with asyncio.timeout(10):
-                assert self.upstream._session is not None
-                async with self.upstream._session.get(rep.endpoint + "/v1/models") as resp:
-                    data = _MODELS.decode(await resp.read()) if resp.status == 200 else {}
+            async with self.upstream.get(rep.endpoint, "/v1/models", total_s=10) as resp:
+                data = _MODELS.decode(await resp.read()) if resp.status == 200 else {}
             listed = data.get("data")
             for entry in listed if isinstance(listed, list) else ():
                 if isinstance(entry, dict) and entry.get("parent") and isinstance(entry.get("id"), str):
