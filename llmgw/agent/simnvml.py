@@ -2,15 +2,26 @@
 
 It implements the same port as the real adapter, so a simulated agent runs
 exactly the agent code a GPU node runs; only the driver is pretend.
+
+A GPU's utilization follows the requests its engines have in flight, as the engines
+themselves say on ``/metrics`` (found at the ``--port`` of the process's command line, the
+one thing the driver knows of an engine: its pid): the fake engine's seconds with a request
+in flight give NVML's own figure, the share of the last sample period the GPU was busy; a
+real engine's ``vllm:num_requests_running`` (or llama.cpp's ``requests_processing``) gives
+100 % while it runs any and 0 when it runs none. An idle engine's GPUs read 0 %, one whose
+``/metrics`` does not answer reads unknown, never a made-up figure.
 """
 
 from __future__ import annotations
 
 import queue
-import random
+import re
 import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmgw.agent.nvml import GPU_LOST, THERMAL, Finding, GpuEvent, GpuStatic, GpuUse, ecc_finding
 from llmgw.fleetfile import FleetNode
@@ -23,6 +34,43 @@ IDLE_MIB = 4  # what nvidia-smi shows on an idle card
 _TDP_W = (("B200", 1000), ("H200", 700), ("H100", 700), ("A100", 400), ("L40", 350), ("L4", 72))
 
 FLEET_FILE_MARK = Finding("fleet-file", "marked unhealthy in the fleet file")
+
+SCRAPE_TIMEOUT_S = 0.5  # an engine's /metrics, on this host
+REUSE_S = 0.5  # one engine's GPUs sampled together share one read of its /metrics
+_BUSY = re.compile(r"^llmgw_fake_busy_seconds_total\s+([0-9.eE+]+)\s*$", re.M)
+_RUNNING = re.compile(r"^(?:vllm:num_requests_running|llamacpp:requests_processing)(?:\{[^}\n]*\})?\s+([0-9.eE+]+)\s*$",
+                      re.M)
+
+
+def metrics_url(pid: int) -> str | None:
+    """Where the engine process ``pid`` serves /metrics: its command line's ``--host`` and ``--port``."""
+    try:
+        args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return None
+    flags = dict(zip(args, args[1:], strict=False))
+    port, host = flags.get("--port", ""), flags.get("--host", "127.0.0.1")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def _number(pattern: re.Pattern[str], text: str) -> float | None:
+    found = pattern.search(text)
+    try:
+        return float(found.group(1)) if found else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Load:
+    """An engine's last read: when (monotonic), its busy seconds then, and the utilization it gave."""
+
+    at: float
+    busy: float | None
+    util: int | None
 
 
 @dataclass
@@ -45,7 +93,7 @@ class SimNvml:
         # The fake engines running on this node (the agent wires its engine supervisor here):
         # a GPU one of them holds is busy, every other idle.
         self.engines: Callable[[], Iterable[Hold]] | None = None
-        self._samples = 0
+        self._loads: dict[int, _Load] = {}  # by engine pid
 
     def open(self) -> None:
         self.opened = True
@@ -98,8 +146,6 @@ class SimNvml:
             if g.lost:
                 return None
             thermal = g.thermal
-            self._samples += 1
-            n = self._samples
         total = self.node.gpu_memory_mib
         # An engine without a planned size takes what vLLM takes by default: 90% of the card.
         held = [(pid, mib if mib > 0 else total * 9 // 10)
@@ -108,12 +154,44 @@ class SimNvml:
         if not held:
             return GpuUse(index=index, utilization_pct=0, memory_used_mib=IDLE_MIB, memory_total_mib=total,
                           temperature_c=92 if thermal else 31 + index % 4, power_w=round(tdp * 0.1, 1))
-        # Deterministic per node, GPU and sample: busy, moving, never the same twice in a row.
-        util = random.Random(f"{self.node.name}:{index}:{n}").randint(55, 97)
+        # Engines sharing the card share its time: their shares add up, to at most the whole of it.
+        shares = [u for u in (self.utilization(pid) for pid in {pid for pid, _ in held}) if u is not None]
+        util = min(100, sum(shares)) if shares else None
         used = min(total, IDLE_MIB + sum(mib for _, mib in held))
+        hot = util or 0
         return GpuUse(index=index, utilization_pct=util, memory_used_mib=used, memory_total_mib=total,
-                      temperature_c=92 if thermal else 55 + util // 5,
-                      power_w=round(tdp * (0.3 + 0.65 * util / 100), 1), processes=tuple(held))
+                      temperature_c=92 if thermal else 40 + hot // 4,
+                      power_w=round(tdp * (0.2 + 0.75 * hot / 100), 1), processes=tuple(held))
+
+    def utilization(self, pid: int) -> int | None:
+        """The engine ``pid``'s share of its GPUs' time since its last read, from its /metrics; None: unknown."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._loads.get(pid)
+        if last is not None and now - last.at < REUSE_S:
+            return last.util
+        url = metrics_url(pid)
+        text = None
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - http on this host
+                    text = resp.read(1 << 20).decode(errors="replace")
+            except (OSError, ValueError):
+                text = None
+        busy = _number(_BUSY, text) if text is not None else None
+        running = _number(_RUNNING, text) if text is not None else None
+        if busy is not None and last is not None and last.busy is not None and busy >= last.busy:
+            util: int | None = min(100, round(100 * (busy - last.busy) / max(now - last.at, 1e-3)))
+        elif running is not None:
+            util = 100 if running > 0 else 0
+        else:
+            util = None
+        with self._lock:
+            self._loads[pid] = _Load(now, busy, util)
+            if len(self._loads) > 4096:  # engines long gone: forget the oldest reads
+                for old in sorted(self._loads, key=lambda p: self._loads[p].at)[:len(self._loads) - 4096]:
+                    del self._loads[old]
+        return util
 
     def inject(self, gpu: int, kind: str, xid: int = 0) -> None:
         """Make GPU ``gpu`` go bad the way a real one would show it; ``clear`` repairs it."""

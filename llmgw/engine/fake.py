@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -172,6 +173,27 @@ class FakeEngine:
         self._prefill = asyncio.Lock()  # one prompt is prefilled at a time, as on one GPU
         self.adapters = Adapters(opts.model, max_loras=opts.max_loras, max_cpu_loras=opts.max_cpu_loras,
                                  load_ms=opts.lora_load_ms, attached=opts.attached)
+        self.running = 0  # requests in flight now (vLLM's num_requests_running)
+        self._busy_s = 0.0  # time with at least one request in flight, until _busy_since
+        self._busy_since = 0.0
+
+    def busy_seconds(self) -> float:
+        """Time with at least one request in flight since start: the simulated GPU's utilization is its rate."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self.running else 0.0)
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not request.path.startswith("/v1/") or request.method != "POST":
+            return await handler(request)
+        if not self.running:
+            self._busy_since = time.monotonic()
+        self.running += 1
+        try:
+            return await handler(request)
+        finally:
+            self.running -= 1
+            if not self.running:
+                self._busy_s += time.monotonic() - self._busy_since
 
     def _loading(self) -> web.Response | None:
         left = self._ready_at - time.monotonic()
@@ -190,7 +212,7 @@ class FakeEngine:
         os._exit(4)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._count])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -358,8 +380,14 @@ class FakeEngine:
         return self._loading() or web.Response(text="ok")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """vLLM's cache_config_info line, so an agent reads what this engine reserved as it reads vLLM's."""
-        lines = ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        """vLLM's cache_config_info line (an agent reads what this engine reserved as it reads vLLM's), its
+        requests in flight (vLLM's name), and how long it has had any: the simulated GPUs' utilization."""
+        lines = ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                 "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running {self.running}",
+                 "# HELP llmgw_fake_busy_seconds_total Seconds with at least one request in flight.",
+                 "# TYPE llmgw_fake_busy_seconds_total counter",
+                 f"llmgw_fake_busy_seconds_total {self.busy_seconds():.6f}",
+                 "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
                  "# TYPE vllm:cache_config_info gauge"]
         if self.opts.kv_tokens > 0:
             lines.append(f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",'
