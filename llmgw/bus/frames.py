@@ -11,6 +11,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import AnyStr, NamedTuple
 
+from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
+
+# isort: split
 from nats.aio.client import Client as NatsClient
 from nats.errors import ProtocolError
 from nats.protocol.parser import AWAITING_CONTROL_LINE, Parser

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
+from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
+
+# isort: split
 import nats.errors
 import nats.js.errors
 

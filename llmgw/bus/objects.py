@@ -18,6 +18,9 @@ import json
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
+
+# isort: split
 import nats.errors
 import nats.js.errors
 from nats.js.api import ObjectMeta, ObjectStoreConfig, StorageType

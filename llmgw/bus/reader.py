@@ -13,6 +13,9 @@ import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
+
+# isort: split
 import nats
 import nats.errors
 import nats.js.errors
