@@ -69,8 +69,13 @@ def idle(older_than_s: float, model: str | None, stop: bool, dry_run: bool, repl
     from llmgw import ctl
 
     adapters: list[m.AdapterStatus] = []
-    rows, now, source = run(ctl.fetch_idle(settings, older_than_s, replay=replay, notice=lambda line: click.echo(line, err=True),
-                                              use_snapshots=not no_snapshot, model=model, adapters=adapters))
+    def notice(line: str) -> None:
+        click.echo(line, err=True)
+
+    # One question to the projector, no event loop; the replay (none answered, or --replay) folds with one.
+    found = None if replay else ctl.idle_now(settings, older_than_s, notice=notice, model=model, adapters=adapters)
+    rows, now, source = found or run(ctl.fetch_idle(settings, older_than_s, replay=True, notice=notice,
+                                                    use_snapshots=not no_snapshot, model=model, adapters=adapters))
     chosen = [r for r in rows if r.idle_s is not None]
     unknown = [r for r in rows if r.idle_s is None]
     stopped: list[str] = []

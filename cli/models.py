@@ -15,12 +15,13 @@ import msgspec
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from llmgw.ctl import Declaration
+
 from llmgw import messages as m
 from llmgw.cli.options import checked_model_name, echo_json, json_option, nats_options, run
 from llmgw.cli.plan import engine_version_option, max_num_seqs_option, parallel_option
 from llmgw.cli.progress import human_duration
 from llmgw.config import Settings
-from llmgw.ctl import Declaration
 from llmgw.errors import PlanError
 
 
@@ -399,15 +400,17 @@ def list_models(use_replay: bool, as_json: bool, settings: Settings) -> None:
         llmgw ctl model list
         llmgw ctl model list --json | jq '.[] | select(.state == "parked") | .name'
     """
-    from rich import box
-    from rich.table import Table
-
     from llmgw import ctl
 
-    rows = run(ctl.list_models(settings, replay=use_replay, notice=_notice))
+    rows = None if use_replay else ctl.list_models_now(settings, notice=_notice)  # one question: no event loop
+    if rows is None:
+        rows = run(ctl.list_models(settings, replay=True, notice=_notice))
     if as_json:
         echo_json(msgspec.to_builtins(rows))
         return
+    from rich import box
+    from rich.table import Table
+
     if not rows:
         click.echo("no model is declared; deploy one with `llmgw ctl model deploy NAME MODEL --from-plan`")
         return
@@ -587,7 +590,9 @@ def show(name: str, use_replay: bool, as_json: bool, settings: Settings) -> None
     """
     from llmgw import ctl
 
-    detail = run(ctl.show_model(settings, name, replay=use_replay, notice=_notice))
+    detail = None if use_replay else ctl.show_model_now(settings, name, notice=_notice)  # one question: no event loop
+    if detail is None:
+        detail = run(ctl.show_model(settings, name, replay=True, notice=_notice))
     if as_json:
         click.echo(msgspec.json.format(m.encode(detail), indent=2).decode())
         return

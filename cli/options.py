@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import json
@@ -91,6 +90,8 @@ class LazyGroup(click.Group):
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine the way every command does: uvloop when present, errors as ``Error: …``."""
+    import asyncio  # here: the commands that ask one question (``OneShot``) never start an event loop
+
     try:
         import uvloop
 

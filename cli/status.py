@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.cli.models import gpu_ranges
 from llmgw.cli.options import json_option, nats_options, run
 from llmgw.cli.progress import human_duration, now_or, parse_duration, parse_time, progress
 from llmgw.config import Settings
@@ -148,6 +147,8 @@ def render_replicas(r: m.StatusReport, console: Console) -> None:
     from rich import box
     from rich.table import Table
 
+    from llmgw.cli.models import gpu_ranges  # the model commands' module: only tables need it
+
     console.print(f"Replicas ({len(r.replica_list)}; idle - = no router knows)")
     if not r.replica_list:
         console.print("  none placed\n")
@@ -178,6 +179,8 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
     )
     for node, why in r.cordoned.items():
         console.print(f"node {node}: {why} (nothing new is placed on it; `llmgw ctl node uncordon {node}`)")
+    for node, faults in r.gpu_faults.items():
+        console.print(f"node {node}: {plural(faults, 'GPU fault')} in 24h (placement prefers nodes with fewer)")
     if r.model_states:
         counts = Counter(r.model_states.values())
         order = ("serving", "starting", "failing", "parked", "unplaceable", "stopped")
@@ -282,8 +285,6 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
         llmgw ctl status --replicas
         llmgw ctl status --at 2026-03-02T10:42 --idle-threshold 1h --json
     """
-    from rich.console import Console
-
     if at_text and at_seq_text:
         raise click.UsageError("give --at or --at-seq, not both")
     threshold_s = parse_duration(idle_threshold, "--idle-threshold")
@@ -298,10 +299,12 @@ def status(settings: Settings, as_json: bool, use_replay: bool, at_text: str | N
                                      replicas=show_replicas, use_snapshots=not no_snapshot,
                                      notice=lambda line: click.echo(line, err=True)))
     else:
-        r = run(ctl.fetch_status(settings, threshold_s, replay=False, replicas=show_replicas))
+        r = ctl.ask_status(settings, threshold_s, replicas=show_replicas)  # one question: no event loop, no nats-py
     if as_json:
         click.echo(msgspec.json.format(m.encode(r), indent=2).decode())
         return
+    from rich.console import Console
+
     terminal = Console().is_terminal
     buf = io.StringIO()
     render(r, Console(file=buf, highlight=False, markup=False, width=Console().width if terminal else 120,

@@ -13,11 +13,11 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
-from llmgw.fleet.state import FleetState
-from llmgw.fleet.status import IdleRow, idle_rows, nobody_asked
 
 if TYPE_CHECKING:
-    from llmgw.bus import Bus
+    from llmgw.bus import Bus, OneShot
+    from llmgw.fleet.state import FleetState
+    from llmgw.fleet.status import IdleRow
 
 CATCH_UP_S = 5.0  # how long a projector behind the streams gets to catch up before ``idle`` replays
 STATUS_WAIT_S = 3.0  # … and before ``status`` says it lags
@@ -47,6 +47,30 @@ async def stream_heads(bus: Bus) -> dict[str, int]:
 
 
 # --- status ------------------------------------------------------------------------------------------
+
+
+def ask_status(settings: Settings, threshold_s: float, *, replicas: bool = False, model: str = "") -> m.StatusReport:
+    """The report from the projector's status service, once it has folded what is stored now.
+
+    One blocking connection (``OneShot``: no event loop, no nats-py), the question the
+    read commands ask most; a ``ws://`` URL asks over ``Bus`` instead.
+    """
+    from llmgw.bus import OneShot, speaks
+
+    if not speaks(settings):
+        import asyncio
+
+        return asyncio.run(fetch_status(settings, threshold_s, replay=False, replicas=replicas, model=model))
+    with OneShot.connect(settings, "llmgw-ctl-status") as shot:
+        return _status_from(shot, settings, threshold_s, replicas=replicas, model=model)
+
+
+def _status_from(shot: OneShot, settings: Settings, threshold_s: float, *, replicas: bool, model: str) -> m.StatusReport:
+    heads = {s: shot.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+    req = m.StatusRequest(idle_threshold_s=threshold_s, wait_for=heads, wait_s=STATUS_WAIT_S, replicas=replicas, model=model)
+    data = shot.request(subjects.STATUS, m.encode(req), timeout=STATUS_WAIT_S + settings.request_timeout_s,
+                        service="projector (status service; run `llmgw project` or use --replay)")
+    return m.STATUS_REPORT_DECODER.decode(data)
 
 
 async def fetch_status(settings: Settings, threshold_s: float, *, replay: bool, at: datetime | None = None,
@@ -147,14 +171,37 @@ async def _model_report(settings: Settings, *, replay: bool, model: str = "",
         try:
             return await fetch_status(settings, 1800.0, replay=False, model=model)
         except NoServiceError:
-            notice("no projector is running: replaying the streams here (slower on a long history)")
+            notice(NO_PROJECTOR)
     return await fetch_status(settings, 1800.0, replay=True, model=model)
+
+
+NO_PROJECTOR = "no projector is running: replaying the streams here (slower on a long history)"
+
+
+def _projector_report(settings: Settings, model: str, notice: Notice) -> m.StatusReport | None:
+    """``_model_report`` from the projector alone, over ``OneShot``; None (and the notice) when none runs."""
+    from llmgw.errors import NoServiceError
+
+    try:
+        return ask_status(settings, 1800.0, model=model)
+    except NoServiceError:
+        notice(NO_PROJECTOR)
+        return None
 
 
 def _older_projector(report: m.StatusReport) -> None:
     if report.models and not report.model_list:
         raise LlmgwError("the projector that answered is an older version that does not list models; "
                          "restart it (`llmgw project`, or `llmgw up`), or use --replay")
+
+
+def _detail(report: m.StatusReport, name: str) -> m.ModelDetail:
+    _older_projector(report)
+    if report.model_detail is None:
+        names = ", ".join(s.name for s in report.model_list) or "none"
+        raise LlmgwError(f"no model named {name!r} is declared (declared: {names}); "
+                         "see `llmgw ctl model list`, or deploy it with `llmgw ctl model deploy NAME MODEL --from-plan`")
+    return report.model_detail
 
 
 async def list_models(settings: Settings, *, replay: bool = False,
@@ -165,16 +212,25 @@ async def list_models(settings: Settings, *, replay: bool = False,
     return report.model_list
 
 
+def list_models_now(settings: Settings, *, notice: Notice = lambda _: None) -> tuple[m.ModelSummary, ...] | None:
+    """``list_models`` from the projector, without an event loop; None when none runs (``notice`` said so): replay."""
+    report = _projector_report(settings, "", notice)
+    if report is None:
+        return None
+    _older_projector(report)
+    return report.model_list
+
+
 async def show_model(settings: Settings, name: str, *, replay: bool = False,
                      notice: Notice = lambda _: None) -> m.ModelDetail:
     """One declared model in full: spec and plan figures, replicas, latest control events."""
-    report = await _model_report(settings, replay=replay, model=name, notice=notice)
-    _older_projector(report)
-    if report.model_detail is None:
-        names = ", ".join(s.name for s in report.model_list) or "none"
-        raise LlmgwError(f"no model named {name!r} is declared (declared: {names}); "
-                         "see `llmgw ctl model list`, or deploy it with `llmgw ctl model deploy NAME MODEL --from-plan`")
-    return report.model_detail
+    return _detail(await _model_report(settings, replay=replay, model=name, notice=notice), name)
+
+
+def show_model_now(settings: Settings, name: str, *, notice: Notice = lambda _: None) -> m.ModelDetail | None:
+    """``show_model`` from the projector, without an event loop; None when none runs (``notice`` said so): replay."""
+    report = _projector_report(settings, name, notice)
+    return None if report is None else _detail(report, name)
 
 
 # --- idle --------------------------------------------------------------------------------------------
@@ -186,10 +242,13 @@ def idle_adapters(adapters: tuple[m.AdapterStatus, ...], now: datetime,
     return [a for a in adapters if a.last_request is None or (now - a.last_request).total_seconds() >= older_than_s]
 
 
+IdleAnswer = tuple[list["IdleRow"], datetime, str]  # the rows, the clock used, the source
+
+
 async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = False, now: datetime | None = None,
                      notice: Notice = lambda _: None, use_snapshots: bool = True,
                      model: str | None = None,
-                     adapters: list[m.AdapterStatus] | None = None) -> tuple[list[IdleRow], datetime, str]:
+                     adapters: list[m.AdapterStatus] | None = None) -> IdleAnswer:
     """Every replica idle ``older_than_s`` or more and every unknown one, the clock used, and the source.
 
     From the projector's status service when one answers with every event
@@ -208,12 +267,34 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
     finally:
         await bus.close()
     if found is not None:
-        (rows, declared, listed), source = found, "projector"
-    else:
-        from llmgw.fleet.status import adapter_status
+        return _idle_answer(found, "projector", now, older_than_s, model, adapters)
+    from llmgw.fleet.status import adapter_status, idle_rows, nobody_asked
 
-        rows = [r for r in idle_rows(state, now) if nobody_asked(r, older_than_s)]
-        declared, listed, source = sorted(state.models), adapter_status(state), "replay"
+    rows = [r for r in idle_rows(state, now) if nobody_asked(r, older_than_s)]
+    return _idle_answer((rows, sorted(state.models), adapter_status(state)), "replay", now, older_than_s, model,
+                        adapters)
+
+
+def idle_now(settings: Settings, older_than_s: float, *, now: datetime | None = None, notice: Notice = lambda _: None,
+             model: str | None = None, adapters: list[m.AdapterStatus] | None = None) -> IdleAnswer | None:
+    """``fetch_idle`` from the projector, without an event loop; None when it did not answer (``notice``
+    said why): then ``fetch_idle(replay=True)``."""
+    from llmgw.bus import OneShot, speaks
+
+    if not speaks(settings):
+        return None
+    now = now or m.utcnow()
+    with OneShot.connect(settings, "llmgw-ctl-idle") as shot:
+        heads = {s: shot.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        found = _idle_report(lambda req: shot.request(subjects.STATUS, req, service="projector (status service)",
+                                                      timeout=CATCH_UP_S + settings.request_timeout_s),
+                             older_than_s, now, heads, notice)
+    return None if found is None else _idle_answer(found, "projector", now, older_than_s, model, adapters)
+
+
+def _idle_answer(found: tuple[list[IdleRow], list[str], tuple[m.AdapterStatus, ...]], source: str, now: datetime,
+                 older_than_s: float, model: str | None, adapters: list[m.AdapterStatus] | None) -> IdleAnswer:
+    rows, declared, listed = found
     if adapters is not None:
         adapters.extend(a for a in idle_adapters(listed, now, older_than_s) if model is None or a.base == model)
     if model is not None:
@@ -228,15 +309,41 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
 async def _idle_from_projector(bus: Bus, older_than_s: float, now: datetime,
                                notice: Notice) -> tuple[list[IdleRow], list[str], tuple[m.AdapterStatus, ...]] | None:
     """The projector's idle rows and declared models once it has folded what is stored now; None: no projector, or it lags."""
-    from llmgw.errors import NoServiceError, ServiceError
-
-    req = m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=await stream_heads(bus), wait_s=CATCH_UP_S)
+    heads = await stream_heads(bus)
     try:
-        data = await bus.request(subjects.STATUS, m.encode(req), service="projector (status service)",
+        data = await bus.request(subjects.STATUS, m.encode(_idle_request(older_than_s, now, heads)),
+                                 service="projector (status service)",
                                  timeout=CATCH_UP_S + bus.settings.request_timeout_s)
+    except Exception as e:  # noqa: BLE001 - sorted out by _idle_rows, the one place both clients' answers go
+        return _idle_rows(None, e, notice)
+    return _idle_rows(data, None, notice)
+
+
+def _idle_request(older_than_s: float, now: datetime, heads: dict[str, int]) -> m.StatusRequest:
+    return m.StatusRequest(idle_threshold_s=older_than_s, now=now, wait_for=heads, wait_s=CATCH_UP_S)
+
+
+def _idle_report(ask: Callable[[bytes], bytes], older_than_s: float, now: datetime, heads: dict[str, int],
+                 notice: Notice) -> tuple[list[IdleRow], list[str], tuple[m.AdapterStatus, ...]] | None:
+    try:
+        data = ask(m.encode(_idle_request(older_than_s, now, heads)))
+    except Exception as e:  # noqa: BLE001 - sorted out by _idle_rows
+        return _idle_rows(None, e, notice)
+    return _idle_rows(data, None, notice)
+
+
+def _idle_rows(data: bytes | None, error: Exception | None,
+               notice: Notice) -> tuple[list[IdleRow], list[str], tuple[m.AdapterStatus, ...]] | None:
+    from llmgw.errors import NoServiceError, ServiceError
+    from llmgw.fleet.status import IdleRow
+
+    try:
+        if error is not None:
+            raise error
+        assert data is not None
         report = m.STATUS_REPORT_DECODER.decode(data)
     except NoServiceError:
-        notice("no projector is running: replaying the streams here (slower on a long history)")
+        notice(NO_PROJECTOR)
         return None
     except (ServiceError, msgspec.DecodeError) as e:  # behind, no answer in time, an error, another version
         notice(f"the projector could not answer ({e}): replaying the streams here")

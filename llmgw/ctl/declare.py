@@ -14,13 +14,11 @@ from llmgw import subjects
 from llmgw.config import Settings
 from llmgw.ctl.ask import connect, replay_state
 from llmgw.ctl.plan import plan_locally
-from llmgw.engine.argv import is_repo_id
 from llmgw.errors import LlmgwError
-from llmgw.fleet.state import FleetState
-from llmgw.fleet.status import IdleRow
 
-if TYPE_CHECKING:
-    pass
+if TYPE_CHECKING:  # the fold and the engine's argv only where a declaration is checked: ``ctl`` binds this module at once
+    from llmgw.fleet.state import FleetState
+    from llmgw.fleet.status import IdleRow
 
 
 
@@ -144,6 +142,8 @@ def missing_file(spec: m.ModelSpec, state: FleetState) -> str | None:
     it is refused. Otherwise the nodes' files reports decide: where every node that holds the source
     reports its files and none the GGUF, no node has it (a repository's may still be downloaded).
     """
+    from llmgw.engine.argv import is_repo_id
+
     if spec.engine != "llama.cpp" or not spec.file or Path(spec.file).is_absolute():
         return None
     name = Path(spec.file).name
