@@ -73,7 +73,10 @@ def test_an_adapter_is_attached_by_a_roll_routed_with_its_lora_body_and_removed(
         assert {"id": "sql", "parent": "tiny"}.items() <= next(x for x in models if x["id"] == "sql").items()
 
         # The registry and who holds it rebuild from the streams as the live projection has them.
-        live = wait_for("the projector caught up", lambda: _try(lambda: status(url)["adapters"] or None))
+        # The router counts the routed request in its next tick's map: wait for the live projection to
+        # say when sql was last asked for, so the replay below cannot read a tick the live answer missed.
+        live = wait_for("the projector folded the tick that asked for sql", lambda: _try(
+            lambda: (a := status(url)["adapters"]) and all(x["last_request"] for x in a) and a or None))
         assert live == status(url, "--replay")["adapters"]
 
         ok(url, "ctl", "adapter", "remove", "sql")
