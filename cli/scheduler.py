@@ -11,11 +11,11 @@ import click
 from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.config import Settings
-from llmgw.scheduler import HeartbeatMonitor, SchedulerService
+from llmgw.scheduler import HeartbeatMonitor, Quarantine, SchedulerService
 
 
 async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, heartbeat_timeout_s: float,
-                          *, from_snapshot: bool = False) -> None:
+                          *, from_snapshot: bool = False, quarantine: Quarantine | None = None) -> None:
     """Run one scheduler and the liveness monitor until SIGINT/SIGTERM."""
     bus = await Bus.connect(settings, name or "llmgw-scheduler")
     stop = asyncio.Event()
@@ -29,7 +29,7 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
     try:
         await bus.ensure_streams(lease_ttl_s=lease_ttl_s)  # declares what is missing where it may (an open bus)
         sched = SchedulerService(bus, name=name, lease_ttl_s=lease_ttl_s, tick_s=tick_s, services=(liveness,),
-                                 use_snapshots=from_snapshot)
+                                 use_snapshots=from_snapshot, quarantine=quarantine or Quarantine())
         click.echo(f"scheduler {sched.name} on {settings.nats_url}: waiting for the lease (ttl {lease_ttl_s:g}s)", err=True)
         await sched.run(stop)
     finally:
@@ -45,14 +45,23 @@ async def serve_scheduler(settings: Settings, name: str, lease_ttl_s: float, tic
               help="Start from the newest fold snapshot instead of sequence 1: faster on a long history, but it "
                    "trusts whoever writes snapshots (the projector) with the models, nodes and demand it places by.")
 @click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(0.5, 86400), default=60.0, show_default=True, help="Seconds of silence before a node is declared lost.")
+@click.option("--quarantine-faults", "quarantine_faults", type=click.IntRange(0, 10_000), default=3, show_default=True,
+              help="GPU faults (a GPU going unhealthy, any reason) on one node within --quarantine-window that cordon "
+                   "it as a quarantine until an operator uncordons it; 0: never for a count (fatal XIDs still do).")
+@click.option("--quarantine-window", "quarantine_window_min", type=click.FloatRange(1, 7 * 24 * 60), default=60.0,
+              show_default=True, help="Minutes over which --quarantine-faults are counted (at most 7 days: what is remembered).")
 def scheduler(settings: Settings, name: str, lease_ttl_s: float, tick_s: float, from_snapshot: bool,
-              heartbeat_timeout_s: float) -> None:
+              heartbeat_timeout_s: float, quarantine_faults: int, quarantine_window_min: float) -> None:
     """Place declared models on free healthy GPUs; re-place after faults (one leader at a time).
 
     Example:
 
         llmgw scheduler --nats-url nats://127.0.0.1:4222 --lease-ttl 10 --heartbeat-timeout 30
+
+        llmgw scheduler --quarantine-faults 5 --quarantine-window 30
     """
     if logging.getLogger().level > logging.INFO:
         logging.getLogger("llmgw.scheduler.service").setLevel(logging.INFO)
-    run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s, from_snapshot=from_snapshot))
+    policy = Quarantine(faults=quarantine_faults, window_s=quarantine_window_min * 60)
+    run(serve_scheduler(settings, name, lease_ttl_s, tick_s, heartbeat_timeout_s, from_snapshot=from_snapshot,
+                        quarantine=policy))

@@ -44,8 +44,9 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # 10: LoRA adapters (declared, and which replica holds which); 11: which node holds which model
 # files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py);
 # 12: the models' history times each cold start's download (its agent fetching the files first);
-# 13: when each model and adapter was last asked for (the routers' maps); 14: cordoned nodes.
-FOLD_VERSION = 14
+# 13: when each model and adapter was last asked for (the routers' maps); 14: cordoned nodes;
+# 15: each GPU's recent faults by UUID (``FleetState.faults``: quarantine after N in M minutes, placement).
+FOLD_VERSION = 15
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -168,6 +169,9 @@ class FleetState:
     # Nodes nothing new is placed on (ctl node cordon / drain, or the scheduler's quarantine).
     cordoned: dict[str, m.NodeCordoned] = field(default_factory=dict)
     uncordoned_at: dict[str, datetime] = field(default_factory=dict)  # an operator's last uncordon, per node
+    # When each GPU (by UUID: an inventory rebuilds the GpuView) went from healthy to unhealthy, oldest first:
+    # the last FAULT_DAYS, at most FAULTS_KEPT a GPU (``record_fault``).
+    faults: dict[str, list[datetime]] = field(default_factory=dict)
     loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
     # When a router's map last said a model or adapter was asked for (by any caller, anonymous ones too),
     # for the last ASKED_DAYS: the usage stream's alone (``status.adapter_status`` joins it to the declared).
@@ -219,6 +223,15 @@ class FleetState:
     def gpus(self) -> Iterator[GpuView]:
         for node in self.nodes.values():
             yield from node.gpus.values()
+
+    def recent_faults(self, uuid: str, since: datetime) -> int:
+        """How many times a GPU went unhealthy after ``since`` (of what the fold remembers)."""
+        times = self.faults.get(uuid)
+        return sum(1 for t in times if t > since) if times else 0
+
+    def node_faults(self, node: NodeView, since: datetime) -> int:
+        """Its GPUs' faults after ``since``, summed."""
+        return sum(self.recent_faults(g.uuid, since) for g in node.gpus.values()) if self.faults else 0
 
     def usable(self, gpu: GpuView) -> bool:
         """Healthy on a node that is not lost: the only GPUs that are used or free."""
@@ -341,6 +354,8 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
             node = state.nodes.get(event.node)
             changed = node.gpus.get(event.gpu_index) if node else None
             if node is not None and changed is not None:
+                if changed.healthy and not event.healthy:
+                    record_fault(state.faults, changed.uuid, event.at)
                 changed.healthy, changed.reasons, changed.since = event.healthy, event.reasons, event.at
                 node.updated_at = event.at
         case m.ReplicaStateChanged():
@@ -563,6 +578,29 @@ def refusal(state: FleetState, subject: str, event: m.Event, *, subject_checked:
         if replica is not None:
             why = speaks_for(replica.nodes, event)
     return why
+
+
+FAULT_DAYS = 7  # how long the fold remembers a GPU's fault
+FAULTS_KEPT = 64  # the most remembered per GPU: a flapping card's older ones go first
+
+
+def record_fault(faults: dict[str, list[datetime]], uuid: str, at: datetime) -> None:
+    """Note that GPU ``uuid`` went unhealthy at ``at``; every GPU's faults older than FAULT_DAYS go.
+
+    Faults are rare (a few a day in a large fleet), so the sweep over every GPU that ever faulted is
+    cheap, and it keeps the map bounded by the GPUs that faulted in the last FAULT_DAYS.
+    """
+    times = faults.setdefault(uuid, [])
+    times.append(at)
+    if len(times) > FAULTS_KEPT:
+        del times[: len(times) - FAULTS_KEPT]
+    cutoff = at - timedelta(days=FAULT_DAYS)
+    for key in list(faults):
+        kept = [t for t in faults[key] if t > cutoff]
+        if not kept:
+            del faults[key]
+        elif len(kept) < len(faults[key]):
+            faults[key] = kept
 
 
 KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"

@@ -307,7 +307,19 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         adapters=adapter_status(state),
         cordoned={n: (("draining" if c.drain else "cordoned") + (f": {c.reason}" if c.reason else "")
                       if c.by == "operator" else c.reason) for n, c in sorted(state.cordoned.items())},
+        gpu_faults=node_faults(state, now),
     )
+
+
+FAULTS_SHOWN = timedelta(hours=24)  # what ``ctl status`` counts a node's GPU faults over
+
+
+def node_faults(state: FleetState, now: datetime | None) -> dict[str, int]:
+    """Each node whose GPUs went unhealthy in the FAULTS_SHOWN before ``now``: how many times."""
+    if not state.faults or (at := now or state.as_of) is None:
+        return {}
+    since = at - FAULTS_SHOWN
+    return {n.name: c for n in sorted(state.nodes.values(), key=lambda n: n.name) if (c := state.node_faults(n, since))}
 
 
 def adapter_status(state: FleetState) -> tuple[m.AdapterStatus, ...]:

@@ -334,6 +334,8 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     adapters: tuple[AdapterStatus, ...] = ()  # every declared LoRA adapter, and who holds it
     # Nodes nothing new is placed on, with why ("draining: …", "quarantine: …", or the operator's reason).
     cordoned: dict[str, str] = {}
+    # Per node, how many times its GPUs went unhealthy in the last 24 h (only nodes with any).
+    gpu_faults: dict[str, int] = {}
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)

@@ -17,13 +17,15 @@ from llmgw import lazy_face
 
 if TYPE_CHECKING:
     from llmgw.scheduler.liveness import HeartbeatMonitor
+    from llmgw.scheduler.maintenance import Quarantine
     from llmgw.scheduler.placement import decide
     from llmgw.scheduler.service import SchedulerService
 
 _FACE = {
     "HeartbeatMonitor": "llmgw.scheduler.liveness",
+    "Quarantine": "llmgw.scheduler.maintenance",
     "decide": "llmgw.scheduler.placement",
     "SchedulerService": "llmgw.scheduler.service",
 }
-__all__ = ["HeartbeatMonitor", "SchedulerService", "decide"]
+__all__ = ["HeartbeatMonitor", "Quarantine", "SchedulerService", "decide"]
 __getattr__ = lazy_face(__name__, _FACE)

@@ -10,7 +10,8 @@ A replica takes ``tp`` healthy GPUs of its class on one node, or, with ``pp > 1`
 what its plan needs there (``booking_mib``); a GPU holds replicas while their
 bookings fit its memory, and an exclusive replica holds whole GPUs alone. Among the nodes it
 fits on, one whose disk holds its files complete (``llmgw.fleet.files.holders``) comes first: a
-download is minutes where a start from disk is seconds.
+download is minutes where a start from disk is seconds. Whole GPUs: the GPUs and nodes with fewer recent
+faults first (``FleetState.faults``, a week); a partly booked GPU is the tightest fit, by bisection.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from operator import attrgetter
 
 import msgspec
 
@@ -29,7 +31,7 @@ from llmgw import messages as m
 from llmgw.fleet.demand import DOWN_SAMPLES, UP_SAMPLES, SchedulerMemory, agreeing
 from llmgw.fleet.files import by_source, expected_bytes_of, gib, holders_of
 from llmgw.fleet.state import FleetState, GpuView, NodeView, ReplicaView, booking_mib, by_fabric
-from llmgw.scheduler.maintenance import quarantines
+from llmgw.scheduler.maintenance import QUARANTINE, Quarantine, quarantines
 
 # Back-off for a model whose replicas keep failing: 5 s, 10 s, 20 s, … at most 5 min.
 BACKOFF_BASE_S = 5.0
@@ -88,12 +90,17 @@ class Room:
         self.part: list[tuple[int, str, int]] = []
         self.part_free: dict[tuple[str, int], int] = {}  # the same by GPU: a node's GPUs without a search
         self.card_mib = 0  # the class's smallest card: a booking's size for the bisection
+        # Recent faults by node and by GPU, only where there are any (most passes: none, and no cost).
+        faults = state.faults
+        self.node_faults: dict[str, int] = {}
         for node in state.nodes.values():
             if node.lost or node.name in cordoned:  # cordoned: nothing new goes there
                 continue
             for g in node.gpus.values():
                 if g.gpu_class != gpu_class or not g.healthy:
                     continue
+                if faults and (f := len(faults.get(g.uuid, ()))):
+                    self.node_faults[node.name] = self.node_faults.get(node.name, 0) + f
                 self.card_mib = min(self.card_mib or g.memory_mib, g.memory_mib)
                 used = booked.get((node.name, g.index), 0)
                 if not used:
@@ -101,8 +108,9 @@ class Room:
                 elif used < g.memory_mib:
                     self.part.append((g.memory_mib - used, node.name, g.index))
                     self.part_free[node.name, g.index] = g.memory_mib - used
-        for gpus in self.whole.values():
-            gpus.sort(key=lambda g: g.index)
+        for name, gpus in self.whole.items():  # the fault-free whole GPUs first (most nodes have no faults)
+            gpus.sort(key=(lambda g: (len(faults.get(g.uuid, ())), g.index)) if name in self.node_faults
+                      else attrgetter("index"))
         self.part.sort()
 
     def take(self, gpu: GpuView, was_free: int | None, mib: int) -> None:
@@ -122,6 +130,10 @@ class Room:
             self.part_free[gpu.node, gpu.index] = free
         else:
             self.part_free.pop((gpu.node, gpu.index), None)
+
+    def whole_key(self, node: str) -> tuple[int, int, str]:
+        """How good a node's whole GPUs are to take one from: fewer recent faults, then fewest free (best fit)."""
+        return self.node_faults.get(node, 0), len(self.whole[node]), node
 
     def most_free(self) -> tuple[int, str, int] | None:
         """The partly booked GPU with the most free MiB, or None."""
@@ -167,7 +179,7 @@ def _place_small_on(state: FleetState, spec: m.ModelSpec, room: Room, nodes: set
         return _took(state, spec, room, [(_gpu(state, node, index), free)])
     whole = [n for n in nodes if n in room.whole]
     if whole:
-        best = min(whole, key=lambda n: (len(room.whole[n]), n))
+        best = min(whole, key=room.whole_key)
         return _took(state, spec, room, [(room.whole[best][0], None)])
     return None
 
@@ -185,7 +197,7 @@ def _place_small(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
         avoided = avoided or entry
     whole = [n for n in room.whole if n not in avoid] or ([] if avoided else list(room.whole))
     if whole:
-        best = min(whole, key=lambda n: (len(room.whole[n]), n))
+        best = min(whole, key=room.whole_key)
         return _took(state, spec, room, [(room.whole[best][0], None)])
     if avoided is not None:
         return _took(state, spec, room, [(_gpu(state, avoided[1], avoided[2]), avoided[0])])
@@ -202,24 +214,27 @@ def _place_split(state: FleetState, spec: m.ModelSpec, room: Room, avoid: set[st
         for free, node, index in room.part[bisect.bisect_left(room.part, (need, "", -1)):]:
             if booking_mib(spec, _gpu(state, node, index).memory_mib) <= free:
                 part_by_node.setdefault(node, []).append((free, index))
-    whole = room.whole
+    whole, node_faults = room.whole, room.node_faults
     tp = spec.tp
     if part_by_node:
         options = [n for n in whole.keys() | part_by_node.keys()
                    if len(whole.get(n, ())) + len(part_by_node.get(n, ())) >= tp]
 
-        def key(n: str) -> tuple[bool, bool, int, int, str]:
-            # Holding its files, then fewest whole GPUs broken into, then the fewest free GPUs left (best fit).
-            return n in avoid, n not in held, max(0, tp - len(part_by_node.get(n, ()))), len(whole.get(n, ())), n
+        def key(n: str) -> tuple[bool, bool, int, int, int, str]:
+            # Holding its files, fewer recent faults, fewest whole GPUs broken into, fewest free left (best fit).
+            return (n in avoid, n not in held, node_faults.get(n, 0), max(0, tp - len(part_by_node.get(n, ()))),
+                    len(whole.get(n, ())), n)
     else:  # whole GPUs only (exclusive, or nothing partly booked fits): every option breaks tp of them
         options = [n for n, gpus in whole.items() if len(gpus) >= tp]
 
-        def key(n: str) -> tuple[bool, bool, int, int, str]:
-            return n in avoid, n not in held, tp, len(whole[n]), n
+        def key(n: str) -> tuple[bool, bool, int, int, int, str]:
+            return n in avoid, n not in held, node_faults.get(n, 0), tp, len(whole[n]), n
 
     def fits(n: str) -> list[tuple[GpuView, int | None]]:
         out: list[tuple[GpuView, int | None]] = [(_gpu(state, n, i), free) for free, i in sorted(part_by_node.get(n, ()))]
-        return (out + [(g, None) for g in whole.get(n, ())])[:tp]
+        if len(out) < tp:  # whole GPUs fewest faults first (``Room``), taken in index order
+            out += [(g, None) for g in sorted(whole.get(n, ())[: tp - len(out)], key=lambda g: g.index)]
+        return out[:tp]
 
     if spec.pp <= 1:
         if not options:
@@ -373,14 +388,16 @@ def _key(*parts: object) -> str:
     return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
-def decide(state: FleetState, memory: SchedulerMemory, now: datetime) -> list[Decision]:
-    """Everything to publish now so that the fleet converges on what was declared."""
+def decide(state: FleetState, memory: SchedulerMemory, now: datetime,
+           quarantine: Quarantine = QUARANTINE) -> list[Decision]:
+    """Everything to publish now so that the fleet converges on what was declared (``quarantine``: how
+    many GPU faults in how long take a node out of placement, ``maintenance.quarantines``)."""
     out: list[Decision] = []
     # The autoscaler's changes count at once, so a wake places in the same pass.
     target: dict[str, int] = {}
     why: dict[str, str] = {}
     cause: dict[str, str] = {}  # the ledger's code for the placements an autoscale causes
-    out += [Decision(event, msg_id) for event, msg_id in quarantines(state, now)]
+    out += [Decision(event, msg_id) for event, msg_id in quarantines(state, now, quarantine)]
     cordoned = set(state.cordoned) | {d.event.node for d in out if isinstance(d.event, m.NodeCordoned)}
     for event_a, msg_id in autoscale(state, memory, now):
         out.append(Decision(event_a, msg_id))

@@ -37,6 +37,7 @@ from llmgw.fleet.demand import SchedulerMemory
 from llmgw.fleet.fold import Checkpoint, fold_batch
 from llmgw.fleet.state import FleetState
 from llmgw.scheduler import placement as scheduler
+from llmgw.scheduler.maintenance import QUARANTINE, Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class SchedulerService:
         clock: Callable[[], datetime] = m.utcnow,
         services: tuple[Service, ...] = (),
         use_snapshots: bool = False,
+        quarantine: Quarantine = QUARANTINE,
     ) -> None:
         self.bus = bus
         self.name = name or f"scheduler-{uuid.uuid4().hex[:8]}"
@@ -138,6 +140,7 @@ class SchedulerService:
         self.clock = clock
         self.services = services
         self.use_snapshots = use_snapshots
+        self.quarantine = quarantine
         self.checkpoint = Checkpoint()
         self.stats = SchedulerStats(applied={s: 0 for s in FOLLOWED})
         self.published: list[m.Event] = []
@@ -201,7 +204,7 @@ class SchedulerService:
         # whose lease expired while it was stalled finds out here, not after.
         if not await self.lease.renew():
             return []
-        decisions = scheduler.decide(self.state, self.memory, self.clock())
+        decisions = scheduler.decide(self.state, self.memory, self.clock(), self.quarantine)
         if not decisions:
             return []
         last_seq = 0
