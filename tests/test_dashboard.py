@@ -117,20 +117,23 @@ async def test_shared_gpus_list_who_booked_how_much_and_what_their_engines_hold(
     assert booked[("n4", 1)]["replicas"] == [["s1-r1", 10240], ["s2-r1", 6144]]
     assert booked[("n4", 1)]["booked_mib"] == 16384 and booked[("n4", 1)]["memory_mib"] == 46068
     gpus = page[page.index('id="gpus"'):page.index('id="events"')]
-    assert "booked by a replica (each its own shade)" in gpus and "held by its engine (measured)" in gpus  # legend
+    assert "a tile per held GPU:" in gpus and "held by its engine (measured)" in gpus  # legends
+    assert "a cell per GPU: utilization %" in gpus
     # The shared card: its bar, who booked how much, and what the one measured engine holds.
     tile = gpus[gpus.index('data-gpu="n4/1"'):]
     tile = tile[:tile.index("</ul>")]
     assert ('<div class="booking shared" title="GPU 1 on n4: 2 replicas booked 16 GiB of 45 GiB; 29 GiB free; '
             'their engines hold 9.0 GiB" data-gpu="n4/1">') in gpus
-    assert "GPU 1: 16 GiB of 45 GiB booked · 9.0 GiB used" in tile
+    assert "GPU 1 · 16 GiB of 45 GiB" in tile
     assert '<span class="rid">s1-r1</span> 10 GiB<span class="used"> · 9.0 GiB used</span>' in tile
     assert '<span class="rid">s2-r1</span> 6.0 GiB</li>' in tile  # not measured: no figure
     assert 'class="booked b1" x="22.23" y="0" width="13.34"' in tile
     # n4 sent no heartbeat yet: its bookings show all the same; n1's whole card is booked by r-qwen alone.
     assert '<span class="node">n4</span><span class="cls">L40S-48GB</span><span class="cells empty">no samples yet' in gpus
     whole = gpus[gpus.index('data-gpu="n1/0"'):]
-    assert whole.index("GPU 0: 80 GiB of 80 GiB booked") < whole.index("</ul>") and "r-qwen" in whole
+    assert whole.index("GPU 0 · 80 GiB of 80 GiB") < whole.index("</ul>") and "r-qwen" in whole
+    # The cell of a held GPU says who holds it (issue 43, finding 9: the tiles did not).
+    assert 'class="gpu u4 held" title="GPU 0: held by r-qwen; 40% busy' in gpus
     assert '<div class="booking" title="GPU 0 on n1: 1 replica booked 80 GiB of 80 GiB; 0.0 GiB free"' in gpus
 
 
@@ -155,7 +158,7 @@ async def test_the_page_shows_the_fleet_and_escapes_what_it_did_not_write(bus: B
     for text in ("llama-70b", "qwen-8b", "gemma-9b", "deepseek-v3", "H100-80GB", "L40S-48GB", "r-qwen",
                  "needs 4 whole H100-80GB nodes", "ib-a", "n5", "live ·", "utilization 87%"):
         assert text in page, text
-    assert 'title="GPU 0: 87% busy, 68 GiB / 80 GiB, -, -">87<' in page
+    assert 'title="GPU 0: held by r-qwen; 87% busy, 68 GiB / 80 GiB, -, -" data-held="r-qwen">87<' in page
     # What an agent or an operator wrote is text on the page, never markup.
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and EVIL not in page
     assert "&lt;img src=x onerror=&quot;alert(2)&quot;&gt; &amp; more" in page and "<img" not in page
@@ -266,4 +269,4 @@ async def test_a_parked_model_reads_as_model_list_says_and_a_faulted_gpu_is_mark
             page = await r.text()
     assert ">0/1 healthy<" in page  # gemma-9b, parked: healthy of wanted
     assert 'class="gpu bad" title="GPU 1 UNHEALTHY: xid 79: GPU has fallen off the bus">✕<' in page
-    assert 'title="GPU 0: 50% busy' in page
+    assert 'title="GPU 0: held by r-qwen; 50% busy' in page

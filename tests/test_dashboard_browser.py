@@ -32,6 +32,35 @@ def text_of(browser: webdriver.Chrome, element_id: str) -> str:
         return ""
 
 
+# What an operator acts on: above the fold at every size tested; at 1400×1000 every panel starts above it.
+ABOVE_THE_FOLD = ("summary", "attention", "capacity")
+INNER_SCROLLBARS = """return Array.from(document.querySelectorAll('body *')).filter(e => {
+  const s = getComputedStyle(e);
+  return (['auto', 'scroll'].includes(s.overflowY) && e.scrollHeight > e.clientHeight + 1)
+      || (['auto', 'scroll'].includes(s.overflowX) && e.scrollWidth > e.clientWidth + 1);
+}).map(e => e.id || e.className);"""
+WRAPPED = """return Array.from(document.querySelectorAll('.capacity .name, .node-row .cls')).filter(e => {
+  const r = document.createRange(); r.selectNodeContents(e); return r.getClientRects().length > 1;
+}).map(e => e.textContent);"""
+
+
+def layout_holds(browser: webdriver.Chrome, *, wide: bool) -> None:
+    """No panel scrolls inside the page, no GPU class wraps, and what matters is above the fold."""
+    size = browser.execute_script("return [innerWidth, innerHeight];")
+    assert browser.execute_script(INNER_SCROLLBARS) == [], size
+    assert browser.execute_script(WRAPPED) == [], size
+    bottom = "return document.getElementById(arguments[0]).getBoundingClientRect().bottom;"
+    for element_id in ABOVE_THE_FOLD:
+        assert browser.execute_script(bottom, element_id) <= size[1], (element_id, size)
+    models = browser.execute_script("return document.querySelector('section.panel.models').getBoundingClientRect()"
+                                    ".bottom;")
+    assert models <= size[1], ("models", size)
+    if wide:
+        tops = browser.execute_script("return Array.from(document.querySelectorAll('section.panel')).map(e => "
+                                      "[e.className, e.getBoundingClientRect().top]);")
+        assert len(tops) == 6 and all(top < size[1] - 100 for _, top in tops), tops
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_dashboard_shows_the_fleet_and_a_fault_without_a_reload(tmp_path: Path) -> None:
@@ -73,11 +102,18 @@ def test_the_dashboard_shows_the_fleet_and_a_fault_without_a_reload(tmp_path: Pa
         wait_for("the faulted GPU marked", lambda: any("GPU 5 UNHEALTHY: xid 79" in (e.get_attribute("title") or "")
                                                        for e in browser.find_elements(By.CSS_SELECTOR, "#gpus .gpu.bad")),
                  15)
-        # A 1400×1000 screen holds every panel, events included, above the fold.
-        rects = browser.execute_script(
-            "return Array.from(document.querySelectorAll('section.panel')).map(e => "
-            "[e.className, e.getBoundingClientRect().top, e.getBoundingClientRect().bottom, window.innerHeight]);")
-        assert len(rects) == 6 and all(bottom <= height for _, _, bottom, height in rects), rects
+        # Issue 43, finding 9. The idle replica's GPU reads idle (it read 60-90 %), and says who holds it.
+        held = "#gpus .gpu.held[data-held='qwen14-r1']"
+        wait_for("the held GPU idle", lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, held)] == ["0"], 15)
+        assert "held by qwen14-r1" in (browser.find_element(By.CSS_SELECTOR, held).get_attribute("title") or "")
+        assert "utilization %" in text_of(browser, "gpus") and "held by a replica" in text_of(browser, "gpus")
+        assert "h100-b-02 GPU 5 unhealthy: xid 79" in text_of(browser, "attention")
+        for width, height in ((1024, 768), (1400, 1000)):  # the picture is taken at the last
+            browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                    {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+            time.sleep(0.3)
+            assert browser.execute_script("return [innerWidth, innerHeight];") == [width, height]
+            layout_holds(browser, wide=width >= 1400)
         time.sleep(0.5)  # let the bars settle for the picture
         shot = tmp_path / "dashboard.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000

@@ -47,7 +47,7 @@ COOKIE = "llmgw_session"
 OLD_COOKIE = "llmgw_key"  # held the key itself before sessions; cleared wherever it still is
 MIN_GAP_S = 0.5  # between two status requests, however many events arrive
 FIRST_EVENTS_WAIT_S = 2.0  # the first page waits at most this long for the latest events to be read
-SECTIONS = ("conn", "summary", "capacity", "fabrics", "models", "gpus", "events")
+SECTIONS = ("conn", "summary", "attention", "capacity", "fabrics", "tenants", "models", "gpus", "events")
 STATIC = {"dashboard.css": "text/css", "dashboard.js": "text/javascript"}
 SECURITY_HEADERS = {
     # No inline script or style anywhere: even a value that escaped escaping could not run.

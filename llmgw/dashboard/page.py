@@ -115,7 +115,7 @@ def tenants_section(r: m.StatusReport) -> Safe:
 def fabrics_section(r: m.StatusReport) -> Safe:
     if not r.free_nodes:
         return el("p", "no nodes", cls="empty")
-    head = el("tr", *(el("th", h) for h in ("fabric", "GPU class", "free whole nodes", "live nodes")))
+    head = el("tr", *(el("th", h) for h in ("fabric", "GPU class", "free", "live")))
     body = [el("tr", el("td", f.fabric), el("td", f.gpu_class), el("td", f.free_nodes, cls="num"),
                el("td", f.live_nodes, cls="num")) for f in r.free_nodes]
     return el("table", el("thead", head), el("tbody", *body))
@@ -209,11 +209,10 @@ def _bookings(bookings: list[m.GpuBooking], used_on: dict[tuple[str, str, int], 
         known = [u for u in used if u is not None]
         used_total = sum(known) if known else None
         holders = [el("li", el("span", rid, cls="rid"), f" {gib(mib)}",
-                       el("span", f" · {gib(u)} used", cls="used") if u is not None else "")
+                       el("span", f" · {gib(u)} used", cls="used") if u is not None else "", title=rid)
                    for (rid, mib), u in zip(b.replicas, used, strict=True)]
         memory = b.memory_mib or b.booked_mib
-        head = f"GPU {b.index}: {gib(b.booked_mib)} of {gib(memory)} booked" + (
-            f" · {gib(used_total)} used" if used_total is not None else "")
+        head = f"GPU {b.index} · {gib(b.booked_mib)} of {gib(memory)}"
         shared = len(b.replicas) > 1
         title = (f"GPU {b.index} on {b.node}: {plural(len(b.replicas), 'replica')} booked {gib(b.booked_mib)} of "
                  f"{gib(memory)}; {gib(max(memory - b.booked_mib, 0))} free"
@@ -224,8 +223,11 @@ def _bookings(bookings: list[m.GpuBooking], used_on: dict[tuple[str, str, int], 
     return join(rows)
 
 
-BOOKING_LEGEND = el("div", el("span", "", cls="swatch booked"), "booked by a replica (each its own shade) ",
-                    el("span", "", cls="swatch inuse"), "held by its engine (measured) ",
+GPU_LEGEND = el("div", "a cell per GPU: utilization %, darker is busier ·", el("span", "", cls="swatch held"),
+                "held by a replica (named in its tile) ·", el("span", "✕", cls="swatch bad"), "unhealthy",
+                cls="legend gpu-legend")
+BOOKING_LEGEND = el("div", "a tile per held GPU:", el("span", "", cls="swatch booked"), "booked",
+                    el("span", "", cls="swatch inuse"), "held by its engine (measured)",
                     el("span", "", cls="swatch free"), "free", cls="legend")
 
 
@@ -238,7 +240,8 @@ def gpus_section(r: m.StatusReport) -> Safe:
     if not r.node_gpus and not lost and not booked:
         return el("p", "no GPU samples yet (agents send them with each heartbeat)", cls="empty")
     used_on = _used_on(r) if booked else {}
-    rows: list[Safe] = [BOOKING_LEGEND] if booked else []
+    holders = {(b.node, b.index): [rid for rid, _ in b.replicas] for b in r.gpu_bookings}
+    rows: list[Safe] = [GPU_LEGEND, *([BOOKING_LEGEND] if booked else [])]
     sampled = {n.node for n in r.node_gpus}
     shown = 0
     for n in r.node_gpus:
@@ -248,14 +251,17 @@ def gpus_section(r: m.StatusReport) -> Safe:
             level = "unknown" if u is None else f"u{min(10, (u + 5) // 10)}"
             mem = "-" if g.memory_used_mib is None or not g.memory_total_mib else \
                 f"{gib(g.memory_used_mib)} / {gib(g.memory_total_mib)}"
-            title = (f"GPU {g.index}: {'-' if u is None else f'{u}%'} busy, {mem}, "
+            held = holders.get((n.node, g.index), [])
+            title = (f"GPU {g.index}: {'held by ' + ', '.join(held) if held else 'free'}; "
+                     f"{'-' if u is None else f'{u}%'} busy, {mem}, "
                      f"{'-' if g.temperature_c is None else f'{g.temperature_c}°C'}, "
                      f"{'-' if g.power_w is None else f'{g.power_w:.0f} W'}")
             bad = n.unhealthy.get(g.index)
             if bad is not None:  # an XID'd GPU is not an idle one: marked, with why
                 cells.append(el("span", "✕", cls="gpu bad", title=f"GPU {g.index} UNHEALTHY: {bad}"))
                 continue
-            cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}", title=title))
+            cells.append(el("span", "-" if u is None else u, cls=f"gpu {level}" + (" held" if held else ""),
+                            title=title, data_held=",".join(held) or None))
         rows.append(el("div", el("span", n.node, cls="node"), el("span", n.gpu_class, cls="cls"),
                        el("span", *cells, cls="cells"), cls="node-row"))
         if n.node in booked:
@@ -274,6 +280,31 @@ def gpus_section(r: m.StatusReport) -> Safe:
     if more > 0:
         rows.append(el("p", f"… and {plural(more, 'more node')} (all are in the capacity figures)", cls="empty"))
     return join(rows)
+
+
+BAD_MODEL_STATES = ("failing", "failed", "unplaceable", "unhealthy")
+
+
+def attention_section(r: m.StatusReport, *, tenants: bool = True) -> Safe:
+    """What needs someone, in one short list at the top of the page (never below the fold): lost nodes,
+    unhealthy GPUs, models that do not serve, keys at 80 % of their tokens for today."""
+    items: list[Safe] = [el("li", f"node {n} lost", cls="bad") for n in sorted(r.lost_nodes)]
+    for n in r.node_gpus:
+        items += [el("li", f"{n.node} GPU {i} unhealthy: {why}", cls="bad") for i, why in sorted(n.unhealthy.items())]
+    for s in r.model_list:
+        if s.state in BAD_MODEL_STATES:
+            items.append(el("li", f"model {s.name} {s.state}" + (f": {s.unplaceable}" if s.unplaceable else ""),
+                            cls="bad"))
+    if tenants:
+        items += [el("li", f"key {k.name} ({k.tenant or '-'}) at {k.tokens_today:,} of {k.tokens_per_day:,} tokens "
+                           "today", cls="warn") for k in r.near_limits]
+    elif r.near_limits:
+        items.append(el("li", f"{plural(len(r.near_limits), 'key')} at 80 % or more of its tokens for today "
+                              "(log in with an admin key to see which)", cls="warn"))
+    if not items:
+        return el("p", "nothing needs attention", cls="attention-ok")
+    shown, more = items[:6], len(items) - 6
+    return el("ul", *shown, *([el("li", f"… and {more} more", cls="more")] if more > 0 else []), cls="attention")
 
 
 def timeline_entry(event: m.Event) -> tuple[str, str, str]:
@@ -295,6 +326,12 @@ def timeline_entry(event: m.Event) -> tuple[str, str, str]:
             return "good", node, "returned"
         case m.NodeRetired(node=node):
             return "info", node, "retired by an operator"
+        case m.NodeCordoned(node=node, reason=why, drain=drain, by=by):
+            if by == "quarantine":
+                return "bad", node, f"quarantined: {why.removeprefix('quarantine: ')}"
+            return "warn", node, f"{'draining' if drain else 'cordoned'}" + (f": {why}" if why else "")
+        case m.NodeUncordoned(node=node):
+            return "good", node, "uncordoned: takes new replicas again"
         case m.ModelDeclared(spec=s):
             return ("info", s.name, f"declared: {s.source} {s.precision}, tp {s.tp} × pp {s.pp} on {s.gpu_class}, "
                                     f"{plural(s.replicas, 'replica')}")
@@ -349,9 +386,10 @@ def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool
     out: dict[str, str] = {"conn": conn_section(ok, why, at), "events": events_section(events)}
     if report is None:
         waiting = el("p", "waiting for the projector…", cls="empty")
-        out |= {k: waiting for k in ("summary", "capacity", "fabrics", "tenants", "models", "gpus")}
+        out |= {k: waiting for k in ("summary", "attention", "capacity", "fabrics", "tenants", "models", "gpus")}
         return out
-    out |= {"summary": summary_section(report), "capacity": capacity_section(report),
+    out |= {"summary": summary_section(report), "attention": attention_section(report),
+            "capacity": capacity_section(report),
             "fabrics": fabrics_section(report), "tenants": tenants_section(report), "models": models_section(report),
             "gpus": gpus_section(report)}
     return out
@@ -364,8 +402,13 @@ PAGE_TITLES = {"capacity": "Capacity per GPU class", "fabrics": "Free whole node
 
 def page(sections: dict[str, str], *, logout: bool = False) -> str:
     """The whole page, server-rendered: it reads right before (and without) its script."""
-    blocks = [el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
-              for k in ("capacity", "fabrics", "tenants", "models", "gpus", "events")]
+    def panel(k: str) -> Safe:
+        return el("section", el("h2", PAGE_TITLES[k]), el("div", Safe(sections[k]), id=k), cls=f"panel {k}")
+
+    # Three columns, each as long as what it holds (none scrolls inside the page): the fleet's
+    # figures, the models and what happened to them, the GPUs.
+    blocks = [el("div", *(panel(k) for k in ks), cls=f"col {name}") for name, ks in (
+        ("fleet", ("capacity", "tenants", "fabrics")), ("work", ("models", "events")), ("cards", ("gpus",)))]
     leave = el("form", Safe('<button type="submit">log out</button>'), method="post", action="logout") if logout else ""
     return "<!doctype html>" + el(
         "html",
@@ -374,6 +417,7 @@ def page(sections: dict[str, str], *, logout: bool = False) -> str:
            Safe('<script src="static/dashboard.js" defer></script>')),
         el("body", el("header", el("h1", "llmgw"), el("div", Safe(sections["conn"]), id="conn"),
                       el("div", Safe(sections["summary"]), id="summary"), leave),
+           el("div", Safe(sections["attention"]), id="attention"),
            el("main", *blocks)),
         lang="en")
 
