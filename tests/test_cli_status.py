@@ -24,6 +24,7 @@ from llmgw.config import Settings
 TABLE = """\
 Fleet at 2026-03-02 11:40:00 UTC  [control:12 fleet:7 usage:4]
 5 nodes (1 lost: n5) · 4 models · 3 replicas (2 healthy, 1 starting) · 0 unprojected events
+node n1: 1 GPU fault in 24h (placement prefers nodes with fewer)
 models: 2 serving (llama-70b, qwen-8b), 1 starting (gemma-9b), 1 unplaceable (deepseek-v3)
 
 Models  (replicas healthy/wanted; idle: since anyone asked, - = no router knows)
