@@ -3,7 +3,8 @@
 Heartbeats are not history (their stream keeps the latest per node), so GPU
 use is live only: it is never folded, a replay has none, and it is joined to
 the fold only when asked: a node the fold says is lost, a GPU it does not know,
-or a sample older than ``max_age_s`` shows nothing rather than a stale figure.
+or a sample older than ``max_age_s`` shows nothing rather than a stale figure;
+nor does the memory of a GPU sampled before a replica on it stopped.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def summarize(state: FleetState, beats: Mapping[str, m.HeartbeatSent], *,
             gpu = node.gpus.get(s.index)
             if gpu is None:
                 continue
+            if s.memory_used_mib is not None and (freed := state.released.get(gpu.uuid)) is not None and hb.at < freed:
+                # Sampled before a replica on it stopped: what it says held is gone; unknown until the next beat.
+                s = msgspec.structs.replace(s, memory_used_mib=None, processes=())
             kept.append(s)
             c = classes.setdefault(gpu.gpu_class, [0, 0, 0, 0, 0])
             c[0] += 1

@@ -45,8 +45,9 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # files, the downloads in flight and finished, and the pinned models (llmgw/fleet/files.py);
 # 12: the models' history times each cold start's download (its agent fetching the files first);
 # 13: when each model and adapter was last asked for (the routers' maps); 14: cordoned nodes;
-# 15: each GPU's recent faults by UUID (``FleetState.faults``: quarantine after N in M minutes, placement).
-FOLD_VERSION = 15
+# 15: each GPU's recent faults by UUID (``FleetState.faults``: quarantine after N in M minutes, placement);
+# 16: when a replica last stopped on each GPU (``FleetState.released``: status drops NVML samples older).
+FOLD_VERSION = 16
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -172,6 +173,9 @@ class FleetState:
     # When each GPU (by UUID: an inventory rebuilds the GpuView) went from healthy to unhealthy, oldest first:
     # the last FAULT_DAYS, at most FAULTS_KEPT a GPU (``record_fault``).
     faults: dict[str, list[datetime]] = field(default_factory=dict)
+    # When a replica booked on each GPU (by UUID) last stopped: an NVML sample from before it still counts
+    # what its engine held (``llmgw.fleet.gpuuse``). One entry a GPU; a retired node's go with it.
+    released: dict[str, datetime] = field(default_factory=dict)
     loaded: dict[str, dict[str, datetime]] = field(default_factory=dict)
     # When a router's map last said a model or adapter was asked for (by any caller, anonymous ones too),
     # for the last ASKED_DAYS: the usage stream's alone (``status.adapter_status`` joins it to the declared).
@@ -391,7 +395,9 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
             if model is not None:
                 model.unplaceable_reason = model.unplaceable_at = None
         case m.ReplicaStopped():
-            state.replicas.pop(event.replica_id, None)
+            if (gone := state.replicas.pop(event.replica_id, None)) is not None:
+                for ref in gone.gpus:
+                    state.released[ref.uuid] = event.at
         case m.ReplicaOverBooked():
             if (replica := state.replicas.get(event.replica_id)) is not None and event.node in replica.nodes:
                 replica.overbooked = event  # only a node it was placed on speaks for it
@@ -459,7 +465,9 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
             if node is not None:
                 node.lost, node.lost_at, node.updated_at = False, None, event.at
         case m.NodeRetired():
-            state.nodes.pop(event.node, None)  # its next inventory, if ever, brings it back
+            if (retired := state.nodes.pop(event.node, None)) is not None:  # its next inventory, if ever, brings it back
+                for g in retired.gpus.values():
+                    state.released.pop(g.uuid, None)
             state.files.pop(event.node, None)
         case m.NodeFilesReported() | m.DownloadProgressed() | m.DownloadFinished() | m.FilesEvicted():
             fold_files(state.files, state.downloads, state.downloaded, event)
