@@ -255,6 +255,10 @@ def _default_models_dir() -> str | None:
 @click.option("--router-tick", type=click.FloatRange(0.05, 3600), default=10.0, show_default=True, help="Seconds between the router's idle maps.")
 @click.option("--heartbeat-s", type=click.FloatRange(0.1), default=5.0, show_default=True, help="Seconds between simulated agents' heartbeats.")
 @click.option("--lost-after", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True, help="Seconds of silence before a node is lost.")
+@click.option("--quarantine-faults", type=click.IntRange(0, 10_000), default=3, show_default=True,
+              help="GPU faults on one node within --quarantine-window that quarantine it (0: only fatal XIDs do).")
+@click.option("--quarantine-window", type=click.FloatRange(1, 7 * 24 * 60), default=60.0, show_default=True,
+              help="Minutes over which --quarantine-faults are counted.")
 @click.option("--models-dir", help="Org__Name model folders for the planner [default: $LLMGW_MODELS_DIR, else ./examples/models].")
 @click.option("--no-example", is_flag=True, help="Do not declare the example model (never declared with --engines real).")
 @click.option("--engine-startup-s", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
@@ -272,7 +276,8 @@ def _default_models_dir() -> str | None:
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Key file (sha256 hex digests, one per line) for the router and the dashboard; off when absent.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
-       router_tick: float, heartbeat_s: float, lost_after: float, models_dir: str | None, no_example: bool,
+       router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
+       models_dir: str | None, no_example: bool,
        engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
        insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
@@ -348,7 +353,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         parts = [
             ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
             ("planner", ["planner"]),
-            ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}"]),
+            ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}", "--quarantine-faults",
+                           str(quarantine_faults), "--quarantine-window", f"{quarantine_window:g}"]),
             ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
                         "--wake-timeout", f"{wake_timeout:g}", *keys]),
         ]
