@@ -146,17 +146,31 @@ authorization {
       publish: {allow: ["%(echo)s", "$JS.API.STREAM.INFO.>"]}
       subscribe: {allow: ["_INBOX.cli.>"]}
     }}
+    {nkey: %(nkey)s}
   ]
 }
 """
 
 
 @pytest.fixture(scope="module")
-def auth_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def auth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user nkey seed (``user.nk``) and a stranger's (``stranger.nk``)."""
+    import nkeys
+
     d = tmp_path_factory.mktemp("auth")
-    conf = d / "nats.conf"
-    conf.write_text(AUTH_CONF % {"echo": ECHO})
-    srv = EmbeddedServer(d / "data", port=0, config_file=conf)
+    for name in ("user", "stranger"):
+        (d / f"{name}.nk").write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def auth_url(auth_dir: Path) -> Iterator[str]:
+    import nkeys
+
+    public = nkeys.from_seed(bytearray((auth_dir / "user.nk").read_bytes().strip())).public_key.decode()
+    conf = auth_dir / "nats.conf"
+    conf.write_text(AUTH_CONF % {"echo": ECHO, "nkey": public})
+    srv = EmbeddedServer(auth_dir / "data", port=0, config_file=conf)
     srv.start()
     try:
         yield f"nats://127.0.0.1:{srv.bound_port}"
@@ -188,6 +202,23 @@ async def test_a_refused_login_is_the_buses_error(auth_url: str, login: dict[str
         _shot(settings)
     assert str(by_shot.value) == str(by_bus.value)
     assert ("refused the credentials" if login else "wants a login") in str(by_shot.value)
+
+
+async def test_an_nkey_signs_the_servers_nonce(auth_url: str, auth_dir: Path) -> None:
+    svc = await Bus.connect(Settings(nats_url=auth_url, user="svc", password="svc-pw"), "llmgw-test-svc")
+    try:
+        await svc.serve(ECHO, _echo)
+        signed = Settings(nats_url=auth_url, nkey_seed_file=str(auth_dir / "user.nk"))
+        assert await _ask(signed, ECHO, b"n") == b"echo:n"
+        stranger = Settings(nats_url=auth_url, nkey_seed_file=str(auth_dir / "stranger.nk"), connect_timeout_s=2)
+        with pytest.raises(ConnectError) as by_bus:
+            await Bus.connect(stranger, "llmgw-test", reconnect=False)
+        with pytest.raises(ConnectError) as by_shot:
+            _shot(stranger)
+        assert str(by_shot.value) == str(by_bus.value)
+        assert "refused the credentials" in str(by_shot.value)
+    finally:
+        await svc.close()
 
 
 # --- the CLI --------------------------------------------------------------------------------------------
