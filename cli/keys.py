@@ -40,6 +40,9 @@ def key_options(f: Any) -> Any:
         click.option("--requests-per-minute", type=LIMIT, help="Requests a minute."),
         click.option("--priority", type=click.Choice(["high", "normal", "low"]), help="[default: normal]"),
         click.option("--expires", callback=_expires, metavar="DURATION", help="Valid for this long (e.g. 30d)."),
+        click.option("--scope", type=click.Choice(["client", "viewer", "admin"]),
+                     help="What it opens besides the routers: viewer, the dashboard's fleet; admin, that and the "
+                          "tenants' names and usage [default: client, no dashboard]."),
     )):
         f = option(f)
     return f
@@ -58,8 +61,8 @@ def _row(k: m.KeyDeclared) -> dict[str, Any]:
 @json_option
 @nats_options
 def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens_per_day: int | None,
-           requests_per_minute: int | None, priority: str | None, expires: datetime | None, as_json: bool,
-           settings: Settings) -> None:
+           requests_per_minute: int | None, priority: str | None, expires: datetime | None, scope: str | None,
+           as_json: bool, settings: Settings) -> None:
     """Create an API key; its secret is printed once (the stream holds a salted digest).
 
     \b
@@ -71,7 +74,7 @@ def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens
     secret, key_id, salt, digest = ctl.new_key_secret()
     event = m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest, tenant=tenant or "",
                           models=models or (), tokens_per_day=tokens_per_day, requests_per_minute=requests_per_minute,
-                          priority=priority or "normal", expires_at=expires)  # type: ignore[arg-type]
+                          priority=priority or "normal", expires_at=expires, scope=scope or "client")  # type: ignore[arg-type]
     seq = run(ctl.publish_key(settings, event, must_exist=False))
     if as_json:
         echo_json({"created": _row(event), "secret": secret, "seq": seq})
@@ -80,6 +83,8 @@ def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens
         click.echo(secret)
         click.echo("clients send it as `Authorization: Bearer <secret>` (the openai client's api_key); every router "
                    "takes it within a second or two")
+        if scope in ("viewer", "admin"):
+            click.echo(f"it opens the dashboard too ({'the fleet' if scope == 'viewer' else 'the fleet and tenants'})")
 
 
 @click.command("update")
@@ -88,9 +93,9 @@ def create(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens
 @json_option
 @nats_options
 def update(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens_per_day: int | None,
-           requests_per_minute: int | None, priority: str | None, expires: datetime | None, as_json: bool,
-           settings: Settings) -> None:
-    """Change a key's tenant, models, limits, priority or expiry; its secret stays the same.
+           requests_per_minute: int | None, priority: str | None, expires: datetime | None, scope: str | None,
+           as_json: bool, settings: Settings) -> None:
+    """Change a key's tenant, models, limits, priority, expiry or scope; its secret stays the same.
 
     \b
     Example:
@@ -103,10 +108,10 @@ def update(name: str, tenant: str | None, models: tuple[str, ...] | None, tokens
         raise click.ClickException(f"no key named {name!r}; `llmgw ctl key list` shows them")
     changes = {k: v for k, v in (("tenant", tenant), ("models", models), ("tokens_per_day", tokens_per_day),
                                  ("requests_per_minute", requests_per_minute), ("priority", priority),
-                                 ("expires_at", expires)) if v is not None}
+                                 ("expires_at", expires), ("scope", scope)) if v is not None}
     if not changes:
         raise click.UsageError("nothing to change: give --tenant, --models, --tokens-per-day, --requests-per-minute, "
-                               "--priority or --expires")
+                               "--priority, --expires or --scope")
     event = msgspec.structs.replace(known, at=m.utcnow(), **changes)
     seq = run(ctl.publish_key(settings, event, must_exist=True))
     if as_json:

@@ -270,3 +270,63 @@ async def test_a_parked_model_reads_as_model_list_says_and_a_faulted_gpu_is_mark
     assert ">0/1 healthy<" in page  # gemma-9b, parked: healthy of wanted
     assert 'class="gpu bad" title="GPU 1 UNHEALTHY: xid 79: GPU has fallen off the bus">✕<' in page
     assert 'title="GPU 0: held by r-qwen; 50% busy' in page
+
+
+def ctl_key(name: str, **kw: Any) -> tuple[str, m.KeyDeclared]:
+    from llmgw import ctl
+
+    secret, key_id, salt, digest = ctl.new_key_secret()
+    return secret, m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest, **kw)
+
+
+async def test_ctl_keys_open_it_by_scope_and_only_an_admin_sees_tenants(bus: Bus) -> None:
+    """Seen (issue 43, finding 9): `ctl key create` keys did not protect the dashboard, which showed
+    tenants' names and usage to anyone who reached it."""
+    _, client = ctl_key("team-a-ci", tenant="team-a", tokens_per_day=100)
+    use = {"team-a-ci": {"qwen-8b": m.KeyUse(requests=3, prompt_tokens=90, completion_tokens=9)}}
+    await publish(bus, [*small_fleet(), client])
+    await publish(bus, [m.IdleMapPublished(at=m.utcnow(), router="rt", boot_id="b", tick=1, callers=use)])
+
+    async def seen(http: aiohttp.ClientSession, url: str, key: str | None = None) -> tuple[int, str, Any]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with http.get(url, headers=headers) as r:
+            page = await r.text()
+        async with http.get(url + "api/status", headers=headers) as r:
+            doc = await r.json() if r.status == 200 else None
+        return r.status, page, doc
+
+    async with projecting(bus), serving(bus) as board, aiohttp.ClientSession() as http:
+        # Only a client key exists: nobody can log in, so the page is open, but whose usage it is is not shown.
+        status, page, doc = await seen(http, board.url)
+        await until(lambda: board.report is not None and bool(board.report.tenants), "the tenants' usage")
+        status, page, doc = await seen(http, board.url)
+        assert status == 200 and doc["scope"] == "open" and "team-a" not in page and "team-a" not in json.dumps(doc)
+        assert "log in with an admin key" in page and doc["report"]["tenants"] == []
+        assert "1 key at 80 % or more" in page  # that one is near its limit is the fleet's business; whose is not
+        viewer_secret, viewer = ctl_key("oncall", scope="viewer")
+        admin_secret, admin = ctl_key("ops", scope="admin")
+        await publish(bus, [viewer, admin])
+        await until(lambda: board.login_required, "the viewer's key read")
+        await until(lambda: len(board.declared) == 3, "every key read")
+        status, page, _ = await seen(http, board.url)
+        assert status == 401 and 'name="key"' in page  # a key exists that opens it: the page asks for one
+        # A client's key is no login; a viewer sees the fleet but no tenant; an admin sees them.
+        client_secret = ctl_key("x")[0]
+        assert (await seen(http, board.url, client_secret))[0] == 401
+        status, page, doc = await seen(http, board.url, viewer_secret)
+        assert status == 200 and doc["scope"] == "viewer" and "qwen-8b" in page and "team-a" not in page
+        assert not any(e.get("tenant") == "team-a" for e in doc["events"])  # the keys' records are an admin's
+        status, page, doc = await seen(http, board.url, admin_secret)
+        assert status == 200 and doc["scope"] == "admin" and "team-a" in page
+        assert [t["tenant"] for t in doc["report"]["tenants"]] == ["team-a"]
+        # The login form takes the viewer's key; once it is revoked its session ends.
+        jar = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+        async with jar:
+            async with jar.post(board.url + "login", data={"key": viewer_secret}, allow_redirects=False) as r:
+                assert r.status == 303
+            async with jar.get(board.url) as r:
+                assert r.status == 200 and "team-a" not in await r.text()
+            await publish(bus, [m.KeyRevoked(at=m.utcnow(), name="oncall")])
+            await until(lambda: len(board.declared) == 2, "the revocation read")
+            async with jar.get(board.url) as r:
+                assert r.status == 401

@@ -13,6 +13,12 @@ No client can hold it for the others (``Limits``): only live event streams
 count as pages, one address may hold only its share of them, and a socket
 that sends nothing, sends a request too slowly or reads nothing is closed
 after a bound. The login cookie holds a random session id, never the key.
+
+Who may open it: a key of the ``--api-keys`` file (the router's), or a live ``ctl key`` with
+scope ``viewer`` or ``admin`` (read from the whole control stream). While neither exists the
+page is open to whoever reaches it. Tenants' names and usage are shown to an admin alone (a
+file key counts as one): a viewer, or anyone on an open page, sees the fleet and how many keys
+are near their limits, not whose.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ SECURITY_HEADERS = {
 # What a key's record holds that only the routers need (they read it from the control stream): an
 # open dashboard's readers are not theirs to have, however hard a digest is to reverse.
 KEY_SECRETS = ("salt", "digest")
+SCOPES = ("viewer", "admin")  # the ctl key scopes that open the dashboard
+# What a request may see (``Dashboard._scope``): "admin", "viewer", "open", None for nothing.
+SCOPE: web.RequestKey[str | None] = web.RequestKey("llmgw_dashboard_scope", object)  # type: ignore[arg-type]
 
 
 def public(event: m.Event) -> Any:
@@ -118,18 +127,24 @@ class Sessions:
         self.size = max(1, size)
         self.ttl_s = ttl_s
         self._expires: OrderedDict[str, float] = OrderedDict()  # oldest first, and so soonest to expire
+        self._who: dict[str, tuple[str, str]] = {}  # sid → (scope, lookup id of its ctl key; "" a file key)
 
     def __len__(self) -> int:
         return len(self._expires)
 
-    def open(self, now: float) -> str:
+    def open(self, now: float, scope: str = "admin", key_id: str = "") -> str:
         while self._expires and next(iter(self._expires.values())) <= now:
-            self._expires.popitem(last=False)
+            self._who.pop(self._expires.popitem(last=False)[0], None)
         sid = secrets.token_urlsafe(32)
         self._expires[sid] = now + self.ttl_s
+        self._who[sid] = (scope, key_id)
         while len(self._expires) > self.size:
-            self._expires.popitem(last=False)
+            self._who.pop(self._expires.popitem(last=False)[0], None)
         return sid
+
+    def who(self, sid: str) -> tuple[str, str]:
+        """(scope, ctl key id) of a session ``valid`` said is."""
+        return self._who.get(sid, ("admin", ""))
 
     def valid(self, sid: str, now: float) -> bool:
         expires = self._expires.get(sid)
@@ -137,11 +152,13 @@ class Sessions:
             return False
         if expires <= now:
             del self._expires[sid]
+            self._who.pop(sid, None)
             return False
         return True
 
     def close(self, sid: str) -> None:
         self._expires.pop(sid, None)
+        self._who.pop(sid, None)
 
 
 # --- HTML, escaped by default ---------------------------------------------------------------
@@ -169,6 +186,8 @@ class Dashboard:
         self.asked = 0  # status requests made: what the projector pays
         self.events: list[m.Event] = []
         self.sections: dict[str, str] = render(None, (), ok=False, why=self.why, at=None)
+        self.public_sections = self.sections  # the same, tenants' names and usage left out
+        self.declared: dict[str, m.KeyDeclared] = {}  # the live ctl keys, by lookup id
         self.version = 0
         self.clients = 0  # live event streams: the pages being served
         self.per_client: Counter[str] = Counter()
@@ -211,9 +230,11 @@ class Dashboard:
             await self._publish()
 
     async def _publish(self) -> None:
-        sections = render(self.report, reversed(self.events), ok=self.ok, why=self.why, at=self.answered_at)
-        if sections != self.sections:
-            self.sections = sections
+        events = list(reversed(self.events))
+        sections = render(self.report, events, ok=self.ok, why=self.why, at=self.answered_at)
+        public = render(self.report, events, ok=self.ok, why=self.why, at=self.answered_at, tenants=False)
+        if sections != self.sections or public != self.public_sections:
+            self.sections, self.public_sections = sections, public
             async with self._changed:
                 self.version += 1
                 self._changed.notify_all()
@@ -251,6 +272,39 @@ class Dashboard:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+    async def _follow_keys(self) -> None:
+        """Every live ctl key, from the control stream's first event on (a key is older than its tail)."""
+        prefix = f"{subjects.PREFIX}.control.key."
+        start, delay = 1, 0.5
+        while True:
+            try:
+                last = await self.bus.stream_last_seq(subjects.STREAM_CONTROL)
+                if last < start:
+                    self._caught_up("keys")
+                follower = self.bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, start, who="dashboard-keys",
+                                           keep=lambda raw: raw.subject.startswith(prefix))
+                try:
+                    async for batch in follower.batches():
+                        for d in batch:
+                            match d.event:
+                                case m.KeyDeclared() as key:
+                                    self.declared = {i: k for i, k in self.declared.items() if k.name != key.name}
+                                    self.declared[key.lookup_id] = key
+                                case m.KeyRevoked(name=name):
+                                    self.declared = {i: k for i, k in self.declared.items() if k.name != name}
+                        if follower.last_seq >= last:
+                            self._caught_up("keys")
+                        delay = 0.5
+                        async with self._changed:
+                            self.version += 1  # every page looks again whether its key still opens it
+                            self._changed.notify_all()
+                finally:
+                    start = follower.last_seq + 1
+            except BusError as e:
+                log.warning("dashboard: reading the keys: %s; again in %.1fs", e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
     def _caught_up(self, stream: str) -> None:
         self._behind.discard(stream)
         if not self._behind:
@@ -268,33 +322,59 @@ class Dashboard:
 
     # --- HTTP -------------------------------------------------------------------------------------------
 
-    def _session(self, request: web.Request) -> str | None:
-        """The request's session id, if this dashboard gave it out and it has not expired."""
-        sid = request.cookies.get(COOKIE, "")
-        return sid if sid and self.sessions.valid(sid, time.monotonic()) else None
+    def _live(self, key: m.KeyDeclared | None) -> bool:
+        return key is not None and key.scope in SCOPES and (key.expires_at is None or key.expires_at > m.utcnow())
 
-    def _authorized(self, request: web.Request) -> bool:
-        if not self.keys:
-            return True
+    @property
+    def login_required(self) -> bool:
+        """Whether the page asks for a key: once any key may open it (the file's, a viewer's, an admin's)."""
+        return bool(self.keys) or any(self._live(k) for k in self.declared.values())
+
+    def _session(self, request: web.Request) -> str | None:
+        """The request's session id, if this dashboard gave it out, it has not expired and its key still opens it."""
+        sid = request.cookies.get(COOKIE, "")
+        if not sid or not self.sessions.valid(sid, time.monotonic()):
+            return None
+        _, key_id = self.sessions.who(sid)
+        if key_id and not self._live(self.declared.get(key_id)):  # revoked, expired or no longer a viewer's
+            self.sessions.close(sid)
+            return None
+        return sid
+
+    def _scope(self, request: web.Request) -> str | None:
+        """What the request may see: "admin", "viewer", "open" (no key exists that could open it), None: nothing."""
+        if not self.login_required:
+            return "open"
         scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() == "bearer":
-            return self._valid(key.strip())
-        return self._session(request) is not None
+            found = self._key(key.strip())
+            return found[0] if found else None
+        sid = self._session(request)
+        return self.sessions.who(sid)[0] if sid is not None else None
 
-    def _valid(self, key: str) -> bool:
+    def _key(self, key: str) -> tuple[str, str] | None:
+        """(scope, ctl key id; "" for a file key) of a key that may open the dashboard."""
         if not key:
-            return False
+            return None
+        if key.startswith(m.KEY_PREFIX):  # a ctl key: found by the id in it, checked by its salted digest
+            found = self.declared.get(key[len(m.KEY_PREFIX):len(m.KEY_PREFIX) + 16])
+            salt, expected = (found.salt, found.digest) if found is not None else ("00" * 16, "0" * 64)
+            got = hashlib.sha256(bytes.fromhex(salt) + key.encode(errors="replace")[:512]).hexdigest()
+            if not hmac.compare_digest(got, expected) or found is None or not self._live(found):
+                return None
+            return found.scope, found.lookup_id
         digest = hashlib.sha256(key.encode()).hexdigest()
         ok = False
         for k in self.keys:  # every key compared, so timing says nothing about which matched
             ok |= hmac.compare_digest(digest, k)
-        return ok
+        return ("admin", "") if ok else None
 
     @web.middleware
     async def _guard(self, request: web.Request,
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         public = request.path.startswith("/static/") or request.path in ("/login", "/logout")
-        if not public and not self._authorized(request):
+        request[SCOPE] = scope = self._scope(request)
+        if not public and scope is None:
             if request.path == "/":
                 resp: web.StreamResponse = web.Response(status=401, text=login_page(), content_type="text/html")
                 if OLD_COOKIE in request.cookies:  # the key itself, from before sessions: no longer sent
@@ -330,7 +410,8 @@ class Dashboard:
         self._tailed.set()  # only the first page ever waits (a bus away at start must not slow every page)
         if not self.clients:  # nobody polls while no page is open: ask now
             await self.refresh()
-        body = page(self.sections, logout=bool(self.keys) and self._session(request) is not None)
+        sections = self.sections if request[SCOPE] == "admin" else self.public_sections
+        body = page(sections, logout=self.login_required and self._session(request) is not None)
         return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def _login(self, request: web.Request) -> web.Response:
@@ -343,11 +424,14 @@ class Dashboard:
             late.force_close()
             return late
         key = str(form.get("key", "")).strip()
-        if not self._valid(key):
-            return web.Response(status=401, text=login_page("that key is not accepted"), content_type="text/html")
+        found = self._key(key)
+        if found is None:
+            return web.Response(status=401, text=login_page("that key is not accepted: give the --api-keys file's, or "
+                                                            "a key of `llmgw ctl key create NAME --scope viewer` "
+                                                            "(or admin)"), content_type="text/html")
         resp = web.Response(status=303, headers={"Location": "./"})
         # The browser keeps a random id; the server alone knows it stands for a good key.
-        resp.set_cookie(COOKIE, self.sessions.open(time.monotonic()), httponly=True, samesite="Strict",
+        resp.set_cookie(COOKIE, self.sessions.open(time.monotonic(), *found), httponly=True, samesite="Strict",
                         secure=request.secure, path="/", max_age=int(self.limits.session_ttl_s))
         if OLD_COOKIE in request.cookies:
             resp.del_cookie(OLD_COOKIE, path="/")
@@ -376,8 +460,13 @@ class Dashboard:
         """The same data as the page, as JSON, for scripts."""
         if not self.clients:
             await self.refresh()
-        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(self.report),
-                "events": [public(e) for e in reversed(self.events)]}
+        report, events = self.report, list(reversed(self.events))
+        if request[SCOPE] != "admin":  # tenants' names and usage, and the keys' records, an admin's alone
+            if report is not None:
+                report = msgspec.structs.replace(report, tenants=(), near_limits=())
+            events = [e for e in events if not isinstance(e, m.KeyDeclared | m.KeyRevoked)]
+        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(report),
+                "events": [public(e) for e in events], "scope": request[SCOPE]}
         return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
 
     def _refusal(self, client: str) -> web.Response | None:
@@ -410,7 +499,8 @@ class Dashboard:
         # Counted before the first await, so streams opening at once cannot all pass the check.
         self.clients += 1
         self.per_client[client] += 1
-        sid = self._session(request) if self.keys else None
+        sid = self._session(request) if self.login_required else None
+        admin = request[SCOPE] == "admin"
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no"})
         resp.headers.update(SECURITY_HEADERS)
@@ -421,10 +511,12 @@ class Dashboard:
             if time.monotonic() - self._last_refresh >= self.interval_s:
                 self._poke.set()
             while True:
-                if sid is not None and not self.sessions.valid(sid, time.monotonic()):
+                if (sid is not None and self._session(request) is None) or (sid is None and self.login_required
+                                                                               and self._scope(request) is None):
                     await self._write(request, resp, b"event: logout\ndata: {}\n\n")  # the page asks for the key
                     break
-                changed = {k: v for k, v in self.sections.items() if sent.get(k) != v}
+                sections = self.sections if admin else self.public_sections
+                changed = {k: v for k, v in sections.items() if sent.get(k) != v}
                 seen = self.version
                 if changed:
                     data = json.dumps({"v": seen, "sections": changed})
@@ -463,9 +555,10 @@ class Dashboard:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Follow the streams, ask the projector, listen; returns the page's URL."""
-        self._behind = {subjects.STREAM_FLEET, subjects.STREAM_CONTROL}
+        self._behind = {subjects.STREAM_FLEET, subjects.STREAM_CONTROL, "keys"}
         self._tasks = [asyncio.create_task(self._tail(subjects.STREAM_FLEET, m.FLEET_DECODER), name="dash-fleet"),
                        asyncio.create_task(self._tail(subjects.STREAM_CONTROL, m.CONTROL_DECODER), name="dash-control"),
+                       asyncio.create_task(self._follow_keys(), name="dash-keys"),
                        asyncio.create_task(self._poll(), name="dash-poll")]
         # handler_cancellation: a page that closes ends its event stream at once, not at the next write.
         # keepalive_timeout (on each connection, below): armed when a socket opens, so one that never

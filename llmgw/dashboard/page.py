@@ -380,17 +380,21 @@ def conn_section(ok: bool, why: str, at: float | None) -> Safe:
     return el("span", f"reconnecting: {why}{last}", cls="conn reconnecting")
 
 
+TENANTS_HIDDEN = el("p", "tenants' names and usage are an admin's: log in with an admin key (",
+                    el("code", "llmgw ctl key create NAME --scope admin"), ")", cls="empty")
+
+
 def render(report: m.StatusReport | None, events: Iterable[m.Event], *, ok: bool, why: str,
-           at: float | None) -> dict[str, str]:
-    """Every section of the page as escaped HTML, by element id."""
+           at: float | None, tenants: bool = True) -> dict[str, str]:
+    """Every section of the page as escaped HTML, by element id; ``tenants``: with their names and usage."""
     out: dict[str, str] = {"conn": conn_section(ok, why, at), "events": events_section(events)}
     if report is None:
         waiting = el("p", "waiting for the projector…", cls="empty")
         out |= {k: waiting for k in ("summary", "attention", "capacity", "fabrics", "tenants", "models", "gpus")}
         return out
-    out |= {"summary": summary_section(report), "attention": attention_section(report),
-            "capacity": capacity_section(report),
-            "fabrics": fabrics_section(report), "tenants": tenants_section(report), "models": models_section(report),
+    out |= {"summary": summary_section(report), "attention": attention_section(report, tenants=tenants),
+            "capacity": capacity_section(report), "fabrics": fabrics_section(report),
+            "tenants": tenants_section(report) if tenants else TENANTS_HIDDEN, "models": models_section(report),
             "gpus": gpus_section(report)}
     return out
 

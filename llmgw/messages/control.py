@@ -282,6 +282,7 @@ KeyId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$", max_length=16)]
 Hex64 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$", max_length=64)]
 Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$", max_length=32)]
 Priority = Literal["high", "normal", "low"]
+KeyScope = Literal["client", "viewer", "admin"]
 
 
 class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
@@ -301,6 +302,9 @@ class KeyDeclared(Event, tag="KeyDeclared", frozen=True, kw_only=True):
     tokens_per_day: Annotated[int, msgspec.Meta(ge=1, le=10**15)] | None = None
     priority: Priority = "normal"
     expires_at: Time | None = None
+    # What it opens besides the routers (which take any live key): "viewer" the dashboard's view of
+    # the fleet, "admin" that and the tenants' names and usage; "client" no dashboard.
+    scope: KeyScope = "client"
 
 
 class NodeCordoned(Event, tag="NodeCordoned", frozen=True, kw_only=True):
