@@ -18,7 +18,8 @@ from llmgw.dashboard import Dashboard, Limits
 @click.command("dashboard")
 @click.option("--listen", default="127.0.0.1:8081", show_default=True, help="HOST:PORT to serve the page on (port 0: a free one).")
 @click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False),
-              help="The router's key file (sha256 hex digests, one per line): the page asks for a key; off when absent.")
+              help="The router's key file (sha256 hex digests, one per line): its keys open the page as an admin's. "
+                   "`ctl key create --scope viewer|admin` keys open it too; with neither, no login.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.2), default=5.0, show_default=True,
               help="Seconds between status requests while a page is open and no event arrives (an event asks at once).")
 @click.option("--events", type=click.IntRange(1, 1000), default=50, show_default=True,
@@ -36,9 +37,10 @@ def dashboard(listen: str, api_keys: str | None, interval_s: float, events: int,
               max_pages_per_client: int, max_connections_per_client: int, settings: Settings) -> None:
     """Serve a live, read-only web page of the fleet; prints its URL on the first line.
 
-    Capacity per GPU class, free whole nodes per fabric, models and replicas,
-    GPU use per node and the latest events, from the projector's status service
-    and the history streams. One process serves any number of open pages.
+    What needs attention, capacity per GPU class, free whole nodes per fabric,
+    models and replicas, GPU use per node and the latest events, from the
+    projector's status service and the history streams; tenants' usage to an
+    admin's key alone. One process serves any number of open pages.
 
     Example:
 
