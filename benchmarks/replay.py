@@ -34,6 +34,7 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
+from llmgw.fleet import snapshots
 from llmgw.projections.runner import Projector
 from llmgw.projections.store import Store
 
@@ -238,8 +239,11 @@ async def main(args: argparse.Namespace) -> None:
         store = Store(db)
         cpu = Cpu(server_pid)
         start = time.perf_counter()
+        # Fold snapshots at ``llmgw project``'s cadence, so that a kept history serves ``--at`` as a real one does.
         projector = Projector(bus, store, writer_process=not args.writer_thread,
-                              commit_interval_s=args.commit_interval)
+                              commit_interval_s=args.commit_interval,
+                              fold_snapshot_events=args.fold_snapshot_events or None,
+                              fold_snapshot_interval_s=snapshots.DEFAULT_INTERVAL_S)
         state = (await projector.run_once()).state
         proj_s = time.perf_counter() - start
         store.close()
@@ -310,5 +314,7 @@ if __name__ == "__main__":
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--writer-thread", action="store_true", help="commit in a thread instead of a child process")
     p.add_argument("--commit-interval", type=float, default=1.0, help="seconds between commits (as llmgw project)")
+    p.add_argument("--fold-snapshot-events", type=int, default=snapshots.DEFAULT_EVERY_EVENTS,
+                   help="the projector writes a fold snapshot every so many events (0: none) [default: llmgw project's]")
     p.add_argument("--workdir", help="where the nats store and DuckDB file go (e.g. /dev/shm on a busy disk)")
     asyncio.run(main(p.parse_args()))

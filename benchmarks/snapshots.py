@@ -42,6 +42,7 @@ from llmgw import subjects  # noqa: E402
 from llmgw.bus import Bus  # noqa: E402
 from llmgw.bus.server import EmbeddedServer  # noqa: E402
 from llmgw.config import Settings  # noqa: E402
+from llmgw.fleet import snapshots  # noqa: E402
 from llmgw.projections.runner import Projector  # noqa: E402
 from llmgw.projections.store import Store  # noqa: E402
 
@@ -88,7 +89,9 @@ async def project(bus: Bus, path: Path, every: int | None, *, fresh: bool = True
         _remove(path)
     store = Store(path)
     start = time.perf_counter()
-    projector = Projector(bus, store, writer_process=True, fold_snapshot_events=every)
+    # The cadence ``llmgw project`` writes fold snapshots at (every so many events or so long).
+    projector = Projector(bus, store, writer_process=True, fold_snapshot_events=every,
+                          fold_snapshot_interval_s=snapshots.DEFAULT_INTERVAL_S)
     await projector.run_once()
     secs = time.perf_counter() - start
     store.close()
@@ -173,25 +176,42 @@ async def measure(bus: Bus, url: str, work: Path, args: argparse.Namespace) -> N
         await measure_projector(bus, work, folded, args)
 
 
+async def worst_targets(bus: Bus, lo: int, hi: int) -> list[tuple[str, list[str]]]:
+    """Just before each fold snapshot's moment, and just before the end: where ``--at`` folds the most
+    events after the snapshot it starts from (every event since the one before, or since sequence 1)."""
+    ends = sorted({h.newest_ns for h in (await snapshots.list_headers(bus)).values()} | {hi})
+    out = []
+    for end in ends:
+        at_ns = end - 10**9  # a second before it: the snapshot at ``end`` does not serve this moment
+        if at_ns > lo:
+            pct = (at_ns - lo) / (hi - lo) * 100
+            at = datetime.fromtimestamp(at_ns / 1e9, UTC).isoformat()
+            out.append((f"--at {pct:.1f}%*", ["--at", at]))
+    return out
+
+
 async def measure_ctl(bus: Bus, url: str, args: argparse.Namespace) -> None:
     lo, hi = await stored_range(bus)
-    print("\nctl status (a new process each run; median of --runs)")
+    print("\nctl status (a new process each run; median of --runs; * just before a fold snapshot's moment, "
+          "where the most events are folded after the one before)")
     print(f"{'target':<14} {'snapshot: wall':>15} {'RSS':>9} {'--no-snapshot: wall':>21} {'RSS':>9}  ratio")
     targets: list[tuple[str, list[str]]] = []
     for pct in (10, 50, 90):
         at = datetime.fromtimestamp((lo + (hi - lo) * pct / 100) / 1e9, UTC).isoformat()
         targets.append((f"--at {pct}%", ["--at", at]))
+    if args.worst:
+        targets.extend(await worst_targets(bus, lo, hi))
     targets.append(("--replay", ["--replay"]))
     for name, extra in targets:
         row = {}
-        for mode in ((), ("--no-snapshot",)):
+        for mode in ((), ("--no-snapshot",)) if args.no_snapshot else ((),):
             walls, rss = [], []
             for _ in range(args.runs):
                 wall, peak, _ = run_cli("ctl", "status", "--json", "--nats-url", url, *extra, *mode)
                 walls.append(wall)
                 rss.append(peak)
             row[mode] = (statistics.median(walls), statistics.median(rss))
-        (w1, r1), (w0, r0) = row[()], row[("--no-snapshot",)]
+        (w1, r1), (w0, r0) = row[()], row.get(("--no-snapshot",), (float("nan"), float("nan")))
         print(f"{name:<14} {w1:>13.2f} s {r1:>6.0f} MiB {w0:>19.2f} s {r0:>6.0f} MiB  {w0 / w1:.1f}x")
 
 
@@ -254,12 +274,17 @@ async def measure_projector(bus: Bus, work: Path, folded: int, args: argparse.Na
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--events", type=int, default=1_000_000)
-    p.add_argument("--every", type=int, default=100_000, help="fold snapshot every so many events")
+    p.add_argument("--every", type=int, default=snapshots.DEFAULT_EVERY_EVENTS,
+                   help="fold snapshot every so many events [default: llmgw project's]")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workdir")
     p.add_argument("--parts", default="ctl,startup,projector", help="what to measure (comma-separated)")
     p.add_argument("--rebuild", action="store_true",
                    help="drop the fold snapshots and project the whole history from zero first (a rebuild)")
+    p.add_argument("--worst", action="store_true",
+                   help="also --at just before each fold snapshot (where the most events are folded after one)")
+    p.add_argument("--no-snapshot", dest="no_snapshot", action=argparse.BooleanOptionalAction, default=True,
+                   help="time each target with --no-snapshot beside it (--no-no-snapshot: only with snapshots)")
     p.add_argument("--store", help="keep the server's store here; when it exists, measure on it without publishing")
     asyncio.run(main(p.parse_args()))
