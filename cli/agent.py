@@ -26,7 +26,7 @@ from llmgw.agent import (
 from llmgw.bus import Bus
 from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
 from llmgw.config import Settings
-from llmgw.engine import parse_engine_cmds
+from llmgw.engine import EnginePolicy, parse_engine_cmds
 from llmgw.errors import LlmgwError
 from llmgw.fleetfile import faults, load, parse_fault_kind
 from llmgw.scheduler import HeartbeatMonitor
@@ -94,13 +94,28 @@ def _engine_env(values: tuple[str, ...]) -> dict[str, str]:
 
 def engine_config(opts: dict[str, Any]) -> EngineConfig:
     """Fake engines on simulated nodes; real ones (``--engines real``) listen on loopback there too,
-    since every simulated node is this machine, and run on its CPU (a simulated card has no GPU)."""
+    since every simulated node is this machine, and run on its CPU (a simulated card has no GPU).
+    Every engine's declaration is held to ``EnginePolicy``: the allow-list, the flags this agent's
+    operator allows, model files only from its stores."""
     fake = opts["engines"] == "fake"
     on_cpu = opts["simulated"] and not fake
-    return EngineConfig(cmds=opts["engine_cmds"], simulate=fake, cpu=on_cpu, fake_startup_s=opts["engine_startup_s"],
-                        env=opts["engine_env"], log_dir=opts["log_dir"],
-                        log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
-                        host="127.0.0.1" if on_cpu else "", models_dir=opts.get("models_dir"))
+    config = EngineConfig(cmds=opts["engine_cmds"], simulate=fake, cpu=on_cpu, fake_startup_s=opts["engine_startup_s"],
+                          env=opts["engine_env"], log_dir=opts["log_dir"],
+                          log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
+                          host="127.0.0.1" if on_cpu else "", models_dir=opts.get("models_dir"))
+    stores = [config.models_dir or Path.home() / ".cache" / "llmgw" / "models", opts.get("hf_cache") or _hf_cache(),
+              *opts.get("model_paths", ())]
+    try:
+        config.policy = EnginePolicy.of(opts.get("allowed_args", ()), roots=[Path(p).expanduser() for p in stores])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--allow-engine-arg") from e
+    return config
+
+
+def _hf_cache() -> Path:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE)
 
 
 def _services(node: str, opts: dict[str, Any]) -> tuple[EngineSupervisor, ...] | tuple[EngineSupervisor, FileKeeper]:
@@ -200,6 +215,14 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
               help="Disk the model files may take; the least recently used that no placed or pinned model needs "
                    "are evicted to stay within it [default: the disk's size less 5% of it, or less 10 GiB where that "
                    "is more].")
+@click.option("--allow-engine-arg", "allowed_args", multiple=True, metavar="FLAG",
+              help="Start engines with this argument although the allow-list refuses it (an address, a key, a path, "
+                   "remote code), repeatable; write it with = (--allow-engine-arg=--log-file). docs/reliability.md, "
+                   "\"What cli may start\".")
+@click.option("--allow-model-path", "model_paths", multiple=True, metavar="DIR", envvar="LLMGW_ALLOW_MODEL_PATH",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="A directory engines may read model files from besides --models-dir and --hf-cache, repeatable "
+                   "[env LLMGW_ALLOW_MODEL_PATH, space-separated].")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
@@ -207,8 +230,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
 def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: Path | None, heartbeat_s: float,
           poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float,
           engines: str | None, log_dir: Path | None, log_max_mib: int, log_keep: int, keep_files: bool | None,
-          models_dir: Path | None, hf_cache: Path | None, cache_max_gib: float, once: bool, as_json: bool,
-          settings: Settings) -> None:
+          models_dir: Path | None, hf_cache: Path | None, cache_max_gib: float, allowed_args: tuple[str, ...],
+          model_paths: tuple[Path, ...], once: bool, as_json: bool, settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -230,18 +253,14 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "log_dir": log_dir.resolve() if log_dir else None,
                             "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep,
                             "keep_files": fleet_path is None if keep_files is None else keep_files,
-                            "cache_max_gib": cache_max_gib}
+                            "cache_max_gib": cache_max_gib, "allowed_args": allowed_args, "model_paths": model_paths}
     if opts["keep_files"] and fleet_path is not None and not node and len(load(fleet_path).nodes) > 1:
         raise click.UsageError("--keep-files with --simulate needs --node: simulated agents in one process share "
                                "one disk, and each would report the same files as its own")
     if opts["keep_files"] or models_dir is not None:
         opts["models_dir"] = (models_dir or Path.home() / ".cache" / "llmgw" / "models").expanduser().resolve()
-    if opts["keep_files"]:
-        if hf_cache is None:
-            from huggingface_hub.constants import HF_HUB_CACHE
-
-            hf_cache = Path(HF_HUB_CACHE)
-        opts["hf_cache"] = hf_cache.expanduser().resolve()
+    if opts["keep_files"] or hf_cache is not None:
+        opts["hf_cache"] = (hf_cache or _hf_cache()).expanduser().resolve()
     ports: list[tuple[str, NvmlPort, str | None, str]] = []
     if fleet_path is not None:
         fleet = load(fleet_path)

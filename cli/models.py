@@ -1,4 +1,8 @@
-"""``llmgw ctl model deploy|scale|remove|list|show``: declare what should serve, and see what does."""
+"""``llmgw ctl model deploy|scale|remove|list|show``: declare what should serve, and see what does.
+
+Over 600 lines: ``Ask`` and the checks both deploy and apply pass (options, plan, engine arguments)
+read beside deploy's options, which fill it; split, each half would name the other's fields.
+"""
 
 from __future__ import annotations
 
@@ -59,6 +63,8 @@ class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     parallel: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     file: str | None = None
     engine_args: tuple[str, ...] = ()
+    # Engine arguments the allow-list refuses that the agents' operator allows (agent --allow-engine-arg).
+    allow_engine_args: Annotated[tuple[str, ...], msgspec.Meta(max_length=64)] = ()
     routing: Literal["prefix", "least-outstanding"] = "prefix"
     roll: Literal["surge", "in-place"] = "surge"
     engine_version: str = ""  # vLLM's version to plan for ("": the fleet's)
@@ -113,11 +119,25 @@ def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir
                         "awq, …)")
     file = ctl.gguf_file(chosen, ask.file) if ask.file is not None else chosen.file
     planned = chosen.spec(ask.name, replicas)  # its engine_args hold what the plan needs (--enforce-eager)
+    engine_args_checked(chosen.engine, (*planned.engine_args, *ask.engine_args), ask.allow_engine_args)
     return msgspec.structs.replace(planned, idle_ttl_s=ask.idle_ttl_s,
                                    engine_args=(*planned.engine_args, *ask.engine_args),
                                    min_replicas=ask.min_replicas, max_replicas=ask.max_replicas,
                                    target_in_flight=ask.target_in_flight, file=file, routing=ask.routing,
                                    roll=ask.roll, exclusive=ask.exclusive)
+
+
+def engine_args_checked(engine: str, args: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    """Refused here, before anything is published, what every agent refuses (llmgw/engine/policy.py)."""
+    from llmgw.engine import EnginePolicy, args_problem
+
+    try:
+        policy = EnginePolicy.of(allowed)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if (why := args_problem(engine, args, policy)) is not None:
+        raise PlanError(f"{why}; if the agents allow it, say so here too with --allow-engine-arg=FLAG "
+                        "(apply: allow_engine_args = [\"FLAG\"])")
 
 
 def declaration_json(done: Declaration) -> dict[str, Any]:
@@ -233,6 +253,9 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
                    "room on the card for others, and its KV cache is planned inside it [default: the engine "
                    "version's, 0.92 from vLLM 0.29].")
 @click.option("--engine-arg", "engine_args", multiple=True, help="Extra engine argument, repeatable (e.g. --engine-arg=--enable-prefix-caching).")
+@click.option("--allow-engine-arg", "allowed_args", multiple=True, metavar="FLAG",
+              help="An --engine-arg flag the allow-list refuses that the agents are started to allow "
+                   "(agent --allow-engine-arg), repeatable; agents without it still refuse to start it.")
 @click.option("--replan", is_flag=True,
               help="Publish the plan's figures afresh even when nothing you asked changed (they are kept "
                    "as first declared otherwise: re-running a deploy restarts nothing).")
@@ -249,7 +272,8 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
            tp: int | None, pp: int | None, gpu_class: str | None, context: int | None, kv_dtype: str, replicas: int,
            min_replicas: int | None, max_replicas: int | None, target_in_flight: float, idle_ttl: float | None,
            parallel: int, engine_version: str, max_num_seqs: int, gguf: str | None, routing: str,
-           roll: str, exclusive: bool, util: float | None, engine_args: tuple[str, ...], replan: bool,
+           roll: str, exclusive: bool, util: float | None, engine_args: tuple[str, ...], allowed_args: tuple[str, ...],
+           replan: bool,
            max_adapters: int, max_lora_rank: int, fleet: Path | None, models_dir: str | None, as_json: bool,
            settings: Settings) -> None:
     """Declare NAME to serve MODEL as the planner splits it; refused, unpublished, when it does not fit.
@@ -270,6 +294,7 @@ def deploy(name: str, model: str, from_plan: bool, candidate: int | None, precis
         gpu_class=gpu_class, context=context, kv_cache_dtype=kv_dtype, replicas=replicas,  # type: ignore[arg-type]
         min_replicas=min_replicas, max_replicas=max_replicas, target_in_flight=target_in_flight,
         idle_ttl_s=idle_ttl, parallel=parallel, file=gguf, engine_args=engine_args, routing=routing,  # type: ignore[arg-type]
+        allow_engine_args=allowed_args,
         roll=roll, engine_version=engine_version, max_num_seqs=max_num_seqs,  # type: ignore[arg-type]
         exclusive=exclusive, gpu_memory_utilization=util, max_adapters=max_adapters, max_lora_rank=max_lora_rank)
     try:

@@ -271,6 +271,9 @@ def _default_models_dir() -> str | None:
               help="With --simulate: fake engines, or the real ones --engine-cmd names, on the simulated GPUs.")
 @click.option("--engine-cmd", "engine_cmds", multiple=True, metavar="ENGINE=CMD",
               help="With --engines real: the program for an engine, repeatable (e.g. 'llama.cpp=/path/to/llama-server').")
+@click.option("--allow-engine-arg", "allowed_args", multiple=True, metavar="FLAG",
+              help="Passed to the simulated agents: start engines with this argument although the allow-list refuses "
+                   "it, repeatable (--allow-engine-arg=--log-file).")
 @click.option("--insecure", is_flag=True,
               help="Run the embedded NATS without logins, as before: any local process may publish as any part.")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -279,6 +282,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
        router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
        models_dir: str | None, no_example: bool,
        engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
+       allowed_args: tuple[str, ...],
        insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
@@ -364,6 +368,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}",
                                      "--engine-startup-s", f"{engine_startup_s:g}", "--engines", engines,
                                      *(a for c in engine_cmds for a in ("--engine-cmd", c)),
+                                     *(f"--allow-engine-arg={a}" for a in allowed_args),
                                      "--log-dir", str(logs / "engines")]))
         for name, args in parts:
             child = Child(name, [*exe, *args], logs / f"{name}.log", {**env, **logins.get(name, {})},

@@ -46,6 +46,7 @@ from llmgw.engine.argv import (
     kv_tokens_from_props,
     part_argvs,
 )
+from llmgw.engine.policy import EnginePolicy
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.proc import descendants, die_with, exited, group_members, kill_group, resident_mib
 
@@ -115,6 +116,9 @@ class EngineConfig:
     env: dict[str, str] = field(default_factory=dict)
     # Org__Name model folders here (LLMGW_MODELS_DIR): a GGUF of a repository id found there is not downloaded.
     models_dir: Path | None = None
+    # What a declaration may make it start (llmgw/engine/policy.py): engine arguments from the allow-list and
+    # those its operator allows (--allow-engine-arg), model files inside its stores (None: anywhere).
+    policy: EnginePolicy = field(default_factory=EnginePolicy)
     # What each engine's --version said, by its program's path and mtime (``VersionCache``); None: none kept.
     version_cache: Path | None = field(default_factory=lambda: version_cache_path())
     version_timeout_s: float = 60.0  # `vllm --version` imports all of vLLM: 10–25 s, more under load

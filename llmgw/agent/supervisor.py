@@ -31,6 +31,7 @@ from llmgw.engine.argv import (
     parse_version_output,
     version_argv,
 )
+from llmgw.engine.policy import spec_problem
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.fleet.files import FETCHING_DETAIL
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
@@ -218,6 +219,14 @@ class EngineSupervisor:
                 EngineRun(self.node, placed, self.config, outbox).report(
                     "failed", f"placed on fabric {placed.fabric}, but {self.node} is on {fabric}: a replica over "
                               "several nodes never spans fabrics; not started")
+                continue
+            refusal = spec_problem(placed.spec, self.config.policy, models_dir=self.config.models_dir,
+                                   reads_files=not self.config.simulate)
+            if refusal is not None:
+                # The agent is the trust boundary: a `cli` login can declare any spec, and this node starts it.
+                self.refused.add(rid)
+                log.warning("replica %s refused on %s: %s", rid, self.node, refusal)
+                EngineRun(self.node, placed, self.config, outbox).report("failed", f"{refusal}; not started")
                 continue
             worker = placed.nodes[0] != self.node
             head = self.heads.get(rid, "")

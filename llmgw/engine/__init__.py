@@ -8,6 +8,7 @@
   agents' health checks);
 * ``fake``: a small OpenAI-compatible engine for tests and benchmarks;
 * ``fakeadapters``: its LoRA adapters, held as vLLM's or llama-server's are;
+* ``policy``: what a declaration may make an agent start (the engine-argument allow-list, the model stores);
 * ``demomodel``: a tiny random-weight model to plan and serve offline, and
   ``demolora`` a random LoRA adapter for it.
 """
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
         write_demo_lora,
     )
     from llmgw.engine.demomodel import write_demo_model
+    from llmgw.engine.policy import EnginePolicy, args_problem
     from llmgw.engine.upstream import Timeouts, Upstream
 
 _FACE = {
@@ -39,9 +41,11 @@ _FACE = {
     "parse_lora_targets": "llmgw.engine.demolora",
     "write_demo_lora": "llmgw.engine.demolora",
     "write_demo_model": "llmgw.engine.demomodel",
+    "EnginePolicy": "llmgw.engine.policy",
+    "args_problem": "llmgw.engine.policy",
     "Timeouts": "llmgw.engine.upstream",
     "Upstream": "llmgw.engine.upstream",
 }
-__all__ = ["Timeouts", "Upstream", "check_demo_lora", "demo_model_format", "fake", "llmgw_program", "parse_engine_cmds",
+__all__ = ["EnginePolicy", "Timeouts", "args_problem", "Upstream", "check_demo_lora", "demo_model_format", "fake", "llmgw_program", "parse_engine_cmds",
            "parse_lora_targets", "shown_command", "vllm_lora_rank", "write_demo_lora", "write_demo_model"]
 __getattr__ = lazy_face(__name__, _FACE)
