@@ -3,6 +3,7 @@
     python benchmarks/router.py --quick        # a few minutes
     python benchmarks/router.py                # fuller runs, 3 rounds, 100,000-request memory run
     python benchmarks/router.py --memory-only --memory-requests 100000
+    python benchmarks/router.py --quick --keys 10000   # 10,000 keys on the bus, one used by every request
 
 Starts its own nats-server, two fake engines (instant; realistic: 20 ms before
 the reply, 5 ms between chunks), one pass-through proxy per engine, and two
@@ -10,6 +11,10 @@ routers (idle tracking on and off), all as separate processes. Every scenario
 runs the targets back to back so the ratios are side by side. CPU per request
 is the proxy process's on-CPU time (all threads, /proc/<pid>/task/*/schedstat)
 over the requests it served. Prints medians over rounds and a markdown table.
+With ``--keys N``, N API keys are declared on the bus (each with a requests-per-minute
+and a tokens-per-day limit no run reaches) and every request carries one of them: the
+routers check it, count it against its quotas and add it to the per-key ledger (the
+pass-through ignores it).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw import ctl
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.bus.server import EmbeddedServer
@@ -137,11 +143,21 @@ class Result:
     cpu_us: float | None
 
 
+AUTH: dict[str, str] = {}  # the Authorization header every request carries (--keys)
+
+
+def declared_key(name: str) -> tuple[str, m.KeyDeclared]:
+    """A key as ``ctl key create`` makes one, with limits no run of this benchmark reaches."""
+    secret, key_id, salt, digest = ctl.new_key_secret()
+    return secret, m.KeyDeclared(at=datetime.now(UTC), name=name, lookup_id=key_id, salt=salt, digest=digest,
+                                 requests_per_minute=10**9, tokens_per_day=10**12)
+
+
 async def load(session: aiohttp.ClientSession, url: str, model: str, stream: bool, n: int, conc: int,
                proxy: Proc | None) -> Result:
     body = m.ENCODER.encode({"model": model, "stream": stream,
                              "messages": [{"role": "user", "content": "hello"}]})
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **AUTH}
     lat: list[float] = []
     ttfb: list[float] = []
     left = n
@@ -213,6 +229,10 @@ async def run(args: argparse.Namespace) -> None:
                                                   gpus=(m.GpuRef(node="bench", index=0, uuid=f"GPU-{rid}"),), spec=spec))
                 await bus.publish(m.ReplicaStateChanged(at=datetime.now(UTC), replica_id=rid, model=model,
                                                         node="bench", state="healthy", endpoint=url))
+            if args.keys:
+                keys = [declared_key(f"bench-{i}") for i in range(args.keys)]
+                await bus.publish_many([k for _, k in keys])
+                AUTH["Authorization"] = f"Bearer {keys[len(keys) // 2][0]}"
         cli = [sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0",
                "--nats-url", server.url]
         router_on = start_proc("router", [*cli, "--name", "bench-on", "--tick", "10"])
@@ -284,7 +304,8 @@ async def run(args: argparse.Namespace) -> None:
         for row in rows:
             print("| " + " | ".join(row) + " |")
         print()
-        print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; rounds: {rounds}")
+        print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; rounds: {rounds}; "
+              f"keys on the bus: {args.keys:,}")
         print(f"router RSS over {total} requests: {rss0:.1f} MiB → {rss_mid:.1f} MiB (half) → {rss1:.1f} MiB")
     finally:
         for p in procs:
@@ -300,6 +321,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-requests", type=int, default=None, help="length of the memory run")
     parser.add_argument("--memory-only", action="store_true", help="only the memory run")
+    parser.add_argument("--keys", type=int, default=0, metavar="N",
+                        help="declare N API keys on the bus; every request carries one (default: none, anonymous)")
     parser.add_argument("--passthrough-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.passthrough_proxy:
