@@ -112,6 +112,11 @@ class Room:
             gpus.sort(key=(lambda g: (len(faults.get(g.uuid, ())), g.index)) if name in self.node_faults
                       else attrgetter("index"))
         self.part.sort()
+        # How good a node's whole GPUs are to take one from: fewer recent faults, then fewest free (best fit);
+        # a closure over locals, asked once per node per placement.
+        whole, nf = self.whole, self.node_faults.get
+        self.whole_key: Callable[[str], tuple[int | str, ...]] = (
+            (lambda n: (nf(n, 0), len(whole[n]), n)) if self.node_faults else (lambda n: (len(whole[n]), n)))
 
     def take(self, gpu: GpuView, was_free: int | None, mib: int) -> None:
         """``mib`` booked on ``gpu`` (``was_free``: its free MiB when partly booked, None when whole)."""
@@ -130,10 +135,6 @@ class Room:
             self.part_free[gpu.node, gpu.index] = free
         else:
             self.part_free.pop((gpu.node, gpu.index), None)
-
-    def whole_key(self, node: str) -> tuple[int, int, str]:
-        """How good a node's whole GPUs are to take one from: fewer recent faults, then fewest free (best fit)."""
-        return self.node_faults.get(node, 0), len(self.whole[node]), node
 
     def most_free(self) -> tuple[int, str, int] | None:
         """The partly booked GPU with the most free MiB, or None."""
