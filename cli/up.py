@@ -274,6 +274,11 @@ def _default_models_dir() -> str | None:
 @click.option("--allow-engine-arg", "allowed_args", multiple=True, metavar="FLAG",
               help="Passed to the simulated agents: start engines with this argument although the allow-list refuses "
                    "it, repeatable (--allow-engine-arg=--log-file).")
+@click.option("--allow-model-path", "model_paths", multiple=True, metavar="DIR", envvar="LLMGW_ALLOW_MODEL_PATH",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="With --simulate: a directory the simulated agents' engines may read model files from besides "
+                   "--models-dir and the Hugging Face cache, repeatable [env LLMGW_ALLOW_MODEL_PATH, "
+                   "colon-separated; default: ./models, where the README's `llmgw demo-model` writes].")
 @click.option("--insecure", is_flag=True,
               help="Run the embedded NATS without logins, as before: any local process may publish as any part.")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -282,7 +287,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
        router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
        models_dir: str | None, no_example: bool,
        engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
-       allowed_args: tuple[str, ...],
+       allowed_args: tuple[str, ...], model_paths: tuple[Path, ...],
        insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
@@ -314,6 +319,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                  *([("--dashboard-listen", dashboard_listen)] if dashboard_listen != "off" else [])])
     root = (data_dir or default_data_dir()).resolve()
     models_dir = models_dir or _default_models_dir()
+    readable = [p.expanduser().resolve() for p in model_paths or (Path("models"),)]
     server = None
     nats: NatsChild | None = None
     children: list[Child] = []
@@ -369,6 +375,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                                      "--engine-startup-s", f"{engine_startup_s:g}", "--engines", engines,
                                      *(a for c in engine_cmds for a in ("--engine-cmd", c)),
                                      *(f"--allow-engine-arg={a}" for a in allowed_args),
+                                     *(f"--allow-model-path={p}" for p in readable),
                                      "--log-dir", str(logs / "engines")]))
         for name, args in parts:
             child = Child(name, [*exe, *args], logs / f"{name}.log", {**env, **logins.get(name, {})},
