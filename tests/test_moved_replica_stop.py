@@ -40,8 +40,6 @@ async def reports(bus: Bus) -> list[tuple[str, str]]:
             if isinstance(e, m.ReplicaStateChanged) and e.replica_id == "a-r1"]
 
 
-@pytest.mark.xfail(strict=True, reason="the fix is the agent's (llmgw/agent/supervisor.py, another engineer's room): "
-                                       "keep each ReplicaStopped's reason and report the stop with it")
 async def test_the_agents_stop_report_of_a_moved_replica_names_the_fault(bus: Bus, supervisor: EngineSupervisor) -> None:
     s = m.ModelSpec(name="a", source="/models/x.gguf", precision="q8_0", engine="llama.cpp", gpu_class="CPU-16GB",
                     context=512, tp=1, gib_per_gpu=1.0)

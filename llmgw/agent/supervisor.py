@@ -112,6 +112,7 @@ class EngineSupervisor:
         # This node's fabric, as its agent knows it; a placement that names another is refused.
         self.fabric_of: Callable[[], str] | None = None
         self.refused: set[str] = set()
+        self.stop_why: dict[str, str] = {}  # replica → why the control stream stopped it, for its stop report
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.caught_up = asyncio.Event()
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
@@ -195,20 +196,25 @@ class EngineSupervisor:
                 placed = self.placed.get(rid)
                 if placed is not None and placed.nodes[0] == node and node != self.node:
                     self.heads[rid] = address  # where this node's part joins (only the head's own node says)
-            case m.ReplicaStopped(replica_id=rid):
-                self.placed.pop(rid, None)
+            case m.ReplicaStopped(replica_id=rid, reason=reason):
+                if self.placed.pop(rid, None) is not None:
+                    self.stop_why[rid] = reason
                 self.heads.pop(rid, None)
                 self.refused.discard(rid)
             case m.ModelRemoved(name=name):
                 for rid in [r for r, p in self.placed.items() if p.model == name]:
                     del self.placed[rid]
+                    self.stop_why[rid] = f"model {name} removed"
             case _:
                 pass
 
     async def _reconcile(self, outbox: Outbox) -> None:
         for rid in [r for r in self._tasks if r not in self.placed]:
             await self._end(rid)
-            self.runs.pop(rid).report("stopped", "stopped on request")
+            why = self.stop_why.pop(rid, "")
+            self.runs.pop(rid).report("stopped", f"stopped: {why}" if why else "stopped on request")
+        for rid in [r for r in self.stop_why if r not in self._tasks]:
+            del self.stop_why[rid]  # never started here (refused, or waiting for its head)
         for rid, placed in self.placed.items():
             if rid in self.refused:
                 continue
