@@ -278,12 +278,14 @@ async def fetch_idle(settings: Settings, older_than_s: float, *, replay: bool = 
 def idle_now(settings: Settings, older_than_s: float, *, now: datetime | None = None, notice: Notice = lambda _: None,
              model: str | None = None, adapters: list[m.AdapterStatus] | None = None) -> IdleAnswer | None:
     """``fetch_idle`` from the projector, without an event loop; None when it did not answer (``notice``
-    said why): then ``fetch_idle(replay=True)``."""
+    said why): then ``fetch_idle(replay=True)``. A ``ws://`` URL gets ``fetch_idle`` whole."""
     from llmgw.bus import OneShot, speaks
 
-    if not speaks(settings):
-        return None
     now = now or m.utcnow()
+    if not speaks(settings):  # a ws:// URL: the Bus asks (and replays itself when the projector does not answer)
+        import asyncio
+
+        return asyncio.run(fetch_idle(settings, older_than_s, now=now, notice=notice, model=model, adapters=adapters))
     with OneShot.connect(settings, "llmgw-ctl-idle") as shot:
         heads = {s: shot.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
         found = _idle_report(lambda req: shot.request(subjects.STATUS, req, service="projector (status service)",
