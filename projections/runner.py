@@ -131,7 +131,7 @@ class Projector:
         self.fold_snapshot_events = fold_snapshot_events
         self.fold_snapshot_interval_s = fold_snapshot_interval_s
         self._fold_snapshot_at = (0, time.monotonic())  # (events folded, when) at the last one
-        self._fold_snapshot_task: asyncio.Task[None] | None = None
+        self._fold_snapshot_tasks: list[asyncio.Task[None]] = []  # the one being written, the next
         self.fold_snapshots_written = 0
         self.commit_every = commit_every
         self.commit_interval_s = commit_interval_s
@@ -279,32 +279,44 @@ class Projector:
             self.cursor.stream_created = dict(sorted(self.cursor.stream_created.items()))
             self.cursor.stored_ns = dict(sorted(self.cursor.stored_ns.items()))
             blob = encode(self.checkpoint)
-            self._maybe_fold_snapshot(blob)
+            await self._maybe_fold_snapshot(blob)
             self._last_commit = time.monotonic()
             loop = asyncio.get_running_loop()
             self._inflight.append(loop.run_in_executor(self._pool, self._write, batch, blob))
 
     def _fold_snapshot_due(self) -> bool:
-        """Whether a fold snapshot is due (so many events, or so long with any) and none is being written."""
+        """Whether a fold snapshot is due: so many events, or so long with any."""
         every = self.fold_snapshot_events
-        if every is None or (self._fold_snapshot_task is not None and not self._fold_snapshot_task.done()):
+        if every is None:
             return False
         folded, when = self._fold_snapshot_at
         fresh = self.folded - folded
         return fresh > 0 and (fresh >= every or time.monotonic() - when >= self.fold_snapshot_interval_s)
 
-    def _maybe_fold_snapshot(self, blob: bytes | None = None) -> None:
-        """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was)."""
+    async def _maybe_fold_snapshot(self, blob: bytes | None = None) -> None:
+        """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was).
+
+        One is written while the next waits its turn; a third waits for the first. A due snapshot is never
+        skipped: a gap of twice the cadence is a ``--at`` that folds twice as far (issue 46)."""
         if not self._fold_snapshot_due():
             return
+        writing = [t for t in self._fold_snapshot_tasks if not t.done()]
+        if len(writing) >= 2:
+            await asyncio.wait(writing[:1])
         blob = blob if blob is not None else encode(self.checkpoint)
         self._fold_snapshot_at = (self.folded, time.monotonic())
         c = self.cursor
         cursor = Cursor(positions=dict(c.positions), unprojected=c.unprojected, clamped=c.clamped,
                         stream_created=dict(c.stream_created), stored_ns=dict(c.stored_ns))
-        self._fold_snapshot_task = asyncio.ensure_future(self._write_fold_snapshot(blob, cursor))
+        before = writing[-1] if writing else None
+        task = asyncio.ensure_future(self._write_fold_snapshot(blob, cursor, before))
+        self._fold_snapshot_tasks = [*(t for t in writing if not t.done()), task]
 
-    async def _write_fold_snapshot(self, blob: bytes, cursor: Cursor) -> None:
+    async def _write_fold_snapshot(self, blob: bytes, cursor: Cursor, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])  # in order: the newest snapshot on the bus is the newest state
+        if self.fold_snapshot_events is None:
+            return  # the one before found it may not write them
         try:
             name = await snapshots.write(self.bus, blob, cursor, time.time_ns())
         except BusError as e:  # a projector without the right to write them still projects
@@ -316,9 +328,9 @@ class Projector:
         log.info("fold snapshot %s written (%s bytes)", name, f"{len(blob):,}")
 
     async def _fold_snapshot_done(self) -> None:
-        if self._fold_snapshot_task is not None:
+        for task in self._fold_snapshot_tasks:
             with contextlib.suppress(Exception):
-                await self._fold_snapshot_task
+                await task
 
     async def flush(self) -> None:
         """Commit what is folded and wait until it is on disk."""
@@ -351,7 +363,7 @@ class Projector:
             self._inflight.popleft()
 
     async def _maybe_commit(self) -> None:
-        self._maybe_fold_snapshot()  # every so many events, whatever the commit cadence
+        await self._maybe_fold_snapshot()  # every so many events, whatever the commit cadence
         if self.batch.events >= self.commit_every or (
             self.batch.events and time.monotonic() - self._last_commit >= self.commit_interval_s
         ):

@@ -116,6 +116,26 @@ async def test_a_replica_placed_again_under_its_id_leaves_a_snapshot_that_checks
     assert with_snap == from_one
 
 
+async def test_a_due_snapshot_waits_its_turn_rather_than_being_skipped(bus: Bus, tmp_path: Path) -> None:
+    # Folding 30 events takes far less than writing a snapshot to the object store: one due while the
+    # last is still being written used to be skipped, and a gap of twice the cadence is an --at that
+    # folds twice as far (issue 46).
+    await fresh_streams(bus)
+    await publish(bus, [random_event(0, i, i, i) for i in range(600)])  # all on the fleet stream
+    store = Store(tmp_path / "p.duckdb")
+    try:
+        projector = Projector(bus, store, commit_every=30, batch=10, fold_snapshot_events=30)
+        await projector.run_once()
+        written = projector.fold_snapshots_written
+    finally:
+        store.close()
+    headers = await snapshots.list_headers(bus)
+    folded = sorted(sum(h.positions.values()) for h in headers.values())
+    # Due every 30 events, taken at the end of the read window (20 events here) that passes them.
+    assert written == len(folded) >= 12, (written, folded)
+    assert all(b - a < 60 for a, b in zip([0, *folded], folded, strict=False)), folded
+
+
 async def test_the_projector_writes_snapshots_that_a_replay_starts_from(bus: Bus, tmp_path: Path) -> None:
     await fresh_streams(bus)
     await publish(bus, small_fleet())
