@@ -15,14 +15,14 @@ from llmgw.bus import Bus
 from llmgw.cli.options import nats_options, run
 from llmgw.cli.progress import progress
 from llmgw.config import Settings, data_dir
-from llmgw.fleet import snapshots
+from llmgw.fleet import SNAPSHOT_EVERY_EVENTS, SNAPSHOT_INTERVAL_S
 from llmgw.projections import Projector, Store, analysts_copy_of
 
 
 async def project_db(settings: Settings, db: Path, *, once: bool, analysts_copy: Path | None,
                      analysts_copy_interval_s: float, commit_every: int, commit_interval_s: float,
                      fold_snapshot_events: int | None = None,
-                     fold_snapshot_interval_s: float = snapshots.DEFAULT_INTERVAL_S) -> tuple[int, int]:
+                     fold_snapshot_interval_s: float = SNAPSHOT_INTERVAL_S) -> tuple[int, int]:
     """Run the projector on ``db``; returns (events folded in this run, positions sum)."""
     bus = await Bus.connect(settings, "llmgw-project", reconnect=not once)
     store = Store(db)
@@ -80,10 +80,10 @@ def _renamed(old: T | None, new: T | None, old_flag: str, new_flag: str) -> T | 
 @click.option("--snapshot-interval", "old_copy_interval", type=float, default=None, hidden=True)
 @click.option("--commit-every", default=100_000, show_default=True, help="Commit after this many events at most.")
 @click.option("--commit-interval", default=1.0, show_default=True, help="Commit at least this often (seconds) while events arrive.")
-@click.option("--fold-snapshot-events", type=click.IntRange(0, 10**9), default=snapshots.DEFAULT_EVERY_EVENTS,
+@click.option("--fold-snapshot-events", type=click.IntRange(0, 10**9), default=SNAPSHOT_EVERY_EVENTS,
               show_default=True,
               help="Put a snapshot of the fold on the bus (LLMGW_SNAPSHOTS) after this many events (0: none).")
-@click.option("--fold-snapshot-interval", default=f"{snapshots.DEFAULT_INTERVAL_S / 60:g}m", show_default=True,
+@click.option("--fold-snapshot-interval", default=f"{SNAPSHOT_INTERVAL_S / 60:g}m", show_default=True,
               help="… or after this long, when anything was folded (90s, 10m, 1h).")
 def project(settings: Settings, db: Path | None, once: bool, analysts_copy: Path | None,
             analysts_copy_interval: float | None, old_copy: Path | None, old_copy_interval: float | None,

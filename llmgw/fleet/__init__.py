@@ -13,6 +13,8 @@ state. ``projections/`` only writes DuckDB.
 
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.fleet.history import ModelHistory, percentile
+from llmgw.fleet.snapshots import DEFAULT_EVERY_EVENTS as SNAPSHOT_EVERY_EVENTS
+from llmgw.fleet.snapshots import DEFAULT_INTERVAL_S as SNAPSHOT_INTERVAL_S
 from llmgw.fleet.state import (
     MAX_AHEAD,
     FleetState,
@@ -29,7 +31,7 @@ from llmgw.fleet.state import (
 from llmgw.fleet.status import IdleRow, idle_rows, nobody_asked
 
 __all__ = [
-    "MAX_AHEAD", "Checkpoint", "FleetState", "GpuView", "IdleRow", "Memories", "ModelHistory", "ModelView", "NodeView",
+    "MAX_AHEAD", "SNAPSHOT_EVERY_EVENTS", "SNAPSHOT_INTERVAL_S", "Checkpoint", "FleetState", "GpuView", "IdleRow", "Memories", "ModelHistory", "ModelView", "NodeView",
     "ReplicaView", "RouterView", "apply", "fold_batch", "idle_rows", "nobody_asked", "part_state", "percentile",
     "refusal", "speaks_for",
 ]
