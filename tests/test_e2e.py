@@ -121,8 +121,10 @@ def answered_by(client: openai.OpenAI, model: str, replica: str) -> bool:
 
 def start_up(tmp_path: Path, fleet: Path, *extra: str, router_port: int = 0) -> tuple[subprocess.Popen[str], str]:
     """``llmgw up --simulate`` in its own session; its NATS URL from the first line it prints."""
-    # The tests' models are written under tmp_path: the agents' engines may read them from there.
-    env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS), LLMGW_ALLOW_MODEL_PATH=str(tmp_path))
+    # The tests' models are written under tmp_path: the agents' engines may read them from there, unless
+    # the test names a narrower store itself (the confinement test keeps a secret beside its store).
+    env = dict(os.environ, LLMGW_MODELS_DIR=str(MODELS))
+    env.setdefault("LLMGW_ALLOW_MODEL_PATH", str(tmp_path))
     proc = subprocess.Popen(
         [LLMGW, "up", "--simulate", str(fleet), "--data-dir", str(tmp_path / "data"), "--port", "0",
          "--router-listen", f"127.0.0.1:{router_port or free_port()}", "--heartbeat-s", "1",
