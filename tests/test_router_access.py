@@ -9,6 +9,7 @@ import gzip
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,13 @@ from running import engines as running_engines
 from test_router import in_pool, place
 from test_router_bodies import POST, raw
 
+from llmgw import messages as m
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
 from llmgw.engine.fake import EngineProcess
 from llmgw.errors import ConfigError
+from llmgw.router.access import AccessLog
 from llmgw.router.server import Router
 
 MODEL = "trace-model"
@@ -168,6 +171,37 @@ async def test_sigusr1_reopens_the_log_after_logrotate_moved_it(router: Router) 
     await router.access_log.flush()
     assert [x["id"] for x in read(moved)] == ["before", "moved"]
     assert [x["id"] for x in read(log)] == ["after"]
+
+
+def line(rid: str) -> m.AccessLine:
+    return m.AccessLine(at=datetime.now(UTC), id=rid, model=MODEL, status=200)
+
+
+async def test_a_disk_that_does_not_keep_up_drops_lines_and_counts_them(
+        router: Router, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # No writer thread: nothing is taken off the queue, as when the disk stalls. The request never waits.
+    stalled = AccessLog(str(tmp_path / "stalled.log"), max_pending=2)
+    for i in range(5):
+        stalled.write(line(f"r{i}"))
+    assert stalled.dropped == 3
+    # The router's own: its drops are a metric, and the writer says so in the router's log.
+    assert router.access_log is not None
+    router.access_log.dropped = 4
+    router.access_log.write(line("after-a-stall"))
+    await router.access_log.flush()
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as resp:
+        assert "llmgw_router_access_log_dropped_total 4.0" in (await resp.text()).splitlines()
+    assert [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()] == [
+        f"access log {router.access_log.path}: 4 lines dropped so far (the disk did not keep up, or refused them)"]
+
+
+async def test_dash_writes_the_lines_to_standard_output(capsys: pytest.CaptureFixture[str]) -> None:
+    out = AccessLog("-")
+    out.open()
+    out.write(line("to-stdout"))
+    await out.close()
+    (shown,) = capsys.readouterr().out.splitlines()
+    assert json.loads(shown)["id"] == "to-stdout"
 
 
 async def test_an_access_log_it_cannot_write_is_refused_at_start(bus: Bus, tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ from typing import IO, Any
 
 import msgspec
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from llmgw import messages as m
 from llmgw.errors import ConfigError
@@ -187,10 +189,11 @@ _REOPEN, _STOP = object(), object()
 class AccessLog:
     """``--access-log FILE|-``: lines queued here, written by one thread, so a slow disk never stalls a request."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_pending: int = MAX_PENDING) -> None:
         self.path = path
         self.dropped = 0  # lines not written: the queue was full, or the disk refused them
-        self._queue: queue.Queue[Any] = queue.Queue(MAX_PENDING)
+        self._warned = 0  # the drops the router's log has been told of
+        self._queue: queue.Queue[Any] = queue.Queue(max_pending)
         self._file: IO[bytes] | None = None
         self._thread: threading.Thread | None = None
 
@@ -263,6 +266,10 @@ class AccessLog:
                     return
             if lines:
                 self._write(b"".join(lines), len(lines))
+            if self.dropped > self._warned:  # told here, once a batch: the loop that dropped them never logs
+                log.warning("access log %s: %d lines dropped so far (the disk did not keep up, or refused them)",
+                            self.path, self.dropped)
+                self._warned = self.dropped
 
     def _write(self, data: bytes, n: int) -> None:
         try:
@@ -272,7 +279,7 @@ class AccessLog:
             self._file.flush()
         except (OSError, ConfigError) as e:
             self.dropped += n
-            log.warning("access log %s: %d lines not written (%s); %d dropped so far", self.path, n, e, self.dropped)
+            log.warning("access log %s: %d lines not written (%s)", self.path, n, e)
 
     def _reopen(self) -> None:
         if self.path == "-":
@@ -287,3 +294,18 @@ class AccessLog:
             self._file = self._opened()
         except ConfigError as e:
             log.warning("access log %s: %s; trying again at the next line", self.path, e)
+
+
+class DroppedCollector(Collector):
+    """``llmgw_router_access_log_dropped_total``, read from the log at scrape time."""
+
+    def __init__(self, access: AccessLog) -> None:
+        self.access = access
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return []
+
+    def collect(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily("llmgw_router_access_log_dropped",
+                                    "Access-log lines not written: the queue to the disk was full, or the disk "
+                                    "refused them.", value=self.access.dropped)]

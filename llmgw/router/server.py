@@ -131,6 +131,8 @@ class Router:
         self.idle = IdleTracker()  # written per request, collected per tick; its tick count paces the wishes
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix: homed per request, expired per tick
         self.metrics = Metrics(self.pool, lambda: self.sink.bad_events, lambda: self.ticks.idle_maps)
+        if self.access_log is not None:
+            self.metrics.registry.register(access.DroppedCollector(self.access_log))
         self.quotas = Quotas(name)  # per key: requests a minute, tokens a day, this router's and the others'
         self.wake = Wake(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, metrics=self.metrics,
                          idle=self.idle, tick_s=tick_s, timeout_s=wake_timeout_s)
