@@ -67,11 +67,15 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
               help="Write one JSON line per request here (- for standard output): its id, key, model, replica, "
                    "status, tokens and times; `llmgw ctl request ID --log FILE` finds one. SIGUSR1 reopens the "
                    "file (logrotate). Off when absent.")
+@click.option("--otlp-endpoint", metavar="URL",
+              help="Export an OpenTelemetry span per request, and one per replica asked, to this OTLP/HTTP "
+                   "collector (e.g. http://127.0.0.1:4318); needs `pip install 'llmgw[otel]'`. Off when absent.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
-           wake_timeout: float, max_connections_per_client: int, access_log: str | None, no_idle_tracking: bool,
+           wake_timeout: float, max_connections_per_client: int, access_log: str | None, otlp_endpoint: str | None,
+           no_idle_tracking: bool,
            settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
@@ -99,7 +103,8 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
                                wake_timeout_s=wake_timeout, header_timeout_s=header_timeout,
-                               max_connections_per_client=max_connections_per_client, access_log=access_log)
+                               max_connections_per_client=max_connections_per_client, access_log=access_log,
+                               otlp_endpoint=otlp_endpoint)
         finally:
             await bus.close()
 

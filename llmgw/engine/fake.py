@@ -176,6 +176,7 @@ class FakeEngine:
                                  load_ms=opts.lora_load_ms, attached=opts.attached)
         self.running = 0  # requests in flight now (vLLM's num_requests_running)
         self.request_ids: deque[str] = deque(maxlen=64)  # the last requests' X-Request-Id, as the router sent them
+        self.traceparents: deque[str] = deque(maxlen=64)  # … and their W3C traceparent ("" without one)
         self._busy_s = 0.0  # time with at least one request in flight, until _busy_since
         self._busy_since = 0.0
 
@@ -191,6 +192,7 @@ class FakeEngine:
             self._busy_since = time.monotonic()
         self.running += 1
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.traceparents.append(request.headers.get("traceparent", ""))
         try:
             return await handler(request)
         finally:
@@ -400,6 +402,7 @@ class FakeEngine:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                                   "cached_tokens": self.cached_tokens, "request_ids": list(self.request_ids),
+                                  "traceparents": list(self.traceparents),
                                   **self.adapters.stats()})
 
 

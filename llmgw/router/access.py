@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -38,6 +38,10 @@ from prometheus_client.registry import Collector
 from llmgw import messages as m
 from llmgw.errors import ConfigError
 from llmgw.messages.usage import ANONYMOUS_CALLER
+
+if TYPE_CHECKING:
+    from llmgw.router.metrics import Usage
+    from llmgw.router.spans import Spans
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +62,13 @@ def request_id(given: str | None) -> str:
 class Trace:
     """What one request's line will say, noted as its path learns it (times from ``t0``, perf_counter)."""
 
-    __slots__ = ("at", "error", "id", "logged", "model", "queue_s", "replica", "status", "stream", "t0",
-                 "ttft_s", "usage", "wake_s")
+    __slots__ = ("at", "at_ns", "engine_ms", "error", "id", "logged", "model", "queue_s", "replica",
+                 "replica_span", "span", "spans", "status", "stream", "t0", "ttft_s", "usage", "wake_s")
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, spans: Spans | None = None) -> None:
         self.id = rid
-        self.at = datetime.now(UTC)
+        self.at_ns = time.time_ns()
+        self.at = datetime.fromtimestamp(self.at_ns / 1e9, UTC)
         self.t0 = time.perf_counter()
         self.model = ""
         self.replica = ""
@@ -75,6 +80,16 @@ class Trace:
         self.wake_s = 0.0
         self.ttft_s = -1.0
         self.logged = False  # an OpenAI route's request: ``ended`` says so, and the line is written
+        self.spans = spans  # with --otlp-endpoint: its spans (llmgw/router/spans.py), begun when first needed
+        self.span: Any = None
+        self.replica_span: Any = None
+        self.engine_ms: dict[str, float] = {}  # what the engine said its parts took (llama-server's timings)
+
+    def counted(self, usage: Usage) -> None:
+        """The engine's ``usage`` (and its timings, when it gave them)."""
+        self.usage = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        if usage.timings is not None:
+            self.engine_ms = {"prompt_ms": usage.timings.prompt_ms, "predicted_ms": usage.timings.predicted_ms}
 
     def first_byte(self) -> None:
         """The engine's first byte (a stream's first chunk comes after its head, and wins)."""
@@ -96,8 +111,10 @@ def trace(request: web.Request | None) -> Trace:
 
 
 def engine_headers(request: web.Request, headers: dict[str, str]) -> dict[str, str]:
-    """``headers`` and the request's id, as the engine is sent them."""
-    return {**headers, "X-Request-Id": trace(request).id}
+    """``headers`` and the request's id (and its replica span's ``traceparent``), as the engine is sent them."""
+    tr = trace(request)
+    traced = tr.spans.engine(tr, request.path) if tr.spans is not None else {}
+    return {**headers, "X-Request-Id": tr.id, **traced}
 
 
 def with_request_id(resp: web.StreamResponse, rid: str) -> str:
@@ -149,13 +166,15 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def middleware(access: AccessLog | None, router: str, static_keys: bool) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The id for every request, the id in every error body, and (with ``access``) the line once answered."""
+def middleware(access: AccessLog | None, router: str, static_keys: bool,
+               spans: Spans | None = None) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The id for every request, the id in every error body, and (with ``access``) the line once answered
+    (with ``spans``, the request's spans end with it)."""
 
     @web.middleware
     async def traced(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
-        tr = Trace(request_id(request.headers.get(HEADER)))
+        tr = Trace(request_id(request.headers.get(HEADER)), spans)
         request[TRACE] = tr
         resp: web.StreamResponse | None = None
         try:
@@ -164,8 +183,15 @@ def middleware(access: AccessLog | None, router: str, static_keys: bool) -> Call
                 tr.error = with_request_id(resp, tr.id) or tr.error
             return resp
         finally:
-            if access is not None and tr.logged:
-                access.write(_line(tr, request, router, static_keys))
+            if tr.logged and (access is not None or spans is not None):
+                line = _line(tr, request, router, static_keys)
+                if access is not None:
+                    access.write(line)
+                if spans is not None:
+                    try:
+                        spans.end(tr, line)
+                    except Exception as e:  # a tracer's failure must not become the request's  # noqa: BLE001
+                        log.warning("router %s: spans of request %s not ended: %s", router, tr.id, e)
 
     return traced
 

@@ -256,7 +256,7 @@ class Gateway:
     def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
-        access.trace(request).usage = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        access.trace(request).counted(usage)
         if request is not None and (who := request.get("llmgw_key")) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())

@@ -35,7 +35,7 @@ from llmgw.bus import Bus
 from llmgw.clientsockets import ClientSockets, CountedConnection, unreadable
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.errors import ConfigError, LlmgwError
-from llmgw.router import access
+from llmgw.router import access, spans
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
@@ -102,6 +102,8 @@ class Router:
         header_timeout_s: float = 30.0,
         max_connections_per_client: int = 0,
         access_log: str | None = None,
+        otlp_endpoint: str | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -125,6 +127,12 @@ class Router:
         self.idle_tracking = idle_tracking
         # --access-log: one JSON line per request, written off the event loop (llmgw/router/access.py).
         self.access_log = access.AccessLog(access_log) if access_log else None
+        # --otlp-endpoint (the otel extra): a span per request and one per replica asked (llmgw/router/spans.py);
+        # a provider given (a test's) is its giver's to shut down.
+        self._owns_tracer = tracer_provider is None and bool(otlp_endpoint)
+        self.spans: spans.Spans | None = None
+        if otlp_endpoint or tracer_provider is not None:
+            self.spans = spans.Spans(tracer_provider or spans.otlp_provider(otlp_endpoint or "", name))
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool)
         self.upstream = Upstream(timeouts)
@@ -201,7 +209,8 @@ class Router:
     def app(self) -> web.Application:
         gw = self.gateway
         app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[access.middleware(self.access_log, self.name, bool(self.keys))])
+                              middlewares=[access.middleware(self.access_log, self.name, bool(self.keys),
+                                                             self.spans)])
         app.on_response_prepare.append(access.stamp)  # every answer's head, a stream's too, carries its id
         for route in ROUTES:
             app.router.add_post(route, gw.handler(route))
@@ -277,6 +286,9 @@ class Router:
         await self.upstream.close()
         if self.access_log is not None:
             await self.access_log.close()  # after the last request's line
+        if self.spans is not None and self._owns_tracer:
+            self._owns_tracer = False  # once: a second stop has nothing left to export
+            await asyncio.to_thread(self.spans.shutdown)  # the last batch exported
 
     async def _retrying(self, what: str, read: Callable[[], Awaitable[None]]) -> None:
         """``read`` until cancelled: after a bus error, again a second later, from where it stopped."""
