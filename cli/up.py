@@ -237,6 +237,15 @@ def closed_bus(store: Path, nodes: list[str]) -> ClosedBus:
     return ClosedBus(conf, passwords, credentials_path(store.parent))
 
 
+def access_log_arg(given: str | None, logs: Path) -> str:
+    """What the router's --access-log gets from ``--router-access-log``: a resolved path, ``-``, or "" (off)."""
+    if given == "off":
+        return ""
+    if given == "-":
+        return given
+    return str(Path(given).resolve()) if given else str(logs / ROUTER_ACCESS_LOG)
+
+
 def _default_models_dir() -> str | None:
     env = os.environ.get("LLMGW_MODELS_DIR")
     if env:
@@ -290,7 +299,8 @@ def _default_models_dir() -> str | None:
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
        models_dir: str | None, no_example: bool,
-       engine_startup_s: float, wake_timeout: float, router_access_log: str | None, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
+       engine_startup_s: float, wake_timeout: float, router_access_log: str | None, dashboard_listen: str,
+       engines: str, engine_cmds: tuple[str, ...],
        allowed_args: tuple[str, ...], model_paths: tuple[Path, ...],
        insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
@@ -330,6 +340,13 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+    def rotated(*_: object) -> None:  # logrotate signals `up`: the router holds the access log open
+        for c in children:
+            if c.name == "router" and c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, rotated)  # from the start: SIGUSR1's default would end `up`
     logins: dict[str, dict[str, str]] = {}  # part → the environment that logs it in
     admin = Settings.from_env(nats_url=nats_url) if nats_url is not None else None
     try:
@@ -364,9 +381,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         exe = llmgw_program()
         logs = root / "logs"
         keys = ["--api-keys", str(api_keys.resolve())] if api_keys else []
-        access_log = router_access_log or str(logs / ROUTER_ACCESS_LOG)
-        if access_log not in ("-", "off"):
-            access_log = str(Path(access_log).resolve())
+        access_log = access_log_arg(router_access_log, logs)
         parts = [
             ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
             ("planner", ["planner"]),
@@ -374,7 +389,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                            str(quarantine_faults), "--quarantine-window", f"{quarantine_window:g}"]),
             ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
                         "--wake-timeout", f"{wake_timeout:g}", *keys,
-                        *(["--access-log", access_log] if access_log != "off" else [])]),
+                        *(["--access-log", access_log] if access_log else [])]),
         ]
         if dashboard_listen != "off":
             parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))
@@ -405,15 +420,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
         shown = [*(["engines: engines/<replica>.log"] if fleet_path is not None else []),
                  *([f"requests: {Path(access_log).name if Path(access_log).parent == logs else access_log}"]
-                   if access_log not in ("-", "off") else [])]
+                   if access_log not in ("", "-") else [])]
         click.echo(f"logs: {logs}/" + (f"  ({'; '.join(shown)})" if shown else ""))
-
-        def rotated(*_: object) -> None:  # logrotate signals `up`: the router holds the access log open
-            for c in children:
-                if c.name == "router" and c.proc is not None and c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGUSR1)
-
-        signal.signal(signal.SIGUSR1, rotated)
         exports = [f"LLMGW_NATS_URL={nats_url}"] if nats_url != DEFAULT_NATS_URL else []
         if root != default_data_dir().resolve():
             exports.append(f"LLMGW_DATA_DIR={root}")

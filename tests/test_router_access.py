@@ -25,6 +25,7 @@ from llmgw import messages as m
 from llmgw.apikeys import hash_key
 from llmgw.bus import Bus
 from llmgw.cli.main import cli
+from llmgw.cli.up import access_log_arg
 from llmgw.engine.fake import EngineProcess
 from llmgw.errors import ConfigError
 from llmgw.router.access import AccessLog
@@ -275,3 +276,16 @@ def test_ctl_request_says_what_it_searched_and_what_to_try(tmp_path: Path, args:
     assert res.exit_code == 1, res.output
     assert res.output.startswith(said.format(empty=empty)), res.output
     assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (None, "{logs}/router-access.log"),  # where `ctl request` looks by default
+    ("-", "-"),  # the router's own log (logs/router.log under up)
+    ("off", ""),
+    ("elsewhere/a.log", "{cwd}/elsewhere/a.log"),  # the router child runs elsewhere: resolved here
+])
+def test_up_gives_its_router_the_access_log_it_was_told(
+        given: str | None, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    logs = tmp_path / "data" / "logs"
+    assert access_log_arg(given, logs) == expected.format(logs=logs, cwd=tmp_path)
