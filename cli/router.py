@@ -36,6 +36,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     return n
 
 
+def _otlp_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} is not an http(s) URL; give the collector's OTLP/HTTP base, "
+                                 "e.g. http://127.0.0.1:4318")
+    return value
+
+
 @click.command("router")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to serve the OpenAI API on.")
 @click.option("--name", default=socket.gethostname, show_default="hostname", callback=checked_name,
@@ -67,7 +74,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
               help="Write one JSON line per request here (- for standard output): its id, key, model, replica, "
                    "status, tokens and times; `llmgw ctl request ID --log FILE` finds one. SIGUSR1 reopens the "
                    "file (logrotate). Off when absent.")
-@click.option("--otlp-endpoint", metavar="URL",
+@click.option("--otlp-endpoint", metavar="URL", callback=_otlp_url,
               help="Export an OpenTelemetry span per request, and one per replica asked, to this OTLP/HTTP "
                    "collector (e.g. http://127.0.0.1:4318); needs `pip install 'llmgw[otel]'`. Off when absent.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from click.testing import CliRunner
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -17,6 +18,7 @@ from test_router import in_pool, place
 
 from llmgw import messages as m
 from llmgw.bus import Bus
+from llmgw.cli.main import cli
 from llmgw.engine.fake import EngineProcess
 from llmgw.errors import ConfigError
 from llmgw.router import spans as spanmod
@@ -121,3 +123,8 @@ def test_an_otlp_endpoint_exports_in_batches_and_needs_the_extra_only_when_given
         provider.shutdown()
     with pytest.raises(ConfigError, match="must be an http"):
         spanmod.otlp_provider("collector:4318", "r1")
+
+
+def test_cli_router_refuses_an_otlp_endpoint_that_is_no_url() -> None:
+    res = CliRunner().invoke(cli, ["router", "--otlp-endpoint", "collector:4318", "--nats-url", "nats://127.0.0.1:1"])
+    assert res.exit_code == 2 and "'collector:4318' is not an http(s) URL" in res.output, res.output
