@@ -5,6 +5,7 @@ A router with ``--access-log`` in front of one fake engine process, on the sessi
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import re
@@ -172,6 +173,27 @@ async def test_sigusr1_reopens_the_log_after_logrotate_moved_it(router: Router) 
     await router.access_log.flush()
     assert [x["id"] for x in read(moved)] == ["before", "moved"]
     assert [x["id"] for x in read(log)] == ["after"]
+
+
+async def test_a_client_that_leaves_is_a_499_line_naming_the_replica(bus: Bus, tmp_path: Path) -> None:
+    with running_engines(SLOW=("slow-model", "--latency-ms", "5000")) as procs:
+        r = Router(bus, "router-trace-gone", tick_s=3600, access_log=str(tmp_path / "gone.log"))
+        await r.start("127.0.0.1", 0)
+        try:
+            await place(bus, "SLOW", "slow-model", procs["SLOW"].url)
+            await r.sink.wait_for(in_pool("SLOW"))
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                with pytest.raises(TimeoutError):
+                    async with s.post(r.url + CHAT, json={"model": "slow-model", "messages": []},
+                                      headers={"X-Request-Id": "gone-1"}):
+                        pass
+            for _ in range(100):  # the router's handler is cancelled once it sees the socket close
+                if got := await lines(r):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await r.stop()
+    assert [(x["id"], x["status"], x["replica"], x["ttft_ms"]) for x in got] == [("gone-1", 499, "SLOW", -1)]
 
 
 def line(rid: str) -> m.AccessLine:
