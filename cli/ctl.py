@@ -14,6 +14,7 @@ from llmgw.cli.options import LazyGroup
         "idle": "llmgw.cli.idle:idle",
         "what-if": "llmgw.cli.whatif:what_if",
         "usage": "llmgw.cli.usage:usage",
+        "request": "llmgw.cli.requests:request",
     },
 )
 def ctl() -> None:

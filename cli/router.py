@@ -36,6 +36,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     return n
 
 
+def _otlp_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} is not an http(s) URL; give the collector's OTLP/HTTP base, "
+                                 "e.g. http://127.0.0.1:4318")
+    return value
+
+
 @click.command("router")
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="HOST:PORT to serve the OpenAI API on.")
 @click.option("--name", default=socket.gethostname, show_default="hostname", callback=checked_name,
@@ -63,11 +70,19 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
               help="Open sockets one address (an IPv6 /64) may hold; past it a new one is closed at once. 0: no "
                    "cap (behind a load balancer every socket is the balancer's); set it where clients connect "
                    "directly, e.g. 512.")
+@click.option("--access-log", metavar="FILE|-",
+              help="Write one JSON line per request here (- for standard output): its id, key, model, replica, "
+                   "status, tokens and times; `llmgw ctl request ID --log FILE` finds one. SIGUSR1 reopens the "
+                   "file (logrotate). Off when absent.")
+@click.option("--otlp-endpoint", metavar="URL", callback=_otlp_url,
+              help="Export an OpenTelemetry span per request, and one per replica asked, to this OTLP/HTTP "
+                   "collector (e.g. http://127.0.0.1:4318); needs `pip install 'llmgw[otel]'`. Off when absent.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
-           wake_timeout: float, max_connections_per_client: int, no_idle_tracking: bool,
+           wake_timeout: float, max_connections_per_client: int, access_log: str | None, otlp_endpoint: str | None,
+           no_idle_tracking: bool,
            settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
@@ -79,6 +94,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
     \b
         llmgw router --listen 127.0.0.1:8080 --name router-a
         llmgw router --listen 0.0.0.0:8080 --api-keys keys.sha256 --tick 10
+        llmgw router --access-log /var/log/llmgw/router-access.log
     """
     host, port = listen_address(listen)
     if max_body is not None and max_body_mb is not None:
@@ -94,7 +110,8 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
                                wake_timeout_s=wake_timeout, header_timeout_s=header_timeout,
-                               max_connections_per_client=max_connections_per_client)
+                               max_connections_per_client=max_connections_per_client, access_log=access_log,
+                               otlp_endpoint=otlp_endpoint)
         finally:
             await bus.close()
 

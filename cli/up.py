@@ -184,6 +184,7 @@ class NatsChild:
 ROLES = {"project": "projector", "planner": "planner", "scheduler": "scheduler", "router": "router",
          "dashboard": "viewer", "agents": "agent"}
 ROUTER_NAME = "router-up"
+ROUTER_ACCESS_LOG = "router-access.log"  # in <data dir>/logs/, where `ctl request` looks
 AGENTS_USER = "agents-up"
 
 
@@ -236,6 +237,15 @@ def closed_bus(store: Path, nodes: list[str]) -> ClosedBus:
     return ClosedBus(conf, passwords, credentials_path(store.parent))
 
 
+def access_log_arg(given: str | None, logs: Path) -> str:
+    """What the router's --access-log gets from ``--router-access-log``: a resolved path, ``-``, or "" (off)."""
+    if given == "off":
+        return ""
+    if given == "-":
+        return given
+    return str(Path(given).resolve()) if given else str(logs / ROUTER_ACCESS_LOG)
+
+
 def _default_models_dir() -> str | None:
     env = os.environ.get("LLMGW_MODELS_DIR")
     if env:
@@ -265,6 +275,9 @@ def _default_models_dir() -> str | None:
               help="With --simulate: seconds each fake engine takes to start, so a cold start shows.")
 @click.option("--wake-timeout", type=click.FloatRange(0), default=120.0, show_default=True,
               help="Seconds the router holds a request while its parked model wakes.")
+@click.option("--router-access-log", metavar="FILE|-|off",
+              help="The router's access log, one JSON line per request (`llmgw ctl request ID` searches it) "
+                   "[default: <data dir>/logs/router-access.log; - : the router's own log; off: none].")
 @click.option("--dashboard-listen", default="127.0.0.1:8081", show_default=True,
               help="Where the web dashboard listens (port 0: a free one; 'off': no dashboard).")
 @click.option("--engines", type=click.Choice(["fake", "real"]), default="fake", show_default=True,
@@ -286,7 +299,8 @@ def _default_models_dir() -> str | None:
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
        models_dir: str | None, no_example: bool,
-       engine_startup_s: float, wake_timeout: float, dashboard_listen: str, engines: str, engine_cmds: tuple[str, ...],
+       engine_startup_s: float, wake_timeout: float, router_access_log: str | None, dashboard_listen: str,
+       engines: str, engine_cmds: tuple[str, ...],
        allowed_args: tuple[str, ...], model_paths: tuple[Path, ...],
        insecure: bool, api_keys: Path | None) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
@@ -326,6 +340,13 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+
+    def rotated(*_: object) -> None:  # logrotate signals `up`: the router holds the access log open
+        for c in children:
+            if c.name == "router" and c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, rotated)  # from the start: SIGUSR1's default would end `up`
     logins: dict[str, dict[str, str]] = {}  # part → the environment that logs it in
     admin = Settings.from_env(nats_url=nats_url) if nats_url is not None else None
     try:
@@ -360,13 +381,15 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         exe = llmgw_program()
         logs = root / "logs"
         keys = ["--api-keys", str(api_keys.resolve())] if api_keys else []
+        access_log = access_log_arg(router_access_log, logs)
         parts = [
             ("project", ["project", "--db", str(root / "llmgw.duckdb")]),
             ("planner", ["planner"]),
             ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}", "--quarantine-faults",
                            str(quarantine_faults), "--quarantine-window", f"{quarantine_window:g}"]),
             ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
-                        "--wake-timeout", f"{wake_timeout:g}", *keys]),
+                        "--wake-timeout", f"{wake_timeout:g}", *keys,
+                        *(["--access-log", access_log] if access_log else [])]),
         ]
         if dashboard_listen != "off":
             parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))
@@ -395,7 +418,10 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             board_url = _router_url(board)
             click.echo(f"dashboard: {board_url}" if board_url else
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
-        click.echo(f"logs: {logs}/" + ("  (engines: engines/<replica>.log)" if fleet_path is not None else ""))
+        shown = [*(["engines: engines/<replica>.log"] if fleet_path is not None else []),
+                 *([f"requests: {Path(access_log).name if Path(access_log).parent == logs else access_log}"]
+                   if access_log not in ("", "-") else [])]
+        click.echo(f"logs: {logs}/" + (f"  ({'; '.join(shown)})" if shown else ""))
         exports = [f"LLMGW_NATS_URL={nats_url}"] if nats_url != DEFAULT_NATS_URL else []
         if root != default_data_dir().resolve():
             exports.append(f"LLMGW_DATA_DIR={root}")

@@ -28,6 +28,7 @@ from test_e2e import (
     control_events,
     free_port,
     healthy,
+    llmgw,
     ok,
     start_up,
     stop_up,
@@ -102,7 +103,8 @@ def test_a_real_llama_server_serves_wakes_and_restarts_under_llmgw(tmp_path: Pat
                                                      stream_options={"include_usage": True}))
         assert any("timings" in (c.model_extra or {}) for c in chunks)
         streamed = next(c.usage for c in reversed(chunks) if c.usage is not None)
-        text = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8)
+        text = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8,
+                                         extra_headers={"X-Request-Id": "e2e-llama-1"})
         assert text.choices and text.usage is not None and "timings" in (text.model_extra or {})
 
         # The router counted the three, with the tokens the engine said it used.
@@ -113,6 +115,16 @@ def test_a_real_llama_server_serves_wakes_and_restarts_under_llmgw(tmp_path: Pat
             reply.usage.prompt_tokens + streamed.prompt_tokens + text.usage.prompt_tokens)
         assert metric(metrics, "llmgw_router_completion_tokens_total", "tiny") == (
             reply.usage.completion_tokens + streamed.completion_tokens + text.usage.completion_tokens)
+
+        # Each can be traced: its id came back (the client's own, else a new one), and `ctl request` finds
+        # its line in up's access log, with the replica and the tokens llama-server reported.
+        assert reply._request_id and len(reply._request_id) == 32 and text._request_id == "e2e-llama-1"
+        for rid, usage in ((reply._request_id, reply.usage), ("e2e-llama-1", text.usage)):
+            found = wait_for(f"request {rid} in the access log", lambda rid=rid: (
+                r := llmgw(url, "ctl", "request", rid, "--json")).returncode == 0 and json.loads(r.stdout))
+            assert [(x["model"], x["replica"], x["status"], x["prompt_tokens"], x["completion_tokens"])
+                    for x in found] == [("tiny", "tiny-r1", 200, usage.prompt_tokens, usage.completion_tokens)]
+            assert found[0]["ttft_ms"] >= 0 and found[0]["file"].endswith("logs/router-access.log")
 
         # The engine's output is in its log while it runs, not when it exits.
         log = tmp_path / "data" / "logs" / "engines" / "tiny-r1.log"

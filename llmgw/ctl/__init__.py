@@ -8,6 +8,7 @@
   injected faults, and ``up``'s first model;
 * ``adapters``: LoRA adapters declared on a base (``ctl adapter add``), removed, listed;
 * ``files``: model files on nodes: prefetch requests, pins, where each model's files are.
+* ``requests``: one request's line in the routers' access logs (``ctl request ID``).
 
 Every function opens its own short-lived bus connection (``reconnect=False``: a
 command that cannot reach NATS says so at once) and closes it. Heavy imports (the
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
         show_model_now,
         stream_heads,
     )
+    from llmgw.ctl.requests import access_logs, find_request
 
 # ``declare`` and ``plan`` are also the names of their modules: importing such a module would put it in
 # the function's place, so these two are bound at once (neither imports anything heavy).
@@ -112,6 +114,8 @@ _FACE = {
     "retire_node": "llmgw.ctl.declare",
     "spec_changes": "llmgw.ctl.declare",
     "stop_idle": "llmgw.ctl.declare",
+    "access_logs": "llmgw.ctl.requests",
+    "find_request": "llmgw.ctl.requests",
     "choose": "llmgw.ctl.plan",
     "gguf_file": "llmgw.ctl.plan",
     "local_model": "llmgw.ctl.plan",
@@ -121,9 +125,9 @@ _FACE = {
 }
 __all__ = [
     "idle_now", "list_models_now", "show_model_now",
-    "CATCH_UP_S", "DERIVED", "Declaration", "Entry", "Notice", "Progress", "STATUS_WAIT_S", "adapters",
+    "CATCH_UP_S", "DERIVED", "Declaration", "Entry", "Notice", "Progress", "STATUS_WAIT_S", "access_logs", "adapters",
     "ask_status", "choose", "connect", "cordon_node", "declare", "fetch_idle", "fetch_status", "files",
-    "first_stored", "gguf_file", "inject_fault", "involves_model", "involves_node", "key_digest", "keys",
+    "find_request", "first_stored", "gguf_file", "inject_fault", "involves_model", "involves_node", "key_digest", "keys",
     "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally", "plan_remotely",
     "prepare_up", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",
     "show_model", "spec_changes", "stop_idle", "stream_heads",

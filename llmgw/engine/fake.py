@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,8 @@ class FakeEngine:
         self.adapters = Adapters(opts.model, max_loras=opts.max_loras, max_cpu_loras=opts.max_cpu_loras,
                                  load_ms=opts.lora_load_ms, attached=opts.attached)
         self.running = 0  # requests in flight now (vLLM's num_requests_running)
+        self.request_ids: deque[str] = deque(maxlen=64)  # the last requests' X-Request-Id, as the router sent them
+        self.traceparents: deque[str] = deque(maxlen=64)  # … and their W3C traceparent ("" without one)
         self._busy_s = 0.0  # time with at least one request in flight, until _busy_since
         self._busy_since = 0.0
 
@@ -188,6 +191,8 @@ class FakeEngine:
         if not self.running:
             self._busy_since = time.monotonic()
         self.running += 1
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        self.traceparents.append(request.headers.get("traceparent", ""))
         try:
             return await handler(request)
         finally:
@@ -396,7 +401,9 @@ class FakeEngine:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({"name": self.name, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                                  "cached_tokens": self.cached_tokens, **self.adapters.stats()})
+                                  "cached_tokens": self.cached_tokens, "request_ids": list(self.request_ids),
+                                  "traceparents": list(self.traceparents),
+                                  **self.adapters.stats()})
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -145,6 +145,9 @@ from llmgw.messages.status import (  # noqa: F401
     UnplaceableModel,
 )
 from llmgw.messages.usage import (  # noqa: F401
+    REQUEST_ID_MAX,
+    REQUEST_ID_PATTERN,
+    AccessLine,
     AdapterLoaded,
     AdapterUnloaded,
     CacheUse,
@@ -171,6 +174,9 @@ from llmgw.messages.wire import (  # noqa: F401
 )
 
 __all__ = [
+    "REQUEST_ID_MAX",
+    "REQUEST_ID_PATTERN",
+    "AccessLine",
     "ANY_DECODER",
     "AUTOSCALE_CODES",
     "AnyEvent",

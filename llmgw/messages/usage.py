@@ -137,3 +137,42 @@ class AdapterUnloaded(Event, tag="AdapterUnloaded", frozen=True, kw_only=True):
 
 
 UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered | AdapterLoaded | AdapterUnloaded
+
+
+# --- not on the bus: the router's access log, one JSON line per request ---------
+
+REQUEST_ID_MAX = 128
+# What a client's x-request-id may hold to be kept: nothing a header, a JSON string or a shell would quote.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:/+=@-]{1,128}\Z"
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=REQUEST_ID_MAX, pattern=REQUEST_ID_PATTERN)]
+_Ms = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+
+
+class AccessLine(msgspec.Struct, frozen=True, kw_only=True):
+    """One request as a router's access log holds it (``--access-log``), and as ``ctl request ID`` reads it.
+
+    ``key`` names who asked, never a secret: a declared key's name, ``sha256:`` and the first 12
+    hex digits of an ``--api-keys`` key's digest, or ``-`` (anonymous). Times are milliseconds from
+    the request's arrival: ``queue_ms`` waiting for a slot at the model's capacity, ``wake_ms`` held
+    while its model woke, ``ttft_ms`` to the engine's first byte (a stream's first chunk, else its
+    answer's head), ``total_ms`` to the last byte written; ``-1`` where it never came to that.
+    """
+
+    at: Time  # when the request arrived
+    id: RequestId
+    router: Label = ""
+    route: Label = ""
+    key: Label = ANONYMOUS_CALLER
+    tenant: Label = ""
+    model: Label = ""
+    replica: Label = ""  # the last one tried; "" when none was
+    status: Annotated[int, msgspec.Meta(ge=0, le=999)] = 0
+    stream: bool = False
+    error: Label = ""  # the error's code (``upstream_timeout``, ``rate_limit_exceeded``…), "" when it served
+    prompt_tokens: _TokenCount = 0
+    completion_tokens: _TokenCount = 0
+    cached_tokens: _TokenCount = 0
+    queue_ms: _Ms = 0.0
+    wake_ms: _Ms = 0.0
+    ttft_ms: Annotated[float, msgspec.Meta(ge=-1, le=1e12)] = -1.0
+    total_ms: _Ms = 0.0

@@ -12,6 +12,10 @@ Where a request is routed:
   ties rotated; for a model routed by prefix, ``prefix.pick`` chooses where the
   prompt's prefix is homed, within a load bound. The homes are kept per model in
   ``prefix.PrefixTable``, expired once a tick (``ticks``).
+
+Where one request is found again: ``access`` gives it its id (``x-request-id``, sent on to the
+engine) and writes its access-log line (``--access-log``; ``ctl request ID`` reads it);
+``spans`` makes its OpenTelemetry spans (``--otlp-endpoint``, the ``otel`` extra).
 """
 
 from llmgw.router.endpoints import EndpointSink

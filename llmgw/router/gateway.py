@@ -43,6 +43,7 @@ from llmgw.clientsockets import unreadable
 from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
 from llmgw.fleet.pool import Adapter
 from llmgw.messages.usage import ANONYMOUS_CALLER
+from llmgw.router import access
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.adapters import AdapterError, Adapters, lora_body
@@ -255,6 +256,7 @@ class Gateway:
     def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
+        access.trace(request).counted(usage)
         if request is not None and (who := request.get("llmgw_key")) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
@@ -386,6 +388,7 @@ class Gateway:
             status = CLIENT_CLOSED
             raise
         finally:
+            access.trace(request).ended(model, stream, status)
             if status == CLIENT_CLOSED:
                 self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
                                    "client_closed")
@@ -431,7 +434,10 @@ class Gateway:
         who: m.KeyDeclared | None = request.get("llmgw_key")
         lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
         target = lora.base if lora is not None else model
-        if (refused := await self._admit(target, who.priority if who is not None else "normal")):
+        tr, queued = access.trace(request), time.perf_counter()
+        refused = await self._admit(target, who.priority if who is not None else "normal")
+        tr.queue_s = time.perf_counter() - queued
+        if refused:
             self.metrics.error(model, "shed")
             why = {"shed": "low-priority requests are shed first", "full": "its queue is full",
                    "displaced": "a higher-priority request took this one's place in its queue",
@@ -454,7 +460,9 @@ class Gateway:
                 self.wake.wish(target)  # the demand is recorded; the scheduler retries as cards free up
             if state not in ("parked", "starting"):
                 return self._unavailable(target, state)
+            held = time.perf_counter()
             state, held_since = await self.wake.hold(target)
+            tr.wake_s = time.perf_counter() - held
             try:
                 rep, body = (await self._pick(model, lora, body, key, picked=picked, request=request)
                              if state == "serving"
@@ -467,9 +475,11 @@ class Gateway:
             self.wake.ledger.released(target, rep.replica_id, held_since, time.time())
             woken = True
         retried = False
+        headers = access.engine_headers(request, _JSON)
         while True:
             try:
-                up = await self.upstream.post(rep.endpoint, route, body, _JSON)
+                tr.replica = rep.replica_id
+                up = await self.upstream.post(rep.endpoint, route, body, headers)
             except CONNECT_ERRORS as e:
                 self.release(rep)
                 self.metrics.error(model, "upstream_connect")
@@ -491,6 +501,7 @@ class Gateway:
             except BaseException:
                 self.release(rep)
                 raise
+            tr.first_byte()
             if woken:  # the first byte of a held request's answer: the wake's last phase
                 self.wake.ledger.answered(target, time.time())
                 woken = False
@@ -575,6 +586,7 @@ class Gateway:
                 try:
                     chunk = await read()
                 except READ_ERRORS as e:
+                    access.trace(request).error = "upstream_broken"
                     await self._broken(resp, up, rep, model, e)
                     return resp
                 if not chunk:
@@ -586,6 +598,7 @@ class Gateway:
                     return resp
                 if first:
                     first = False
+                    access.trace(request).first_byte()
                     self.metrics.first_token(model, time.perf_counter() - t0)
                     if (who := request.get("llmgw_key")) is not None:
                         key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0

@@ -51,6 +51,7 @@ class Usage(msgspec.Struct):
     prompt_tokens: _Tokens = 0
     completion_tokens: _Tokens = 0
     prompt_tokens_details: _PromptDetails | None = None
+    timings: _Timings | None = None  # llama-server's, beside its usage (``usage_of`` puts them here)
 
     @property
     def cached_tokens(self) -> int:
@@ -59,7 +60,12 @@ class Usage(msgspec.Struct):
 
 
 class _Timings(msgspec.Struct):
+    """llama-server's ``timings``: what its slot took from the cache, and how long prefill and decode took."""
+
     cache_n: _Tokens = 0  # llama-server: prompt tokens taken from the slot's cache
+    # Unbounded: only shown (a span's attributes), and a figure out of any bound must not lose the count.
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
 
 
 class _WithUsage(msgspec.Struct):
@@ -83,6 +89,8 @@ def _with_cache_n(usage: Usage | None, timings: _Timings | None) -> Usage | None
     """``usage`` with llama-server's ``timings.cache_n`` as its cached tokens, when it says none itself."""
     if usage is not None and timings is not None and usage.prompt_tokens_details is None:
         usage.prompt_tokens_details = _PromptDetails(cached_tokens=timings.cache_n)
+    if usage is not None and timings is not None:
+        usage.timings = timings
     return usage
 
 

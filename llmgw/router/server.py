@@ -35,6 +35,7 @@ from llmgw.bus import Bus
 from llmgw.clientsockets import ClientSockets, CountedConnection, unreadable
 from llmgw.engine.upstream import Timeouts, Upstream
 from llmgw.errors import ConfigError, LlmgwError
+from llmgw.router import access, spans
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
@@ -77,7 +78,7 @@ class _Connection(CountedConnection):
         resp = api.error(status, f"the request could not be read: {reason}", "invalid_request_error",
                          "malformed_request")
         resp.force_close()  # the parser has lost its place in the stream
-        return resp
+        return access.stamp_unrouted(resp)
 
 
 # --- the router -------------------------------------------------------------------
@@ -100,6 +101,9 @@ class Router:
         wake_timeout_s: float = 120.0,
         header_timeout_s: float = 30.0,
         max_connections_per_client: int = 0,
+        access_log: str | None = None,
+        otlp_endpoint: str | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -121,12 +125,22 @@ class Router:
         self.header_timeout_s = header_timeout_s
         self.sockets = ClientSockets(max_connections_per_client, f"router {name}")  # open sockets per client
         self.idle_tracking = idle_tracking
+        # --access-log: one JSON line per request, written off the event loop (llmgw/router/access.py).
+        self.access_log = access.AccessLog(access_log) if access_log else None
+        # --otlp-endpoint (the otel extra): a span per request and one per replica asked (llmgw/router/spans.py);
+        # a provider given (a test's) is its giver's to shut down.
+        self._owns_tracer = tracer_provider is None and bool(otlp_endpoint)
+        self.spans: spans.Spans | None = None
+        if otlp_endpoint or tracer_provider is not None:
+            self.spans = spans.Spans(tracer_provider or spans.otlp_provider(otlp_endpoint or "", name))
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool)
         self.upstream = Upstream(timeouts)
         self.idle = IdleTracker()  # written per request, collected per tick; its tick count paces the wishes
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix: homed per request, expired per tick
         self.metrics = Metrics(self.pool, lambda: self.sink.bad_events, lambda: self.ticks.idle_maps)
+        if self.access_log is not None:
+            self.metrics.registry.register(access.DroppedCollector(self.access_log))
         self.quotas = Quotas(name)  # per key: requests a minute, tokens a day, this router's and the others'
         self.wake = Wake(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, metrics=self.metrics,
                          idle=self.idle, tick_s=tick_s, timeout_s=wake_timeout_s)
@@ -194,7 +208,10 @@ class Router:
 
     def app(self) -> web.Application:
         gw = self.gateway
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[access.middleware(self.access_log, self.name, bool(self.keys),
+                                                             self.spans)])
+        app.on_response_prepare.append(access.stamp)  # every answer's head, a stream's too, carries its id
         for route in ROUTES:
             app.router.add_post(route, gw.handler(route))
         app.router.add_get("/v1/models", gw.models)
@@ -207,6 +224,8 @@ class Router:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_caught_up: float = 10.0) -> str:
         """Follow the control stream, start ticking, listen; returns the base URL."""
+        if self.access_log is not None:
+            self.access_log.open()  # a log it cannot write is refused before anything starts
         await self.upstream.start()
         # The pool keeps routing to what it knew meanwhile; the sink resumes where it stopped.
         self._tasks.append(asyncio.create_task(self._retrying("control stream", self.sink.run), name="router-endpoints"))
@@ -265,6 +284,11 @@ class Router:
             await self._runner.cleanup()
             self._runner = None
         await self.upstream.close()
+        if self.access_log is not None:
+            await self.access_log.close()  # after the last request's line
+        if self.spans is not None and self._owns_tracer:
+            self._owns_tracer = False  # once: a second stop has nothing left to export
+            await asyncio.to_thread(self.spans.shutdown)  # the last batch exported
 
     async def _retrying(self, what: str, read: Callable[[], Awaitable[None]]) -> None:
         """``read`` until cancelled: after a bus error, again a second later, from where it stopped."""
@@ -290,8 +314,11 @@ async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: obje
     loop = asyncio.get_running_loop()
     # SIGTERM (a supervisor stopping us) ends as cleanly as Ctrl-C: the last map is published.
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    if router.access_log is not None:  # logrotate's postrotate: `kill -USR1` reopens the access log
+        loop.add_signal_handler(signal.SIGUSR1, router.access_log.reopen)
     try:
         await stopping.wait()
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+        loop.remove_signal_handler(signal.SIGUSR1)
         await router.stop()
