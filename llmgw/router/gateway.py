@@ -60,6 +60,8 @@ USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the e
 PRIORITIES = ("high", "normal", "low")  # the order a freed slot goes in (ctl key --priority)
 QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low ones are shed
 QUEUE_MAX_PER_SLOT = 32  # … and before a normal or high one hears the queue is full
+# The declared key a request came with (``_authorized``); a string key warns on aiohttp 3.14 (NotAppKeyWarning).
+KEY: web.RequestKey[m.KeyDeclared] = web.RequestKey("llmgw_key", m.KeyDeclared)
 _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
 _NO_DIGEST = "0" * 64
 
@@ -255,7 +257,7 @@ class Gateway:
     def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
-        if request is not None and (who := request.get("llmgw_key")) is not None:
+        if request is not None and (who := request.get(KEY)) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
         elif request is not None:  # no key: the anonymous caller's, so that usage and chargeback add up
@@ -277,7 +279,7 @@ class Gateway:
             key = self._declared_key(token)
             if key is None:
                 return False
-            request["llmgw_key"] = key
+            request[KEY] = key
             return True
         if self.keys and token:
             digest = hashlib.sha256(token.encode()).hexdigest()
@@ -359,7 +361,7 @@ class Gateway:
                 self.metrics.error("", "bad_request")
                 return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
-            key: m.KeyDeclared | None = request.get("llmgw_key")
+            key: m.KeyDeclared | None = request.get(KEY)
             if key is not None and key.models and model not in key.models:
                 status = 403
                 self.metrics.error("", "forbidden_model")
@@ -393,7 +395,7 @@ class Gateway:
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
             if label:
-                who = request.get("llmgw_key")
+                who = request.get(KEY)
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
                            label).add_request(status, time.perf_counter() - t0)
 
@@ -428,7 +430,7 @@ class Gateway:
 
     async def _send(self, request: web.Request, route: str, model: str, stream: bool, body: bytes, t0: float,
                     key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
-        who: m.KeyDeclared | None = request.get("llmgw_key")
+        who: m.KeyDeclared | None = request.get(KEY)
         lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
         target = lora.base if lora is not None else model
         if (refused := await self._admit(target, who.priority if who is not None else "normal")):
@@ -587,7 +589,7 @@ class Gateway:
                 if first:
                     first = False
                     self.metrics.first_token(model, time.perf_counter() - t0)
-                    if (who := request.get("llmgw_key")) is not None:
+                    if (who := request.get(KEY)) is not None:
                         key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0
                 edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network
                 tail.append(chunk)
