@@ -376,8 +376,11 @@ class Gateway:
                     return api.error(429, why, "requests" if code == "rate_limit_exceeded" else "insufficient_quota",
                                      code, headers={"Retry-After": str(math.ceil(wait))})
                 self.quotas.took(key.name, now)
+            strip_usage = stream and not head.wants_usage()
+            if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
+                body = api.usage_asked(body, head)
             resp = await self._forward(request, route, model, stream, body, t0,
-                                       self.routing_key(model, route, body), strip_usage=stream and not head.wants_usage())
+                                       self.routing_key(model, route, body), strip_usage=strip_usage)
             status = resp.status
             return resp
         except _ClientGone as gone:

@@ -24,6 +24,28 @@ class Head(msgspec.Struct):
 
 
 HEAD = msgspec.json.Decoder(Head)
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_USAGE_ASKED = b'"stream_options":{"include_usage":true}'
+
+
+def usage_asked(body: bytes, head: Head) -> bytes:
+    """A streamed request's body that asks the engine for the usage chunk, which the client did not.
+
+    The router counts every stream's tokens, so it asks for them as vLLM and llama-server
+    take it (``stream_options.include_usage``) and takes the chunk out of what the client
+    reads (``without_usage_chunks``). Without ``stream_options`` the field is put before
+    the object's closing brace, so nothing of the body is parsed again or copied twice; with
+    it (``{"include_usage": false}``, other options), the top level is read once as raw
+    values and written back with ``include_usage`` set, the client's other options kept.
+    """
+    if head.stream_options is None and b'"stream_options"' not in body:
+        end = body.rindex(b"}")
+        opened = body[:end].rstrip().endswith(b"{")
+        return body[:end] + (b"" if opened else b",") + _USAGE_ASKED + body[end:]
+    top = _TOP.decode(body)
+    options = head.stream_options if isinstance(head.stream_options, dict) else {}
+    top["stream_options"] = msgspec.Raw(_ENC.encode({**options, "include_usage": True}))
+    return _ENC.encode(top)
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
