@@ -49,7 +49,7 @@ from llmgw.router.adapters import AdapterError, Adapters, lora_body
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.idle import IdleTracker
 from llmgw.router.metrics import Metrics, Usage, usage_of, usage_of_stream
-from llmgw.router.quotas import KeyUseCounter, Quotas, key_use_of
+from llmgw.router.quotas import KeyUseCounter, Quotas, Reservation, estimate, key_use_of
 from llmgw.router.wake import Wake
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -62,6 +62,7 @@ QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low 
 QUEUE_MAX_PER_SLOT = 32  # … and before a normal or high one hears the queue is full
 # The declared key a request came with (``_authorized``); a string key warns on aiohttp 3.14 (NotAppKeyWarning).
 KEY: web.RequestKey[m.KeyDeclared] = web.RequestKey("llmgw_key", m.KeyDeclared)
+HOLD: web.RequestKey[Reservation] = web.RequestKey("llmgw_hold", Reservation)  # a keyed request's tokens held
 _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
 _NO_DIGEST = "0" * 64
 
@@ -257,6 +258,8 @@ class Gateway:
     def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
+        if request is not None and (hold := request.get(HOLD)) is not None:
+            hold.counted = True
         if request is not None and (who := request.get(KEY)) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
@@ -376,6 +379,8 @@ class Gateway:
                     return api.error(429, why, "requests" if code == "rate_limit_exceeded" else "insufficient_quota",
                                      code, headers={"Retry-After": str(math.ceil(wait))})
                 self.quotas.took(key.name, now)
+                request[HOLD] = self.quotas.reserve(key.name, model, *estimate(len(body), head.completion_cap(),
+                                                                               route == "/v1/embeddings"))
             strip_usage = stream and not head.wants_usage()
             if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
                 body = api.usage_asked(body, head)
@@ -391,6 +396,8 @@ class Gateway:
             status = CLIENT_CLOSED
             raise
         finally:
+            if (hold := request.get(HOLD)) is not None:
+                self._settle(hold)
             if status == CLIENT_CLOSED:
                 self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
                                    "client_closed")
@@ -401,6 +408,15 @@ class Gateway:
                 who = request.get(KEY)
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
                            label).add_request(status, time.perf_counter() - t0)
+
+    def _settle(self, hold: Reservation) -> None:
+        """A keyed request ended: its tokens held are given back; served with no count from its engine
+        (a stream cut short before its usage), it is charged what it held, here and in the next map."""
+        self.quotas.settle(hold)
+        if hold.served and not hold.counted:
+            key_use_of(self._key_use, hold.key, hold.model).add_tokens(
+                Usage(prompt_tokens=hold.prompt, completion_tokens=hold.completion))
+            self.quotas.used(hold.key, hold.tokens, time.time())
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The body as the engine will get it (decompressed), or None once it passes the limit."""
@@ -522,6 +538,8 @@ class Gateway:
                     self.metrics.error(model, "upstream_broken")
                     return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
+                if up.status == 200 and (hold := request.get(HOLD)) is not None:
+                    hold.served = True
                 if up.status == 200 and (usage := usage_of(data)) is not None:
                     self._count_tokens(rep, model, usage, request)
                 if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
@@ -594,6 +612,8 @@ class Gateway:
                     self.metrics.first_token(model, time.perf_counter() - t0)
                     if (who := request.get(KEY)) is not None:
                         key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0
+                    if (hold := request.get(HOLD)) is not None:
+                        hold.served = True
                 edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network
                 tail.append(chunk)
                 kept += len(chunk)

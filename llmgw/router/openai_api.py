@@ -17,10 +17,22 @@ class Head(msgspec.Struct):
     stream: bool = False
     # Read, never judged: the engine answers a malformed one as it sees fit.
     stream_options: Any = None
+    max_tokens: Any = None  # what a request may cost is reserved from its key's quota (llmgw/router/quotas.py)
+    max_completion_tokens: Any = None
+    n: Any = None
 
     def wants_usage(self) -> bool:
         """Whether the client asked for the usage chunk (``stream_options.include_usage``)."""
         return isinstance(self.stream_options, dict) and self.stream_options.get("include_usage") is True
+
+    def completion_cap(self) -> int | None:
+        """The most completion tokens the request may be answered with, when it says (``max_tokens`` × ``n``)."""
+        cap = next((v for v in (self.max_completion_tokens, self.max_tokens)
+                    if isinstance(v, int) and not isinstance(v, bool) and v >= 0), None)
+        if cap is None:
+            return None
+        n = self.n if isinstance(self.n, int) and not isinstance(self.n, bool) and self.n > 1 else 1
+        return cap * n
 
 
 HEAD = msgspec.json.Decoder(Head)
