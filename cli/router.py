@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import click
 
@@ -63,12 +64,16 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
               help="Open sockets one address (an IPv6 /64) may hold; past it a new one is closed at once. 0: no "
                    "cap (behind a load balancer every socket is the balancer's); set it where clients connect "
                    "directly, e.g. 512.")
+@click.option("--quota-journal", type=click.Path(dir_okay=False, path_type=Path),
+              help="File where each key's counts are written as they are made, until an idle map carries them: a "
+                   "router killed between two ticks loses none (docs/reliability.md). Off when absent; "
+                   "`llmgw up` keeps one in its data directory.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
-           wake_timeout: float, max_connections_per_client: int, no_idle_tracking: bool,
-           settings: Settings) -> None:
+           wake_timeout: float, max_connections_per_client: int, quota_journal: Path | None,
+           no_idle_tracking: bool, settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
     Endpoints come from the control stream; an idle map goes to the usage
@@ -94,7 +99,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                timeouts=Timeouts(connect_s=connect_timeout, read_s=read_timeout),
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
                                wake_timeout_s=wake_timeout, header_timeout_s=header_timeout,
-                               max_connections_per_client=max_connections_per_client)
+                               max_connections_per_client=max_connections_per_client, journal=quota_journal)
         finally:
             await bus.close()
 

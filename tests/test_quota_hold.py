@@ -1,12 +1,16 @@
-"""Quotas that hold (issue 45, finding 1): every stream's tokens counted, and tokens reserved when a
-request is taken so parallel requests cannot overspend a day."""
+"""Quotas that hold (issue 45, findings 1 and 7): every stream's tokens counted, tokens reserved when a
+request is taken so parallel requests cannot overspend a day, and a router killed mid-tick keeps that
+tick's counts (its journal)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -14,8 +18,10 @@ from test_keys import declared
 from test_router import place
 
 from llmgw.bus import Bus
+from llmgw.config import Settings
 from llmgw.engine.fake import EngineProcess, spawn
 from llmgw.router import openai_api as api
+from llmgw.router.journal import Counted, Journal, Mapped, uncovered
 from llmgw.router.quotas import DEFAULT_COMPLETION_TOKENS, estimate, utc_day
 from llmgw.router.server import Router
 
@@ -145,4 +151,74 @@ async def test_a_stream_its_client_cuts_short_is_charged_its_reservation(bus: Bu
         assert router.quotas.counts["cut-short"].tokens_today(utc_day(time.time())) == held
     finally:
         await router.stop()
+        engine.stop()
+
+
+def test_the_journal_keeps_what_no_stored_map_carries(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "r.journal")
+    j.open()
+    j.write(Counted(1.0, "k", "q", requests=1))
+    j.mapped("boot-a", 1)  # map 1 built …
+    j.write(Counted(2.0, "k", "q", requests=1))  # … a request while it is on its way …
+    j.published(1)  # … stored: the journal keeps its mark and what came after
+    j.mapped("boot-a", 2)  # map 2 built, never stored (killed)
+    j.write(Counted(3.0, "k", "q", prompt=5))
+    j.close()
+    entries = j.read()
+    assert entries[0] == Mapped("boot-a", 1) and Counted(1.0, "k", "q", requests=1) not in entries
+    assert [c.at for c in uncovered(entries, "boot-a", 1, 0.0)] == [2.0, 3.0]  # map 1 stored last
+    assert [c.at for c in uncovered(entries, "boot-a", 2, 0.0)] == [3.0]  # map 2 stored after all (a lost ack)
+    assert [c.at for c in uncovered(entries, "boot-b", 9, 2.5)] == [3.0]  # no mark of it: by its time
+    assert [c.at for c in uncovered(entries, None, 0, 0.0)] == [2.0, 3.0]  # no map on the bus
+    (tmp_path / "r.journal").write_bytes((tmp_path / "r.journal").read_bytes() + b'["u",4.0,"k"')  # torn by a kill
+    assert len(j.read()) == len(entries)
+
+
+async def _router(settings: Settings, name: str, journal: Path) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0", "--name", name, "--tick", "3600",
+        "--quota-journal", str(journal), "--nats-url", settings.nats_url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    url = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().strip()  # type: ignore[union-attr]
+    assert url.startswith("http://127.0.0.1:"), url
+    return proc, url
+
+
+async def test_a_router_killed_mid_tick_keeps_that_ticks_requests(bus: Bus, settings: Settings,
+                                                                  tmp_path: Path) -> None:
+    """The issue's 20-a-minute key got 40 in a minute across a SIGKILL: the tick's counts died with the router."""
+    engine = spawn("kq", name="K")
+    secret, key = declared("killed", requests_per_minute=3)
+    journal = tmp_path / "rt-killed.journal"
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        await place(bus, "K", "kq", engine.url)
+        await bus.publish(key)
+        body = {"model": "kq", "messages": HI}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {secret}"}) as http:
+            async def ask(url: str) -> int:
+                async with http.post(url + "/v1/chat/completions", json=body) as r:
+                    return r.status
+
+            proc, url = await _router(settings, "rt-killed", journal)
+            procs.append(proc)
+            t0 = time.monotonic()
+            while (got := await ask(url)) != 200:  # until it folded the key and the replica
+                assert time.monotonic() - t0 < 20, got
+                await asyncio.sleep(0.05)
+            assert [await ask(url), await ask(url)] == [200, 200]  # three of its three, no map published
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            proc, url = await _router(settings, "rt-killed", journal)  # the same router, restarted
+            procs.append(proc)
+            t0 = time.monotonic()
+            while (got := await ask(url)) not in (200, 429):
+                assert time.monotonic() - t0 < 20, got
+                await asyncio.sleep(0.05)
+            assert got == 429  # the minute is full: its three were journaled before each was answered
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
         engine.stop()

@@ -611,7 +611,7 @@ class Gateway:
                     first = False
                     self.metrics.first_token(model, time.perf_counter() - t0)
                     if (who := request.get(KEY)) is not None:
-                        key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0
+                        key_use_of(self._key_use, who.name, model).add_ttft(time.perf_counter() - t0)
                     if (hold := request.get(HOLD)) is not None:
                         hold.served = True
                 edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network

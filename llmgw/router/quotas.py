@@ -4,10 +4,11 @@ A router counts its own requests as it takes them and its tokens as the engines
 report them, and adds what every other router's idle maps say (``callers``, read
 from the usage stream as they are published). A router starting takes up the
 newest fold snapshot's tokens of the day and every map after it, its own earlier
-ones included, so a restart keeps every window. A request over a key's limit is
-refused with 429: ``rate_limit_exceeded`` (requests per minute, or a day's tokens all
-reserved by requests in flight) or ``insufficient_quota`` (tokens per day, UTC), as
-OpenAI's own API names them, with ``Retry-After``.
+ones included, and what its journal holds past its last stored map
+(``llmgw/router/journal.py``), so neither a restart nor a crash opens a window. A
+request over a key's limit is refused with 429: ``rate_limit_exceeded`` (requests per
+minute, or a day's tokens all reserved by requests in flight) or ``insufficient_quota``
+(tokens per day, UTC), as OpenAI's own API names them, with ``Retry-After``.
 
 Tokens are reserved when a request is taken (``reserve``): its prompt estimated from its
 body (a token per ``BYTES_PER_TOKEN`` bytes) plus its ``max_tokens`` (times ``n``), or
@@ -30,10 +31,12 @@ up to N times that within one tick; and requests per minute likewise.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from datetime import UTC, datetime, timedelta
 
 from llmgw import messages as m
+from llmgw.router.journal import Counted, Journal
 from llmgw.router.metrics import Usage
 
 WINDOW_S = 60.0
@@ -189,7 +192,7 @@ class Quotas:
                          sum(u.prompt_tokens + u.completion_tokens for u in per.values()))
 
     def counted(self, key: str, at: float, requests: int, tokens: int) -> None:
-        """What a map says ``key`` asked at ``at``."""
+        """What a map (or the journal, for a map a crash kept from the bus) says ``key`` asked at ``at``."""
         c = self._of(key)
         c.add_requests(at, requests)
         c.add_tokens(utc_day(at), tokens)
@@ -199,11 +202,12 @@ class KeyUseCounter:
     """One key's use of one model since the router's last published map."""
 
     __slots__ = ("requests", "errors", "throttled", "forbidden", "prompt", "completion", "cached", "ttft_s",
-                 "latency_s")
+                 "latency_s", "journal", "key", "model")
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Journal | None = None, key: str = "", model: str = "") -> None:
         self.requests = self.errors = self.throttled = self.forbidden = self.prompt = self.completion = self.cached = 0
         self.ttft_s = self.latency_s = 0.0
+        self.journal, self.key, self.model = journal, key, model  # each count a line, before the map carries it
 
     def add_request(self, status: int, seconds: float) -> None:
         self.requests += 1
@@ -211,11 +215,34 @@ class KeyUseCounter:
         self.throttled += status == 429
         self.forbidden += status == 403
         self.latency_s += seconds
+        if self.journal is not None:
+            self.journal.write(Counted(time.time(), self.key, self.model, requests=1, errors=int(status >= 400),
+                                       throttled=int(status == 429), forbidden=int(status == 403), latency_s=seconds))
 
     def add_tokens(self, usage: Usage) -> None:
         self.prompt += usage.prompt_tokens
         self.completion += usage.completion_tokens
         self.cached += usage.cached_tokens
+        if self.journal is not None:
+            self.journal.write(Counted(time.time(), self.key, self.model, prompt=usage.prompt_tokens,
+                                       completion=usage.completion_tokens, cached=usage.cached_tokens))
+
+    def add_ttft(self, seconds: float) -> None:
+        self.ttft_s += seconds
+        if self.journal is not None:
+            self.journal.write(Counted(time.time(), self.key, self.model, ttft_s=seconds))
+
+    def merge(self, c: Counted) -> None:
+        """A count the journal kept from a map a crash lost: carried by the next map (not journaled again)."""
+        self.requests += c.requests
+        self.errors += c.errors
+        self.throttled += c.throttled
+        self.forbidden += c.forbidden
+        self.prompt += c.prompt
+        self.completion += c.completion
+        self.cached += c.cached
+        self.ttft_s += c.ttft_s
+        self.latency_s += c.latency_s
 
     def message(self) -> m.KeyUse:
         cap = TOKENS_MAX
@@ -239,10 +266,17 @@ class KeyUseCounter:
         return self.requests <= 0 and self.prompt <= 0 and self.completion <= 0
 
 
+class KeyUse(dict[str, dict[str, KeyUseCounter]]):
+    """Per key and model, what was asked since the last published map; with the journal its counters write to."""
+
+    journal: Journal | None = None
+
+
 def key_use_of(key_use: dict[str, dict[str, KeyUseCounter]], key: str, model: str) -> KeyUseCounter:
     """``key``'s counter for ``model`` in ``key_use``, made by its first request since the last map."""
     per_model = key_use.setdefault(key, {})
     use = per_model.get(model)
     if use is None:
-        use = per_model[model] = KeyUseCounter()
+        journal = key_use.journal if isinstance(key_use, KeyUse) else None
+        use = per_model[model] = KeyUseCounter(journal, key, model)
     return use

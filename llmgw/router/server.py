@@ -26,6 +26,7 @@ import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import http_exceptions, web
@@ -40,6 +41,7 @@ from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.gateway import ROUTES, Gateway
 from llmgw.router.idle import IdleFor, IdleTracker
+from llmgw.router.journal import Journal
 from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
 from llmgw.router.ticks import Ticks
@@ -100,6 +102,7 @@ class Router:
         wake_timeout_s: float = 120.0,
         header_timeout_s: float = 30.0,
         max_connections_per_client: int = 0,
+        journal: Path | None = None,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -131,8 +134,11 @@ class Router:
         self.wake = Wake(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, metrics=self.metrics,
                          idle=self.idle, tick_s=tick_s, timeout_s=wake_timeout_s)
         self.sink.on_change = self.wake.pool_changed  # held requests go on (or are refused) as the pool changes
+        # What the next map will carry, on disk as it is counted: a crash then loses none of it (journal.py).
+        # Without idle maps nothing would ever cut it.
+        self.journal = Journal(journal) if journal is not None and idle_tracking else None
         self.ticks = Ticks(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, quotas=self.quotas,
-                           idle=self.idle, prefixes=self.prefixes, wake=self.wake, tick_s=tick_s)
+                           idle=self.idle, prefixes=self.prefixes, wake=self.wake, tick_s=tick_s, journal=self.journal)
         self.gateway = Gateway(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink,
                                metrics=self.metrics, upstream=self.upstream, quotas=self.quotas, wake=self.wake,
                                idle=self.idle, prefixes=self.prefixes, key_use=self.ticks.key_use,
@@ -208,6 +214,7 @@ class Router:
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_caught_up: float = 10.0) -> str:
         """Follow the control stream, start ticking, listen; returns the base URL."""
         await self.upstream.start()
+        await self.ticks.take_up_journal()  # before any map of this boot: its first one carries them
         # The pool keeps routing to what it knew meanwhile; the sink resumes where it stopped.
         self._tasks.append(asyncio.create_task(self._retrying("control stream", self.sink.run), name="router-endpoints"))
         self._tasks.append(asyncio.create_task(self._retrying("usage stream", self.ticks.follow_usage),
@@ -265,6 +272,8 @@ class Router:
             await self._runner.cleanup()
             self._runner = None
         await self.upstream.close()
+        if self.journal is not None:
+            self.journal.close()
 
     async def _retrying(self, what: str, read: Callable[[], Awaitable[None]]) -> None:
         """``read`` until cancelled: after a bus error, again a second later, from where it stopped."""
