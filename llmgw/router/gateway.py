@@ -8,7 +8,10 @@
   slot by its key's priority (``_admit``); one for a parked model is held by
   ``wake.Wake``, then goes on here like any other. What it used is added up for
   the next idle map (``ticks``): no I/O, no lock.
-* Bodies pass through untouched; streams are written on chunk by chunk.
+* Bodies pass through untouched, but that a stream is asked for its usage
+  (``openai_api.usage_asked``); streams are written on chunk by chunk.
+* A keyed request holds the tokens it may use from being taken to its end (``HOLD``,
+  ``quotas.reserve``, ``_settle``), so parallel requests cannot overspend a day.
 * The body limit (``--max-body``) is the router's own, checked before anything is
   forwarded: against Content-Length when there is one, and while reading otherwise
   (chunked, or decompressed from gzip). A body the router cannot read (not the
@@ -568,7 +571,8 @@ class Gateway:
 
         The first chunk's arrival is the time to first token; the stream's last chunks are kept
         (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``,
-        or vLLM's forced usage: counted, then taken out of a stream whose client did not ask for it).
+        which the router sets on every stream, or vLLM's forced usage: counted, then taken out of a
+        stream whose client did not ask for it).
         The usage is counted before ``[DONE]`` is passed on, and counted however the stream ends
         otherwise: a client (openai's) closes as soon as it reads ``[DONE]``, before the body's end.
         """

@@ -91,8 +91,9 @@ _NO_CHOICES = b'"choices":[]'
 def without_usage_chunks(data: bytes) -> tuple[bytes, bytes]:
     """A stream's bytes less the usage-only events (no choices), and an unfinished last event held back.
 
-    A vLLM started with ``--enable-force-include-usage`` ends every stream with such an event,
-    so that the router can count it; a client that did not ask for usage
+    The router asks every stream for one (``usage_asked``), and a vLLM started with
+    ``--enable-force-include-usage`` ends every stream with one anyway, so that the router
+    can count it; a client that did not ask for usage
     (``stream_options.include_usage``) never expected one, and code that reads
     ``choices[0]`` of every chunk breaks on it. Bytes without the marker pass as they are
     (the common case: nothing is parsed or held).
