@@ -174,6 +174,29 @@ def test_the_journal_keeps_what_no_stored_map_carries(tmp_path: Path) -> None:
     assert len(j.read()) == len(entries)
 
 
+def test_while_no_map_is_stored_the_journal_grows_with_keys_not_requests(tmp_path: Path) -> None:
+    now = 1_000_000.0
+    j = Journal(tmp_path / "r.journal", compact_bytes=4096)
+    j.open()
+    j.mapped("boot", 1)
+    j.published(1)
+    for i in range(1000):  # a bus away: a thousand requests over three seconds, and ten from yesterday
+        j.write(Counted(now - 1 - i % 3, "k", "q", requests=1, prompt=2, latency_s=0.5))
+    for _ in range(10):
+        j.write(Counted(now - 30 * 3600, "k", "q", requests=1, prompt=5))
+    j.mapped("boot", 2)  # a map on its way when the tick failed
+    j.compact(now)
+    j.write(Counted(now, "k", "q", requests=1))
+    j.close()
+    entries = j.read()
+    assert entries[0] == Mapped("boot", 1) and Mapped("boot", 2) not in entries
+    assert len(entries) == 1 + 3 + 1 + 1  # the marker, a line per recent second, one for the old day, the new one
+    left = uncovered(entries, "boot", 1, 0.0)
+    assert (sum(c.requests for c in left), sum(c.prompt for c in left)) == (1011, 2050)
+    assert sum(c.latency_s for c in left) == 500.0
+    assert sorted(c.at for c in left)[:1] == [now - 30 * 3600]  # the old day's keep their day
+
+
 async def _router(settings: Settings, name: str, journal: Path) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0", "--name", name, "--tick", "3600",

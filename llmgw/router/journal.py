@@ -14,6 +14,11 @@ takes up every count after that map's marker (``uncovered``): into its quotas, a
 that map had been read, and into its next map, so the other routers and the usage
 ledger count them too, once.
 
+While no map is stored (the bus away) nothing cuts the journal: past ``COMPACT_BYTES`` a
+failed tick folds it (``compact``) to a line per key, model and second of the last
+``RECENT_S`` (what a minute's window needs) and one per key, model and UTC day before
+(what a day's needs), so it grows with keys, not with requests.
+
 Why a journal rather than publishing each count at once: a publish per request is a
 round trip to the bus per request, and a message per request on the usage stream; a
 line appended to a local file costs a system call, and the bus still sees one map a tick.
@@ -22,7 +27,10 @@ line appended to a local file costs a system call, and the bus still sees one ma
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -57,16 +65,20 @@ class Mapped(msgspec.Struct, tag="m", array_like=True, frozen=True):
 Entry = Counted | Mapped
 _ENC = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder(Entry)
+COMPACT_BYTES = 8 << 20  # a journal no stored map has cut past this is folded (``compact``)
+RECENT_S = 120.0  # counts younger than this keep their second (a minute's window); older ones only their day
 
 
 class Journal:
     """One router's journal file: appended per count, cut once a tick, read once at start."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, compact_bytes: int = COMPACT_BYTES) -> None:
         self.path = path
+        self.compact_bytes = compact_bytes
         self._fd = -1
         self._cuts: dict[int, int] = {}  # tick of a map built, not yet stored → where its marker begins
         self._failed = False
+        self._compact_at = compact_bytes
 
     def read(self) -> list[Entry]:
         """What the journal holds (a line torn by a crash, or not ours, is skipped)."""
@@ -87,13 +99,22 @@ class Journal:
                     continue
         return out
 
-    def open(self) -> None:
-        """Append from now on (after ``read``: what the last boot left is kept until a map carries it)."""
+    def open(self, kept: list[Entry] | None = None) -> None:
+        """Append from now on; with ``kept``, the journal is first rewritten to hold only those (what the
+        last boot left that no stored map carries, after that map's marker)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if kept is not None:
+                self._rewrite(kept)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         except OSError as e:
             self._fail(e)
+
+    def _rewrite(self, entries: list[Entry]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(_ENC.encode(e) + b"\n" for e in entries))
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -139,6 +160,50 @@ class Journal:
         os.close(self._fd)
         self._fd = fd
         self._cuts = {t: where - at for t, where in self._cuts.items() if t > tick}
+
+    def compact(self, now: float | None = None) -> None:
+        """A map was not stored: past ``compact_bytes`` (twice the last fold's size), fold what the journal
+        holds after its first marker (the last map stored) per key, model and second, or day when older
+        than ``RECENT_S``. Markers of maps on their way are dropped: a crash then counts by time instead."""
+        if self._fd < 0:
+            return
+        try:
+            if os.fstat(self._fd).st_size < self._compact_at:
+                return
+        except OSError as e:
+            self._fail(e)
+            return
+        now = time.time() if now is None else now
+        entries = self.read()
+        head: list[Entry] = [entries[0]] if entries and isinstance(entries[0], Mapped) else []
+        folded: dict[tuple[str, str, float | str], list[float]] = {}
+        for c in entries:
+            if not isinstance(c, Counted):
+                continue
+            when: float | str = (float(math.floor(c.at)) if c.at > now - RECENT_S
+                                 else datetime.fromtimestamp(c.at, UTC).strftime("%Y-%m-%d"))
+            f = folded.setdefault((c.key, c.model, when), [c.at, *([0.0] * 9)])
+            f[0] = max(f[0], c.at)
+            for i, v in enumerate((c.requests, c.errors, c.throttled, c.forbidden, c.prompt, c.completion,
+                                   c.cached, c.ttft_s, c.latency_s), start=1):
+                f[i] += v
+        out = head + [Counted(f[0], key, model, requests=int(f[1]), errors=int(f[2]), throttled=int(f[3]),
+                              forbidden=int(f[4]), prompt=int(f[5]), completion=int(f[6]), cached=int(f[7]),
+                              ttft_s=f[8], latency_s=f[9])
+                      for (key, model, _), f in sorted(folded.items(), key=lambda kv: kv[1][0])]
+        try:
+            self._rewrite(out)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            os.close(self._fd)
+            self._fd = fd
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            self._fail(e)
+            return
+        self._cuts = {}
+        self._compact_at = max(self.compact_bytes, 2 * size)
+        log.info("quota journal %s folded from %d entries to %d while no map is stored", self.path, len(entries),
+                 len(out))
 
     def _fail(self, e: OSError) -> None:
         if not self._failed:  # once: a full disk must not fill the log too

@@ -77,6 +77,8 @@ class Ticks:
             except LlmgwError as e:
                 # The next map carries everything this one would have: maps are cumulative.
                 log.warning("router %s: idle map not published: %s", self.name, e)
+                if self.journal is not None:
+                    self.journal.compact()  # nothing cuts it while no map is stored
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
         """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
@@ -177,7 +179,6 @@ class Ticks:
         if self.journal is None:
             return 0
         entries = self.journal.read()
-        self.journal.open()
         try:
             got = await self._last_map_before()
             last = m.USAGE_DECODER.decode(got[1]) if got is not None else None
@@ -190,8 +191,11 @@ class Ticks:
         else:
             if isinstance(last, m.IdleMapPublished) and last.router == self.name:
                 left = journaling.uncovered(entries, last.boot_id, last.tick, last.at.timestamp())
+                mark = journaling.Mapped(last.boot_id, last.tick)
             else:  # the bus holds no map of this router: nothing it counted was carried
-                left = journaling.uncovered(entries, None, 0, 0.0)
+                left, mark = journaling.uncovered(entries, None, 0, 0.0), None
+        # From now on the journal holds the last stored map's marker and what it did not carry, nothing older.
+        self.journal.open([*([mark] if mark is not None else []), *left])
         for c in left:
             key_use_of(self.key_use, c.key, c.model).merge(c)
             self.quotas.counted(c.key, c.at, c.requests, c.prompt + c.completion)
