@@ -266,7 +266,7 @@ class KeyUseCounter:
         return self.requests <= 0 and self.prompt <= 0 and self.completion <= 0
 
 
-class KeyUse(dict[str, dict[str, KeyUseCounter]]):
+class KeyUseTable(dict[str, dict[str, KeyUseCounter]]):
     """Per key and model, what was asked since the last published map; with the journal its counters write to."""
 
     journal: Journal | None = None
@@ -277,6 +277,6 @@ def key_use_of(key_use: dict[str, dict[str, KeyUseCounter]], key: str, model: st
     per_model = key_use.setdefault(key, {})
     use = per_model.get(model)
     if use is None:
-        journal = key_use.journal if isinstance(key_use, KeyUse) else None
+        journal = key_use.journal if isinstance(key_use, KeyUseTable) else None
         use = per_model[model] = KeyUseCounter(journal, key, model)
     return use

@@ -34,7 +34,7 @@ from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool
 from llmgw.router.idle import IdleTracker
 from llmgw.router.journal import Journal
-from llmgw.router.quotas import TOKENS_MAX, KeyUse, Quotas, key_use_of, utc_day
+from llmgw.router.quotas import TOKENS_MAX, KeyUseTable, Quotas, key_use_of, utc_day
 from llmgw.router.wake import Wake
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Ticks:
         self.tick_s = tick_s
         self.idle_maps = 0
         # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
-        self.key_use = KeyUse()
+        self.key_use = KeyUseTable()
         self.journal = self.key_use.journal = journal  # … each count also a line there, until a stored map carries it
         # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
         self.cache_use: dict[str, list[Any]] = {}
