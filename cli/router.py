@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import click
 
@@ -77,12 +78,16 @@ def _otlp_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--otlp-endpoint", metavar="URL", callback=_otlp_url,
               help="Export an OpenTelemetry span per request, and one per replica asked, to this OTLP/HTTP "
                    "collector (e.g. http://127.0.0.1:4318); needs `pip install 'llmgw[otel]'`. Off when absent.")
+@click.option("--quota-journal", type=click.Path(dir_okay=False, path_type=Path),
+              help="File where each key's counts are written as they are made, until an idle map carries them: a "
+                   "router killed between two ticks loses none (docs/reliability.md). Off when absent; "
+                   "`llmgw up` keeps one in its data directory.")
 @click.option("--no-idle-tracking", is_flag=True, help="Publish no idle maps (benchmarks only: the fleet then cannot tell what is idle).")
 @nats_options
 def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body: int | None, max_body_mb: float | None,
            connect_timeout: float, read_timeout: float, body_timeout: float, header_timeout: float,
            wake_timeout: float, max_connections_per_client: int, access_log: str | None, otlp_endpoint: str | None,
-           no_idle_tracking: bool,
+           quota_journal: Path | None, no_idle_tracking: bool,
            settings: Settings) -> None:
     """Serve the OpenAI API in front of the healthy replicas; prints its URL on the first line.
 
@@ -111,7 +116,7 @@ def router(listen: str, name: str, tick_s: float, api_keys: str | None, max_body
                                idle_tracking=not no_idle_tracking, body_timeout_s=body_timeout,
                                wake_timeout_s=wake_timeout, header_timeout_s=header_timeout,
                                max_connections_per_client=max_connections_per_client, access_log=access_log,
-                               otlp_endpoint=otlp_endpoint)
+                               otlp_endpoint=otlp_endpoint, journal=quota_journal)
         finally:
             await bus.close()
 

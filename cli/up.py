@@ -388,8 +388,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             ("scheduler", ["scheduler", "--heartbeat-timeout", f"{lost_after:g}", "--quarantine-faults",
                            str(quarantine_faults), "--quarantine-window", f"{quarantine_window:g}"]),
             ("router", ["router", "--listen", router_listen, "--name", "router-up", "--tick", f"{router_tick:g}",
-                        "--wake-timeout", f"{wake_timeout:g}", *keys,
-                        *(["--access-log", access_log] if access_log else [])]),
+                        "--wake-timeout", f"{wake_timeout:g}", "--quota-journal", str(root / f"{ROUTER_NAME}.journal"),
+                        *keys, *(["--access-log", access_log] if access_log else [])]),
         ]
         if dashboard_listen != "off":
             parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))

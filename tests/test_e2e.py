@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from llmgw.config import Settings, credentials_path, read_credentials
+from llmgw.router.journal import Journal, Mapped
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models"
@@ -229,6 +230,8 @@ def test_up_deploy_fault_replace_idle_stop(tmp_path: Path) -> None:
         rest = stop_up(up)
     assert up.returncode == 0, rest
     assert rest.rstrip().endswith("stopped")
+    # The router kept its quota journal in the data directory, cut at its last stored map.
+    assert isinstance(Journal(tmp_path / "data" / "router-up.journal").read()[0], Mapped)
     # SIGTERM stopped everything: no engine outlives `up`.
     for endpoint in endpoints:
         host, port = endpoint.removeprefix("http://").rsplit(":", 1)

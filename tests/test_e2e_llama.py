@@ -106,15 +106,25 @@ def test_a_real_llama_server_serves_wakes_and_restarts_under_llmgw(tmp_path: Pat
         text = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8,
                                          extra_headers={"X-Request-Id": "e2e-llama-1"})
         assert text.choices and text.usage is not None and "timings" in (text.model_extra or {})
+        seen = (reply.usage.prompt_tokens + streamed.prompt_tokens + text.usage.prompt_tokens,
+                reply.usage.completion_tokens + streamed.completion_tokens + text.usage.completion_tokens)
 
         # The router counted the three, with the tokens the engine said it used.
         with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert metric(metrics, "llmgw_router_requests_total", "tiny") == 3
-        assert metric(metrics, "llmgw_router_prompt_tokens_total", "tiny") == (
-            reply.usage.prompt_tokens + streamed.prompt_tokens + text.usage.prompt_tokens)
-        assert metric(metrics, "llmgw_router_completion_tokens_total", "tiny") == (
-            reply.usage.completion_tokens + streamed.completion_tokens + text.usage.completion_tokens)
+        assert metric(metrics, "llmgw_router_prompt_tokens_total", "tiny") == seen[0]
+        assert metric(metrics, "llmgw_router_completion_tokens_total", "tiny") == seen[1]
+
+        # A stream that does not ask for usage is counted all the same (the router asks llama-server for
+        # it), and its client reads no usage chunk: every chunk has a choice, none carries usage.
+        bare = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=8, stream=True))
+        assert bare and all(c.choices and c.usage is None for c in bare)
+        with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert metric(metrics, "llmgw_router_prompt_tokens_total", "tiny") == seen[0] + streamed.prompt_tokens
+        assert metric(metrics, "llmgw_router_completion_tokens_total", "tiny") >= seen[1]
 
         # Each can be traced: its id came back (the client's own, else a new one), and `ctl request` finds
         # its line in up's access log, with the replica and the tokens llama-server reported.

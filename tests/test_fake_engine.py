@@ -39,6 +39,25 @@ async def test_answers_the_openai_routes_and_names_itself() -> None:
         eng.stop()
 
 
+async def test_a_stream_carries_usage_only_when_asked_and_no_more_tokens_than_max_tokens() -> None:
+    """As vLLM and llama-server do: the usage chunk (no choices) only with stream_options.include_usage."""
+    eng = spawn("mu", "--chunks", "5", name="usage")
+    hi = [{"role": "user", "content": "hi"}]
+    try:
+        async with openai.AsyncOpenAI(base_url=eng.url + "/v1", api_key="x", max_retries=0, timeout=10) as c:
+            plain = [ch async for ch in await c.chat.completions.create(model="mu", messages=hi, stream=True)]
+            assert all(ch.choices and ch.usage is None for ch in plain) and len(plain) == 5 + 1
+            asked = [ch async for ch in await c.chat.completions.create(
+                model="mu", messages=hi, stream=True, max_tokens=2, stream_options={"include_usage": True})]
+            assert [ch.choices[0].delta.content for ch in asked if ch.choices] == ["tok0 ", "tok1 ", ""]
+            assert asked[-1].choices == [] and asked[-1].usage is not None
+            assert asked[-1].usage.completion_tokens == 2
+            short = await c.chat.completions.create(model="mu", messages=hi, max_tokens=1)
+            assert short.usage is not None and short.usage.completion_tokens == 1
+    finally:
+        eng.stop()
+
+
 async def test_refuse_answers_503() -> None:
     eng = spawn("m2", "--refuse", name="no")
     try:

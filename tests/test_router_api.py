@@ -73,7 +73,8 @@ async def test_every_route_through_the_openai_client(client: openai.AsyncOpenAI,
     text = await client.completions.create(model=MODEL, prompt="hi")
     assert text.choices[0].text == "hello from E"
     pieces = [c.choices[0].text async for c in await client.completions.create(model=MODEL, prompt="hi", stream=True)]
-    assert pieces == ["tok0 ", "tok1 ", "tok2 ", ""]  # no stream_options: no usage chunk, and none counted
+    # No stream_options: the router asked the engine for usage all the same, counted it, and took it out.
+    assert pieces == ["tok0 ", "tok1 ", "tok2 ", ""]
 
     emb = await client.embeddings.create(model=MODEL, input=["a", "b"])
     assert [d.index for d in emb.data] == [0, 1]
@@ -85,12 +86,13 @@ async def test_every_route_through_the_openai_client(client: openai.AsyncOpenAI,
     assert (await client.chat.completions.create(model=SLASHED, messages=HI)).system_fingerprint == "S"
 
     got = await scrape(router.url)
-    # Two streamed requests: two first tokens. Tokens only from the answers that carried `usage`:
-    # chat 3+3, the streamed chat's usage chunk 3+3, completions 1+3, embeddings 2 (+0), the slashed chat 3+3.
+    # Two streamed requests: two first tokens. Tokens from every answer, streamed or not: chat 3+3, the
+    # streamed chat's usage chunk 3+3, completions 1+3, the streamed ones' 1+3 (asked by the router),
+    # embeddings 2 (+0), the slashed chat 3+3.
     assert got[sample("llmgw_router_time_to_first_token_seconds_count", model=MODEL)] == 2
-    assert got[sample("llmgw_router_prompt_tokens_total", model=MODEL)] == 3 + 3 + 1 + 2
+    assert got[sample("llmgw_router_prompt_tokens_total", model=MODEL)] == 3 + 3 + 1 + 1 + 2
     assert got[sample("llmgw_router_prompt_tokens_cached_total", model=MODEL)] == 0  # this engine caches nothing
-    assert got[sample("llmgw_router_completion_tokens_total", model=MODEL)] == 3 + 3 + 3
+    assert got[sample("llmgw_router_completion_tokens_total", model=MODEL)] == 3 + 3 + 3 + 3
     assert got[sample("llmgw_router_completion_tokens_total", model=SLASHED)] == 3
     assert got[sample("llmgw_router_request_seconds_count", model=MODEL, stream="true")] == 2
     assert got[sample("llmgw_router_requests_total", model=MODEL, route="/v1/embeddings", code="200")] == 1

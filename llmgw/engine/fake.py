@@ -54,6 +54,11 @@ class _Body(msgspec.Struct):
     messages: list[_Message] = []
     prompt: str | list[object] = ""
     lora: list[Lora] | None = None
+    max_tokens: int | None = None  # as an engine does: never more completion tokens than this
+
+    def completion(self, tokens: int) -> int:
+        """``tokens``, or fewer when the request's ``max_tokens`` says so."""
+        return tokens if self.max_tokens is None else max(0, min(tokens, self.max_tokens))
 
     def text(self) -> bytes:
         """The prompt as the engine sees it: each message's role and text, in order (or the prompt)."""
@@ -298,7 +303,8 @@ class FakeEngine:
                     "finish_reason": "stop",
                 }
             ],
-            "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
+            "usage": {**prompt, "completion_tokens": body.completion(3),
+                      "total_tokens": int(prompt["prompt_tokens"]) + body.completion(3)},  # type: ignore[call-overload]
         }
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=answer.headers)
 
@@ -319,7 +325,8 @@ class FakeEngine:
             "model": answer.model,
             "system_fingerprint": self.name,
             "choices": [{"index": 0, "text": answer.text, "finish_reason": "stop", "logprobs": None}],
-            "usage": {**prompt, "completion_tokens": 3, "total_tokens": int(prompt["prompt_tokens"]) + 3},  # type: ignore[call-overload]
+            "usage": {**prompt, "completion_tokens": body.completion(3),
+                      "total_tokens": int(prompt["prompt_tokens"]) + body.completion(3)},  # type: ignore[call-overload]
         }
         return web.Response(body=_ENCODER.encode(reply), content_type="application/json", headers=answer.headers)
 
@@ -329,11 +336,12 @@ class FakeEngine:
         await resp.prepare(request)
         created = int(time.time())
         pause = self.opts.chunk_interval_ms / 1000
-        for i in range(self.opts.chunks + 1):
+        chunks = body.completion(self.opts.chunks)  # a token a chunk
+        for i in range(chunks + 1):
             if 0 <= self.opts.die_after_chunks <= i:
                 await asyncio.sleep(0.05)  # let the chunks leave the socket before the crash
                 os._exit(3)
-            last = i == self.opts.chunks
+            last = i == chunks
             text = "" if last else f"tok{i} "
             choice: dict[str, object] = {"index": 0, "finish_reason": "stop" if last else None}
             if chat:
@@ -348,7 +356,7 @@ class FakeEngine:
         if self.opts.force_include_usage or (body.stream_options is not None and body.stream_options.include_usage):
             # As OpenAI and vLLM do: one more chunk, with no choices, carrying the whole request's usage.
             n = int(prompt["prompt_tokens"])  # type: ignore[call-overload]
-            usage = {**prompt, "completion_tokens": self.opts.chunks, "total_tokens": n + self.opts.chunks}
+            usage = {**prompt, "completion_tokens": chunks, "total_tokens": n + chunks}
             await resp.write(b"data: " + _ENCODER.encode({"id": rid, "object": obj, "created": created,
                                                           "model": answer.model, "choices": [],
                                                           "usage": usage}) + b"\n\n")

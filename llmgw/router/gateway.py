@@ -8,7 +8,10 @@
   slot by its key's priority (``_admit``); one for a parked model is held by
   ``wake.Wake``, then goes on here like any other. What it used is added up for
   the next idle map (``ticks``): no I/O, no lock.
-* Bodies pass through untouched; streams are written on chunk by chunk.
+* Bodies pass through untouched, but that a stream is asked for its usage
+  (``openai_api.usage_asked``); streams are written on chunk by chunk.
+* A keyed request holds the tokens it may use from being taken to its end (``HOLD``,
+  ``quotas.reserve``, ``_settle``), so parallel requests cannot overspend a day.
 * The body limit (``--max-body``) is the router's own, checked before anything is
   forwarded: against Content-Length when there is one, and while reading otherwise
   (chunked, or decompressed from gzip). A body the router cannot read (not the
@@ -46,11 +49,12 @@ from llmgw.messages.usage import ANONYMOUS_CALLER
 from llmgw.router import access
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
+from llmgw.router.access import KEY
 from llmgw.router.adapters import AdapterError, Adapters, lora_body
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.idle import IdleTracker
 from llmgw.router.metrics import Metrics, Usage, usage_of, usage_of_stream
-from llmgw.router.quotas import KeyUseCounter, Quotas, key_use_of
+from llmgw.router.quotas import KeyUseCounter, Quotas, Reservation, estimate, key_use_of
 from llmgw.router.wake import Wake
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -61,6 +65,7 @@ USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the e
 PRIORITIES = ("high", "normal", "low")  # the order a freed slot goes in (ctl key --priority)
 QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low ones are shed
 QUEUE_MAX_PER_SLOT = 32  # … and before a normal or high one hears the queue is full
+HOLD: web.RequestKey[Reservation] = web.RequestKey("llmgw_hold", Reservation)  # a keyed request's tokens held
 _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
 _NO_DIGEST = "0" * 64
 
@@ -257,7 +262,9 @@ class Gateway:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
         access.trace(request).counted(usage)
-        if request is not None and (who := request.get("llmgw_key")) is not None:
+        if request is not None and (hold := request.get(HOLD)) is not None:
+            hold.counted = True
+        if request is not None and (who := request.get(KEY)) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
         elif request is not None:  # no key: the anonymous caller's, so that usage and chargeback add up
@@ -279,7 +286,7 @@ class Gateway:
             key = self._declared_key(token)
             if key is None:
                 return False
-            request["llmgw_key"] = key
+            request[KEY] = key
             return True
         if self.keys and token:
             digest = hashlib.sha256(token.encode()).hexdigest()
@@ -361,7 +368,7 @@ class Gateway:
                 self.metrics.error("", "bad_request")
                 return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
-            key: m.KeyDeclared | None = request.get("llmgw_key")
+            key: m.KeyDeclared | None = request.get(KEY)
             if key is not None and key.models and model not in key.models:
                 status = 403
                 self.metrics.error("", "forbidden_model")
@@ -376,8 +383,13 @@ class Gateway:
                     return api.error(429, why, "requests" if code == "rate_limit_exceeded" else "insufficient_quota",
                                      code, headers={"Retry-After": str(math.ceil(wait))})
                 self.quotas.took(key.name, now)
+                request[HOLD] = self.quotas.reserve(key.name, model, *estimate(len(body), head.completion_cap(),
+                                                                               route == "/v1/embeddings"))
+            strip_usage = stream and not head.wants_usage()
+            if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
+                body = api.usage_asked(body, head)
             resp = await self._forward(request, route, model, stream, body, t0,
-                                       self.routing_key(model, route, body), strip_usage=stream and not head.wants_usage())
+                                       self.routing_key(model, route, body), strip_usage=strip_usage)
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -389,6 +401,8 @@ class Gateway:
             raise
         finally:
             access.trace(request).ended(model, stream, status)
+            if (hold := request.get(HOLD)) is not None:
+                self._settle(hold)
             if status == CLIENT_CLOSED:
                 self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
                                    "client_closed")
@@ -396,9 +410,18 @@ class Gateway:
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
             self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
             if label:
-                who = request.get("llmgw_key")
+                who = request.get(KEY)
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
                            label).add_request(status, time.perf_counter() - t0)
+
+    def _settle(self, hold: Reservation) -> None:
+        """A keyed request ended: its tokens held are given back; served with no count from its engine
+        (a stream cut short before its usage), it is charged what it held, here and in the next map."""
+        self.quotas.settle(hold)
+        if hold.served and not hold.counted:
+            key_use_of(self._key_use, hold.key, hold.model).add_tokens(
+                Usage(prompt_tokens=hold.prompt, completion_tokens=hold.completion))
+            self.quotas.used(hold.key, hold.tokens, time.time())
 
     async def _read_body(self, request: web.Request) -> bytes | None:
         """The body as the engine will get it (decompressed), or None once it passes the limit."""
@@ -431,7 +454,7 @@ class Gateway:
 
     async def _send(self, request: web.Request, route: str, model: str, stream: bool, body: bytes, t0: float,
                     key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
-        who: m.KeyDeclared | None = request.get("llmgw_key")
+        who: m.KeyDeclared | None = request.get(KEY)
         lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
         target = lora.base if lora is not None else model
         tr, queued = access.trace(request), time.perf_counter()
@@ -528,6 +551,8 @@ class Gateway:
                     self.metrics.error(model, "upstream_broken")
                     return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
+                if up.status == 200 and (hold := request.get(HOLD)) is not None:
+                    hold.served = True
                 if up.status == 200 and (usage := usage_of(data)) is not None:
                     self._count_tokens(rep, model, usage, request)
                 if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
@@ -556,7 +581,8 @@ class Gateway:
 
         The first chunk's arrival is the time to first token; the stream's last chunks are kept
         (bounded) for the ``usage`` an engine sends before ``[DONE]`` (``stream_options.include_usage``,
-        or vLLM's forced usage: counted, then taken out of a stream whose client did not ask for it).
+        which the router sets on every stream, or vLLM's forced usage: counted, then taken out of a
+        stream whose client did not ask for it).
         The usage is counted before ``[DONE]`` is passed on, and counted however the stream ends
         otherwise: a client (openai's) closes as soon as it reads ``[DONE]``, before the body's end.
         """
@@ -600,8 +626,10 @@ class Gateway:
                     first = False
                     access.trace(request).first_byte()
                     self.metrics.first_token(model, time.perf_counter() - t0)
-                    if (who := request.get("llmgw_key")) is not None:
-                        key_use_of(self._key_use, who.name, model).ttft_s += time.perf_counter() - t0
+                    if (who := request.get(KEY)) is not None:
+                        key_use_of(self._key_use, who.name, model).add_ttft(time.perf_counter() - t0)
+                    if (hold := request.get(HOLD)) is not None:
+                        hold.served = True
                 edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network
                 tail.append(chunk)
                 kept += len(chunk)

@@ -26,6 +26,7 @@ import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import http_exceptions, web
@@ -41,6 +42,7 @@ from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.gateway import ROUTES, Gateway
 from llmgw.router.idle import IdleFor, IdleTracker
+from llmgw.router.journal import Journal
 from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
 from llmgw.router.ticks import Ticks
@@ -104,6 +106,7 @@ class Router:
         access_log: str | None = None,
         otlp_endpoint: str | None = None,
         tracer_provider: Any = None,
+        journal: Path | None = None,
     ) -> None:
         if tick_s <= 0:
             raise ConfigError(f"--tick must be positive (got {tick_s})")
@@ -145,8 +148,11 @@ class Router:
         self.wake = Wake(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, metrics=self.metrics,
                          idle=self.idle, tick_s=tick_s, timeout_s=wake_timeout_s)
         self.sink.on_change = self.wake.pool_changed  # held requests go on (or are refused) as the pool changes
+        # What the next map will carry, on disk as it is counted: a crash then loses none of it (journal.py).
+        # Without idle maps nothing would ever cut it.
+        self.journal = Journal(journal) if journal is not None and idle_tracking else None
         self.ticks = Ticks(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink, quotas=self.quotas,
-                           idle=self.idle, prefixes=self.prefixes, wake=self.wake, tick_s=tick_s)
+                           idle=self.idle, prefixes=self.prefixes, wake=self.wake, tick_s=tick_s, journal=self.journal)
         self.gateway = Gateway(bus=bus, name=name, boot_id=self.boot_id, pool=self.pool, sink=self.sink,
                                metrics=self.metrics, upstream=self.upstream, quotas=self.quotas, wake=self.wake,
                                idle=self.idle, prefixes=self.prefixes, key_use=self.ticks.key_use,
@@ -227,6 +233,7 @@ class Router:
         if self.access_log is not None:
             self.access_log.open()  # a log it cannot write is refused before anything starts
         await self.upstream.start()
+        await self.ticks.take_up_journal()  # before any map of this boot: its first one carries them
         # The pool keeps routing to what it knew meanwhile; the sink resumes where it stopped.
         self._tasks.append(asyncio.create_task(self._retrying("control stream", self.sink.run), name="router-endpoints"))
         self._tasks.append(asyncio.create_task(self._retrying("usage stream", self.ticks.follow_usage),
@@ -289,6 +296,8 @@ class Router:
         if self.spans is not None and self._owns_tracer:
             self._owns_tracer = False  # once: a second stop has nothing left to export
             await asyncio.to_thread(self.spans.shutdown)  # the last batch exported
+        if self.journal is not None:
+            self.journal.close()
 
     async def _retrying(self, what: str, read: Callable[[], Awaitable[None]]) -> None:
         """``read`` until cancelled: after a bus error, again a second later, from where it stopped."""

@@ -11,6 +11,9 @@
 * At start the router takes up its own last map from before it (re)started, read
   once for the idle recall and the quota start alike, and then follows every
   router's maps on the usage stream: what a key asked anywhere counts here too.
+* With a journal (``llmgw/router/journal.py``), each map marks where it cut it and a
+  stored one cuts it there; at start what no stored map carries is taken up
+  (``take_up_journal``), so a router killed mid-tick loses none of that tick's counts.
 """
 
 from __future__ import annotations
@@ -26,19 +29,23 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.errors import LlmgwError
+from llmgw.router import journal as journaling
 from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, Pool
 from llmgw.router.idle import IdleTracker
-from llmgw.router.quotas import TOKENS_MAX, KeyUseCounter, Quotas, utc_day
+from llmgw.router.journal import Journal
+from llmgw.router.quotas import TOKENS_MAX, KeyUseTable, Quotas, key_use_of, utc_day
 from llmgw.router.wake import Wake
 
 log = logging.getLogger(__name__)
+_UNREAD: tuple[type[Exception], ...] = (LlmgwError, *m.DECODE_ERRORS)  # a last map not read, or not readable
 
 class Ticks:
     """The ticker and what it publishes; the usage stream followed for the keys' quotas."""
 
     def __init__(self, *, bus: Bus, name: str, boot_id: str, pool: Pool, sink: EndpointSink, quotas: Quotas,
-                 idle: IdleTracker, prefixes: dict[str, prefixroute.PrefixTable], wake: Wake, tick_s: float) -> None:
+                 idle: IdleTracker, prefixes: dict[str, prefixroute.PrefixTable], wake: Wake, tick_s: float,
+                 journal: Journal | None = None) -> None:
         self.bus = bus
         self.name = name
         self.boot_id = boot_id
@@ -51,7 +58,8 @@ class Ticks:
         self.tick_s = tick_s
         self.idle_maps = 0
         # Per key and model, what was asked since the last published map (ctl key; usage_by_key in DuckDB).
-        self.key_use: dict[str, dict[str, KeyUseCounter]] = {}
+        self.key_use = KeyUseTable()
+        self.journal = self.key_use.journal = journal  # … each count also a line there, until a stored map carries it
         # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
         self.cache_use: dict[str, list[Any]] = {}
         # This router's last idle map from before this boot, read once for both recall and _quota_start.
@@ -69,6 +77,8 @@ class Ticks:
             except LlmgwError as e:
                 # The next map carries everything this one would have: maps are cumulative.
                 log.warning("router %s: idle map not published: %s", self.name, e)
+                if self.journal is not None:
+                    self.journal.compact()  # nothing cuts it while no map is stored
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
         """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
@@ -102,11 +112,15 @@ class Ticks:
         if self.key_use:
             changes["callers"] = {key: {model: use.message() for model, use in sorted(per.items())}
                                   for key, per in sorted(self.key_use.items())}
+        if self.journal is not None:
+            self.journal.mapped(self.boot_id, event.tick)
         return msgspec.structs.replace(event, **changes) if changes else event
 
     def _published(self, event: m.IdleMapPublished) -> None:
         """What a published map carried is taken off; a map not published leaves it for the next."""
         self.idle_maps += 1
+        if self.journal is not None:
+            self.journal.published(event.tick)
         for key, per in event.callers.items():
             for model, sent in per.items():
                 counter = self.key_use.get(key, {}).get(model)
@@ -155,6 +169,39 @@ class Ticks:
                 rep.pooled_at = min(rep.pooled_at, at.timestamp())
         log.info("router %s: took up its last map (tick %d): %d requests, %d served since", self.name, event.tick,
                  len(event.last_request), len(event.serving_since))
+
+    async def take_up_journal(self) -> int:
+        """What this router counted before it (re)started that no stored map carries: into its quotas, and
+        into its next map (so the others count it too); the journal is then appended to. Returns how many.
+
+        Read before this boot's first map is built, so that map carries them and cuts them off.
+        """
+        if self.journal is None:
+            return 0
+        entries = self.journal.read()
+        try:
+            got = await self._last_map_before()
+            last = m.USAGE_DECODER.decode(got[1]) if got is not None else None
+        except _UNREAD as e:
+            # Unknown which map the bus stored last: the journal's first marker is the last one it is known to.
+            log.warning("router %s: its last idle map could not be read (%s); the journal is taken up from its "
+                        "first mark", self.name, e)
+            mark = next((x for x in entries if isinstance(x, journaling.Mapped)), None)
+            left = journaling.uncovered(entries, mark.boot_id if mark else None, mark.tick if mark else 0, 0.0)
+        else:
+            if isinstance(last, m.IdleMapPublished) and last.router == self.name:
+                left = journaling.uncovered(entries, last.boot_id, last.tick, last.at.timestamp())
+                mark = journaling.Mapped(last.boot_id, last.tick)
+            else:  # the bus holds no map of this router: nothing it counted was carried
+                left, mark = journaling.uncovered(entries, None, 0, 0.0), None
+        # From now on the journal holds the last stored map's marker and what it did not carry, nothing older.
+        self.journal.open([*([mark] if mark is not None else []), *left])
+        for c in left:
+            key_use_of(self.key_use, c.key, c.model).merge(c)
+            self.quotas.counted(c.key, c.at, c.requests, c.prompt + c.completion)
+        if left:
+            log.info("router %s: took up %d counts from its journal that no stored map carried", self.name, len(left))
+        return len(left)
 
     async def _last_map_before(self) -> tuple[int, bytes] | None:
         """This router's own last idle map as it was before this boot published any (one direct get, kept;
