@@ -139,6 +139,10 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("cached_tokens", "BIGINT", "prompt tokens served from the engines' prefix cache"),
         ("ttft_s", "DOUBLE", "time to first token, summed over its streamed requests (seconds)"),
         ("latency_s", "DOUBLE", "time to the last byte, summed over its requests (seconds)"),
+        ("throttled", "BIGINT", "of the errors, answered 429 (the key's rate or quota, the model at capacity); "
+                                "NULL: projected before schema 7, when they were only in errors"),
+        ("forbidden", "BIGINT", "of the errors, answered 403 (a model the key may not use); NULL: projected "
+                                "before schema 7"),
     ]),
     "gpu_bookings": ("History: one row per GPU of each ReplicaPlaced (what the replica booked on it) and of the "
                      "ReplicaStopped that freed it; several replicas share a card while their bookings fit its memory "
@@ -321,13 +325,16 @@ WITH tenants AS (
     FROM events WHERE type = 'KeyDeclared' GROUP BY 1
 )
 SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.key_name, coalesce(t.tenant, '') AS tenant, u.model,
-       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.throttled) AS throttled,
+       sum(u.forbidden) AS forbidden, sum(u.prompt_tokens) AS prompt_tokens,
        sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens,
        sum(u.latency_s) / nullif(sum(u.requests), 0) AS mean_latency_s
 FROM usage_by_key u LEFT JOIN tenants t USING (key_name)
 GROUP BY ALL
 """, {"day": "the day (UTC)", "key_name": "the API key's name", "tenant": "its tenant ('' when none)",
       "model": None, "requests": "requests answered", "errors": "of them, 4xx or 5xx",
+      "throttled": "of the errors, 429s (rate, quota, capacity); NULL: only rows projected before schema 7",
+      "forbidden": "of the errors, 403s (a model the key may not use); NULL: as throttled",
       "prompt_tokens": "prompt tokens (engines' usage)", "completion_tokens": "completion tokens",
       "cached_tokens": "prompt tokens from the prefix cache", "mean_latency_s": "mean time to the last byte"}),
 
@@ -338,13 +345,14 @@ WITH adapters AS (
     FROM events WHERE type = 'AdapterDeclared' GROUP BY 1
 )
 SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.model AS adapter, a.base, u.key_name,
-       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.throttled) AS throttled,
+       sum(u.forbidden) AS forbidden, sum(u.prompt_tokens) AS prompt_tokens,
        sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens
 FROM usage_by_key u JOIN adapters a USING (model)
 GROUP BY ALL
 """, {"day": "the day (UTC)", "adapter": "the adapter's name, as a request's model names it",
       "base": "the declared model it runs on", "key_name": "the API key's name", "requests": "requests answered",
-      "errors": "of them, 4xx or 5xx", "prompt_tokens": "prompt tokens (engines' usage)",
+      "errors": "of them, 4xx or 5xx", "throttled": "of the errors, 429s", "forbidden": "of the errors, 403s", "prompt_tokens": "prompt tokens (engines' usage)",
       "completion_tokens": "completion tokens", "cached_tokens": "prompt tokens from the prefix cache"}),
 
     "adapter_idle": ("One row per LoRA adapter declared now: when anyone last asked for it through the routers "

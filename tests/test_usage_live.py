@@ -107,6 +107,34 @@ def test_usage_from_the_analysts_copy_says_how_old_it_is(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith(f"{db} is held by a running projector: read its analysts' copy "
                                f"{tmp_path / 'llmgw.analysts.duckdb'} (written "), r.stderr
-    assert " ago; --live for the figures up to now)" in r.stderr
-    # The anonymous caller's requests are the model's too.
-    assert r.stdout.splitlines()[1].split() == ["m1", "8", "1", "350", "80", "0"]
+    assert " ago; leave --db out to ask the projector for the figures up to now)" in r.stderr
+    # The anonymous caller's requests are the model's too; of the errors, one 429.
+    assert r.stdout.splitlines()[0].split() == ["model", "requests", "errors", "429", "403", "prompt", "completion",
+                                                "cached"]
+    assert r.stdout.splitlines()[1].split() == ["m1", "8", "1", "1", "0", "350", "80", "0"]
+
+
+def test_usage_right_after_traffic_is_the_running_projectors_own(settings: Settings, tmp_path: Path) -> None:
+    """Issue 43 #6: with a projector holding the file and no copy yet, `ctl usage` answered nothing useful;
+    the projector answers from its file once it has committed what was stored when asked."""
+    events = usage_events()
+    asyncio.run(publish_fresh(settings, events))
+    db = tmp_path / "llmgw.duckdb"
+    with serving(settings, db, len(events), commit_interval_s=3600, writer_process=True):
+        r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "model", "--json", "--data-dir", str(tmp_path),
+                                     "--nats-url", settings.nats_url])
+        assert r.exit_code == 0, r.output
+        assert r.stderr.startswith("from the running projector (events up to "), r.stderr
+        assert json.loads(r.stdout) == [
+            {"model": "m1", "requests": 8, "errors": 1, "throttled": 1, "forbidden": 0, "prompt_tokens": 350,
+             "completion_tokens": 80, "cached_tokens": 0}]
+        r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "key", "--nats-url", settings.nats_url])
+        assert r.exit_code == 0, r.output
+        assert [x.split() for x in r.stdout.splitlines()[1:]] == [
+            ["ka", "3", "1", "1", "0", "300", "30", "0"], ["(anonymous)", "5", "0", "0", "0", "50", "50", "0"]]
+    # No projector: the file, and why.
+    r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path),
+                                 "--nats-url", settings.nats_url])
+    assert r.exit_code == 0, r.output
+    assert r.stderr == f"no projector is running: reading {db}\n"
+    assert [(x["tenant"], x["requests"], x["throttled"]) for x in json.loads(r.stdout)] == [("alpha", 3, 1), ("", 5, 0)]

@@ -12,7 +12,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.config import Settings
-from llmgw.errors import LlmgwError
+from llmgw.errors import ConnectError, LlmgwError
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus, OneShot
@@ -157,6 +157,53 @@ async def live_usage(settings: Settings, by: str) -> tuple[list[LiveUsage], date
     finally:
         await bus.close()
     return [(k, r, t, r7, t7) for k, _, r, t, r7, t7 in key_usage(state, m.utcnow())], state.as_of
+
+
+def projector_usage(settings: Settings, by: str, since_days: int,
+                    notice: Notice = lambda _: None) -> tuple[m.UsageTable, datetime | None] | None:
+    """``ctl usage`` from the running projector's file (what it folded when asked, committed), and the time
+    of the newest event folded; None (``notice`` says why) when no projector answers with it: read the file."""
+    from llmgw.errors import BusError, NoServiceError, ServiceError
+
+    req = m.StatusRequest(wait_s=STATUS_WAIT_S, usage_by=by, usage_days=since_days)  # type: ignore[arg-type]
+    who = "projector (status service)"
+    try:
+        report = _ask_with_heads(settings, req, who)
+    except NoServiceError:
+        notice("no projector is running")
+        return None
+    except (ConnectError, ServiceError, BusError, msgspec.DecodeError) as e:
+        notice(f"the projector could not answer ({e})")
+        return None
+    if report.usage is None:
+        notice("the projector that answered keeps no DuckDB file, or is an older version")
+        return None
+    return report.usage, report.now
+
+
+def _ask_with_heads(settings: Settings, req: m.StatusRequest, who: str) -> m.StatusReport:
+    """The status service's answer to ``req`` once it has folded what is stored now (OneShot, or the Bus for ws://)."""
+    from llmgw.bus import OneShot, speaks
+
+    timeout = STATUS_WAIT_S + settings.request_timeout_s
+    if not speaks(settings):
+        import asyncio
+
+        async def ask() -> bytes:
+            bus = await connect(settings, "llmgw-ctl-usage")
+            try:
+                heads = await stream_heads(bus)
+                return await bus.request(subjects.STATUS, m.encode(msgspec.structs.replace(req, wait_for=heads)),
+                                         timeout=timeout, service=who)
+            finally:
+                await bus.close()
+
+        return m.STATUS_REPORT_DECODER.decode(asyncio.run(ask()))
+    with OneShot.connect(settings, "llmgw-ctl-usage") as shot:
+        heads = {s: shot.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        data = shot.request(subjects.STATUS, m.encode(msgspec.structs.replace(req, wait_for=heads)), timeout=timeout,
+                            service=who)
+    return m.STATUS_REPORT_DECODER.decode(data)
 
 
 # --- models ------------------------------------------------------------------------------------------

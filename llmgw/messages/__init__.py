@@ -143,6 +143,8 @@ from llmgw.messages.status import (  # noqa: F401
     StatusRequest,
     TenantUsage,
     UnplaceableModel,
+    UsageRow,
+    UsageTable,
 )
 from llmgw.messages.usage import (  # noqa: F401
     AdapterLoaded,
@@ -301,6 +303,8 @@ __all__ = [
     "StatusReport",
     "StatusRequest",
     "TenantUsage",
+    "UsageRow",
+    "UsageTable",
     "Text",
     "Time",
     "UNPLACEABLE_CODES",
