@@ -113,7 +113,30 @@ async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None 
             raise ProjectionError(
                 f"--at {at:%Y-%m-%d %H:%M:%S} UTC is before the first event stored ({first:%Y-%m-%d %H:%M:%S} UTC), "
                 "when the fleet had no history; give a time from then to now, or leave --at out for the fleet now")
-    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model)
+    later = await next_plane_start(bus, c.cursor.positions.get(subjects.STREAM_CONTROL, 0)) \
+        if at is not None or at_seq is not None else None
+    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model,
+                  next_start=later)
+
+
+async def next_plane_start(bus: Bus, after: int) -> m.ControlPlaneStarted | None:
+    """The first control-plane event the control stream stored after sequence ``after``, when it is a start:
+    what a moment in the past learns of a gap nothing recorded while it lasted (a kill -9)."""
+    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+    if last <= after:
+        return None
+    reader = bus.reader(subjects.STREAM_CONTROL, after + 1, batch=1, stop_at=last, purpose="the next start",
+                        filter_subjects=[subjects.control_plane("*")])
+    async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+        async for msgs in batches:
+            for x in msgs:
+                try:
+                    event = m.CONTROL_DECODER.decode(x.data)
+                except m.DECODE_ERRORS:
+                    continue  # recorded and skipped by every fold; the next one may say
+                if subjects.disagrees(x.subject, event) is None:
+                    return event if isinstance(event, m.ControlPlaneStarted) else None
+    return None
 
 
 async def first_stored(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> datetime | None:

@@ -132,7 +132,7 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    state: str  # serving | starting | failing | parked | unplaceable | stopped
+    state: str  # serving | starting | failing | parked | unplaceable | stopped | down (the control plane is)
     healthy: int
     placed: int
     wanted: int
@@ -178,7 +178,7 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
 
     replica_id: str
     model: str
-    state: str  # placed | starting | healthy | unhealthy | failed
+    state: str  # placed | starting | healthy | unhealthy | failed | down (the control plane is)
     nodes: tuple[str, ...]
     gpus: tuple[GpuRef, ...]
     fabric: str
@@ -364,6 +364,11 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     # Per node, how many times its GPUs went unhealthy in the last 24 h (only nodes with any).
     gpu_faults: dict[str, int] = {}
     usage: UsageTable | None = None  # only when asked (``StatusRequest.usage_by``), from a projector with a file
+    # The control plane (``llmgw up``) as its own stops and starts tell it: "up" since its last start,
+    # "down" since its recorded stop (or, looking back, since it was last seen before a kill -9): then no
+    # replica serves (each reads "down") and no GPU-hours count; "": no such event was ever stored.
+    control_plane: str = ""
+    control_plane_since: datetime | None = None
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
