@@ -199,3 +199,19 @@ def test_up_records_its_stop_and_its_start_and_a_kill_is_known_from_the_next_sta
     finally:
         rest = stop_up(up)
     assert up.returncode == 0, rest
+
+
+def test_chargeback_leaves_the_control_planes_outages_out(tmp_path: Path) -> None:
+    """DuckDB agrees with the fold: 2 GPUs from 10:00 to 13:00 with the plane down 11:00–12:00 are 4 GPU-hours."""
+    from analyst_history import project
+
+    for recorded in (True, False):
+        events = [*history(recorded=recorded),
+                  m.ReplicaStopped(at=t(180), replica_id="qwen-r1", model="qwen-8b", reason="idle", code="idle")]
+        store = project(tmp_path / f"{recorded}.duckdb", events)
+        try:
+            assert store.query("SELECT down_from, down_to, boot_id, recorded FROM control_plane_outages") == [
+                (t(60), t(120), "b2", recorded)]
+            assert store.query("SELECT tenant, round(gpu_hours, 3) FROM chargeback_daily") == [("", 4.0)]
+        finally:
+            store.close()
