@@ -138,3 +138,24 @@ def test_usage_right_after_traffic_is_the_running_projectors_own(settings: Setti
     assert r.exit_code == 0, r.output
     assert r.stderr == f"no projector is running: reading {db}\n"
     assert [(x["tenant"], x["requests"], x["throttled"]) for x in json.loads(r.stdout)] == [("alpha", 3, 1), ("", 5, 0)]
+
+
+def test_anonymous_tokens_take_their_share_of_the_chargeback(tmp_path: Path) -> None:
+    """The anonymous caller's tokens are the tenant '' (none) in chargeback_daily: alpha pays 3/4, not all."""
+    from analyst_history import project
+    from projection_events import inventory, placed, spec, t
+
+    qwen = spec("qwen-8b", tp=2)
+    _, alpha = declared("ka", tenant="alpha")
+    use = {"ka": {"qwen-8b": m.KeyUse(requests=3, prompt_tokens=300)},
+           ANONYMOUS_CALLER: {"qwen-8b": m.KeyUse(requests=1, prompt_tokens=100)}}
+    events: list[m.Event] = [inventory("n1", "ib-a", 2, t(0)), m.ModelDeclared(at=t(0), spec=qwen),
+                             placed("r-q", qwen, [("n1", 0), ("n1", 1)], t(0)), msgspec.structs.replace(alpha, at=t(0)),
+                             m.IdleMapPublished(at=t(30), router="rt", boot_id="b", tick=1, callers=use),
+                             m.ReplicaStopped(at=t(60), replica_id="r-q", model="qwen-8b", reason="idle", code="idle")]
+    store = project(tmp_path / "llmgw.duckdb", events)
+    try:
+        assert store.query("SELECT tenant, round(token_share, 2), round(gpu_hours, 3) FROM chargeback_daily "
+                           "ORDER BY tenant") == [("", 0.25, 0.5), ("alpha", 0.75, 1.5)]
+    finally:
+        store.close()
