@@ -178,8 +178,8 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
         f"{f' · {r.clamped_events} folded at their store time (clock off)' if r.clamped_events else ''}",
     )
     if r.control_plane == "down":
-        console.print(f"CONTROL PLANE DOWN since {_time(r.control_plane_since)} UTC: no replica served and no "
-                      "GPU-hours count until `llmgw up` started again")
+        console.print(f"CONTROL PLANE DOWN since {_time(r.control_plane_since)} UTC (`llmgw up` stopped): no "
+                      "replica serves and no GPU-hours count while it is down")
     for node, why in r.cordoned.items():
         console.print(f"node {node}: {why} (nothing new is placed on it; `llmgw ctl node uncordon {node}`)")
     for node, faults in r.gpu_faults.items():

@@ -35,6 +35,7 @@ from llmgw.config import (
 )
 from llmgw.engine import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
+from llmgw.proc import die_with
 
 EXAMPLE_NAME = "qwen14"
 EXAMPLE_MODEL = "Qwen/Qwen2.5-14B-Instruct"
@@ -60,8 +61,10 @@ class Child:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.offset = self.log.tell()
         # Its own session: Ctrl-C reaches `up` alone, which then stops the children in order.
+        # It dies with `up` (PR_SET_PDEATHSIG): after a kill -9 of `up` no part serves on, holds a port, or
+        # outlives the gap the next start records.
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=die_with(os.getpid()))
 
     def tail(self, n: int = 5) -> str:
         """The last ``n`` lines of this run's output (the log is appended to: earlier runs' are not this one's)."""
@@ -413,7 +416,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             nodes = [n.name for n in load_fleet(fleet_path).nodes] if fleet_path is not None else []
             auth = None if insecure else closed_bus(root / "nats", nodes)
             server = EmbeddedServer(root / "nats", port=port, config_file=auth.conf if auth else None,
-                                    env=auth.server_env if auth else None).start()
+                                    env=auth.server_env if auth else None, dies_with_starter=True).start()
             nats_url = server.url
             nats = NatsChild(server)
             if auth is not None:
