@@ -297,15 +297,40 @@ WHERE idle_to > s.idle_from
       "idle_s": "seconds idle (idle_to - idle_from)",
       "ongoing": "true when still idle at the newest event (idle_to is that event's time)"}),
 
+    "control_plane_outages": ("One row per gap the control plane (llmgw up) was down: from its recorded stop "
+                              "(SIGTERM, Ctrl-C), or from when it was last seen before a stop nothing recorded "
+                              "(kill -9, a power cut), to its next start. No replica served and no GPU was held "
+                              "then: chargeback_daily leaves these hours out.", """
+SELECT down_from, down_to, epoch(down_to - down_from) AS down_s, boot_id, recorded
+FROM (SELECT CASE WHEN before_type = 'ControlPlaneStopped' THEN before_ts
+                  ELSE greatest(last_seen, before_ts) END AS down_from,
+             ts AS down_to, boot_id, coalesce(before_type = 'ControlPlaneStopped', false) AS recorded
+      FROM (SELECT ts, type, json->>'boot_id' AS boot_id, TRY_CAST(json->>'last_seen' AS TIMESTAMPTZ) AS last_seen,
+                   lag(type) OVER (ORDER BY seq) AS before_type, lag(ts) OVER (ORDER BY seq) AS before_ts
+            FROM events WHERE type IN ('ControlPlaneStopped', 'ControlPlaneStarted'))
+      WHERE type = 'ControlPlaneStarted' AND (before_type = 'ControlPlaneStopped' OR last_seen IS NOT NULL))
+WHERE down_from < down_to
+""", {"down_from": "when it went down: its recorded stop, else when it was last seen (the next start's last_seen)",
+      "down_to": "when it started again", "down_s": "seconds down",
+      "boot_id": "the boot of the start that ended the gap",
+      "recorded": "true: the stop was recorded; false: only the next start said (kill -9)"}),
+
     "gpu_hours_idle_daily": (f"GPU-hours per model and day (UTC) that replicas sat idle in stretches of "
                              f"{IDLE_AFTER_S // 60} minutes or more (llmgw ctl idle's default --older-than), "
-                             "a stretch split at midnight. For another threshold, filter replica_idle_intervals.",
+                             "a stretch split at midnight, the control plane's outages left out. For another "
+                             "threshold, filter replica_idle_intervals.",
                              f"""
+WITH gaps AS (
+    SELECT down_from AT TIME ZONE 'UTC' AS down_from, down_to AT TIME ZONE 'UTC' AS down_to FROM control_plane_outages
+)
 SELECT model, day::DATE AS day,
-       sum(gpu_count * epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day))) / 3600 AS gpu_hours_idle
-FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
-      FROM (SELECT model, gpu_count, idle_from AT TIME ZONE 'UTC' AS f, idle_to AT TIME ZONE 'UTC' AS t
-            FROM replica_idle_intervals WHERE idle_s >= {IDLE_AFTER_S}))
+       sum(gpu_count * (epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day)) - down_s)) / 3600 AS gpu_hours_idle
+FROM (SELECT *, coalesce((SELECT sum(epoch(least(t, day + INTERVAL 1 DAY, g.down_to) - greatest(f, day, g.down_from)))
+                          FROM gaps g WHERE g.down_from < least(t, day + INTERVAL 1 DAY)
+                            AND g.down_to > greatest(f, day)), 0) AS down_s
+      FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
+            FROM (SELECT model, gpu_count, idle_from AT TIME ZONE 'UTC' AS f, idle_to AT TIME ZONE 'UTC' AS t
+                  FROM replica_idle_intervals WHERE idle_s >= {IDLE_AFTER_S})))
 GROUP BY model, day
 """, {"model": None, "day": "the day (UTC)",
       "gpu_hours_idle": "GPUs held × hours idle that day"}),
@@ -373,24 +398,6 @@ WHERE r.removed_at IS NULL OR r.removed_at < d.declared_at
 """, {"adapter": "the adapter's name", "base": "the declared model it runs on",
       "last_request": "when a router last counted a request for it (NULL: none in this history)",
       "idle_s": "seconds nobody has asked for it, to the newest event (since its declaration when never asked)"}),
-
-    "control_plane_outages": ("One row per gap the control plane (llmgw up) was down: from its recorded stop "
-                              "(SIGTERM, Ctrl-C), or from when it was last seen before a stop nothing recorded "
-                              "(kill -9, a power cut), to its next start. No replica served and no GPU was held "
-                              "then: chargeback_daily leaves these hours out.", """
-SELECT down_from, down_to, epoch(down_to - down_from) AS down_s, boot_id, recorded
-FROM (SELECT CASE WHEN before_type = 'ControlPlaneStopped' THEN before_ts
-                  ELSE greatest(last_seen, before_ts) END AS down_from,
-             ts AS down_to, boot_id, coalesce(before_type = 'ControlPlaneStopped', false) AS recorded
-      FROM (SELECT ts, type, json->>'boot_id' AS boot_id, TRY_CAST(json->>'last_seen' AS TIMESTAMPTZ) AS last_seen,
-                   lag(type) OVER (ORDER BY seq) AS before_type, lag(ts) OVER (ORDER BY seq) AS before_ts
-            FROM events WHERE type IN ('ControlPlaneStopped', 'ControlPlaneStarted'))
-      WHERE type = 'ControlPlaneStarted' AND (before_type = 'ControlPlaneStopped' OR last_seen IS NOT NULL))
-WHERE down_from < down_to
-""", {"down_from": "when it went down: its recorded stop, else when it was last seen (the next start's last_seen)",
-      "down_to": "when it started again", "down_s": "seconds down",
-      "boot_id": "the boot of the start that ended the gap",
-      "recorded": "true: the stop was recorded; false: only the next start said (kill -9)"}),
 
     "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
                          "replicas held GPUs, the control plane's outages left out) split by each tenant's share "

@@ -209,17 +209,20 @@ def test_up_records_its_stop_and_its_start_and_a_kill_is_known_from_the_next_sta
     assert up.returncode == 0, rest
 
 
-def test_chargeback_leaves_the_control_planes_outages_out(tmp_path: Path) -> None:
-    """DuckDB agrees with the fold: 2 GPUs from 10:00 to 13:00 with the plane down 11:00–12:00 are 4 GPU-hours."""
+def test_chargeback_and_idle_hours_leave_the_control_planes_outages_out(tmp_path: Path) -> None:
+    """DuckDB agrees with the fold: 2 GPUs from 10:00 to 13:00 with the plane down 11:00–12:00 are 4 GPU-hours,
+    and idle from 10:01 they are 2 × 119 minutes idle."""
     from analyst_history import project
 
     for recorded in (True, False):
         events = [*history(recorded=recorded),
+                  m.IdleMapPublished(at=t(2), router="rt", boot_id="b", tick=1, serving_since={"qwen-r1": t(1)}),
                   m.ReplicaStopped(at=t(180), replica_id="qwen-r1", model="qwen-8b", reason="idle", code="idle")]
         store = project(tmp_path / f"{recorded}.duckdb", events)
         try:
             assert store.query("SELECT down_from, down_to, boot_id, recorded FROM control_plane_outages") == [
                 (t(60), t(120), "b2", recorded)]
             assert store.query("SELECT tenant, round(gpu_hours, 3) FROM chargeback_daily") == [("", 4.0)]
+            assert store.query("SELECT round(gpu_hours_idle * 60, 3) FROM gpu_hours_idle_daily") == [(2 * 119.0,)]
         finally:
             store.close()
