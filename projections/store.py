@@ -777,6 +777,7 @@ USAGE_FIGURES = ("requests", "errors", "throttled", "forbidden", "prompt_tokens"
 
 
 def _usage(con: duckdb.DuckDBPyConnection, by: str, since_days: int) -> list[tuple[Any, ...]]:
+    """Requests, errors (of them 429s, 403s) and tokens per key, tenant, model or adapter over the last days (UTC)."""
     column = USAGE_BY[by]
     view = "usage_by_adapter_daily" if by == "adapter" else "usage_by_key_daily"
     sums = ", ".join(f"coalesce(sum({f}), 0)::BIGINT" for f in USAGE_FIGURES)
@@ -788,9 +789,7 @@ def _usage(con: duckdb.DuckDBPyConnection, by: str, since_days: int) -> list[tup
 
 
 def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, ...]]:
-    """``ctl usage``: requests, errors (and of them 429s and 403s) and tokens per key, tenant, model or adapter
-    over the last days (UTC), from ``usage_by_key_daily``; the file is opened read-only (DatabaseHeldError
-    while a projector holds it: then the projector answers, ``Store.usage``)."""
+    """``ctl usage`` from a file opened read-only (DatabaseHeldError while a projector holds it: ``Store.usage``)."""
     con = _open_read_only(source)
     try:
         return _usage(con, by, since_days)
