@@ -177,13 +177,16 @@ def render(r: m.StatusReport, console: Console, limit: int, replicas: bool = Fal
         f"{f' ({states})' if states else ''} · {plural(r.unprojected_events, 'unprojected event')}"
         f"{f' · {r.clamped_events} folded at their store time (clock off)' if r.clamped_events else ''}",
     )
+    if r.control_plane == "down":
+        console.print(f"CONTROL PLANE DOWN since {_time(r.control_plane_since)} UTC (`llmgw up` stopped): no "
+                      "replica serves and no GPU-hours count while it is down")
     for node, why in r.cordoned.items():
         console.print(f"node {node}: {why} (nothing new is placed on it; `llmgw ctl node uncordon {node}`)")
     for node, faults in r.gpu_faults.items():
         console.print(f"node {node}: {plural(faults, 'GPU fault')} in 24h (placement prefers nodes with fewer)")
     if r.model_states:
         counts = Counter(r.model_states.values())
-        order = ("serving", "starting", "failing", "parked", "unplaceable", "stopped")
+        order = ("serving", "starting", "failing", "parked", "unplaceable", "stopped", "down")
         console.print("models: " + ", ".join(
             f"{counts[k]} {k} ({', '.join(n for n, v in r.model_states.items() if v == k)})" for k in order if counts[k]))
     if r.model_list:

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import IO
 
@@ -34,6 +35,7 @@ from llmgw.config import (
 )
 from llmgw.engine import llmgw_program
 from llmgw.errors import LlmgwError, ServerError
+from llmgw.proc import die_with
 
 EXAMPLE_NAME = "qwen14"
 EXAMPLE_MODEL = "Qwen/Qwen2.5-14B-Instruct"
@@ -59,8 +61,10 @@ class Child:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.offset = self.log.tell()
         # Its own session: Ctrl-C reaches `up` alone, which then stops the children in order.
+        # It dies with `up` (PR_SET_PDEATHSIG): after a kill -9 of `up` no part serves on, holds a port, or
+        # outlives the gap the next start records.
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=die_with(os.getpid()))
 
     def tail(self, n: int = 5) -> str:
         """The last ``n`` lines of this run's output (the log is appended to: earlier runs' are not this one's)."""
@@ -178,6 +182,77 @@ class NatsChild:
             click.echo(f"nats-server did not start again: {e}", err=True)
             return  # still dead: the next check counts another restart
         click.echo(f"nats-server is back on {self.server.url}", err=True)
+
+
+ALIVE_FILE = "up.alive.json"  # in the data directory: this `up`'s boot id, when it was last seen, whether it stopped
+ALIVE_EVERY_S = 2.0  # how stale "last seen" may be after a kill -9
+
+
+@dataclass
+class PlaneRecord:
+    """`up`'s own stops and starts on the control stream, so that a gap it was down is history too.
+
+    At start it publishes ``ControlPlaneStarted``; while it runs it notes the time in ``ALIVE_FILE`` every
+    ALIVE_EVERY_S; stopping, it publishes ``ControlPlaneStopped`` before its parts and its bus go. A run that
+    ended without that stop (kill -9) left its last time in the file: the next start carries it (``last_seen``).
+    """
+
+    path: Path
+    boot_id: str = field(default_factory=lambda: os.urandom(8).hex())
+    noted: float = 0.0
+
+    def started(self, settings: Settings) -> str:
+        """Publish the start (with the last sign of life of a run that stopped unrecorded); a line for the operator."""
+        import json
+
+        from llmgw import ctl
+        from llmgw import messages as m
+
+        try:
+            before = json.loads(self.path.read_text())
+            previous, stopped = str(before.get("boot_id", ""))[:64], bool(before.get("stopped"))
+            seen = None if stopped else _parse_time(before.get("seen"))
+        except (OSError, ValueError, AttributeError):
+            previous, seen = "", None
+        run(ctl.publish_control(settings, m.ControlPlaneStarted(at=m.utcnow(), boot_id=self.boot_id,
+                                                                previous_boot_id=previous, last_seen=seen)))
+        self.alive()
+        if seen is not None:
+            return f"the last run ({previous}) stopped unrecorded; last seen {seen:%Y-%m-%d %H:%M:%S} UTC: recorded as down since"
+        return ""
+
+    def alive(self, stopped: bool = False) -> None:
+        import json
+
+        from llmgw import messages as m
+
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"boot_id": self.boot_id, "seen": m.utcnow().isoformat(), "stopped": stopped}))
+        os.replace(tmp, self.path)
+        self.noted = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.noted >= ALIVE_EVERY_S:
+            self.alive()
+
+    def stopped(self, settings: Settings, reason: str) -> None:
+        """Publish the stop while the bus is still there; a stop that cannot be published is the next start's to say."""
+        from llmgw import ctl
+        from llmgw import messages as m
+
+        try:
+            run(ctl.publish_control(settings, m.ControlPlaneStopped(at=m.utcnow(), boot_id=self.boot_id, reason=reason)))
+        except (LlmgwError, click.ClickException, OSError) as e:
+            click.echo(f"the stop is not recorded on the bus ({e}); the next `llmgw up` records the gap", err=True)
+            return
+        self.alive(stopped=True)
+
+
+def _parse_time(text: object) -> datetime | None:
+    if not isinstance(text, str):
+        return None
+    t = datetime.fromisoformat(text)
+    return t if t.tzinfo is not None else None
 
 
 # Each part of `up` logs in as its role; the simulated agents as one user for the fleet file's nodes.
@@ -338,8 +413,14 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
     nats: NatsChild | None = None
     children: list[Child] = []
     stop = threading.Event()
+    why: list[str] = []  # the signal that stopped it, for the stop's record
+
+    def on_signal(sig: int, _: object) -> None:
+        why.append(signal.Signals(sig).name)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
 
     def rotated(*_: object) -> None:  # logrotate signals `up`: the router holds the access log open
         for c in children:
@@ -347,6 +428,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                 c.proc.send_signal(signal.SIGUSR1)
 
     signal.signal(signal.SIGUSR1, rotated)  # from the start: SIGUSR1's default would end `up`
+    plane = PlaneRecord(root / ALIVE_FILE)
+    recorded = False  # the start is on the bus: the stop must be too
     logins: dict[str, dict[str, str]] = {}  # part → the environment that logs it in
     admin = Settings.from_env(nats_url=nats_url) if nats_url is not None else None
     try:
@@ -354,7 +437,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
             nodes = [n.name for n in load_fleet(fleet_path).nodes] if fleet_path is not None else []
             auth = None if insecure else closed_bus(root / "nats", nodes)
             server = EmbeddedServer(root / "nats", port=port, config_file=auth.conf if auth else None,
-                                    env=auth.server_env if auth else None).start()
+                                    env=auth.server_env if auth else None, dies_with_starter=True).start()
             nats_url = server.url
             nats = NatsChild(server)
             if auth is not None:
@@ -375,6 +458,13 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                                   # The example is a vLLM model: a real engine would fail on it, over and over.
                                   fleet_path if not (no_example or engines == "real") else None,
                                   models_dir, name=EXAMPLE_NAME, model=EXAMPLE_MODEL))
+        try:
+            gap = plane.started(admin)
+            recorded = True
+        except LlmgwError as e:  # the control plane runs unrecorded rather than not at all
+            gap = f"the start is not recorded on the bus ({e}); `ctl status --at` will not know of this run's gaps"
+        if gap:
+            click.echo(gap, err=True)
         env = dict(os.environ, LLMGW_NATS_URL=nats_url)
         if models_dir:
             env["LLMGW_MODELS_DIR"] = models_dir
@@ -432,6 +522,7 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         click.echo(look_line(engines))
         click.echo("Ctrl-C stops everything", err=True)
         while not stop.wait(0.5):
+            plane.tick()
             if nats is not None:
                 nats.check()
             for child in children:
@@ -459,6 +550,8 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                 time.sleep(min(2 ** child.restarts * 0.25, 5))
                 child.start()
     finally:
+        if recorded and admin is not None:  # before anything goes: from now on nothing serves
+            plane.stopped(admin, why[0] if why else "exited")
         # Agents first (they stop their engines), then the readers, NATS last so nothing loses its bus.
         for child in reversed(children):
             child.stop()

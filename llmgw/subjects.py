@@ -169,6 +169,11 @@ def replica(replica_id: str, kind: str, node: str | None = None) -> str:
     return f"{base}.{token(node)}" if node is not None else base
 
 
+def control_plane(kind: str) -> str:
+    """``llmgw.control.plane.<kind>``: started, stopped (``llmgw up``'s own, as admin)."""
+    return f"{PREFIX}.control.plane.{kind}"
+
+
 def subject_for(event: m.Event) -> str:
     """The subject an event is published on."""
     match event:
@@ -202,6 +207,10 @@ def subject_for(event: m.Event) -> str:
             return usage_adapter(router)
         case m.NodeCordoned(node=node):
             return f"{PREFIX}.control.node.{token(node)}.cordoned"
+        case m.ControlPlaneStarted():
+            return control_plane("started")
+        case m.ControlPlaneStopped():
+            return control_plane("stopped")
         case m.NodeUncordoned(node=node):
             return f"{PREFIX}.control.node.{token(node)}.uncordoned"
         case m.AdapterDeclared(spec=spec):

@@ -532,7 +532,36 @@ class Projector:
                                   "ask again in a few seconds, or use --replay")
         report = status_report.report(self.state, req.now, req.idle_threshold_s, self.cursor, history=history,
                                       replicas=req.replicas, model=req.model)
-        return m.encode(gpuuse.add_to(report, self.state, self.gpu_samples, nodes=req.gpus))
+        report = gpuuse.add_to(report, self.state, self.gpu_samples, nodes=req.gpus)
+        if req.usage_by:
+            report = msgspec.structs.replace(report, usage=await self.usage(req.usage_by, req.usage_days))
+        return m.encode(report)
+
+    async def usage(self, by: str, since_days: int) -> m.UsageTable | None:
+        """``ctl usage`` from this projector's file, once what it has folded is committed; None without a file.
+
+        The question goes to the writer (thread or process) behind the commit of everything folded when
+        it was asked, so the rows hold at least ``positions``: what the analysts' copy has only a minute later.
+        """
+        if self.store is None or self._pool is None:
+            return None
+        positions = dict(sorted(self.cursor.positions.items()))
+        await self.commit()
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(self._pool, self._usage_rows, by, since_days)
+        return m.UsageTable(by=by, since_days=since_days, positions=positions,
+                            rows=tuple(m.UsageRow(name=r[0] if r[0] is not None else "", requests=r[1], errors=r[2],
+                                                  throttled=r[3], forbidden=r[4], prompt_tokens=r[5],
+                                                  completion_tokens=r[6], cached_tokens=r[7]) for r in rows))
+
+    def _usage_rows(self, by: str, since_days: int) -> list[tuple[Any, ...]]:
+        """On the writer thread, after the commits queued before it."""
+        if self._write_failed is not None:
+            raise ProjectionError(f"the projector's file is not being written ({self._write_failed})")
+        if self._process is not None:
+            return self._process.usage(by, since_days)
+        assert self.store is not None
+        return self.store.usage(by, since_days)
 
     async def caught_up(self, seqs: dict[str, int], within_s: float) -> None:
         """Return once every stream named is folded up to its sequence; ProjectionError after ``within_s``."""

@@ -139,6 +139,10 @@ TABLES: dict[str, tuple[str, list[tuple[str, str, str | None]]]] = {
         ("cached_tokens", "BIGINT", "prompt tokens served from the engines' prefix cache"),
         ("ttft_s", "DOUBLE", "time to first token, summed over its streamed requests (seconds)"),
         ("latency_s", "DOUBLE", "time to the last byte, summed over its requests (seconds)"),
+        ("throttled", "BIGINT", "of the errors, answered 429 (the key's rate or quota, the model at capacity); "
+                                "NULL: projected before schema 7, when they were only in errors"),
+        ("forbidden", "BIGINT", "of the errors, answered 403 (a model the key may not use); NULL: projected "
+                                "before schema 7"),
     ]),
     "gpu_bookings": ("History: one row per GPU of each ReplicaPlaced (what the replica booked on it) and of the "
                      "ReplicaStopped that freed it; several replicas share a card while their bookings fit its memory "
@@ -293,15 +297,40 @@ WHERE idle_to > s.idle_from
       "idle_s": "seconds idle (idle_to - idle_from)",
       "ongoing": "true when still idle at the newest event (idle_to is that event's time)"}),
 
+    "control_plane_outages": ("One row per gap the control plane (llmgw up) was down: from its recorded stop "
+                              "(SIGTERM, Ctrl-C), or from when it was last seen before a stop nothing recorded "
+                              "(kill -9, a power cut), to its next start. No replica served and no GPU was held "
+                              "then: chargeback_daily leaves these hours out.", """
+SELECT down_from, down_to, epoch(down_to - down_from) AS down_s, boot_id, recorded
+FROM (SELECT CASE WHEN before_type = 'ControlPlaneStopped' THEN before_ts
+                  ELSE greatest(last_seen, before_ts) END AS down_from,
+             ts AS down_to, boot_id, coalesce(before_type = 'ControlPlaneStopped', false) AS recorded
+      FROM (SELECT ts, type, json->>'boot_id' AS boot_id, TRY_CAST(json->>'last_seen' AS TIMESTAMPTZ) AS last_seen,
+                   lag(type) OVER (ORDER BY seq) AS before_type, lag(ts) OVER (ORDER BY seq) AS before_ts
+            FROM events WHERE type IN ('ControlPlaneStopped', 'ControlPlaneStarted'))
+      WHERE type = 'ControlPlaneStarted' AND (before_type = 'ControlPlaneStopped' OR last_seen IS NOT NULL))
+WHERE down_from < down_to
+""", {"down_from": "when it went down: its recorded stop, else when it was last seen (the next start's last_seen)",
+      "down_to": "when it started again", "down_s": "seconds down",
+      "boot_id": "the boot of the start that ended the gap",
+      "recorded": "true: the stop was recorded; false: only the next start said (kill -9)"}),
+
     "gpu_hours_idle_daily": (f"GPU-hours per model and day (UTC) that replicas sat idle in stretches of "
                              f"{IDLE_AFTER_S // 60} minutes or more (llmgw ctl idle's default --older-than), "
-                             "a stretch split at midnight. For another threshold, filter replica_idle_intervals.",
+                             "a stretch split at midnight, the control plane's outages left out. For another "
+                             "threshold, filter replica_idle_intervals.",
                              f"""
+WITH gaps AS (
+    SELECT down_from AT TIME ZONE 'UTC' AS down_from, down_to AT TIME ZONE 'UTC' AS down_to FROM control_plane_outages
+)
 SELECT model, day::DATE AS day,
-       sum(gpu_count * epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day))) / 3600 AS gpu_hours_idle
-FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
-      FROM (SELECT model, gpu_count, idle_from AT TIME ZONE 'UTC' AS f, idle_to AT TIME ZONE 'UTC' AS t
-            FROM replica_idle_intervals WHERE idle_s >= {IDLE_AFTER_S}))
+       sum(gpu_count * (epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day)) - down_s)) / 3600 AS gpu_hours_idle
+FROM (SELECT *, coalesce((SELECT sum(epoch(least(t, day + INTERVAL 1 DAY, g.down_to) - greatest(f, day, g.down_from)))
+                          FROM gaps g WHERE g.down_from < least(t, day + INTERVAL 1 DAY)
+                            AND g.down_to > greatest(f, day)), 0) AS down_s
+      FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
+            FROM (SELECT model, gpu_count, idle_from AT TIME ZONE 'UTC' AS f, idle_to AT TIME ZONE 'UTC' AS t
+                  FROM replica_idle_intervals WHERE idle_s >= {IDLE_AFTER_S})))
 GROUP BY model, day
 """, {"model": None, "day": "the day (UTC)",
       "gpu_hours_idle": "GPUs held × hours idle that day"}),
@@ -321,13 +350,16 @@ WITH tenants AS (
     FROM events WHERE type = 'KeyDeclared' GROUP BY 1
 )
 SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.key_name, coalesce(t.tenant, '') AS tenant, u.model,
-       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.throttled) AS throttled,
+       sum(u.forbidden) AS forbidden, sum(u.prompt_tokens) AS prompt_tokens,
        sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens,
        sum(u.latency_s) / nullif(sum(u.requests), 0) AS mean_latency_s
 FROM usage_by_key u LEFT JOIN tenants t USING (key_name)
 GROUP BY ALL
 """, {"day": "the day (UTC)", "key_name": "the API key's name", "tenant": "its tenant ('' when none)",
       "model": None, "requests": "requests answered", "errors": "of them, 4xx or 5xx",
+      "throttled": "of the errors, 429s (rate, quota, capacity); NULL: only rows projected before schema 7",
+      "forbidden": "of the errors, 403s (a model the key may not use); NULL: as throttled",
       "prompt_tokens": "prompt tokens (engines' usage)", "completion_tokens": "completion tokens",
       "cached_tokens": "prompt tokens from the prefix cache", "mean_latency_s": "mean time to the last byte"}),
 
@@ -338,13 +370,14 @@ WITH adapters AS (
     FROM events WHERE type = 'AdapterDeclared' GROUP BY 1
 )
 SELECT (u.ts AT TIME ZONE 'UTC')::DATE AS day, u.model AS adapter, a.base, u.key_name,
-       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.prompt_tokens) AS prompt_tokens,
+       sum(u.requests) AS requests, sum(u.errors) AS errors, sum(u.throttled) AS throttled,
+       sum(u.forbidden) AS forbidden, sum(u.prompt_tokens) AS prompt_tokens,
        sum(u.completion_tokens) AS completion_tokens, sum(u.cached_tokens) AS cached_tokens
 FROM usage_by_key u JOIN adapters a USING (model)
 GROUP BY ALL
 """, {"day": "the day (UTC)", "adapter": "the adapter's name, as a request's model names it",
       "base": "the declared model it runs on", "key_name": "the API key's name", "requests": "requests answered",
-      "errors": "of them, 4xx or 5xx", "prompt_tokens": "prompt tokens (engines' usage)",
+      "errors": "of them, 4xx or 5xx", "throttled": "of the errors, 429s", "forbidden": "of the errors, 403s", "prompt_tokens": "prompt tokens (engines' usage)",
       "completion_tokens": "completion tokens", "cached_tokens": "prompt tokens from the prefix cache"}),
 
     "adapter_idle": ("One row per LoRA adapter declared now: when anyone last asked for it through the routers "
@@ -367,15 +400,21 @@ WHERE r.removed_at IS NULL OR r.removed_at < d.declared_at
       "idle_s": "seconds nobody has asked for it, to the newest event (since its declaration when never asked)"}),
 
     "chargeback_daily": ("Per day (UTC), model and tenant: the model's GPU-hours (busy and idle: every hour its "
-                         "replicas held GPUs) split by each tenant's share of its tokens that day; a day with no "
-                         "tokens is the tenant '' (nobody to charge). Sums to the model's GPU-hours.", """
-WITH held AS (
+                         "replicas held GPUs, the control plane's outages left out) split by each tenant's share "
+                         "of its tokens that day; a day with no tokens is the tenant '' (nobody to charge). Sums "
+                         "to the model's GPU-hours.", """
+WITH gaps AS (
+    SELECT down_from AT TIME ZONE 'UTC' AS down_from, down_to AT TIME ZONE 'UTC' AS down_to FROM control_plane_outages
+), held AS (
     SELECT model, day::DATE AS day,
-           sum(gpu_count * epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day))) / 3600 AS gpu_hours
-    FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
-          FROM (SELECT model, gpu_count, placed_at AT TIME ZONE 'UTC' AS f,
-                       coalesce(stopped_at, (SELECT max(ts) FROM events)) AT TIME ZONE 'UTC' AS t
-                FROM replica_lifetimes WHERE gpu_count IS NOT NULL))
+           sum(gpu_count * (epoch(least(t, day + INTERVAL 1 DAY) - greatest(f, day)) - down_s)) / 3600 AS gpu_hours
+    FROM (SELECT *, coalesce((SELECT sum(epoch(least(t, day + INTERVAL 1 DAY, g.down_to) - greatest(f, day, g.down_from)))
+                              FROM gaps g WHERE g.down_from < least(t, day + INTERVAL 1 DAY)
+                                AND g.down_to > greatest(f, day)), 0) AS down_s
+          FROM (SELECT model, gpu_count, f, t, unnest(range(date_trunc('day', f), t, INTERVAL 1 DAY)) AS day
+                FROM (SELECT model, gpu_count, placed_at AT TIME ZONE 'UTC' AS f,
+                             coalesce(stopped_at, (SELECT max(ts) FROM events)) AT TIME ZONE 'UTC' AS t
+                      FROM replica_lifetimes WHERE gpu_count IS NOT NULL)))
     WHERE t > f
     GROUP BY ALL
 ), tokens AS (

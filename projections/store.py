@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 # 6: GPUs shared by memory: the history of who booked how much of each GPU (gpu_bookings) and what
 # the engines held (replica_memory), and ``gpus`` lists the replicas booked on a card (a schema-5
 # file gets both tables filled from its events, in place).
-SCHEMA_VERSION = 6
+# 7: usage_by_key counts, of the errors, the 429s (throttled) and the 403s (forbidden) apart (NULL in the
+# rows a schema-6 file held: their maps were not kept, so only their errors are known).
+SCHEMA_VERSION = 7
 # The XID number in a GPU's reasons (the agent's "xid 79: …", a fleet file's "xid-79"); NULL: none.
 XID = "TRY_CAST(nullif(regexp_extract({reasons}, 'xid[ -]?([0-9]+)', 1), '') AS INTEGER)"
 # A stop's code from its wording, for events written before codes (ReplicaStopped.stop_code's table).
@@ -99,7 +101,8 @@ FROM {source} WHERE x[1] = 'ReplicaOverBooked' AND x[20]::BIGINT BETWEEN 1 AND @
 
 # Older schemas a projector brings up to this one in place, one step at a time: schema 5 renamed two
 # names and added gpu_health.xid and replica_lifecycle.code, filled in for the rows already there;
-# schema 6 added the bookings' history, filled from the events the file holds.
+# schema 6 added the bookings' history, filled from the events the file holds; schema 7 the 429s and 403s
+# of usage_by_key, unknown (NULL) for the rows already there.
 MIGRATIONS = {
     4: ["ALTER TABLE checkpoint RENAME TO positions",
         "ALTER TABLE projector_state RENAME COLUMN snapshot TO checkpoint",
@@ -124,6 +127,9 @@ MIGRATIONS = {
         "FROM gpu_bookings b WHERE b.gpu_uuid = gpus.gpu_uuid), 0)",
         "ALTER TABLE gpus DROP COLUMN replica_id",
         "UPDATE projector_state SET schema_version = 6 WHERE id = 1"],
+    6: ["ALTER TABLE usage_by_key ADD COLUMN throttled BIGINT",
+        "ALTER TABLE usage_by_key ADD COLUMN forbidden BIGINT",
+        "UPDATE projector_state SET schema_version = 7 WHERE id = 1"],
 }
 
 HISTORY_TABLES = ("events", "gpu_health", "replica_lifecycle", "idle_history", "prefix_cache", "usage_by_key",
@@ -232,7 +238,7 @@ FROM (SELECT stream, seq, ts, m, unnest(m.cache) AS c
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"cache":[[%'));
 INSERT INTO usage_by_key
 SELECT stream, seq, ts, m.router, c[1], c[2], c[3]::BIGINT, c[4]::BIGINT, c[5]::BIGINT, c[6]::BIGINT, c[7]::BIGINT,
-       c[8]::DOUBLE, c[9]::DOUBLE
+       c[8]::DOUBLE, c[9]::DOUBLE, coalesce(c[10]::BIGINT, 0), coalesce(c[11]::BIGINT, 0)
 FROM (SELECT stream, seq, ts, m, unnest(m.keys) AS c
       FROM (SELECT stream, seq, ts, json_transform(json, '{"router": "VARCHAR", "keys": [["VARCHAR"]]}') AS m
             FROM stage_parsed WHERE x[1] = 'IdleChanges' AND json LIKE '%"keys":[[%'));
@@ -337,8 +343,9 @@ class _IdleChanges(msgspec.Struct, tag="IdleChanges", tag_field="type"):
     tick: int
     changes: list[tuple[str, datetime | None, datetime | None]]  # replica, last request, serving since
     cache: list[tuple[str, str, int, int]] = []  # replica, model, prompt tokens, cached tokens (cache_use)
-    # key, model, requests, errors, prompt, completion, cached tokens, ttft and latency sums (callers)
-    keys: list[tuple[str, str, int, int, int, int, int, float, float]] = []
+    # key, model, requests, errors, prompt, completion, cached tokens, ttft and latency sums, and of the
+    # errors the 429s and the 403s (callers)
+    keys: list[tuple[str, str, int, int, int, int, int, float, float, int, int]] = []
 
 
 _IDLE_ENCODER = msgspec.json.Encoder()
@@ -371,7 +378,7 @@ def idle_payload(event: m.IdleMapPublished, prev: RouterView | None, moved: list
             changed |= prev.last_request.keys() | prev.serving_since.keys()
     cache = [(r, u.model, u.prompt_tokens, u.cached_tokens) for r, u in event.cache_use.items()]
     keys = [(k, model, u.requests, u.errors, u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.ttft_s,
-             u.latency_s) for k, per in event.callers.items() for model, u in per.items()]
+             u.latency_s, u.throttled, u.forbidden) for k, per in event.callers.items() for model, u in per.items()]
     return _IDLE_ENCODER.encode(_IdleChanges(
         event.at, event.router, event.tick, [(r, last.get(r), serving.get(r)) for r in sorted(changed)], cache, keys))
 
@@ -673,6 +680,13 @@ class Store:
     def query(self, sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
         return self.con.execute(sql, params or []).fetchall()
 
+    def usage(self, by: str, since_days: int) -> list[tuple[Any, ...]]:
+        """``usage_rows`` from the file this store holds (its last commit): the running projector's answer."""
+        try:
+            return _usage(self.con, by, since_days)
+        except duckdb.Error as e:
+            raise ProjectionError(f"cannot read usage from {self.path}: {e}") from e
+
 
 def _literal(path: Path) -> str:
     """A path as an SQL string literal (COPY takes no parameters)."""
@@ -758,20 +772,27 @@ def copy_to_parquet(source: str | Path, dest: str | Path,
 
 
 USAGE_BY = {"key": "key_name", "tenant": "tenant", "model": "model", "adapter": "adapter"}
+# What a usage row holds after its name, in this order (``ctl usage --json``'s fields, the status service's rows).
+USAGE_FIGURES = ("requests", "errors", "throttled", "forbidden", "prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+def _usage(con: duckdb.DuckDBPyConnection, by: str, since_days: int) -> list[tuple[Any, ...]]:
+    """Requests, errors (of them 429s, 403s) and tokens per key, tenant, model or adapter over the last days (UTC)."""
+    column = USAGE_BY[by]
+    view = "usage_by_adapter_daily" if by == "adapter" else "usage_by_key_daily"
+    sums = ", ".join(f"coalesce(sum({f}), 0)::BIGINT" for f in USAGE_FIGURES)
+    return con.execute(
+        f"SELECT {column}, {sums} FROM {view} WHERE day > (now() AT TIME ZONE 'UTC')::DATE - ?::INTEGER "
+        # (``ORDER BY 6 + 7`` would be a constant, not two columns: the sum is spelt out.)
+        "GROUP BY 1 ORDER BY coalesce(sum(prompt_tokens), 0) + coalesce(sum(completion_tokens), 0) DESC, 1",
+        [since_days]).fetchall()
 
 
 def usage_rows(source: str | Path, by: str, since_days: int) -> list[tuple[Any, ...]]:
-    """``ctl usage``: requests, errors and tokens per key, tenant or model over the last days (UTC), from
-    ``usage_by_key_daily``; the file is opened read-only (DatabaseHeldError while a projector holds it)."""
-    column = USAGE_BY[by]
+    """``ctl usage`` from a file opened read-only (DatabaseHeldError while a projector holds it: ``Store.usage``)."""
     con = _open_read_only(source)
     try:
-        con.execute("SET TimeZone = 'UTC'")
-        view = "usage_by_adapter_daily" if by == "adapter" else "usage_by_key_daily"
-        return con.execute(
-            f"SELECT {column}, sum(requests)::BIGINT, sum(errors)::BIGINT, sum(prompt_tokens)::BIGINT, "
-            f"sum(completion_tokens)::BIGINT, sum(cached_tokens)::BIGINT FROM {view} "
-            "WHERE day > current_date - ?::INTEGER GROUP BY 1 ORDER BY 4 + 5 DESC, 1", [since_days]).fetchall()
+        return _usage(con, by, since_days)
     except duckdb.Error as e:
         raise ProjectionError(f"cannot read usage from {source}: {e}; is it a projection of this version?") from e
     finally:

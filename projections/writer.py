@@ -30,6 +30,9 @@ from llmgw.projections.store import Batch, Chunk, Store
 # msgspec encodes them five times faster.
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(tuple[dict[str, list[tuple]], list[Chunk], int, bytes])
+# A question the status service asks of the file between commits (``ctl usage``): this byte, then (by, days).
+_QUERY = b"?"
+_QUERY_DECODER = msgspec.msgpack.Decoder(tuple[str, int])
 
 
 def _main(path: str, conn: Connection, copy_path: str | None, copy_interval_s: float) -> None:
@@ -51,6 +54,13 @@ def _main(path: str, conn: Connection, copy_path: str | None, copy_interval_s: f
                 return
             if not data:
                 return
+            if data[:1] == _QUERY:
+                by, days = _QUERY_DECODER.decode(data[1:])
+                try:
+                    conn.send(("rows", store.usage(by, days)))
+                except Exception as e:  # noqa: BLE001 - reported to the parent, which answers with it
+                    conn.send(f"{e}")
+                continue
             rows, chunks, events, checkpoint = _DECODER.decode(data)
             try:
                 store.commit(Batch(rows=rows, chunks=chunks, events=events), checkpoint)
@@ -102,6 +112,17 @@ class ProcessWriter:
         except OSError as e:  # BrokenPipeError, ConnectionResetError: nobody reads the pipe any more
             raise self._died() from e
         self._check()
+
+    def usage(self, by: str, since_days: int) -> list[tuple]:
+        """``Store.usage`` in the child, after every commit sent before (called from the writer thread)."""
+        try:
+            self._conn.send_bytes(_QUERY + _ENCODER.encode((by, since_days)))
+            reply = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died() from e
+        if isinstance(reply, str):
+            raise ProjectionError(reply)
+        return list(reply[1])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

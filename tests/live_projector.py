@@ -29,7 +29,8 @@ async def publish_fresh(settings: Settings, events: Sequence[m.Event]) -> None:
 
 
 @contextlib.contextmanager
-def serving(settings: Settings, db: Path, expected: int) -> Iterator[Projector]:
+def serving(settings: Settings, db: Path, expected: int, *, commit_interval_s: float = 0.05,
+            writer_process: bool = False) -> Iterator[Projector]:
     """Run a projector on ``db`` until the block ends, once it has folded ``expected`` events."""
     ready = threading.Event()
     stop: list[asyncio.AbstractEventLoop | asyncio.Task[None]] = []
@@ -38,7 +39,7 @@ def serving(settings: Settings, db: Path, expected: int) -> Iterator[Projector]:
     async def main() -> None:
         bus = await Bus.connect(settings, "llmgw-test-projector")
         store = Store(db)
-        projector = Projector(bus, store, commit_interval_s=0.05)
+        projector = Projector(bus, store, commit_interval_s=commit_interval_s, writer_process=writer_process)
         holder.append(projector)
         task = asyncio.create_task(projector.run_forever())
         stop.extend([asyncio.get_running_loop(), task])

@@ -247,10 +247,12 @@ def test_ctl_usage_answers_per_tenant_key_and_model(tmp_path: Path) -> None:
     now = m.utcnow()
     project(tmp_path / "llmgw.duckdb", [msgspec.structs.replace(alpha, at=t(0)),
                                         m.IdleMapPublished(at=now, router="rt", boot_id="b", tick=1, callers=use)]).close()
-    r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path)])
+    # No projector answers there (nothing listens on port 1): the file.
+    r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path),
+                                 "--nats-url", "nats://127.0.0.1:1"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output) == [{"tenant": "alpha", "requests": 3, "errors": 1, "prompt_tokens": 300,
-                                     "completion_tokens": 30, "cached_tokens": 200}]
+    assert json.loads(r.stdout) == [{"tenant": "alpha", "requests": 3, "errors": 1, "throttled": 0, "forbidden": 0,
+                                     "prompt_tokens": 300, "completion_tokens": 30, "cached_tokens": 200}]
     table = CliRunner().invoke(cli, ["ctl", "usage", "--by", "key", "--db", str(tmp_path / "llmgw.duckdb")])
     assert table.exit_code == 0 and "ka" in table.output and "300" in table.output
     missing = CliRunner().invoke(cli, ["ctl", "usage", "--db", str(tmp_path / "nope.duckdb")])

@@ -161,7 +161,7 @@ def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path
     con.execute("CREATE TABLE nodes (name VARCHAR, gpus INTEGER)")
     con.execute("INSERT INTO projector_state VALUES (1, 3, NULL, 0, 0, NULL)")
     con.close()
-    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 6; project into a new file"):
+    with pytest.raises(ProjectionError, match=r"written by projector schema 3, this is 7; project into a new file"):
         Store(old)
     con = duckdb.connect(str(old), read_only=True)  # closed again, and untouched
     try:
@@ -170,8 +170,16 @@ def test_an_old_schema_file_is_refused_before_anything_is_created_in_it(tmp_path
         con.close()
 
 
+def _as_schema_6(con: duckdb.DuckDBPyConnection) -> None:
+    """Make a file look as schema 6 left it: usage_by_key without its 429s and 403s."""
+    con.execute("ALTER TABLE usage_by_key DROP COLUMN throttled")
+    con.execute("ALTER TABLE usage_by_key DROP COLUMN forbidden")
+    con.execute("UPDATE projector_state SET schema_version = 6")
+
+
 def _as_schema_5(con: duckdb.DuckDBPyConnection) -> None:
     """Make a file look as schema 5 left it: no bookings' history, one holder per GPU as text."""
+    _as_schema_6(con)
     con.execute("DROP TABLE gpu_bookings")
     con.execute("DROP TABLE replica_memory")
     con.execute("ALTER TABLE gpus ADD COLUMN replica_id VARCHAR")
@@ -199,7 +207,7 @@ def test_a_schema_4_file_is_renamed_in_place_and_resumes(duckdb_path: Path) -> N
     again = Store(duckdb_path)
     try:
         assert again.load() == cp
-        assert again.query("SELECT schema_version FROM projector_state") == [(6,)]  # through 5, to 6
+        assert again.query("SELECT schema_version FROM projector_state") == [(7,)]  # through 5 and 6, to 7
         assert again.query("SELECT count(*) FROM events") == events
         assert again.table_rows("gpu_bookings") == bookings
         assert again.query("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'checkpoint'") == [(0,)]
@@ -373,8 +381,28 @@ def test_a_schema_5_file_gets_its_bookings_from_the_events_it_holds(duckdb_path:
     store.close()
     again = Store(duckdb_path)
     try:
-        assert again.query("SELECT schema_version FROM projector_state") == [(6,)]
+        assert again.query("SELECT schema_version FROM projector_state") == [(7,)]
         assert {table: again.table_rows(table) for table in fresh} == fresh
         assert again.load() == cp
+    finally:
+        again.close()
+
+
+def test_a_schema_6_file_keeps_its_usage_and_knows_its_429s_and_403s_from_then_on(duckdb_path: Path) -> None:
+    """Schema 7 counts 429s and 403s apart; the rows a schema-6 file held say unknown (NULL), not 0."""
+    use = {"ka": {"m1": m.KeyUse(requests=4, errors=3, throttled=2, forbidden=1, prompt_tokens=10)}}
+    maps = [m.IdleMapPublished(at=t(i), router="rt", boot_id="b", tick=i, callers=use) for i in (1, 2)]
+    store = Store(duckdb_path)
+    cp = Checkpoint()
+    store.commit(batch_of(maps[:1], cp), encode_state(cp.state, cp.cursor))
+    _as_schema_6(store.con)
+    store.close()
+    again = Store(duckdb_path)
+    try:
+        assert again.query("SELECT schema_version FROM projector_state") == [(7,)]
+        again.commit(batch_of(maps[1:], cp, start=2), encode_state(cp.state, cp.cursor))
+        assert again.query("SELECT seq, requests, errors, throttled, forbidden FROM usage_by_key ORDER BY seq") == [
+            (1, 4, 3, None, None), (2, 4, 3, 2, 1)]
+        assert again.query("SELECT requests, errors, throttled, forbidden FROM usage_by_key_daily") == [(8, 6, 2, 1)]
     finally:
         again.close()

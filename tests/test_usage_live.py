@@ -107,6 +107,55 @@ def test_usage_from_the_analysts_copy_says_how_old_it_is(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith(f"{db} is held by a running projector: read its analysts' copy "
                                f"{tmp_path / 'llmgw.analysts.duckdb'} (written "), r.stderr
-    assert " ago; --live for the figures up to now)" in r.stderr
-    # The anonymous caller's requests are the model's too.
-    assert r.stdout.splitlines()[1].split() == ["m1", "8", "1", "350", "80", "0"]
+    assert " ago; leave --db out to ask the projector for the figures up to now)" in r.stderr
+    # The anonymous caller's requests are the model's too; of the errors, one 429.
+    assert r.stdout.splitlines()[0].split() == ["model", "requests", "errors", "429", "403", "prompt", "completion",
+                                                "cached"]
+    assert r.stdout.splitlines()[1].split() == ["m1", "8", "1", "1", "0", "350", "80", "0"]
+
+
+def test_usage_right_after_traffic_is_the_running_projectors_own(settings: Settings, tmp_path: Path) -> None:
+    """Issue 43 #6: with a projector holding the file and no copy yet, `ctl usage` answered nothing useful;
+    the projector answers from its file once it has committed what was stored when asked."""
+    events = usage_events()
+    asyncio.run(publish_fresh(settings, events))
+    db = tmp_path / "llmgw.duckdb"
+    with serving(settings, db, len(events), commit_interval_s=3600, writer_process=True):
+        r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "model", "--json", "--data-dir", str(tmp_path),
+                                     "--nats-url", settings.nats_url])
+        assert r.exit_code == 0, r.output
+        assert r.stderr.startswith("from the running projector (events up to "), r.stderr
+        assert json.loads(r.stdout) == [
+            {"model": "m1", "requests": 8, "errors": 1, "throttled": 1, "forbidden": 0, "prompt_tokens": 350,
+             "completion_tokens": 80, "cached_tokens": 0}]
+        r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "key", "--nats-url", settings.nats_url])
+        assert r.exit_code == 0, r.output
+        assert [x.split() for x in r.stdout.splitlines()[1:]] == [
+            ["ka", "3", "1", "1", "0", "300", "30", "0"], ["(anonymous)", "5", "0", "0", "0", "50", "50", "0"]]
+    # No projector: the file, and why.
+    r = CliRunner().invoke(cli, ["ctl", "usage", "--by", "tenant", "--json", "--data-dir", str(tmp_path),
+                                 "--nats-url", settings.nats_url])
+    assert r.exit_code == 0, r.output
+    assert r.stderr == f"no projector is running: reading {db}\n"
+    assert [(x["tenant"], x["requests"], x["throttled"]) for x in json.loads(r.stdout)] == [("alpha", 3, 1), ("", 5, 0)]
+
+
+def test_anonymous_tokens_take_their_share_of_the_chargeback(tmp_path: Path) -> None:
+    """The anonymous caller's tokens are the tenant '' (none) in chargeback_daily: alpha pays 3/4, not all."""
+    from analyst_history import project
+    from projection_events import inventory, placed, spec, t
+
+    qwen = spec("qwen-8b", tp=2)
+    _, alpha = declared("ka", tenant="alpha")
+    use = {"ka": {"qwen-8b": m.KeyUse(requests=3, prompt_tokens=300)},
+           ANONYMOUS_CALLER: {"qwen-8b": m.KeyUse(requests=1, prompt_tokens=100)}}
+    events: list[m.Event] = [inventory("n1", "ib-a", 2, t(0)), m.ModelDeclared(at=t(0), spec=qwen),
+                             placed("r-q", qwen, [("n1", 0), ("n1", 1)], t(0)), msgspec.structs.replace(alpha, at=t(0)),
+                             m.IdleMapPublished(at=t(30), router="rt", boot_id="b", tick=1, callers=use),
+                             m.ReplicaStopped(at=t(60), replica_id="r-q", model="qwen-8b", reason="idle", code="idle")]
+    store = project(tmp_path / "llmgw.duckdb", events)
+    try:
+        assert store.query("SELECT tenant, round(token_share, 2), round(gpu_hours, 3) FROM chargeback_daily "
+                           "ORDER BY tenant") == [("", 0.25, 0.5), ("alpha", 0.75, 1.5)]
+    finally:
+        store.close()

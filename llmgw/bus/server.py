@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.errors import ServerError
+from llmgw.proc import die_with
 
 
 def server_binary() -> str:
@@ -81,6 +82,9 @@ class EmbeddedServer:
     extra_args: tuple[str, ...] = ()
     log_file: Path | None = None
     env: dict[str, str] | None = None  # added to the environment (nats.conf reads $VARS from it)
+    # Killed by the kernel when the process that started it dies (``llmgw up``: a kill -9 of it leaves no
+    # server holding the port and the store); a test fixture's server outlives the thread that started it.
+    dies_with_starter: bool = False
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     bound_port: int = field(default=0, init=False)
 
@@ -118,7 +122,9 @@ class EmbeddedServer:
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             env = {**os.environ, **self.env} if self.env else None
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            tied = die_with(os.getpid()) if self.dies_with_starter else None
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                         preexec_fn=tied)  # noqa: PLW1509 - prctl only, no locks taken
         except OSError as e:
             raise ServerError(f"cannot start {args[0]}: {e}") from e
         finally:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         list_models,
         list_models_now,
         live_usage,
+        projector_usage,
         read_entries,
         replay_state,
         show_model,
@@ -96,6 +97,7 @@ _FACE = {
     "involves_node": "llmgw.ctl.ask",
     "list_models": "llmgw.ctl.ask",
     "live_usage": "llmgw.ctl.ask",
+    "projector_usage": "llmgw.ctl.ask",
     "read_entries": "llmgw.ctl.ask",
     "replay_state": "llmgw.ctl.ask",
     "show_model": "llmgw.ctl.ask",
@@ -129,7 +131,7 @@ __all__ = [
     "ask_status", "choose", "connect", "cordon_node", "declare", "fetch_idle", "fetch_status", "files",
     "find_request", "first_stored", "gguf_file", "inject_fault", "involves_model", "involves_node", "key_digest", "keys",
     "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally", "plan_remotely",
-    "prepare_up", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",
+    "prepare_up", "projector_usage", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",
     "show_model", "spec_changes", "stop_idle", "stream_heads",
 ]
 __getattr__ = lazy_face(__name__, _FACE)

@@ -12,7 +12,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw import subjects
 from llmgw.config import Settings
-from llmgw.errors import LlmgwError
+from llmgw.errors import ConnectError, LlmgwError
 
 if TYPE_CHECKING:
     from llmgw.bus import Bus, OneShot
@@ -113,7 +113,30 @@ async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None 
             raise ProjectionError(
                 f"--at {at:%Y-%m-%d %H:%M:%S} UTC is before the first event stored ({first:%Y-%m-%d %H:%M:%S} UTC), "
                 "when the fleet had no history; give a time from then to now, or leave --at out for the fleet now")
-    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model)
+    later = await next_plane_start(bus, c.cursor.positions.get(subjects.STREAM_CONTROL, 0)) \
+        if at is not None or at_seq is not None else None
+    return report(c.state, at, threshold_s, c.cursor, history=c.history, replicas=replicas, model=model,
+                  next_start=later)
+
+
+async def next_plane_start(bus: Bus, after: int) -> m.ControlPlaneStarted | None:
+    """The first control-plane event the control stream stored after sequence ``after``, when it is a start:
+    what a moment in the past learns of a gap nothing recorded while it lasted (a kill -9)."""
+    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+    if last <= after:
+        return None
+    reader = bus.reader(subjects.STREAM_CONTROL, after + 1, batch=1, stop_at=last, purpose="the next start",
+                        filter_subjects=[subjects.control_plane("*")])
+    async with contextlib.aclosing(reader.batches()) as batches:  # type: ignore[type-var]
+        async for msgs in batches:
+            for x in msgs:
+                try:
+                    event = m.CONTROL_DECODER.decode(x.data)
+                except m.DECODE_ERRORS:
+                    continue  # recorded and skipped by every fold; the next one may say
+                if subjects.disagrees(x.subject, event) is None:
+                    return event if isinstance(event, m.ControlPlaneStarted) else None
+    return None
 
 
 async def first_stored(bus: Bus, streams: tuple[str, ...] = subjects.HISTORY_STREAMS) -> datetime | None:
@@ -157,6 +180,53 @@ async def live_usage(settings: Settings, by: str) -> tuple[list[LiveUsage], date
     finally:
         await bus.close()
     return [(k, r, t, r7, t7) for k, _, r, t, r7, t7 in key_usage(state, m.utcnow())], state.as_of
+
+
+def projector_usage(settings: Settings, by: str, since_days: int,
+                    notice: Notice = lambda _: None) -> tuple[m.UsageTable, datetime | None] | None:
+    """``ctl usage`` from the running projector's file (what it folded when asked, committed), and the time
+    of the newest event folded; None (``notice`` says why) when no projector answers with it: read the file."""
+    from llmgw.errors import BusError, NoServiceError, ServiceError
+
+    req = m.StatusRequest(wait_s=STATUS_WAIT_S, usage_by=by, usage_days=since_days)  # type: ignore[arg-type]
+    who = "projector (status service)"
+    try:
+        report = _ask_with_heads(settings, req, who)
+    except NoServiceError:
+        notice("no projector is running")
+        return None
+    except (ConnectError, ServiceError, BusError, msgspec.DecodeError) as e:
+        notice(f"the projector could not answer ({e})")
+        return None
+    if report.usage is None:
+        notice("the projector that answered keeps no DuckDB file, or is an older version")
+        return None
+    return report.usage, report.now
+
+
+def _ask_with_heads(settings: Settings, req: m.StatusRequest, who: str) -> m.StatusReport:
+    """The status service's answer to ``req`` once it has folded what is stored now (OneShot, or the Bus for ws://)."""
+    from llmgw.bus import OneShot, speaks
+
+    timeout = STATUS_WAIT_S + settings.request_timeout_s
+    if not speaks(settings):
+        import asyncio
+
+        async def ask() -> bytes:
+            bus = await connect(settings, "llmgw-ctl-usage")
+            try:
+                heads = await stream_heads(bus)
+                return await bus.request(subjects.STATUS, m.encode(msgspec.structs.replace(req, wait_for=heads)),
+                                         timeout=timeout, service=who)
+            finally:
+                await bus.close()
+
+        return m.STATUS_REPORT_DECODER.decode(asyncio.run(ask()))
+    with OneShot.connect(settings, "llmgw-ctl-usage") as shot:
+        heads = {s: shot.stream_last_seq(s) for s in subjects.HISTORY_STREAMS}
+        data = shot.request(subjects.STATUS, m.encode(msgspec.structs.replace(req, wait_for=heads)), timeout=timeout,
+                            service=who)
+    return m.STATUS_REPORT_DECODER.decode(data)
 
 
 # --- models ------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def fabrics_section(r: m.StatusReport) -> Safe:
 
 
 STATE_CLASS = {"serving": "good", "healthy": "good", "starting": "warn", "placed": "warn", "parked": "info",
-               "unhealthy": "bad", "failed": "bad", "unplaceable": "bad", "stopped": "info"}
+               "unhealthy": "bad", "failed": "bad", "unplaceable": "bad", "stopped": "info", "down": "bad"}
 
 
 def badge(state: str) -> Safe:

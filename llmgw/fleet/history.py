@@ -19,6 +19,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from llmgw import messages as m
 from llmgw.fleet.files import FETCHING_DETAIL
+from llmgw.fleet.state import plane_gap
 
 RECENT_EVENTS = 20  # per model: what ``ctl model show`` lists
 COLD_STARTS_KEPT = 64  # per model: the ledger's latest wakes and scale-ups
@@ -89,10 +90,20 @@ class ModelHistory:
     # one of its replicas is healthy or it is declared again (``model_state``'s "failing").
     failure: dict[str, str] = field(default_factory=dict)
     failure_at: dict[str, datetime] = field(default_factory=dict)
+    # The control plane's recorded stop (None while it runs) and its last start: over a gap it was down,
+    # the replicas it holds held nothing (``_gap``).
+    down_since: datetime | None = None
+    plane_started_at: datetime | None = None
 
     def note(self, seq: int, event: m.ControlEvent) -> None:
         """One control-stream event, at its sequence."""
         self.position = max(self.position, seq)
+        if type(event) is m.ControlPlaneStopped:
+            self.down_since = self.down_since or event.at
+            return
+        if type(event) is m.ControlPlaneStarted:
+            self._gap(event)
+            return
         model = about(event, self.placed)
         if model is None:
             return
@@ -177,10 +188,32 @@ class ModelHistory:
         """GPU-seconds the model's replicas that stopped held on ``day`` (UTC)."""
         return self.held_s.get((model, day), 0.0)
 
+    def _gap(self, event: m.ControlPlaneStarted) -> None:
+        """A start after a gap: every replica held stops counting where the gap began and counts on from ``at``."""
+        gap = plane_gap(self.down_since, self.plane_started_at, event)
+        self.down_since, self.plane_started_at = None, event.at
+        if gap is None:
+            return
+        begin, end = gap
+        for held in self.placed.values():
+            if held.since < begin:
+                self._count(held, begin)
+            held.since = max(held.since, end)
+
+    def held_since(self, replica_id: str) -> datetime | None:
+        """Since when a replica's GPU-time counts: its placement, or the end of the last gap after it."""
+        held = self.placed.get(replica_id)
+        return held.since if held is not None else None
+
     def _close(self, replica_id: str, at: datetime) -> None:
         held = self.placed.pop(replica_id, None)
         if held is None:
             return
+        if self.down_since is not None:  # stopped while the control plane was down: it held nothing since
+            at = min(at, self.down_since)
+        self._count(held, at)
+
+    def _count(self, held: _Held, at: datetime) -> None:
         for day, seconds in split_by_day(held.since, at):
             key = (held.model, day)
             self.held_s[key] = self.held_s.get(key, 0.0) + held.gpus * seconds

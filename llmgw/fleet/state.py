@@ -47,7 +47,9 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # 13: when each model and adapter was last asked for (the routers' maps); 14: cordoned nodes;
 # 15: each GPU's recent faults by UUID (``FleetState.faults``: quarantine after N in M minutes, placement);
 # 16: when a replica last stopped on each GPU (``FleetState.released``: status drops NVML samples older).
-FOLD_VERSION = 16
+# 17: the control plane's own stops and starts (``FleetState.plane_*``), and the models' history closes the
+# GPU-time of the replicas it holds over a gap the control plane was down.
+FOLD_VERSION = 17
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -186,6 +188,11 @@ class FleetState:
     downloads: dict[str, dict[str, m.DownloadProgressed]] = field(default_factory=dict)
     downloaded: dict[str, dict[str, m.DownloadFinished]] = field(default_factory=dict)
     pinned: set[str] = field(default_factory=set)
+    # The control plane (``llmgw up``) as its own events tell it: the boot that started last and when, and
+    # since when it is down (a recorded stop; None while it runs, or when no such event was ever stored).
+    plane_boot: str = ""
+    plane_started_at: datetime | None = None
+    plane_down_since: datetime | None = None
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -492,6 +499,11 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
                 held.pop(event.adapter, None)
                 if not held:
                     del state.loaded[event.replica_id]
+        case m.ControlPlaneStopped():
+            if state.plane_down_since is None:
+                state.plane_down_since = event.at
+        case m.ControlPlaneStarted():
+            state.plane_boot, state.plane_started_at, state.plane_down_since = event.boot_id, event.at, None
         case m.NodeCordoned():
             state.cordoned[event.node] = event
         case m.NodeUncordoned():
@@ -609,6 +621,18 @@ def record_fault(faults: dict[str, list[datetime]], uuid: str, at: datetime) -> 
             del faults[key]
         elif len(kept) < len(faults[key]):
             faults[key] = kept
+
+
+def plane_gap(down_since: datetime | None, started_at: datetime | None,
+              event: m.ControlPlaneStarted) -> tuple[datetime, datetime] | None:
+    """The gap a ``ControlPlaneStarted`` closes: from the recorded stop (``down_since``), else from when the
+    one before was last seen (a kill -9), never before the start before it; None when nothing was down."""
+    begin = down_since if down_since is not None else event.last_seen
+    if begin is None:
+        return None
+    if started_at is not None:
+        begin = max(begin, started_at)
+    return (begin, event.at) if begin < event.at else None
 
 
 KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"

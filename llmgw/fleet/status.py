@@ -10,12 +10,14 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import msgspec
+
 from llmgw import messages as m
 from llmgw.fleet.files import holders as file_holders
 from llmgw.fleet.history import ModelHistory, error_line, split_by_day
 from llmgw.fleet.history import failed as failed_report
 from llmgw.fleet.observed import compared
-from llmgw.fleet.state import Cursor, FleetState, ReplicaView
+from llmgw.fleet.state import Cursor, FleetState, ReplicaView, plane_gap
 
 UNKNOWN_IDLE = -1.0  # JSON for "no router knows": never a duration anything could act on
 
@@ -179,15 +181,35 @@ def _booked_by_node(state: FleetState, r: ReplicaView) -> dict[str, int]:
 
 
 def gpu_hours_today(name: str, replicas: list[ReplicaView], now: datetime | None,
-                    history: ModelHistory | None) -> float:
-    """GPU-hours a model's replicas held on ``now``'s UTC day: those running now, and those stopped (``history``)."""
+                    history: ModelHistory | None, down_since: datetime | None = None) -> float:
+    """GPU-hours a model's replicas held on ``now``'s UTC day: those running now, and those stopped (``history``);
+    none while the control plane was down (the history's gaps; ``down_since``: it is down now)."""
     if now is None:
         return 0.0
     day = now.astimezone(UTC).date()
     seconds = history.gpu_seconds_stopped(name, day) if history is not None else 0.0
+    end = now if down_since is None else min(now, down_since)
     for r in replicas:
-        seconds += len(r.gpus) * sum(s for d, s in split_by_day(r.placed_at, now) if d == day)
+        since = (history.held_since(r.replica_id) if history is not None else None) or r.placed_at
+        seconds += len(r.gpus) * sum(s for d, s in split_by_day(since, end) if d == day)
     return round(seconds / 3600, 3)
+
+
+def plane_down(state: FleetState, now: datetime | None,
+               next_start: m.ControlPlaneStarted | None = None) -> datetime | None:
+    """Since when the control plane is down at ``now``, or None: its recorded stop, or, for a moment a later
+    start says it was not seen alive since (a kill -9: ``next_start``, the first control-plane event stored
+    after the fold's end when that is a start), the time it was last seen."""
+    if state.plane_down_since is not None:
+        return state.plane_down_since
+    if next_start is None or next_start.last_seen is None or now is None:
+        return None
+    gap = plane_gap(None, state.plane_started_at, next_start)
+    return gap[0] if gap is not None and gap[0] <= now < gap[1] else None
+
+
+def _down(summary: m.ModelSummary) -> m.ModelSummary:
+    return msgspec.structs.replace(summary, state="down", healthy=0)
 
 
 def kv_observed(state: FleetState, spec: m.ModelSpec, replicas: list[ReplicaView], history: ModelHistory | None) -> int:
@@ -200,9 +222,10 @@ def kv_observed(state: FleetState, spec: m.ModelSpec, replicas: list[ReplicaView
     return tokens if tokens and compared(spec, state.nodes.get(node) if node else None) else 0
 
 
-def model_summaries(state: FleetState, now: datetime | None,
-                    history: ModelHistory | None = None) -> tuple[m.ModelSummary, ...]:
-    """Every declared model at a glance, by name: ``ctl model list``."""
+def model_summaries(state: FleetState, now: datetime | None, history: ModelHistory | None = None,
+                    down_since: datetime | None = None) -> tuple[m.ModelSummary, ...]:
+    """Every declared model at a glance, by name: ``ctl model list``; ``down_since``: the control plane is
+    down, so none serves (state "down", none healthy) and none holds GPUs since."""
     states = state.model_states(history.failure if history is not None else ())
     by_model: dict[str, list[ReplicaView]] = {}
     for r in state.replicas.values():
@@ -227,14 +250,14 @@ def model_summaries(state: FleetState, now: datetime | None,
             kv_tokens_observed=kv_observed(state, spec, reps, history),
             unplaceable_since=_utc(v.unplaceable_at), declared_at=_utc(v.declared_at),
             gpus_held=sum(len(r.gpus) for r in reps), idle_s=UNKNOWN_IDLE if idle is None else idle,
-            idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history),
+            idle_since=_utc(since), gpu_hours_today=gpu_hours_today(name, reps, now, history, down_since),
             failure=failure, failure_at=_utc(failure_at),
             files_nodes=len(file_holders(state.files, spec)) if state.files else -1,
             fetching=tuple(m.FileFetch(node=node, done=d.done, total=d.total, rate=d.rate, at=_utc(d.at))
                            for node, on in sorted(state.downloads.items()) for src, d in on.items()
                            if src == spec.source and d.model == name),
         ))
-    return tuple(out)
+    return tuple(map(_down, out)) if down_since is not None else tuple(out)
 
 
 def _failure(name: str, replicas: list[ReplicaView], history: ModelHistory | None) -> tuple[str | None, datetime | None]:
@@ -248,31 +271,42 @@ def _failure(name: str, replicas: list[ReplicaView], history: ModelHistory | Non
 
 
 def model_detail(state: FleetState, now: datetime | None, name: str, history: ModelHistory | None = None,
-                 cursor: Cursor | None = None) -> m.ModelDetail | None:
+                 cursor: Cursor | None = None, down_since: datetime | None = None) -> m.ModelDetail | None:
     """``ctl model show NAME``: None when no model of that name is declared."""
     view = state.models.get(name)
     if view is None:
         return None
-    (summary,) = (s for s in model_summaries(state, now, history) if s.name == name)
+    (summary,) = (s for s in model_summaries(state, now, history, down_since) if s.name == name)
     return m.ModelDetail(
         now=_utc(now), positions=dict(sorted((cursor or Cursor()).positions.items())), summary=summary,
-        spec=view.spec, replicas=replica_rows(state, now, name),
+        spec=view.spec, replicas=_down_rows(replica_rows(state, now, name), down_since),
         events=history.events(name) if history is not None else (),
         cold_starts=history.cold_starts(name) if history is not None else (),
         cold_start_count=history.start_count.get(name, 0) if history is not None else 0,
     )
 
 
+def _down_rows(rows: tuple[m.ReplicaRow, ...], down_since: datetime | None) -> tuple[m.ReplicaRow, ...]:
+    """While the control plane is down no replica serves: each reads "down", its last report kept in ``detail``."""
+    if down_since is None:
+        return rows
+    return tuple(msgspec.structs.replace(r, state="down", detail=f"was {r.state}" + (f": {r.detail}" if r.detail else ""))
+                 for r in rows)
+
+
 def report(state: FleetState, now: datetime | None = None, idle_threshold_s: float = 1800.0,
            cursor: Cursor | None = None, *, history: ModelHistory | None = None, replicas: bool = False,
-           model: str = "") -> m.StatusReport:
+           model: str = "", next_start: m.ControlPlaneStarted | None = None) -> m.StatusReport:
     """The status of the fleet at ``now`` (default: the time of the last event folded), read up to ``cursor``.
 
     ``history`` (the control stream up to the same position) adds what the fold
     forgets: stopped replicas' GPU-hours, and with ``model`` that model's latest events.
+    ``next_start``: the first control-plane event stored after the fold's end, when it is a start (a
+    moment in the past, ``--at``): it says whether the control plane was down then though nothing recorded it.
     """
     cursor = Cursor() if cursor is None else cursor
     now = state.as_of if now is None else now
+    down = plane_down(state, now, next_start)
     held = state.held_gpus()
     idle, unknown = idle_replicas(state, now, idle_threshold_s)
     unplaceable = tuple(
@@ -280,7 +314,7 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         for _, v in sorted(state.models.items())
         if v.unplaceable_reason is not None
     )
-    summaries = model_summaries(state, now, history)  # model_states says the same: one answer
+    summaries = model_summaries(state, now, history, down)  # model_states says the same: one answer
     return m.StatusReport(
         now=_utc(now),
         idle_threshold_s=float(idle_threshold_s),
@@ -291,7 +325,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         free_nodes=free_nodes(state, held),
         models=len(state.models),
         replicas=len(state.replicas),
-        replicas_by_state=dict(sorted(Counter(r.state for r in state.replicas.values()).items())),
+        replicas_by_state=({"down": len(state.replicas)} if down is not None and state.replicas else
+                           dict(sorted(Counter(r.state for r in state.replicas.values()).items()))),
         unplaceable=unplaceable,
         idle=tuple(idle),
         unknown_idle=unknown,
@@ -299,8 +334,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         clamped_events=cursor.clamped,
         model_states={s.name: s.state for s in summaries},
         model_list=summaries,
-        replica_list=replica_rows(state, now) if replicas else (),
-        model_detail=model_detail(state, now, model, history, cursor) if model else None,
+        replica_list=_down_rows(replica_rows(state, now), down) if replicas else (),
+        model_detail=model_detail(state, now, model, history, cursor, down) if model else None,
         tenants=tenant_usage(state, now),
         near_limits=keys_near_limits(state, now),
         gpu_bookings=gpu_bookings(state) if replicas else (),
@@ -308,6 +343,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
         cordoned={n: (("draining" if c.drain else "cordoned") + (f": {c.reason}" if c.reason else "")
                       if c.by == "operator" else c.reason) for n, c in sorted(state.cordoned.items())},
         gpu_faults=node_faults(state, now),
+        control_plane="down" if down is not None else ("up" if state.plane_started_at is not None else ""),
+        control_plane_since=_utc(down if down is not None else state.plane_started_at),
     )
 
 

@@ -1,4 +1,4 @@
-"""The control stream (``llmgw.control.*``): models, replicas and API keys."""
+"""The control stream (``llmgw.control.*``): models, replicas, API keys, nodes cordoned, the control plane's stops and starts."""
 
 from __future__ import annotations
 
@@ -357,6 +357,23 @@ class KeyRevoked(Event, tag="KeyRevoked", frozen=True, kw_only=True):
     name: Ref
 
 
+class ControlPlaneStopped(Event, tag="ControlPlaneStopped", frozen=True, kw_only=True):
+    """``llmgw up`` is stopping (SIGTERM, Ctrl-C): published before its bus and its parts go, so that from
+    ``at`` until the next ``ControlPlaneStarted`` the fold knows nothing served and no GPU was held."""
+
+    boot_id: Label
+    reason: Text = ""
+
+
+class ControlPlaneStarted(Event, tag="ControlPlaneStarted", frozen=True, kw_only=True):
+    """``llmgw up`` started. After a stop it could not record (kill -9, a power cut) ``last_seen`` is when the
+    one before was last seen alive: the gap from then to ``at`` is known down, as a recorded stop's is."""
+
+    boot_id: Label
+    previous_boot_id: Label = ""
+    last_seen: Time | None = None
+
+
 ControlEvent = (
     KeyDeclared
     | KeyRevoked
@@ -375,4 +392,6 @@ ControlEvent = (
     | ModelPinned
     | NodeCordoned
     | NodeUncordoned
+    | ControlPlaneStopped
+    | ControlPlaneStarted
 )

@@ -72,6 +72,15 @@ def describe(event: Event) -> str:
             return f"replica {event.replica_id} of {event.model} on {event.node} is {event.state}{kv}{detail}"
         case c.ReplicaStopped():
             return f"replica {event.replica_id} of {event.model} stopped: {event.reason}"
+        case c.ControlPlaneStopped():
+            return f"control plane {event.boot_id} STOPPED" + (f" ({event.reason})" if event.reason else "") + \
+                ": nothing serves and no GPU-hours count until it starts again"
+        case c.ControlPlaneStarted():
+            if event.last_seen is not None:
+                down = (event.at - event.last_seen).total_seconds()
+                return (f"control plane {event.boot_id} started; the one before ({event.previous_boot_id or '?'}) "
+                        f"stopped unrecorded, last seen {event.last_seen:%Y-%m-%d %H:%M:%S} UTC: down {down:,.0f}s")
+            return f"control plane {event.boot_id} started"
         case u.WakeAnswered():
             held = (event.released_at - event.held_since).total_seconds()
             return (f"router {event.router} sent {event.requests} held request{'s' if event.requests != 1 else ''} "

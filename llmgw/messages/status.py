@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -29,6 +29,10 @@ class StatusRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(max_length=256)] = ""
     # Also every node's latest GPU samples (``StatusReport.node_gpus``): the dashboard's, not ``ctl status``'s.
     gpus: bool = False
+    # Also the usage per key, tenant, model or adapter over the last ``usage_days`` (UTC), from the
+    # projector's DuckDB file once it has committed what it folded (``StatusReport.usage``; ``ctl usage``).
+    usage_by: Literal["", "key", "tenant", "model", "adapter"] = ""
+    usage_days: Annotated[int, msgspec.Meta(ge=1, le=3660)] = 7
 
 
 class ClassCapacity(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,7 +132,7 @@ class ModelSummary(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     name: str
-    state: str  # serving | starting | failing | parked | unplaceable | stopped
+    state: str  # serving | starting | failing | parked | unplaceable | stopped | down (the control plane is)
     healthy: int
     placed: int
     wanted: int
@@ -174,7 +178,7 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
 
     replica_id: str
     model: str
-    state: str  # placed | starting | healthy | unhealthy | failed
+    state: str  # placed | starting | healthy | unhealthy | failed | down (the control plane is)
     nodes: tuple[str, ...]
     gpus: tuple[GpuRef, ...]
     fabric: str
@@ -298,6 +302,29 @@ class KeyNearLimit(msgspec.Struct, frozen=True, kw_only=True):
     tokens_per_day: int
 
 
+class UsageRow(msgspec.Struct, frozen=True, kw_only=True):
+    """What one key, tenant, model or adapter asked over the days asked about; ``throttled`` (429) and
+    ``forbidden`` (403) are of the ``errors``."""
+
+    name: str
+    requests: int
+    errors: int
+    throttled: int
+    forbidden: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class UsageTable(msgspec.Struct, frozen=True, kw_only=True):
+    """``ctl usage`` from the running projector: its DuckDB rows as committed up to ``positions``."""
+
+    by: str
+    since_days: int
+    positions: dict[str, int]
+    rows: tuple[UsageRow, ...] = ()
+
+
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     """The fleet at ``now``, computed only from the events folded up to ``positions``."""
 
@@ -336,6 +363,12 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True):
     cordoned: dict[str, str] = {}
     # Per node, how many times its GPUs went unhealthy in the last 24 h (only nodes with any).
     gpu_faults: dict[str, int] = {}
+    usage: UsageTable | None = None  # only when asked (``StatusRequest.usage_by``), from a projector with a file
+    # The control plane (``llmgw up``) as its own stops and starts tell it: "up" since its last start,
+    # "down" since its recorded stop (or, looking back, since it was last seen before a kill -9): then no
+    # replica serves (each reads "down") and no GPU-hours count; "": no such event was ever stored.
+    control_plane: str = ""
+    control_plane_since: datetime | None = None
 
 
 STATUS_REPORT_DECODER = msgspec.json.Decoder(StatusReport)
