@@ -20,7 +20,7 @@ def _ms(ms: float) -> str:
 
 def describe(line: m.AccessLine, path: Path) -> list[str]:
     """The lines a person reads for one request."""
-    who = "anonymous" if line.key == ANONYMOUS else line.key + (f" (tenant {line.tenant})" if line.tenant else "")
+    who = "anonymous" if line.caller == ANONYMOUS else line.caller + (f" (tenant {line.tenant})" if line.tenant else "")
     said = f"{line.status}" + (f" {line.error}" if line.error else "") + (" streamed" if line.stream else "")
     return [
         f"request {line.id}  at {line.at:%Y-%m-%d %H:%M:%S.%f}"[:-3] + f" UTC  router {line.router or '-'}",

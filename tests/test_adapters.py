@@ -149,7 +149,7 @@ def test_duckdb_counts_what_keys_asked_of_each_adapter(tmp_path: Path) -> None:
     from llmgw.projections.store import usage_rows
 
     # ctl usage --by adapter reads the same view.
-    assert usage_rows(tmp_path / "a.duckdb", "adapter", 3650) == [("sql", 3, 0, 30, 9, 0)]
+    assert usage_rows(tmp_path / "a.duckdb", "adapter", 3650) == [("sql", 3, 0, 0, 0, 30, 9, 0)]
 
 
 def test_duckdb_says_how_long_nobody_asked_for_each_adapter(tmp_path: Path) -> None:

@@ -123,9 +123,9 @@ async def test_every_answer_carries_its_id_and_the_line_says_what_happened(
     got = {x["id"]: x for x in await lines(router)}
     assert len(got) == 7, got  # the two answered, the four with a bad id, the 404; not /health nor /nowhere
     one = got["trace-1"]
-    assert {k: one[k] for k in ("router", "route", "key", "model", "replica", "status", "stream", "error",
+    assert {k: one[k] for k in ("router", "route", "caller", "model", "replica", "status", "stream", "error",
                                 "prompt_tokens", "completion_tokens", "cached_tokens")} == {
-        "router": "router-trace", "route": CHAT, "key": "-", "model": MODEL, "replica": "T", "status": 200,
+        "router": "router-trace", "route": CHAT, "caller": "-", "model": MODEL, "replica": "T", "status": 200,
         "stream": False, "error": "", "prompt_tokens": done.usage.prompt_tokens,
         "completion_tokens": done.usage.completion_tokens, "cached_tokens": 0}
     assert one["ttft_ms"] >= 0 and one["total_ms"] >= one["ttft_ms"] and one["queue_ms"] >= 0
@@ -150,7 +150,7 @@ async def test_a_key_is_named_by_its_digest_never_its_secret(bus: Bus, engine: E
         got = await lines(r)
     finally:
         await r.stop()
-    assert [(x["key"], x["status"], x["error"]) for x in got] == [
+    assert [(x["caller"], x["status"], x["error"]) for x in got] == [
         ("sha256:" + hash_key(secret)[:12], 200, ""), ("-", 401, "invalid_api_key")]
     text = (tmp_path / "a.log").read_text()
     assert secret not in text and "wrong" not in text and hash_key(secret) not in text
@@ -242,7 +242,7 @@ def test_cli_router_with_an_access_log_it_cannot_open(nats_url: str, tmp_path: P
     assert res.output.startswith("Error: cannot open the access log ") and "Traceback" not in res.output
 
 
-LINE = {"at": "2026-12-03T10:00:00.5+00:00", "router": "r1", "route": CHAT, "key": "alice", "tenant": "acme",
+LINE = {"at": "2026-12-03T10:00:00.5+00:00", "router": "r1", "route": CHAT, "caller": "alice", "tenant": "acme",
         "model": "tiny", "replica": "tiny-r1", "status": 200, "stream": True, "error": "", "prompt_tokens": 1200,
         "completion_tokens": 8, "cached_tokens": 1024, "queue_ms": 0.0, "wake_ms": 0.0, "ttft_ms": 41.25,
         "total_ms": 80.5}

@@ -83,10 +83,10 @@ async def test_a_request_is_a_router_span_over_a_replica_span_the_engine_joins(
     assert sent.rsplit("-", 1)[0] == f"00-{replica.context.trace_id:032x}-{replica.context.span_id:016x}"
     attrs: dict[str, Any] = dict(server.attributes or {})
     assert {k: attrs[k] for k in ("http.response.status_code", "gen_ai.request.model", "gen_ai.usage.input_tokens",
-                                  "gen_ai.usage.output_tokens", "llmgw.router", "llmgw.key")} == {
+                                  "gen_ai.usage.output_tokens", "llmgw.router", "llmgw.caller")} == {
         "http.response.status_code": 200, "gen_ai.request.model": MODEL,
         "gen_ai.usage.input_tokens": usage["prompt_tokens"], "gen_ai.usage.output_tokens": usage["completion_tokens"],
-        "llmgw.router": "router-spans", "llmgw.key": "-"}
+        "llmgw.router": "router-spans", "llmgw.caller": "-"}
     assert (replica.attributes or {})["llmgw.replica"] == "S"
     assert server.start_time is not None and replica.start_time is not None and server.end_time is not None
     assert server.start_time <= replica.start_time and replica.end_time <= server.end_time  # type: ignore[operator]

@@ -151,7 +151,7 @@ _Ms = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 class AccessLine(msgspec.Struct, frozen=True, kw_only=True):
     """One request as a router's access log holds it (``--access-log``), and as ``ctl request ID`` reads it.
 
-    ``key`` names who asked, never a secret: a declared key's name, ``sha256:`` and the first 12
+    ``caller`` names who asked, never a secret: a declared key's name, ``sha256:`` and the first 12
     hex digits of an ``--api-keys`` key's digest, or ``-`` (anonymous). Times are milliseconds from
     the request's arrival: ``queue_ms`` waiting for a slot at the model's capacity, ``wake_ms`` held
     while its model woke, ``ttft_ms`` to the engine's first byte (a stream's first chunk, else its
@@ -162,7 +162,7 @@ class AccessLine(msgspec.Struct, frozen=True, kw_only=True):
     id: RequestId
     router: Label = ""
     route: Label = ""
-    key: Label = ANONYMOUS_CALLER
+    caller: Label = ANONYMOUS_CALLER
     tenant: Label = ""
     model: Label = ""
     replica: Label = ""  # the last one tried; "" when none was

@@ -202,7 +202,7 @@ def middleware(access: AccessLog | None, router: str, static_keys: bool,
 def _line(tr: Trace, request: web.Request, router: str, static_keys: bool) -> m.AccessLine:
     key, tenant = _who(request, static_keys, tr.status)
     prompt, completion, cached = tr.usage or (0, 0, 0)
-    return m.AccessLine(at=tr.at, id=tr.id, router=router, route=request.path[:256], key=key[:256],
+    return m.AccessLine(at=tr.at, id=tr.id, router=router, route=request.path[:256], caller=key[:256],
                         tenant=tenant, model=tr.model[:256], replica=tr.replica, status=tr.status,
                         stream=tr.stream, error=tr.error[:256], prompt_tokens=prompt, completion_tokens=completion,
                         cached_tokens=cached, queue_ms=_ms(tr.queue_s), wake_ms=_ms(tr.wake_s),

@@ -72,7 +72,7 @@ class Spans:
         server = self._server(tr, f"POST {line.route}")
         server.set_attributes({
             "http.request.method": "POST", "url.path": line.route, "http.response.status_code": line.status,
-            "llmgw.router": line.router, "llmgw.key": line.key, "gen_ai.request.model": line.model,
+            "llmgw.router": line.router, "llmgw.caller": line.caller, "gen_ai.request.model": line.model,
             "gen_ai.usage.input_tokens": line.prompt_tokens, "gen_ai.usage.output_tokens": line.completion_tokens,
             "llmgw.cached_tokens": line.cached_tokens, "llmgw.queue_ms": line.queue_ms, "llmgw.wake_ms": line.wake_ms,
             "llmgw.ttft_ms": line.ttft_ms, "llmgw.stream": line.stream,
