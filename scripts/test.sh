@@ -31,4 +31,4 @@ LLMGW_VLLM="$(bash scripts/vllm.sh | tail -n 1)"
 export LLMGW_VLLM
 .venv/bin/ruff check llmgw projections cli tests benchmarks
 .venv/bin/mypy llmgw projections cli
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 "$@"

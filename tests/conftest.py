@@ -21,6 +21,11 @@ from llmgw.bus import Bus
 from llmgw.bus.server import EmbeddedServer
 from llmgw.config import Settings
 
+# pytest-xdist's workers inherit COLUMNS=80 from the controller; the CLI's tables take COLUMNS as the
+# reader's width when it is set, and the tests that want a width say so themselves.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 MODELS = EXAMPLES / "models"
@@ -39,6 +44,21 @@ def _docker_available() -> bool:
 
 
 _NATS_MODE = "docker" if _docker_available() else "binary"
+
+
+# Tests that run real engines (llama-server, vLLM's CPU build) or count every engine process of a
+# kind: with `pytest -n 2` (scripts/test.sh) they run one after another on one worker, so two vLLM
+# starts never share the two cores and a count of llama-servers sees only its own test's.
+ENGINE_FILES = frozenset({
+    "test_e2e_vllm.py", "test_lora_engines.py", "test_e2e_llama.py", "test_e2e_adapters.py",
+    "test_e2e_sharing.py", "test_engine_args_policy.py", "test_agent_sharing.py", "test_files.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in ENGINE_FILES:
+            item.add_marker(pytest.mark.xdist_group("engines"))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

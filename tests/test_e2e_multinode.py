@@ -63,34 +63,34 @@ def test_a_replica_over_two_nodes_runs_everywhere_and_moves_whole(tmp_path: Path
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=10)
     try:
         wait_for("agents reported", lambda: json.loads(ok(url, "ctl", "status", "--replay", "--json"))["nodes"] == 4)
-        ok(url, "ctl", "model", "deploy", "qwen", MODEL, "--from-plan", "--fleet", str(fleet), "--precision", "bf16",
+        ok(url, "ctl", "model", "deploy", "qwen-split", MODEL, "--from-plan", "--fleet", str(fleet), "--precision", "bf16",
            "--tp", "1", "--pp", "2", "--context", "8192")
-        first = wait_for("qwen-r1 placed", lambda: replica(url, "qwen-r1"))
+        first = wait_for("qwen-split-r1 placed", lambda: replica(url, "qwen-split-r1"))
         assert len(first["nodes"]) == 2
         head, worker = first["nodes"]
-        wait_for("both parts of qwen-r1 healthy", lambda: healthy_parts(url, "qwen-r1") == {head, worker})
-        wait_for("an answer from qwen-r1's head", lambda: answered_by(client, "qwen", "qwen-r1"))
-        procs = part_processes("qwen-r1")
+        wait_for("both parts of qwen-split-r1 healthy", lambda: healthy_parts(url, "qwen-split-r1") == {head, worker})
+        wait_for("an answer from qwen-split-r1's head", lambda: answered_by(client, "qwen-split", "qwen-split-r1"))
+        procs = part_processes("qwen-split-r1")
         assert len(procs) == 2 and sum("--join" in p for p in procs) == 1  # a head, and one part that joined it
 
         # XID 79 under the worker part: the whole replica stops, and nothing of it keeps running.
         gpu = next(g for g in first["gpus"] if g["node"] == worker)
         ok(url, "agent", "fault", worker, str(gpu["index"]), "xid=79")
-        second = wait_for("qwen-r2 placed", lambda: replica(url, "qwen-r2"), within_s=30)
-        wait_for("no process of qwen-r1 left", lambda: part_processes("qwen-r1") == [], within_s=30)
+        second = wait_for("qwen-split-r2 placed", lambda: replica(url, "qwen-split-r2"), within_s=30)
+        wait_for("no process of qwen-split-r1 left", lambda: part_processes("qwen-split-r1") == [], within_s=30)
         fabric_of = {"a1": "ib-a", "a2": "ib-a", "b1": "ib-b", "b2": "ib-b"}
         assert len({fabric_of[n] for n in second["nodes"]}) == 1 and worker not in second["nodes"]
-        wait_for("both parts of qwen-r2 healthy", lambda: healthy_parts(url, "qwen-r2") == set(second["nodes"]),
+        wait_for("both parts of qwen-split-r2 healthy", lambda: healthy_parts(url, "qwen-split-r2") == set(second["nodes"]),
                  within_s=40)
-        wait_for("an answer from qwen-r2", lambda: answered_by(client, "qwen", "qwen-r2"), within_s=30)
+        wait_for("an answer from qwen-split-r2", lambda: answered_by(client, "qwen-split", "qwen-split-r2"), within_s=30)
         stops = [e for e in control_events(url) if e["type"] == "ReplicaStopped"]
-        assert [s["replica_id"] for s in stops] == ["qwen-r1"]
+        assert [s["replica_id"] for s in stops] == ["qwen-split-r1"]
         assert f"on {worker} unhealthy" in stops[0]["reason"]
-        story = ok(url, "replay", "--model", "qwen")
+        story = ok(url, "replay", "--model", "qwen-split")
         for node in (*first["nodes"], *second["nodes"]):
             assert f"on {node} is healthy" in story  # replay tells it per node
     finally:
         client.close()
         rest = stop_up(up)
     assert up.returncode == 0, rest
-    assert part_processes("qwen-r2") == []
+    assert part_processes("qwen-split-r2") == []
