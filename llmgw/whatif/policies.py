@@ -388,7 +388,9 @@ class Sim:
             ttl = model.spec.idle_ttl_s if model is not None else None
             if ttl:
                 since = self.state.idle_since(r.replica_id)
-                if since is not None and (t := since + timedelta(seconds=ttl)) > self.now:
+                # The control plane's gaps since then do not count towards the TTL (``FleetState.idle_s``).
+                if since is not None and (t := since + timedelta(
+                        seconds=ttl + self.state.down_s(since, self.now))) > self.now:
                     soonest = t if soonest is None or t < soonest else soonest
         for name, at in self.memory.failed_at.items():
             t = at + timedelta(seconds=scheduler.backoff_s(self.memory.failures.get(name, 0)))
