@@ -20,7 +20,8 @@
   Hugging Face Hub, only parses here.
 * The commands that need a running control plane only parse here. The walkthrough's
   (``up --simulate``, plan and deploy, requests through the router, an XID under the
-  replica, idle stop, the wake) are run end to end by tests/test_e2e.py, the real engine's
+  replica, idle stop, the wake, what-if) are run as written, in order, by
+  tests/test_walkthrough.py (and the same loop, asserted closely, by tests/test_e2e.py); the real engine's
   five commands by tests/test_e2e_llama.py; the others by their own modules (test_cli_*,
   test_router*, test_keys, test_whatif, test_dashboard, test_natsconf…).
 * Every relative link goes to a file that exists, and every anchor to a heading of it.
