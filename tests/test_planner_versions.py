@@ -59,7 +59,7 @@ def test_profiles_cover_every_version_once_and_say_what_changed() -> None:
         assert a.until == b.since  # no gap, no overlap
     assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
     assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, False, True, True, True]
-    assert [p.sampler_copies for p in VLLM_PROFILES] == [5.0, 10.25, 9.75, 4.75, 5.0, 1.75, 3.75]
+    assert [p.sampler_copies for p in VLLM_PROFILES] == [5.0, 10.25, 9.75, 4.75, 5.0, 1.5, 3.5]
     assert profile_for("llama.cpp", "4567").engine == "llama.cpp"
     with pytest.raises(PlanError, match="no version number"):
         parse_version("latest")
