@@ -407,7 +407,8 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
 
 async def test_only_routers_read_the_engines_keys(secured: Secured, admin: Bus) -> None:
     """Issue 45, finding 3: the key that lets a request past the router reaches routers and no other role."""
-    issued = m.EngineKeyIssued(at=AT, replica_id="qwen-r7", node="h100-a-01", key="k" * 43)
+    issued = m.EngineKeyIssued(at=AT, replica_id="qwen-r7", node="h100-a-01", key="k" * 43,
+                               endpoint="http://h100-a-01:8000")
     buses = {u: await secured.connect(u) for u in NON_ADMIN}
     try:
         agent = buses["agent-h100-a-01"]

@@ -72,13 +72,23 @@ SCOPES = ("viewer", "admin")  # the ctl key scopes that open the dashboard
 SCOPE: web.RequestKey[str | None] = web.RequestKey("llmgw_dashboard_scope", object)  # type: ignore[arg-type]
 
 
-def public(event: m.Event) -> Any:
-    """An event as ``/api/status`` lists it: its fields, a key's salt and digest left out."""
+def public(event: m.Event, *, admin: bool = False) -> Any:
+    """An event as ``/api/status`` lists it: its fields, a key's salt and digest left out, and where engines
+    listen (an endpoint, a Ray head's address) to anyone but an admin."""
     doc = msgspec.to_builtins(event)
     if type(event) is m.KeyDeclared:
         for name in KEY_SECRETS:
             doc.pop(name, None)
+    if not admin and type(event) is m.ReplicaStateChanged:
+        doc.pop("endpoint", None)
+        doc.pop("head_address", None)
     return doc
+
+
+def without_endpoints(report: m.StatusReport) -> m.StatusReport:
+    """The report as a viewer (or an open page) sees it: no replica says where its engine listens."""
+    return msgspec.structs.replace(report, replica_list=tuple(msgspec.structs.replace(r, endpoint="")
+                                                              for r in report.replica_list))
 
 
 class _Connection(CountedConnection):
@@ -461,12 +471,13 @@ class Dashboard:
         if not self.clients:
             await self.refresh()
         report, events = self.report, list(reversed(self.events))
-        if request[SCOPE] != "admin":  # tenants' names and usage, and the keys' records, an admin's alone
+        admin = request[SCOPE] == "admin"
+        if not admin:  # tenants' names and usage, the keys' records and the engines' addresses, an admin's alone
             if report is not None:
-                report = msgspec.structs.replace(report, tenants=(), near_limits=())
+                report = without_endpoints(msgspec.structs.replace(report, tenants=(), near_limits=()))
             events = [e for e in events if not isinstance(e, m.KeyDeclared | m.KeyRevoked)]
         body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(report),
-                "events": [public(e) for e in events], "scope": request[SCOPE]}
+                "events": [public(e, admin=admin) for e in events], "scope": request[SCOPE]}
         return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
 
     def _refusal(self, client: str) -> web.Response | None:

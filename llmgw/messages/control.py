@@ -237,6 +237,7 @@ class EngineKeyIssued(Event, tag="EngineKeyIssued", frozen=True, kw_only=True):
     replica_id: Ref
     node: Ref
     key: EngineKey
+    endpoint: Label  # where the router reaches that engine (ReplicaStateChanged's, once it is healthy)
     # Which start of the engine it is for (the agent's restart count), so that a reader keeps the newest.
     restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
 
