@@ -133,7 +133,7 @@ async def test_reconciles_on_start_serves_restarts_and_stops(bus: Bus, agent: tu
     run = sup.runs["qwen-r1"]
     assert run.proc is not None
     # The key is in the engine's environment, not its command line (which `ps` shows every user).
-    assert issued.key.encode() not in Path(f"/proc/{run.proc.pid}/cmdline").read_bytes()
+    assert issued.key.encode() not in await asyncio.to_thread(Path(f"/proc/{run.proc.pid}/cmdline").read_bytes)
 
     # A crash: restarted, reported with its restart count, healthy again.
     os.killpg(run.proc.pid, signal.SIGKILL)
@@ -190,6 +190,27 @@ def test_engine_hosts_default_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (real.host, real.advertise_host, real.check_host) == ("0.0.0.0", socket.gethostname(), "127.0.0.1")
     monkeypatch.setenv("LLMGW_ADVERTISE_HOST", "10.1.2.3")
     assert EngineConfig().advertise_host == "10.1.2.3"
+
+
+async def test_an_engine_listens_only_where_the_agent_is_told(
+        bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    """Issue 45, finding 3: `agent --engine-host` is the one address an engine listens on (and is dialled at)."""
+    from llmgw.cli.agent import engine_config
+
+    told = engine_config({"engines": "real", "simulated": False, "engine_cmds": default_commands(), "engine_startup_s": 0,
+                          "engine_env": {}, "log_dir": None, "log_max_bytes": 1 << 20, "log_keep": 1,
+                          "engine_host": "10.9.8.7", "advertise_host": "gpu-01.example"})
+    assert (told.host, told.advertise_host, told.check_host) == ("10.9.8.7", "gpu-01.example", "10.9.8.7")
+    _, start = agent
+    start(EngineConfig(simulate=True, host="127.0.0.2", health_timeout_s=20))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    got = await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
+    endpoint = got[-1].endpoint
+    assert endpoint.startswith("http://127.0.0.2:")
+    port = int(endpoint.rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # not on every interface: 127.0.0.1 is another address
+        await asyncio.open_connection("127.0.0.1", port)
 
 
 def test_kv_tokens_are_read_from_vllms_metrics() -> None:
