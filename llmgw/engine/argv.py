@@ -157,7 +157,7 @@ def engine_env(spec: m.ModelSpec, *, simulate: bool = False) -> dict[str, str]:
 # user of the node. vLLM reads VLLM_API_KEY (its --api-key wins over it), llama-server LLAMA_API_KEY (the
 # env of its --api-key); the fake engine FAKE_API_KEY_ENV (its --api-key). Each then refuses a request
 # without ``Authorization: Bearer <key>`` with 401: vLLM on /v1/… (not /health, /metrics), llama-server on
-# everything but /health and /v1/models.
+# everything but /health (/v1/models, /props and /metrics included).
 API_KEY_ENV = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}
 FAKE_API_KEY_ENV = "LLMGW_FAKE_API_KEY"
 
