@@ -112,7 +112,11 @@ async def test_shared_gpus_list_who_booked_how_much_and_what_their_engines_hold(
         async with http.get(board.url) as r:
             page = await r.text()
         async with http.get(board.url + "api/status") as r:
-            report = (await r.json())["report"]
+            status = await r.json()
+            report = status["report"]
+    # Issue 45, finding 3: an open dashboard (no login) does not say where the engines listen.
+    assert "n4:8001" not in page and "n4:8001" not in json.dumps(status)
+    assert report["replica_list"] and all(r["endpoint"] == "" for r in report["replica_list"])
     booked = {(b["node"], b["index"]): b for b in report["gpu_bookings"]}
     assert booked[("n4", 1)]["replicas"] == [["s1-r1", 10240], ["s2-r1", 6144]]
     assert booked[("n4", 1)]["booked_mib"] == 16384 and booked[("n4", 1)]["memory_mib"] == 46068
