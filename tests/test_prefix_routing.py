@@ -144,15 +144,58 @@ def test_prompts_seen_once_have_no_home_and_are_routed_by_load() -> None:
 
 def test_keys_expire_and_tables_stay_bounded() -> None:
     table = pr.PrefixTable()
-    for i in range(pr.MAX_SEEN + 10):
+    for i in range(pr.MAX_SEEN + 10):  # one caller: its own bound
         table.note(i, 0.0)
+    assert len(table.seen) == pr.MAX_SEEN_PER_CALLER
+    for i in range(pr.MAX_SEEN + 10):  # many callers: the bound of all
+        table.note(10**6 + i, 0.0, caller=f"k{i % 8}")
     assert len(table.seen) == pr.MAX_SEEN
-    table.note(pr.MAX_SEEN + 5, 1.0)  # seen twice: homed
-    assert pr.MAX_SEEN + 5 in table.homed
+    table.note(10**6 + pr.MAX_SEEN + 5, 1.0, caller="k5")  # seen twice: homed
+    assert 10**6 + pr.MAX_SEEN + 5 in table.homed
     table.expire(pr.WINDOW_S + 0.5)
-    assert not table.seen and list(table.homed) == [pr.MAX_SEEN + 5]
+    assert not table.seen and list(table.homed) == [10**6 + pr.MAX_SEEN + 5]
     table.expire(pr.WINDOW_S + 1.0)
     assert not table.homed
+
+
+def test_one_callers_prefix_flood_leaves_anothers_homes_routed_home() -> None:
+    """Issue 45: 1,100 prompts each sent twice evicted every other tenant's homed prefixes."""
+    reps = [Rep(f"r{i}") for i in range(4)]
+    table = pr.PrefixTable()
+    mine = [pr._hash64(system_prompt(i).encode()) for i in range(20)]
+    for k in mine + mine:
+        pr.pick(table, k, reps, now=0.0, caller="victim")
+    for i in range(1100):
+        flood = pr._hash64(f"flood {i}".encode())
+        pr.pick(table, flood, reps, now=1.0, caller="flooder")
+        pr.pick(table, flood, reps, now=1.0, caller="flooder")
+    assert all(k in table.homed for k in mine)
+    assert all(pr.pick(table, k, reps, now=2.0, caller="victim") is not None for k in mine)  # home, not by load
+    assert len(table.homed) <= pr.MAX_HOMED and sum(1 for k in table.homed if k not in mine) == pr.MAX_HOMED_PER_CALLER
+    # Floods from many callers at once fill the table; the largest gives way, the victim's 20 stay.
+    for c in range(8):
+        for i in range(300):
+            flood = pr._hash64(f"flood {c} {i}".encode())
+            for _ in range(2):
+                pr.pick(table, flood, reps, now=3.0, caller=f"flooder{c}")
+    assert len(table.homed) == pr.MAX_HOMED and all(k in table.homed for k in mine)
+
+
+def test_homes_kept_as_keys_come_are_the_rule_applied_afresh() -> None:
+    """A new home is put in place (deferred acceptance), not by placing every home again: same answer."""
+    rng = random.Random(7)
+    for replicas in (3, 8, 64):
+        ring = pr.Ring([f"r{i}" for i in range(replicas)])
+        kept = pr.Homes(ring)
+        keys: list[int] = []
+        for _ in range(600):
+            keys.append(rng.getrandbits(64))
+            kept.add(keys[-1])
+        assert kept.at == pr.homes(keys, ring)
+        assert kept.rebuilds < 60  # the cap changed O(log n) times, not once per key
+        for k in keys[:400]:  # keys leave: ghosts, then the rule afresh over those left
+            kept.remove(k)
+        assert set(kept.at) >= set(keys[400:]) and max(Counter(kept.at.values()).values()) <= kept.cap
 
 
 def test_the_fake_engines_cache_holds_a_prefix_per_slot() -> None:

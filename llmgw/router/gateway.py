@@ -127,7 +127,8 @@ class Gateway:
 
     # --- choosing and admitting ---------------------------------------------------
 
-    def acquire(self, model: str, exclude: Replica | None = None, key: int | None = None) -> Replica | None:
+    def acquire(self, model: str, exclude: Replica | None = None, key: int | None = None,
+                caller: str = ANONYMOUS_CALLER) -> Replica | None:
         """A healthy replica of ``model`` for a request, or None; never awaits.
 
         With a prompt ``key`` (the model routes by prefix), where that prefix is homed, within
@@ -140,7 +141,7 @@ class Gateway:
             table = self.prefixes.get(model)
             if table is None:
                 table = self.prefixes[model] = prefixroute.PrefixTable()
-            chosen = prefixroute.pick(table, key, reps, exclude)
+            chosen = prefixroute.pick(table, key, reps, exclude, caller=caller)
             if chosen is not None:
                 return self._take(chosen)
         n = len(reps)
@@ -169,19 +170,20 @@ class Gateway:
             if chosen.loaded_s and request is not None:  # the adapter's load it waited for, in its answer
                 request[LORA_LOAD] = {"x-llmgw-adapter-load-ms": f"{chosen.loaded_s * 1000:.1f}"}
             return chosen.replica, chosen.body
-        rep = self.acquire(model, exclude=exclude, key=key) if exclude is not None else self.acquire(model, key=key)
+        who = request.get(KEY) if request is not None else None  # whose prefixes these are (prefix.Callers)
+        rep = self.acquire(model, exclude, key, who.name if who is not None else ANONYMOUS_CALLER)
         if rep is not None and rep.adapters:
             body = lora_body(body, rep.adapters, "", 0.0)
         return rep, body
 
     async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
-                     key: int | None, picked: list[str]) -> tuple[Replica | None, bytes]:
+                     key: int | None, picked: list[str], request: web.Request) -> tuple[Replica | None, bytes]:
         """Another replica after ``rep`` could not be reached (the same once more when there is none), and the
         body to send it (a llama.cpp replica's ``lora`` list is its own)."""
         try:
-            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked)
+            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked, request=request)
             if other is None:
-                other, sent = await self._pick(model, lora, body, key, picked=picked)
+                other, sent = await self._pick(model, lora, body, key, picked=picked, request=request)
         except AdapterError:
             return None, body
         return other, sent
@@ -508,7 +510,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked)
+                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked, request)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",

@@ -13,7 +13,9 @@ router sends prompts that begin alike to the same replica, within two bounds:
   *homed*: every homed key of a model gets a replica by one deterministic rule
   over the set of homed keys (in hash order, each takes the first replica
   clockwise on a consistent-hash ring that holds fewer than ``ceil(PREFIX_FACTOR
-  × keys / replicas)`` homes). A replica caches only as many prefixes as it has
+  × keys / replicas)`` homes, that cap rounded up in steps of 1/8 past 8: ``cap_step``).
+  A new home is put in place in a few ring steps, not by placing every home again
+  (``Homes``: O(log n) amortized). A replica caches only as many prefixes as it has
   slots, so three prefixes landing on one replica would thrash it; the cap
   spreads them evenly (a looser cap, as CHWBL's 1.25 for load, let six prefixes
   land 3/3/0 on three replicas). The rule depends only on the set of keys and the ring, so
@@ -22,6 +24,12 @@ router sends prompts that begin alike to the same replica, within two bounds:
   own homes, and a few others where a survivor's cap fills first (20 prefixes
   over 4 replicas: 0.75 others on average besides its 5; coming back, every home
   is as before).
+* **Each caller's own.** Keys seen and homed are charged to the caller that brought
+  them (its key's name; every anonymous caller is one), bounded per caller
+  (``MAX_HOMED_PER_CALLER``) and in all (``MAX_HOMED``); past the bound in all, the
+  caller holding the most gives up its oldest. One caller's flood of prompts evicts
+  its own homes, never another's (issue 45: 1,100 prompts each sent twice evicted
+  every other tenant's).
 * **Bounded load** (consistent hashing with bounded loads, as KubeAI's CHWBL): a
   replica whose requests in flight from this router would pass ``ceil(LOAD_FACTOR
   × mean)`` (the mean counting the new one) is passed over for the next replica on
@@ -37,19 +45,23 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import msgspec
+
+from llmgw.messages.usage import ANONYMOUS_CALLER
 
 KEY_BYTES = 1024  # the rendered prompt's beginning that is hashed (~250 tokens of English)
 LOAD_FACTOR = 1.25  # CHWBL's c: a replica over c × the mean in-flight load is passed over
 PREFIX_FACTOR = 1.0  # homed prefixes per replica: at most ceil(this × keys / replicas)
 WINDOW_S = 600.0  # a key not seen for this long is forgotten (its home too)
-MAX_HOMED = 1024  # homed keys per model, newest kept
-MAX_SEEN = 8192  # keys seen once per model, newest kept
+MAX_HOMED = 1024  # homed keys per model, all callers together
+MAX_HOMED_PER_CALLER = 256  # … and per caller (a key's name; every anonymous caller is one)
+MAX_SEEN = 8192  # keys seen once per model
+MAX_SEEN_PER_CALLER = 2048
 VNODES = 64  # ring points per replica: arcs within a few percent of each other
 POLICIES = ("prefix", "least-outstanding")
 
@@ -159,49 +171,205 @@ class Ring:
         self.owners = [rid for _, rid in points]
         self.size = len(set(replica_ids))
 
-    def walk(self, key: int) -> list[str]:
-        """Every replica once, clockwise from ``key``."""
-        out: list[str] = []
+    def walk(self, key: int) -> Iterator[str]:
+        """Every replica once, clockwise from ``key``; lazily, so the first costs a bisect."""
         n = len(self.hashes)
         if not n:
-            return out
+            return
         i = bisect_left(self.hashes, key)
         seen: set[str] = set()
         for j in range(n):
             rid = self.owners[(i + j) % n]
             if rid not in seen:
                 seen.add(rid)
-                out.append(rid)
-                if len(out) == self.size:
+                yield rid
+                if len(seen) == self.size:
+                    return
+
+
+def cap_step(n: int) -> int:
+    """The prefix cap for ``n`` homes a replica: exact up to 8, then in steps of 1/8 (9, 11, 13, 15, 17, 20…).
+
+    Stepped so that it changes O(log n) times as homes grow: each change re-places every
+    home, and between changes a new home costs a few ring steps (``Homes.add``).
+    """
+    step = 8
+    if n <= step:
+        return max(1, n)
+    while step < n:
+        step = math.ceil(step * 1.125)
+    return step
+
+
+class Homes:
+    """Each homed key's replica by one rule over the set of keys and the ring, kept as keys come and go.
+
+    The rule: in hash order, each key takes the first replica clockwise with fewer than
+    ``cap`` homes (``cap_step(ceil(PREFIX_FACTOR × keys / replicas))``). A new key is put
+    in place as deferred acceptance does (it takes the first replica with room, or the
+    place of a holder with a larger hash, which moves on clockwise), which ends where the
+    rule applied to the new set ends, in a few ring steps rather than a pass over every
+    home. A key that leaves keeps its place as a ghost (the others stay where they are)
+    until ghosts pass half the homes or the cap changes; then every home is placed afresh
+    by the rule. So routers that saw the same keys come and go agree, and a new home
+    costs O(log n) amortized.
+    """
+
+    def __init__(self, ring: Ring, keys: Sequence[int] = ()) -> None:
+        self.ring = ring
+        self.at: dict[int, str] = {}
+        self._held: dict[str, list[int]] = {}  # per replica, its keys in hash order
+        self._ghosts: set[int] = set()
+        self.cap = 0
+        self.rebuilds = 0
+        self.rebuild(keys)
+
+    def _cap(self, n: int) -> int:
+        return cap_step(math.ceil(PREFIX_FACTOR * n / self.ring.size)) if self.ring.size else 0
+
+    def rebuild(self, keys: Sequence[int]) -> None:
+        self.rebuilds += 1
+        self.at, self._held, self._ghosts = {}, {}, set()
+        self.cap = self._cap(len(keys))
+        for key in sorted(keys):  # in hash order nobody is displaced: the rule itself
+            self._place(key)
+
+    def add(self, key: int) -> None:
+        if key in self.at:  # a ghost come back: its place is still its own
+            self._ghosts.discard(key)
+            return
+        if not self.ring.size:
+            return
+        if self._cap(len(self.at) + 1) != self.cap:
+            self.rebuild([k for k in self.at if k not in self._ghosts] + [key])
+            return
+        self._place(key)
+
+    def remove(self, key: int) -> None:
+        if key not in self.at:
+            return
+        self._ghosts.add(key)
+        if len(self._ghosts) * 2 > len(self.at):
+            self.rebuild([k for k in self.at if k not in self._ghosts])
+
+    def _place(self, key: int) -> None:
+        after: str | None = None  # a displaced key goes on from where it was displaced
+        while True:
+            walk = self.ring.walk(key)
+            if after is not None:
+                for rid in walk:
+                    if rid == after:
+                        break
+            for rid in walk:
+                held = self._held.setdefault(rid, [])
+                if len(held) < self.cap:
+                    insort(held, key)
+                    self.at[key] = rid
+                    return
+                if held[-1] > key:  # a holder later in hash order gives its place up
+                    loser = held.pop()
+                    insort(held, key)
+                    self.at[key] = rid
+                    del self.at[loser]
+                    key, after = loser, rid
                     break
-        return out
+            else:
+                return  # no room anywhere (cannot be: cap × replicas ≥ keys)
 
 
 def homes(keys: Sequence[int], ring: Ring) -> dict[int, str]:
     """Each key's replica: in hash order, the first clockwise with room under the prefix cap."""
-    if not ring.size:
-        return {}
-    cap = max(1, math.ceil(PREFIX_FACTOR * len(keys) / ring.size))
-    count: dict[str, int] = {}
-    out: dict[int, str] = {}
-    for key in sorted(keys):
-        for rid in ring.walk(key):
-            if count.get(rid, 0) < cap:
-                out[key] = rid
-                count[rid] = count.get(rid, 0) + 1
+    return dict(Homes(ring, keys).at)
+
+
+class Callers:
+    """Keys in last-seen order, each charged to the caller (key name) that brought it; bounded per caller
+    and in all. Past the bound in all, the caller holding the most gives up its oldest key: one
+    caller's flood evicts its own keys, never another's."""
+
+    def __init__(self, per_caller: int, total: int) -> None:
+        self.per_caller, self.total = per_caller, total
+        self.at: OrderedDict[int, float] = OrderedDict()  # last seen, oldest first
+        self.owner: dict[int, str] = {}
+        self.by: dict[str, OrderedDict[int, None]] = {}
+        self._sizes: dict[int, set[str]] = {}  # callers by how many keys they hold
+        self._max = 0
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.at
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.at)
+
+    def _resize(self, caller: str, old: int, new: int) -> None:
+        if old:
+            group = self._sizes[old]
+            group.discard(caller)
+            if not group:
+                del self._sizes[old]
+                if old == self._max and new < old:
+                    self._max = old - 1
+        if new:
+            self._sizes.setdefault(new, set()).add(caller)
+            self._max = max(self._max, new)
+
+    def touch(self, key: int, now: float) -> None:
+        self.at[key] = now
+        self.at.move_to_end(key)
+        self.by[self.owner[key]].move_to_end(key)
+
+    def add(self, key: int, caller: str, now: float) -> list[int]:
+        """Remember ``key`` for ``caller``; the keys that made room for it."""
+        evicted: list[int] = []
+        mine = self.by.get(caller)
+        if mine is not None and len(mine) >= self.per_caller:
+            evicted.append(next(iter(mine)))
+        elif len(self.at) >= self.total and self._max:
+            largest = next(iter(self._sizes[self._max]))
+            evicted.append(next(iter(self.by[largest])))
+        for k in evicted:
+            self.remove(k)
+        mine = self.by.setdefault(caller, OrderedDict())
+        mine[key] = None
+        self.owner[key] = caller
+        self.at[key] = now
+        self._resize(caller, len(mine) - 1, len(mine))
+        return evicted
+
+    def remove(self, key: int) -> None:
+        if self.at.pop(key, None) is None:
+            return
+        caller = self.owner.pop(key)
+        mine = self.by[caller]
+        del mine[key]
+        self._resize(caller, len(mine) + 1, len(mine))
+        if not mine:
+            del self.by[caller]
+
+    def expire(self, now: float) -> list[int]:
+        """Forget keys not seen for ``WINDOW_S`` (oldest first); the keys forgotten."""
+        gone: list[int] = []
+        while self.at:
+            key, at = next(iter(self.at.items()))
+            if now - at < WINDOW_S:
                 break
-    return out
+            self.remove(key)
+            gone.append(key)
+        return gone
 
 
 class PrefixTable:
     """One model's keys: seen once, homed, and the homes over its healthy replicas."""
 
     def __init__(self) -> None:
-        self.seen: OrderedDict[int, float] = OrderedDict()
-        self.homed: OrderedDict[int, float] = OrderedDict()
+        self.seen = Callers(MAX_SEEN_PER_CALLER, MAX_SEEN)
+        self.homed = Callers(MAX_HOMED_PER_CALLER, MAX_HOMED)
         self._ring: Ring | None = None
         self._ring_of: tuple[str, ...] = ()
-        self._homes: dict[int, str] | None = None
+        self._homes: Homes | None = None
 
     def ring(self, replica_ids: tuple[str, ...]) -> Ring:
         if self._ring is None or replica_ids != self._ring_of:
@@ -211,42 +379,38 @@ class PrefixTable:
     def home(self, key: int, ring: Ring) -> str | None:
         if key not in self.homed:
             return None
-        if self._homes is None:
-            self._homes = homes(list(self.homed), ring)
-        return self._homes.get(key)
+        if self._homes is None or self._homes.ring is not ring:
+            self._homes = Homes(ring, list(self.homed))
+        return self._homes.at.get(key)
 
-    def note(self, key: int, now: float) -> None:
-        """A request with ``key``: seen once, it is remembered; seen again, it is homed."""
+    def _forget(self, keys: list[int]) -> None:
+        if self._homes is not None:
+            for k in keys:
+                self._homes.remove(k)
+
+    def note(self, key: int, now: float, caller: str = ANONYMOUS_CALLER) -> None:
+        """A request with ``key`` from ``caller``: seen once, it is remembered; seen again, it is homed."""
         if key in self.homed:
-            self.homed[key] = now
-            self.homed.move_to_end(key)
+            self.homed.touch(key, now)
             return
-        if self.seen.pop(key, None) is not None:
-            self.homed[key] = now
-            self._homes = None
-            while len(self.homed) > MAX_HOMED:
-                self.homed.popitem(last=False)
+        if key in self.seen:
+            self.seen.remove(key)
+            self._forget(self.homed.add(key, caller, now))
+            if self._homes is not None:
+                self._homes.add(key)
             return
-        self.seen[key] = now
-        while len(self.seen) > MAX_SEEN:
-            self.seen.popitem(last=False)
+        self.seen.add(key, caller, now)
 
     def expire(self, now: float) -> None:
         """Forget keys not seen for ``WINDOW_S`` (oldest first: both are in last-seen order)."""
-        for table in (self.seen, self.homed):
-            while table:
-                key, at = next(iter(table.items()))
-                if now - at < WINDOW_S:
-                    break
-                del table[key]
-                if table is self.homed:
-                    self._homes = None
+        self.seen.expire(now)
+        self._forget(self.homed.expire(now))
 
 
 def pick(table: PrefixTable, key: int, reps: Sequence[R], exclude: R | None = None,
-         now: float | None = None) -> R | None:
-    """The replica for a request with ``key`` among ``reps`` (the model's healthy ones), or None: no
-    preference (a key not homed), route by load.
+         now: float | None = None, caller: str = ANONYMOUS_CALLER) -> R | None:
+    """The replica for a request with ``key`` from ``caller`` among ``reps`` (the model's healthy ones),
+    or None: no preference (a key not homed), route by load.
 
     A retry (``exclude``: the replica that failed) takes the next one clockwise and is
     not counted as another sighting of its key.
@@ -255,9 +419,8 @@ def pick(table: PrefixTable, key: int, reps: Sequence[R], exclude: R | None = No
     if not by_id:
         return None
     ring = table.ring(tuple(sorted(r.replica_id for r in reps)))
-    order = [by_id[rid] for rid in ring.walk(key) if rid in by_id]
     if exclude is None:
-        table.note(key, time.monotonic() if now is None else now)  # homed at its second sighting
+        table.note(key, time.monotonic() if now is None else now, caller)  # homed at its second sighting
     home = table.home(key, ring)
     if home is None:  # seen once: no preference, the caller routes by load (least-outstanding's own rule)
         return None
@@ -267,6 +430,10 @@ def pick(table: PrefixTable, key: int, reps: Sequence[R], exclude: R | None = No
     # shared-prefix hit rate fell from 85-89 % to 63-69 % with no TTFT gain left; with it, a hot
     # prefix's home may hold twice the mean when few requests are in flight.
     bound = math.ceil(LOAD_FACTOR * (total + 1) / len(reps))
+    first = by_id.get(home)
+    if first is not None and first.outstanding + 1 <= bound:
+        return first  # the common case: no walk of the ring
+    order = [by_id[rid] for rid in ring.walk(key) if rid in by_id]
     start = next((i for i, r in enumerate(order) if r.replica_id == home), 0)
     for r in order[start:] + order[:start]:
         if r.outstanding + 1 <= bound:
