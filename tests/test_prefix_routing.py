@@ -196,6 +196,15 @@ def test_homes_kept_as_keys_come_are_the_rule_applied_afresh() -> None:
         for k in keys[:400]:  # keys leave: ghosts, then the rule afresh over those left
             kept.remove(k)
         assert set(kept.at) >= set(keys[400:]) and max(Counter(kept.at.values()).values()) <= kept.cap
+        live = list(keys[400:])
+        for _ in range(2000):  # churn: every live key keeps a home, under the cap
+            if rng.random() < 0.45:
+                kept.remove(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(rng.getrandbits(64))
+                kept.add(live[-1])
+            assert all(k in kept.at for k in live)
+        assert max(Counter(kept.at.values()).values()) <= kept.cap
 
 
 def test_the_fake_engines_cache_holds_a_prefix_per_slot() -> None:

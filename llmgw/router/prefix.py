@@ -207,19 +207,20 @@ class Homes:
     The rule: in hash order, each key takes the first replica clockwise with fewer than
     ``cap`` homes (``cap_step(ceil(PREFIX_FACTOR × keys / replicas))``). A new key is put
     in place as deferred acceptance does (it takes the first replica with room, or the
-    place of a holder with a larger hash, which moves on clockwise), which ends where the
+    place of a holder with a larger hash, which moves on clockwise): that ends where the
     rule applied to the new set ends, in a few ring steps rather than a pass over every
-    home. A key that leaves keeps its place as a ghost (the others stay where they are)
-    until ghosts pass half the homes or the cap changes; then every home is placed afresh
-    by the rule. So routers that saw the same keys come and go agree, and a new home
-    costs O(log n) amortized.
+    home. A key that leaves keeps its place as a ghost, so that no other home moves, until
+    a new key needs the place (a ghost gives way to any key) or ghosts pass half the
+    places; then, and when the cap must grow, every home is placed afresh by the rule.
+    Routers that saw the same keys agree; a new home costs O(log n) amortized.
     """
 
     def __init__(self, ring: Ring, keys: Sequence[int] = ()) -> None:
         self.ring = ring
         self.at: dict[int, str] = {}
-        self._held: dict[str, list[int]] = {}  # per replica, its keys in hash order
-        self._ghosts: set[int] = set()
+        self._held: dict[str, list[int]] = {}  # per replica, its keys in hash order (ghosts too)
+        self._ghosts: dict[str, set[int]] = {}  # per replica, the keys that left but keep their place
+        self._ghost_count = 0
         self.cap = 0
         self.rebuilds = 0
         self.rebuild(keys)
@@ -227,30 +228,40 @@ class Homes:
     def _cap(self, n: int) -> int:
         return cap_step(math.ceil(PREFIX_FACTOR * n / self.ring.size)) if self.ring.size else 0
 
+    def _live(self) -> list[int]:
+        gone = set().union(*self._ghosts.values()) if self._ghost_count else set()
+        return [k for k in self.at if k not in gone]
+
     def rebuild(self, keys: Sequence[int]) -> None:
         self.rebuilds += 1
-        self.at, self._held, self._ghosts = {}, {}, set()
+        self.at, self._held, self._ghosts, self._ghost_count = {}, {}, {}, 0
         self.cap = self._cap(len(keys))
         for key in sorted(keys):  # in hash order nobody is displaced: the rule itself
             self._place(key)
 
     def add(self, key: int) -> None:
-        if key in self.at:  # a ghost come back: its place is still its own
-            self._ghosts.discard(key)
+        rid = self.at.get(key)
+        if rid is not None:
+            ghosts = self._ghosts.get(rid)
+            if ghosts is not None and key in ghosts:  # a ghost come back: its place is still its own
+                ghosts.discard(key)
+                self._ghost_count -= 1
             return
         if not self.ring.size:
             return
-        if self._cap(len(self.at) + 1) != self.cap:
-            self.rebuild([k for k in self.at if k not in self._ghosts] + [key])
+        if self._cap(len(self.at) - self._ghost_count + 1) > self.cap:
+            self.rebuild([*self._live(), key])
             return
         self._place(key)
 
     def remove(self, key: int) -> None:
-        if key not in self.at:
+        rid = self.at.get(key)
+        if rid is None or key in self._ghosts.get(rid, ()):
             return
-        self._ghosts.add(key)
-        if len(self._ghosts) * 2 > len(self.at):
-            self.rebuild([k for k in self.at if k not in self._ghosts])
+        self._ghosts.setdefault(rid, set()).add(key)
+        self._ghost_count += 1
+        if self._ghost_count * 2 > len(self.at):
+            self.rebuild(self._live())
 
     def _place(self, key: int) -> None:
         after: str | None = None  # a displaced key goes on from where it was displaced
@@ -266,7 +277,15 @@ class Homes:
                     insort(held, key)
                     self.at[key] = rid
                     return
-                if held[-1] > key:  # a holder later in hash order gives its place up
+                if ghosts := self._ghosts.get(rid):  # a ghost gives way, and is gone
+                    ghost = ghosts.pop()
+                    self._ghost_count -= 1
+                    held.remove(ghost)
+                    del self.at[ghost]
+                    insort(held, key)
+                    self.at[key] = rid
+                    return
+                if held[-1] > key:  # a holder later in hash order gives its place up and moves on
                     loser = held.pop()
                     insort(held, key)
                     self.at[key] = rid
@@ -274,7 +293,9 @@ class Homes:
                     key, after = loser, rid
                     break
             else:
-                return  # no room anywhere (cannot be: cap × replicas ≥ keys)
+                if after is None:
+                    return  # no room anywhere (cannot be: cap × replicas > keys, and ghosts give way)
+                after = None  # the room a ghost left before where it was displaced: walk it all again
 
 
 def homes(keys: Sequence[int], ring: Ring) -> dict[int, str]:
