@@ -11,6 +11,8 @@ then while ``--clients`` clients each send ``--mb`` MB chat bodies back to back 
 in one message). The same two runs go straight to the sink, which is this box's floor: what
 any proxy in front of it could reach at best. ``--router-path`` runs the router from another
 checkout (``git worktree add --detach /tmp/before main``) for the figures before a change.
+``--parse-costs`` prints only the router's own work on one body (its head, its routing key,
+the usage asked for, a llama.cpp replica's ``lora``), for this checkout or ``--router-path``.
 Latency on a shared box is noisy; the on-CPU time per big body of the process that serves
 it (the sink straight, the router through it) is the steadier figure.
 Prints a markdown table; docs/benchmarks.md keeps the figures.
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -60,6 +63,53 @@ def sink_main() -> None:
         await asyncio.Event().wait()
 
     uvloop.run(main())
+
+
+def parse_costs_main(mb: int) -> None:
+    """The router's own work on one body, in ms (min of 5): read its head, its routing key, ask for usage,
+    set a llama.cpp replica's ``lora``. Runs whichever llmgw is first on the path (``--router-path``)."""
+    import json
+
+    n = mb * 1_000_000
+    shapes = {
+        f"{mb} MB ASCII prompt": json.dumps({"model": "m", "stream": True, "messages": [
+            {"role": "system", "content": "the quick brown fox " * (n // 20)}, {"role": "user", "content": "hi"}]}),
+        f"{mb} MB prompt, quotes and umlauts": json.dumps({"model": "m", "stream": True, "messages": [
+            {"role": "system", "content": 'der "Hund" über\n' * (n // 18)}]}, ensure_ascii=False),
+        f"{n // 270:,} messages": json.dumps({"model": "m", "stream": True, "messages": [
+            {"role": "user", "content": "hello there " * 20}] * (n // 270)}),
+    }
+    print("| body | head | key | usage asked | lora set | total |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, text in shapes.items():
+        row = [best_ms(step) for step in steps(text.encode())]
+        print(f"| {name} | " + " | ".join(f"{x:.1f}" for x in row) + f" | {sum(row):.1f} |", flush=True)
+
+
+def steps(body: bytes) -> list[Callable[[], object]]:
+    """Head, key, usage asked, lora set: as the gateway calls each (an older checkout's own way)."""
+    from llmgw.router import adapters
+    from llmgw.router import openai_api as api
+    from llmgw.router import prefix as pr
+
+    head = api.HEAD.decode(body)
+    sent = getattr(head, "sent_lora", None)  # None: a checkout from before the one read
+    return [
+        lambda: api.HEAD.decode(body),
+        lambda: pr.prompt_key("/v1/chat/completions", body if sent is None else head),
+        lambda: api.usage_asked(body, head),
+        (lambda: adapters.lora_body(body, ("a", "b"), "a", 1.0)) if sent is None
+        else (lambda: adapters.lora_body(body, ("a", "b"), "a", 1.0, sent())),  # type: ignore[call-arg]
+    ]
+
+
+def best_ms(step: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1000
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -199,10 +249,18 @@ def main() -> None:
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                     help="big bodies ask for a stream (the router then asks the engine for its usage)")
     ap.add_argument("--router-path", default="", help="run the router from this checkout (PYTHONPATH)")
+    ap.add_argument("--parse-costs", action="store_true",
+                    help="only the router's own work on one body (head, key, usage, lora), no processes")
     ap.add_argument("--sink", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sink:
         sink_main()
+        return
+    if args.parse_costs:
+        if args.router_path:
+            sys.exit(subprocess.call([sys.executable, HERE, "--parse-costs", "--mb", str(args.mb)],
+                                     env={**os.environ, "PYTHONPATH": args.router_path}))
+        parse_costs_main(args.mb)
         return
     import uvloop
 
