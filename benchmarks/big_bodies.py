@@ -112,8 +112,9 @@ def best_ms(step: Callable[[], object]) -> float:
     return best * 1000
 
 
-def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+def start(cmd: list[str], env: dict[str, str] | None = None,
+          cwd: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode().strip()
     if not line.startswith("http"):
@@ -199,7 +200,9 @@ async def run(args: argparse.Namespace) -> None:
         if args.router_path:
             env["PYTHONPATH"] = args.router_path
         router, router_url = start([sys.executable, "-m", "llmgw", "router", "--listen", "127.0.0.1:0",
-                                    "--nats-url", server.url, "--name", "bench-bodies", "--max-body", "256MiB"], env)
+                                    "--nats-url", server.url, "--name", "bench-bodies", "--max-body", "256MiB"], env,
+                              # `python -m` puts its working directory first on the path, before PYTHONPATH
+                              cwd=args.router_path or None)
         procs.append(router)
         async with aiohttp.ClientSession() as s:
             for _ in range(100):

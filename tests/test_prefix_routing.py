@@ -296,3 +296,30 @@ async def test_each_replicas_cached_share_travels_in_the_routers_map(
     assert sum(u.cached_tokens for u in uses.values()) / prompt == pytest.approx(share)
     again = await prefix_router.publish_idle_map()
     assert not any(u.model == "mapped" for u in again.cache_use.values())  # taken once
+
+
+async def test_a_requests_prefix_is_charged_to_its_key(bus: Bus, prefix_router: Router,
+                                                      cached_engines: dict[str, EngineProcess]) -> None:
+    """Through the router: a prompt's home belongs to the key that sent it, so another key's flood cannot take it."""
+    from llmgw import ctl
+
+    secrets = {}
+    for name in ("alice", "bob"):
+        secret, key_id, salt, digest = ctl.new_key_secret()
+        secrets[name] = secret
+        await bus.publish(m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest))
+    await declare(bus, prefix_router, "m-keys", "prefix", cached_engines)
+    await prefix_router.sink.wait_for(lambda p: len(prefix_router.sink.keys_by_id) >= 2)
+    url = prefix_router.url + CHAT
+    bodies = {name: json.dumps({"model": "m-keys", "messages": [{"role": "system", "content": system_prompt(i)},
+                                                                 {"role": "user", "content": "hi"}]}).encode()
+              for i, name in enumerate(secrets)}
+    async with aiohttp.ClientSession() as http:
+        for name, body in bodies.items():
+            for _ in range(2):
+                async with http.post(url, data=body, headers={"Authorization": f"Bearer {secrets[name]}",
+                                                              "Content-Type": "application/json"}) as resp:
+                    assert resp.status == 200, await resp.text()
+    table = prefix_router.prefixes["m-keys"]
+    owners = {table.homed.owner[k] for k in table.homed}
+    assert owners == {"alice", "bob"} and pr.prompt_key(CHAT, bodies["alice"]) in table.homed.by["alice"]
