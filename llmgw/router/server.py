@@ -178,7 +178,7 @@ class Router:
     def release(self, rep: Replica) -> None:
         self.gateway.release(rep)
 
-    def routing_key(self, model: str, route: str, body: bytes) -> int | None:
+    def routing_key(self, model: str, route: str, body: bytes | api.Head) -> int | None:
         """The prompt's key when ``model`` routes by prefix (its declaration says so), else None."""
         return self.gateway.routing_key(model, route, body)
 
