@@ -51,6 +51,7 @@ class Result:
     observed_fits: bool | None = None
     excluded: str = ""
     counted_tokens: int | None = None  # the tokens the planner counts in the KV figure the log prints
+    capture_ok: bool = True  # its CUDA graphs fit where the version captures them
 
     @property
     def kv_ok(self) -> bool | None:
@@ -126,10 +127,16 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     profile = profile or profile_for("vllm", str(row.get("vllm_version") or ""))
     tokens, seqs = _batch(row, profile)
     weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs))
-    graphs = M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if profile.graphs_in_budget and not row.get("enforce_eager") else 0.0
-    budget = float(row["gpu_memory_utilization"]) * mem_gib * GIB
+    captured = 0.0 if row.get("enforce_eager") else M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs)
+    graphs = captured if profile.graphs_in_budget else 0.0
+    util = float(row["gpu_memory_utilization"])
+    budget = util * mem_gib * GIB
     r.weights = weights / GIB
     r.kv = (budget - weights - overhead - graphs) / GIB
+    if captured and not profile.graphs_in_budget:  # captured after the cache is sized: out of what the budget leaves
+        freed = M.profile_activation_bytes(overhead, profile, tp, pp) \
+            if profile.capture_reuses_profile(str(row.get("vllm_version") or "")) else 0.0
+        r.capture_ok = captured <= M.capture_headroom(mem_gib * GIB, util, freed)
     context = int(row.get("max_model_len") or info.max_position_embeddings)
     if row.get("kv_cache_gib") is not None:
         r.observed_kv = float(row["kv_cache_gib"])
@@ -138,7 +145,7 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
         r.observed_kv = M.engine_kv_bytes(kv, int(row["kv_tokens"]), context, profile) / GIB
     elif row.get("gpu_blocks"):
         r.observed_kv = M.engine_kv_bytes(kv, int(row["gpu_blocks"]) * int(row.get("block_size") or 16), context, profile) / GIB
-    r.fits = r.kv > 0 and kv.bytes_for(context) <= r.kv * GIB
+    r.fits = r.kv > 0 and kv.bytes_for(context) <= r.kv * GIB and r.capture_ok
     r.observed_fits = not row.get("failed_to_start", False)
     return r
 

@@ -295,6 +295,7 @@ def router_overhead(url: str, base: str, model_dir: Path, n: int = 40) -> None:
     endpoint = next(e["endpoint"] for e in reversed(events(url, "control"))
                     if e["type"] == "ReplicaStateChanged" and e["model"] == "steady" and e["state"] == "healthy")
     prompt = "the quick brown fox jumps over the lazy dog " * 8
+    keyed = {"Authorization": f"Bearer {engine_key(endpoint)}"}  # straight to the engine: its own key
 
     async def drive() -> tuple[list[float], list[float]]:
         direct: list[float] = []
@@ -304,7 +305,7 @@ def router_overhead(url: str, base: str, model_dir: Path, n: int = 40) -> None:
                 target, times = (endpoint, direct) if i % 2 == 0 else (base, routed)
                 body = {"model": "steady", "prompt": prompt, "max_tokens": 8, "cache_prompt": False}
                 t0 = time.monotonic()
-                async with s.post(target + "/v1/completions", json=body) as r:
+                async with s.post(target + "/v1/completions", json=body, headers=keyed if target == endpoint else {}) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
                 if i >= 2:  # the first pair warms both paths
@@ -607,15 +608,31 @@ def child(parent: int, word: bytes) -> int:
     raise SystemExit(f"no {word.decode()} under process {parent}")
 
 
-def vllm_bench(binary: str, target: str, model_dir: Path, out: Path, label: str, seed: int) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against ``target``; its JSON result."""
+def engine_key(endpoint: str) -> str:
+    """The API key of the engine listening at ``endpoint``, read from its environment as the node's own user
+    may (only routers learn it on the bus): what a direct run sends."""
+    from llmgw.agent.simnvml import engine_key as key_of
+
+    port = endpoint.rsplit(":", 1)[1].encode()
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port and (key := key_of(int(entry.name))):
+                return key
+    raise SystemExit(f"no engine with a key listens at {endpoint}")
+
+
+def vllm_bench(binary: str, target: str, model_dir: Path, out: Path, label: str, seed: int,
+               key: str = "") -> dict[str, Any]:
+    """One ``vllm bench serve`` run against ``target`` (with the engine's API key, straight to it); its JSON result."""
     cmd = [binary, "bench", "serve", "--backend", "openai", "--base-url", target, "--model", "steady",
            "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", "64",
            "--random-output-len", "16", "--ignore-eos", "--num-prompts", "64", "--max-concurrency", "8",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--seed", str(seed), "--disable-tqdm", "--save-result",
            "--result-dir", str(out),
            "--result-filename", f"{label}.json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                       env={**os.environ, "OPENAI_API_KEY": key} if key else None)
     (out / f"{label}.log").write_text(r.stdout + r.stderr)
     if r.returncode:
         raise SystemExit(f"vllm bench serve exited {r.returncode} ({out / label}.log):\n{(r.stdout + r.stderr)[-3000:]}")
@@ -637,6 +654,7 @@ def vllm_router_overhead(url: str, base: str, model_dir: Path, binary: str, out:
     until("steady serving", lambda: model_state(url, "steady") == "serving", within_s=VLLM_START_S, every_s=1)
     endpoint = next(e["endpoint"] for e in reversed(events(url, "control"))
                     if e["type"] == "ReplicaStateChanged" and e["model"] == "steady" and e["state"] == "healthy")
+    key = engine_key(endpoint)
     out.mkdir(parents=True, exist_ok=True)
     router = child(up, b"router")
     engine = os.getpgid(next(iter(vllm_processes(str(model_dir)))))
@@ -645,7 +663,7 @@ def vllm_router_overhead(url: str, base: str, model_dir: Path, binary: str, out:
         """One run, with the CPU seconds the router and vLLM spent over the whole invocation (its ~20 s of
         start-up too, while both sit idle: the router's idle share is what it spends beside a direct run)."""
         r0, e0, t0 = cpu_s(pid=router), cpu_s(pgid=engine), time.monotonic()
-        result = vllm_bench(binary, target, model_dir, out, label, seed)
+        result = vllm_bench(binary, target, model_dir, out, label, seed, key if target == endpoint else "")
         return {**result, "router_cpu_s": cpu_s(pid=router) - r0, "engine_cpu_s": cpu_s(pgid=engine) - e0,
                 "wall_s": time.monotonic() - t0}
 

@@ -102,7 +102,8 @@ def engine_config(opts: dict[str, Any]) -> EngineConfig:
     config = EngineConfig(cmds=opts["engine_cmds"], simulate=fake, cpu=on_cpu, fake_startup_s=opts["engine_startup_s"],
                           env=opts["engine_env"], log_dir=opts["log_dir"],
                           log_max_bytes=opts["log_max_bytes"], log_keep=opts["log_keep"],
-                          host="127.0.0.1" if on_cpu else "", models_dir=opts.get("models_dir"))
+                          host=opts.get("engine_host") or ("127.0.0.1" if on_cpu else ""),
+                          advertise_host=opts.get("advertise_host") or "", models_dir=opts.get("models_dir"))
     stores = [config.models_dir or Path.home() / ".cache" / "llmgw" / "models", opts.get("hf_cache") or _hf_cache(),
               *opts.get("model_paths", ())]
     try:
@@ -223,6 +224,12 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
               type=click.Path(file_okay=False, path_type=Path),
               help="A directory engines may read model files from besides --models-dir and --hf-cache, repeatable "
                    "[env LLMGW_ALLOW_MODEL_PATH, space-separated].")
+@click.option("--engine-host", envvar="LLMGW_ENGINE_HOST", metavar="ADDR",
+              help="The address engines listen on [default: 0.0.0.0 on a real node, 127.0.0.1 simulated; "
+                   "env LLMGW_ENGINE_HOST]. Each engine also takes its own API key, which only routers learn.")
+@click.option("--advertise-host", envvar="LLMGW_ADVERTISE_HOST", metavar="HOST",
+              help="The host routers dial an engine at [default: --engine-host, or the host name when that is "
+                   "0.0.0.0; env LLMGW_ADVERTISE_HOST].")
 @click.option("--once", is_flag=True, help="Publish the inventory, print it, and exit.")
 @json_option
 @nats_options
@@ -231,7 +238,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
           poll_s: float, engine_cmd: tuple[str, ...], engine_env: tuple[str, ...], engine_startup_s: float,
           engines: str | None, log_dir: Path | None, log_max_mib: int, log_keep: int, keep_files: bool | None,
           models_dir: Path | None, hf_cache: Path | None, cache_max_gib: float, allowed_args: tuple[str, ...],
-          model_paths: tuple[Path, ...], once: bool, as_json: bool, settings: Settings) -> None:
+          model_paths: tuple[Path, ...], engine_host: str | None, advertise_host: str | None, once: bool,
+          as_json: bool, settings: Settings) -> None:
     """Report this node's GPUs (NVML) and their health to the fleet stream.
 
     Example:
@@ -253,7 +261,8 @@ def agent(ctx: click.Context, node: str | None, fabric: str | None, fleet_path: 
                             "log_dir": log_dir.resolve() if log_dir else None,
                             "log_max_bytes": log_max_mib * 1024 * 1024, "log_keep": log_keep,
                             "keep_files": fleet_path is None if keep_files is None else keep_files,
-                            "cache_max_gib": cache_max_gib, "allowed_args": allowed_args, "model_paths": model_paths}
+                            "cache_max_gib": cache_max_gib, "allowed_args": allowed_args, "model_paths": model_paths,
+                            "engine_host": engine_host, "advertise_host": advertise_host}
     if opts["keep_files"] and fleet_path is not None and not node and len(load(fleet_path).nodes) > 1:
         raise click.UsageError("--keep-files with --simulate needs --node: simulated agents in one process share "
                                "one disk, and each would report the same files as its own")

@@ -46,6 +46,8 @@ from llmgw.engine import fake
 @click.option("--lora", "attached", multiple=True, metavar="NAME",
               help="An adapter attached at start as llama.cpp's --lora (repeat; ids 0, 1, … in order), "
                    "applied at the scales of a request's \"lora\" field.")
+@click.option("--api-key", envvar="LLMGW_FAKE_API_KEY", default="", show_envvar=True,
+              help="Refuse /v1/… requests without `Authorization: Bearer KEY` (401), as vLLM's --api-key does.")
 @click.option("--join", "join_address", metavar="HOST:PORT",
               help="Be a worker part: join the head at HOST:PORT and hold until it goes away (no HTTP).")
 def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, chunks: int,
@@ -53,7 +55,7 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
                 startup_s: float, kv_tokens: int, parts: int, rendezvous_port: int, cache_slots: int,
                 prefill_ms_per_token: float, force_include_usage: bool, done_linger_ms: float,
                 max_loras: int, max_cpu_loras: int, lora_load_ms: float, attached: tuple[str, ...],
-                join_address: str | None) -> None:
+                api_key: str, join_address: str | None) -> None:
     """Serve a fake OpenAI-compatible engine; prints its URL on the first stdout line.
 
     Routes: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models,
@@ -98,5 +100,5 @@ def fake_engine(host: str, port: int, model: str, name: str, latency_ms: float, 
                          cache_slots=cache_slots, prefill_ms_per_token=prefill_ms_per_token,
                          force_include_usage=force_include_usage, done_linger_ms=done_linger_ms,
                          max_loras=max_loras, max_cpu_loras=max_cpu_loras, lora_load_ms=lora_load_ms,
-                         attached=attached)
+                         attached=attached, api_key=api_key)
     run(fake.serve(opts, sock, host))

@@ -22,6 +22,8 @@ STREAM_FLEET = "LLMGW_FLEET"
 STREAM_HEARTBEAT = "LLMGW_HEARTBEAT"
 STREAM_USAGE = "LLMGW_USAGE"
 STREAM_CONTROL = "LLMGW_CONTROL"
+# Engines' API keys (``EngineKeyIssued``): agents write, only routers and admin read.
+STREAM_ENGINE_KEYS = "LLMGW_ENGINE_KEYS"
 # The projector's fold snapshots: a JetStream object store (its stream is OBJ_LLMGW_SNAPSHOTS).
 SNAPSHOT_BUCKET = "LLMGW_SNAPSHOTS"
 
@@ -169,6 +171,11 @@ def replica(replica_id: str, kind: str, node: str | None = None) -> str:
     return f"{base}.{token(node)}" if node is not None else base
 
 
+def engine_key(replica_id: str, node: str) -> str:
+    """``llmgw.enginekey.<replica>.<node>``: a replica's engine key on that node (``EngineKeyIssued``)."""
+    return f"{PREFIX}.enginekey.{token(replica_id)}.{token(node)}"
+
+
 def control_plane(kind: str) -> str:
     """``llmgw.control.plane.<kind>``: started, stopped (``llmgw up``'s own, as admin)."""
     return f"{PREFIX}.control.plane.{kind}"
@@ -199,6 +206,8 @@ def subject_for(event: m.Event) -> str:
             return model(name, "pinned")
         case m.HeartbeatSent(node=node):
             return heartbeat(node)
+        case m.EngineKeyIssued(replica_id=replica_id, node=node):
+            return engine_key(replica_id, node)
         case m.IdleMapPublished(router=router):
             return usage_idle(router)
         case m.ModelWanted(router=router) | m.WakeAnswered(router=router):
@@ -332,6 +341,17 @@ STREAMS: tuple[StreamSpec, ...] = (
         discard_new=False,
         max_msgs_per_subject=1,
     ),
+    # The latest key of each replica's engine on each node; a key outlives nothing but its engine, so
+    # old ones are only dropped when the stream is full (each a few hundred bytes).
+    StreamSpec(
+        name=STREAM_ENGINE_KEYS,
+        subjects=(f"{PREFIX}.enginekey.*.*",),
+        max_age_s=0,
+        max_bytes=256 * 1024**2,
+        duplicate_window_s=20 * 60,
+        discard_new=False,
+        max_msgs_per_subject=1,
+    ),
 )
 
 # The streams that status and the projections replay, in fold order.
@@ -349,7 +369,7 @@ def stream_for_subject(subject: str) -> str:
     parts = subject.split(".")
     if len(parts) >= 2 and parts[0] == PREFIX:
         kind = {"fleet": STREAM_FLEET, "control": STREAM_CONTROL, "usage": STREAM_USAGE,
-                "heartbeat": STREAM_HEARTBEAT}.get(parts[1])
+                "heartbeat": STREAM_HEARTBEAT, "enginekey": STREAM_ENGINE_KEYS}.get(parts[1])
         if kind:
             return kind
     raise ValueError(f"{subject!r} is not an llmgw stream subject")

@@ -52,6 +52,17 @@ async def stored(bus: Bus, stream: str, limit_s: float = 30.0) -> list[m.AnyEven
     return out
 
 
+async def engine_keys(bus: Bus) -> list[m.EngineKeyIssued]:
+    """The engines' API keys the agents published, oldest first (their stream keeps each engine's latest)."""
+    last = await bus.stream_last_seq(subjects.STREAM_ENGINE_KEYS)
+    out: list[m.EngineKeyIssued] = []
+    if last:
+        async with asyncio.timeout(30):
+            async for batch in bus.reader(subjects.STREAM_ENGINE_KEYS, 1, stop_at=last).batches():
+                out.extend(m.ENGINE_KEY_DECODER.decode(r.data) for r in batch)
+    return out
+
+
 async def publish(bus: Bus, events: Sequence[m.Event | bytes]) -> dict[str, int]:
     """Publish events (bytes go to the fleet stream raw); the last sequence per stream."""
     last: dict[str, int] = {}

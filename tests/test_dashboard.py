@@ -112,7 +112,11 @@ async def test_shared_gpus_list_who_booked_how_much_and_what_their_engines_hold(
         async with http.get(board.url) as r:
             page = await r.text()
         async with http.get(board.url + "api/status") as r:
-            report = (await r.json())["report"]
+            status = await r.json()
+            report = status["report"]
+    # Issue 45, finding 3: an open dashboard (no login) does not say where the engines listen.
+    assert "n4:8001" not in page and "n4:8001" not in json.dumps(status)
+    assert report["replica_list"] and all(r["endpoint"] == "" for r in report["replica_list"])
     booked = {(b["node"], b["index"]): b for b in report["gpu_bookings"]}
     assert booked[("n4", 1)]["replicas"] == [["s1-r1", 10240], ["s2-r1", 6144]]
     assert booked[("n4", 1)]["booked_mib"] == 16384 and booked[("n4", 1)]["memory_mib"] == 46068
@@ -330,3 +334,35 @@ async def test_ctl_keys_open_it_by_scope_and_only_an_admin_sees_tenants(bus: Bus
             await until(lambda: len(board.declared) == 2, "the revocation read")
             async with jar.get(board.url) as r:
                 assert r.status == 401
+
+
+def test_a_control_plane_that_is_down_is_the_first_thing_the_page_says() -> None:
+    """A moment inside a recorded stop (what a dashboard outside `up` shows while `up` is away): the attention
+    list says so first, every model and replica reads down in red, and the timeline names the stop and start."""
+    from llmgw.dashboard.page import render
+    from llmgw.fleet.fold import Checkpoint
+    from llmgw.fleet.state import apply
+    from llmgw.fleet.status import report
+
+    qwen = spec("qwen-8b")
+    events: list[m.Event] = [
+        m.ControlPlaneStarted(at=t(0), boot_id="b1"), inventory("n1", "ib-a", 1, t(0)),
+        m.ModelDeclared(at=t(0), spec=qwen),
+        m.ReplicaPlaced(at=t(0), replica_id="qwen-r1", model="qwen-8b", nodes=("n1",), fabric="ib-a", spec=qwen,
+                        gpus=(m.GpuRef(node="n1", index=0, uuid="GPU-n1-0"),)),
+        m.ReplicaStateChanged(at=t(1), replica_id="qwen-r1", model="qwen-8b", node="n1", state="healthy",
+                              endpoint="http://n1:8000"),
+        m.ControlPlaneStopped(at=t(60), boot_id="b1", reason="SIGTERM")]
+    c = Checkpoint()
+    for i, e in enumerate(events, 1):
+        apply(c.state, e, i)
+    sections = render(report(c.state, t(90), replicas=True), reversed(events), ok=True, why="", at=None)
+    first = sections["attention"].split("</li>")[0]
+    assert 'class="bad"' in first and "control plane down since 11:00:00 UTC" in first, sections["attention"]
+    assert sections["models"].count('<span class="badge bad">down</span>') == 2  # the model and its replica
+    assert "badge good" not in sections["models"] and ">0/1 healthy<" in sections["models"]
+    stop = sections["events"].split("</li>")[0]
+    assert 'class="event bad"' in stop and "control plane" in stop and "stopped (SIGTERM)" in stop, stop
+    back = render(report(c.state, t(120)), [m.ControlPlaneStarted(at=t(120), boot_id="b2", previous_boot_id="b1",
+                                                                  last_seen=t(110))], ok=True, why="", at=None)
+    assert 'class="event good"' in back["events"] and "started; down since 11:50:00 UTC (a stop nothing recorded)" in back["events"]

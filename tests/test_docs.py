@@ -20,7 +20,8 @@
   Hugging Face Hub, only parses here.
 * The commands that need a running control plane only parse here. The walkthrough's
   (``up --simulate``, plan and deploy, requests through the router, an XID under the
-  replica, idle stop, the wake) are run end to end by tests/test_e2e.py, the real engine's
+  replica, idle stop, the wake, what-if) are run as written, in order, by
+  tests/test_walkthrough.py (and the same loop, asserted closely, by tests/test_e2e.py); the real engine's
   five commands by tests/test_e2e_llama.py; the others by their own modules (test_cli_*,
   test_router*, test_keys, test_whatif, test_dashboard, test_natsconf…).
 * Every relative link goes to a file that exists, and every anchor to a heading of it.
@@ -445,3 +446,19 @@ def test_every_link_goes_to_a_page_and_a_heading_that_exist() -> None:
                 elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                     broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "links to nowhere:\n" + "\n".join(broken)
+
+
+def test_a_client_the_readme_uses_is_installed_by_the_quick_start_or_the_readme_says_how() -> None:
+    """Issue 43, smaller: the walkthrough used the `openai` client, which the quick start does not install."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    installed = {re.split(r"[\[<>=;! ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+    used = set(re.findall(r"the `([\w-]+)` (?:client|package|library)", readme))
+    used |= set(re.findall(r"^\s*(?:import|from) ([\w]+)", readme, flags=re.M))
+    assert "openai" in used
+    pips = " ".join(re.findall(r"pip install[^\n`]*", readme))
+    missing = [p for p in sorted(used) if p.lower() not in installed and p != "llmgw" and not re.search(
+        rf"(?<![\w.-]){re.escape(p)}(?![\w-])", pips)]
+    assert missing == [], f"the README uses {missing} but neither the quick start nor a `pip install` there installs them"

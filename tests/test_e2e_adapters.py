@@ -17,14 +17,17 @@ from typing import Any
 
 import pytest
 from test_e2e import LLMGW, ROOT, free_port, healthy, ok, start_up, stop_up, wait_for
+from test_e2e_llama import engine_pid
+
+from llmgw.agent.simnvml import engine_key
 
 PROMPT = "hello the fleet"
 
 
-def complete(url: str, body: dict[str, Any]) -> str:
+def complete(url: str, body: dict[str, Any], key: str | None = None) -> str:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
         {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "seed": 1, **body}).encode(),
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
@@ -66,7 +69,9 @@ def test_an_adapter_is_attached_by_a_roll_routed_with_its_lora_body_and_removed(
 
         # Through the router, then straight at the engine with the same lora body: one answer.
         routed = wait_for("the router routes sql", lambda: _try(lambda: complete(router, {"model": "sql"})))
-        direct = complete(second["endpoint"], {"lora": [{"id": 0, "scale": 1.0}]})
+        # Straight at the engine takes its own key: read from its environment, as the node's own user may.
+        key = engine_key(engine_pid(int(second["endpoint"].rsplit(":", 1)[1])))
+        direct = complete(second["endpoint"], {"lora": [{"id": 0, "scale": 1.0}]}, key)
         assert routed == direct
         assert routed != complete(router, {"model": "tiny"}) == base  # the base's own answer, adapters at 0
         models = json.loads(urllib.request.urlopen(router + "/v1/models", timeout=10).read())["data"]

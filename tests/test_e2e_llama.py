@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,22 @@ def test_a_real_llama_server_serves_wakes_and_restarts_under_llmgw(tmp_path: Pat
         assert text.choices and text.usage is not None and "timings" in (text.model_extra or {})
         seen = (reply.usage.prompt_tokens + streamed.prompt_tokens + text.usage.prompt_tokens,
                 reply.usage.completion_tokens + streamed.completion_tokens + text.usage.completion_tokens)
+
+        # Issue 45, finding 3: straight to llama-server, around the router, is 401 (it has its own key, which
+        # only routers read), and so is its /metrics; the key is in its environment, not its command line.
+        for route, body in (("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'),
+                            ("/metrics", None)):
+            direct = urllib.request.Request(first["endpoint"] + route, data=body,
+                                            headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(direct, timeout=10) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            assert status == 401, route
+        pid = engine_pid(int(first["endpoint"].rsplit(":", 1)[1]))
+        assert b"--api-key" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"LLAMA_API_KEY=" in Path(f"/proc/{pid}/environ").read_bytes()
 
         # The router counted the three, with the tokens the engine said it used.
         with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=10) as r:

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -111,6 +112,22 @@ def test_a_real_vllm_serves_counts_caches_wakes_and_restarts_under_llmgw(tmp_pat
         assert placed["spec"]["engine_version"] == version  # what the agent runs is what was planned for
         endpoint = first["endpoint"]
         before = engine_metrics(endpoint)  # the agent's health check and readings are vLLM's too
+
+        # Issue 45, finding 3: straight to vLLM, around the router, is 401 (its key is in its environment,
+        # which only the routers learn); the router's requests below, adapter loads included, carry it.
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            direct = urllib.request.Request(f"{endpoint}/v1/completions", headers={"Content-Type": "application/json",
+                                                                                  **headers},
+                                            data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 1}')
+            try:
+                with urllib.request.urlopen(direct, timeout=30) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            assert status == 401, headers
+        leader = vllm_group(int(endpoint.rsplit(":", 1)[1]))
+        assert b"--api-key" not in Path(f"/proc/{leader}/cmdline").read_bytes()
+        assert b"VLLM_API_KEY=" in Path(f"/proc/{leader}/environ").read_bytes()
 
         # Answered by vLLM itself, through the router: plain, streamed (asking for usage), completions.
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],

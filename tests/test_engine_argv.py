@@ -101,7 +101,7 @@ PLANS = {
     "max-num-seqs and KV fp8 asked": ["Qwen/Qwen3-8B", "--max-num-seqs", "64", "--kv-cache-dtype", "fp8"],
     "llama.cpp slots": ["Qwen/Qwen2.5-14B-Instruct", "--precision", "q4_K_M", "--precision", "q8_0",
                         "--parallel", "4", "--context", "4096"],
-    "eager on a 24 GB card": ["meta-llama/Llama-3.1-8B-Instruct", "--precision", "bf16", "--engine-version", "0.17.1",
+    "eager on a 24 GB card": ["meta-llama/Llama-3.1-8B-Instruct", "--precision", "bf16", "--engine-version", "0.8.5",
                               "--gpu-memory-utilization", "0.97", "--context", "57760"],
     "a local directory": [str(MODELS / "google__gemma-2-9b-it"), "--precision", "bf16", "--precision", "q8_0"],
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from streams import stored
+from streams import engine_keys, stored
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -119,19 +119,35 @@ async def test_reconciles_on_start_serves_restarts_and_stops(bus: Bus, agent: tu
     healthy = next(s for s in got if s.state == "healthy")
     assert healthy.replica_id == "qwen-r1" and healthy.node == NODE and healthy.endpoint.startswith("http://127.0.0.1:")
     assert {s.replica_id for s in got} == {"qwen-r1"}  # n2's replica is not ours
+    chat = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+    # Issue 45, finding 3: straight to the engine without its key is 401; with the key the routers read, 200.
+    [issued] = await engine_keys(bus)
+    assert issued.replica_id == "qwen-r1" and issued.node == NODE and issued.endpoint == healthy.endpoint
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{healthy.endpoint}/v1/chat/completions",
-                             json={"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with http.post(f"{healthy.endpoint}/v1/chat/completions", json=chat) as r:
+            assert r.status == 401
+        async with http.post(f"{healthy.endpoint}/v1/chat/completions", json=chat,
+                             headers={"Authorization": f"Bearer {issued.key}"}) as r:
             assert r.status == 200
             assert r.headers["x-llmgw-replica"] == "qwen-r1"
     run = sup.runs["qwen-r1"]
     assert run.proc is not None
+    # The key is in the engine's environment, not its command line (which `ps` shows every user).
+    assert issued.key.encode() not in await asyncio.to_thread(Path(f"/proc/{run.proc.pid}/cmdline").read_bytes)
 
     # A crash: restarted, reported with its restart count, healthy again.
     os.killpg(run.proc.pid, signal.SIGKILL)
     got = await wait_for(bus, lambda ss: any(s.state == "healthy" and s.restarts == 1 for s in ss))
     assert [s.state for s in got] == ["starting", "healthy", "unhealthy", "starting", "healthy"]
     assert "engine exited (-9): killed by SIGKILL; restart 1 of 3" in got[2].detail
+    # The restarted engine has a new key (the stream keeps only it); the old one opens nothing.
+    [again] = await engine_keys(bus)
+    assert again.key != issued.key and again.restarts == 1 and again.endpoint == got[-1].endpoint
+    async with aiohttp.ClientSession() as http:
+        for key, status in ((issued.key, 401), (again.key, 200)):
+            async with http.post(f"{again.endpoint}/v1/chat/completions", json=chat,
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == status
 
     # Stopped on request: the process is gone and the stop is on record.
     pid = sup.runs["qwen-r1"].proc.pid  # type: ignore[union-attr]
@@ -174,6 +190,27 @@ def test_engine_hosts_default_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (real.host, real.advertise_host, real.check_host) == ("0.0.0.0", socket.gethostname(), "127.0.0.1")
     monkeypatch.setenv("LLMGW_ADVERTISE_HOST", "10.1.2.3")
     assert EngineConfig().advertise_host == "10.1.2.3"
+
+
+async def test_an_engine_listens_only_where_the_agent_is_told(
+        bus: Bus, agent: tuple[Outbox, Callable[[EngineConfig], EngineSupervisor]]) -> None:
+    """Issue 45, finding 3: `agent --engine-host` is the one address an engine listens on (and is dialled at)."""
+    from llmgw.cli.agent import engine_config
+
+    told = engine_config({"engines": "real", "simulated": False, "engine_cmds": default_commands(), "engine_startup_s": 0,
+                          "engine_env": {}, "log_dir": None, "log_max_bytes": 1 << 20, "log_keep": 1,
+                          "engine_host": "10.9.8.7", "advertise_host": "gpu-01.example"})
+    assert (told.host, told.advertise_host, told.check_host) == ("10.9.8.7", "gpu-01.example", "10.9.8.7")
+    _, start = agent
+    start(EngineConfig(simulate=True, host="127.0.0.2", health_timeout_s=20))
+    await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec()))
+    await bus.publish(placed("qwen-r1"))
+    got = await wait_for(bus, lambda ss: any(s.state == "healthy" for s in ss))
+    endpoint = got[-1].endpoint
+    assert endpoint.startswith("http://127.0.0.2:")
+    port = int(endpoint.rsplit(":", 1)[1])
+    with pytest.raises(OSError):  # not on every interface: 127.0.0.1 is another address
+        await asyncio.open_connection("127.0.0.1", port)
 
 
 def test_kv_tokens_are_read_from_vllms_metrics() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 from llama import call, free_port, llama_server_bin  # noqa: F401 - the fixture is used by name
-from streams import stored
+from streams import engine_keys, stored
 from vllm_cpu import vllm_binary
 
 from llmgw import messages as m
@@ -46,8 +46,10 @@ MIB = 1 << 20
 
 
 @contextlib.asynccontextmanager
-async def healthy_on_this_node(bus: Bus, spec: m.ModelSpec, config: EngineConfig) -> AsyncIterator[str]:
-    """``spec`` placed here and its engine run by the agent's supervisor, until healthy: its endpoint."""
+async def healthy_on_this_node(bus: Bus, spec: m.ModelSpec, config: EngineConfig
+                               ) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """``spec`` placed here and its engine run by the agent's supervisor, until healthy: its endpoint, and the
+    headers with its API key (as the routers read it) that it takes requests with."""
     outbox = bus.outbox()
     tasks = [asyncio.create_task(outbox.run()), asyncio.create_task(EngineSupervisor(NODE, config).run(bus, outbox))]
     try:
@@ -61,7 +63,8 @@ async def healthy_on_this_node(bus: Bus, spec: m.ModelSpec, config: EngineConfig
                 if healthy := [e for e in got if e.state == "healthy"]:
                     break
                 await asyncio.sleep(0.1)
-        yield healthy[0].endpoint
+        [issued] = await engine_keys(bus)
+        yield healthy[0].endpoint, {"Authorization": f"Bearer {issued.key}"}
     finally:
         for t in reversed(tasks):
             t.cancel()
@@ -84,8 +87,8 @@ def _vllm(**kw: object) -> m.ModelSpec:
 
 async def test_a_simulated_vllm_with_adapter_slots_loads_them_at_runtime_in_the_nodes_load_time(bus: Bus) -> None:
     spec = _vllm(max_adapters=1, max_lora_rank=8)
-    async with healthy_on_this_node(bus, spec, EngineConfig(simulate=True, fake_lora_load_ms=5)) as url, \
-            aiohttp.ClientSession() as http:
+    async with healthy_on_this_node(bus, spec, EngineConfig(simulate=True, fake_lora_load_ms=5)) as (url, keyed), \
+            aiohttp.ClientSession(headers=keyed) as http:
         assert await _post(http, f"{url}/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": "/a1"}) == (
             200, "Success: LoRA adapter 'a1' added successfully.")
         status, text = await _post(http, f"{url}/v1/completions", {"model": "a1", "prompt": "hi"})
@@ -101,7 +104,8 @@ async def test_a_simulated_llama_server_attaches_the_specs_adapters_in_order(bus
     spec = m.ModelSpec(name="tiny", source="/m", file="tiny-Q8_0.gguf", precision="q8_0", engine="llama.cpp",
                        gpu_class="CPU-16GB", context=512,
                        adapters=(m.AdapterRef(name="sql", path="/a/sql.gguf"), m.AdapterRef(name="chat", path="/a/c.gguf")))
-    async with healthy_on_this_node(bus, spec, EngineConfig(simulate=True)) as url, aiohttp.ClientSession() as http:
+    async with healthy_on_this_node(bus, spec, EngineConfig(simulate=True)) as (url, keyed), \
+            aiohttp.ClientSession(headers=keyed) as http:
         status, text = await _post(http, f"{url}/v1/completions",
                                    {"prompt": "hi", "lora": [{"id": 0, "scale": 0}, {"id": 1, "scale": 1}]})
         assert status == 200 and json.loads(text)["choices"][0]["text"] == "hello from tiny-r1 (adapter chat)"

@@ -371,7 +371,7 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
         for bus, streams in ((agent, (subjects.STREAM_CONTROL, subjects.STREAM_FLEET)),
                              (router, (subjects.STREAM_CONTROL,)),
                              (planner, (subjects.STREAM_FLEET, subjects.STREAM_CONTROL)),
-                             (scheduler, natsconf.ALL_STREAMS),
+                             (scheduler, [x for x in natsconf.ALL_STREAMS if x != natsconf.ENGINE_KEYS]),
                              (cli, subjects.HISTORY_STREAMS),
                              (projector, (subjects.STREAM_HEARTBEAT,))):  # GPU use for status
             for stream in streams:
@@ -403,6 +403,33 @@ async def test_each_role_does_its_job_with_the_api_it_is_given(secured: Secured,
         for bus in buses.values():
             await bus.close()
     assert "NATS refused" not in caplog.text
+
+
+async def test_only_routers_read_the_engines_keys(secured: Secured, admin: Bus) -> None:
+    """Issue 45, finding 3: the key that lets a request past the router reaches routers and no other role."""
+    issued = m.EngineKeyIssued(at=AT, replica_id="qwen-r7", node="h100-a-01", key="k" * 43,
+                               endpoint="http://h100-a-01:8000")
+    buses = {u: await secured.connect(u) for u in NON_ADMIN}
+    try:
+        agent = buses["agent-h100-a-01"]
+        ack = await agent.publish(issued)
+        assert ack.stream == subjects.STREAM_ENGINE_KEYS
+        # An agent speaks for its own node's engines only; no other role issues keys.
+        await denied(agent, msgspec.structs.replace(issued, node="h100-a-02"))
+        for user in ("router", "cli", "scheduler"):
+            await denied(buses[user], issued)
+        for user in ("router", "router-gw-1"):
+            assert await read_to_end(buses[user], subjects.STREAM_ENGINE_KEYS) >= 1, user
+        last = subjects.js_api("DIRECT.GET", subjects.STREAM_ENGINE_KEYS, subjects.engine_key("qwen-r7", "h100-a-01"))
+        for user in ("agent-h100-a-01", "projector", "planner", "scheduler", "cli", "viewer"):
+            bus = buses[user]
+            await refused(bus, subjects.js_consumer("CREATE", subjects.STREAM_ENGINE_KEYS, "peek"), b"{}")
+            await refused(bus, last, b"")
+            await refused(bus, subjects.js_api("DIRECT.GET", subjects.STREAM_ENGINE_KEYS), b'{"seq": 1}')
+            await refused(bus, subjects.js_stream("MSG.GET", subjects.STREAM_ENGINE_KEYS), b'{"seq": 1}')
+    finally:
+        for bus in buses.values():
+            await bus.close()
 
 
 async def test_a_role_reads_only_its_own_inbox(secured: Secured, admin: Bus, caplog: pytest.LogCaptureFixture) -> None:

@@ -144,15 +144,67 @@ def test_prompts_seen_once_have_no_home_and_are_routed_by_load() -> None:
 
 def test_keys_expire_and_tables_stay_bounded() -> None:
     table = pr.PrefixTable()
-    for i in range(pr.MAX_SEEN + 10):
+    for i in range(pr.MAX_SEEN + 10):  # one caller: its own bound
         table.note(i, 0.0)
+    assert len(table.seen) == pr.MAX_SEEN_PER_CALLER
+    for i in range(pr.MAX_SEEN + 10):  # many callers: the bound of all
+        table.note(10**6 + i, 0.0, caller=f"k{i % 8}")
     assert len(table.seen) == pr.MAX_SEEN
-    table.note(pr.MAX_SEEN + 5, 1.0)  # seen twice: homed
-    assert pr.MAX_SEEN + 5 in table.homed
+    table.note(10**6 + pr.MAX_SEEN + 5, 1.0, caller="k5")  # seen twice: homed
+    assert 10**6 + pr.MAX_SEEN + 5 in table.homed
     table.expire(pr.WINDOW_S + 0.5)
-    assert not table.seen and list(table.homed) == [pr.MAX_SEEN + 5]
+    assert not table.seen and list(table.homed) == [10**6 + pr.MAX_SEEN + 5]
     table.expire(pr.WINDOW_S + 1.0)
     assert not table.homed
+
+
+def test_one_callers_prefix_flood_leaves_anothers_homes_routed_home() -> None:
+    """Issue 45: 1,100 prompts each sent twice evicted every other tenant's homed prefixes."""
+    reps = [Rep(f"r{i}") for i in range(4)]
+    table = pr.PrefixTable()
+    mine = [pr._hash64(system_prompt(i).encode()) for i in range(20)]
+    for k in mine + mine:
+        pr.pick(table, k, reps, now=0.0, caller="victim")
+    for i in range(1100):
+        flood = pr._hash64(f"flood {i}".encode())
+        pr.pick(table, flood, reps, now=1.0, caller="flooder")
+        pr.pick(table, flood, reps, now=1.0, caller="flooder")
+    assert all(k in table.homed for k in mine)
+    assert all(pr.pick(table, k, reps, now=2.0, caller="victim") is not None for k in mine)  # home, not by load
+    assert len(table.homed) <= pr.MAX_HOMED and sum(1 for k in table.homed if k not in mine) == pr.MAX_HOMED_PER_CALLER
+    # Floods from many callers at once fill the table; the largest gives way, the victim's 20 stay.
+    for c in range(8):
+        for i in range(300):
+            flood = pr._hash64(f"flood {c} {i}".encode())
+            for _ in range(2):
+                pr.pick(table, flood, reps, now=3.0, caller=f"flooder{c}")
+    assert len(table.homed) == pr.MAX_HOMED and all(k in table.homed for k in mine)
+
+
+def test_homes_kept_as_keys_come_are_the_rule_applied_afresh() -> None:
+    """A new home is put in place (deferred acceptance), not by placing every home again: same answer."""
+    rng = random.Random(7)
+    for replicas in (3, 8, 64):
+        ring = pr.Ring([f"r{i}" for i in range(replicas)])
+        kept = pr.Homes(ring)
+        keys: list[int] = []
+        for _ in range(600):
+            keys.append(rng.getrandbits(64))
+            kept.add(keys[-1])
+        assert kept.at == pr.homes(keys, ring)
+        assert kept.rebuilds < 60  # the cap changed O(log n) times, not once per key
+        for k in keys[:400]:  # keys leave: ghosts, then the rule afresh over those left
+            kept.remove(k)
+        assert set(kept.at) >= set(keys[400:]) and max(Counter(kept.at.values()).values()) <= kept.cap
+        live = list(keys[400:])
+        for _ in range(2000):  # churn: every live key keeps a home, under the cap
+            if rng.random() < 0.45:
+                kept.remove(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(rng.getrandbits(64))
+                kept.add(live[-1])
+            assert all(k in kept.at for k in live)
+        assert max(Counter(kept.at.values()).values()) <= kept.cap
 
 
 def test_the_fake_engines_cache_holds_a_prefix_per_slot() -> None:
@@ -244,3 +296,30 @@ async def test_each_replicas_cached_share_travels_in_the_routers_map(
     assert sum(u.cached_tokens for u in uses.values()) / prompt == pytest.approx(share)
     again = await prefix_router.publish_idle_map()
     assert not any(u.model == "mapped" for u in again.cache_use.values())  # taken once
+
+
+async def test_a_requests_prefix_is_charged_to_its_key(bus: Bus, prefix_router: Router,
+                                                      cached_engines: dict[str, EngineProcess]) -> None:
+    """Through the router: a prompt's home belongs to the key that sent it, so another key's flood cannot take it."""
+    from llmgw import ctl
+
+    secrets = {}
+    for name in ("alice", "bob"):
+        secret, key_id, salt, digest = ctl.new_key_secret()
+        secrets[name] = secret
+        await bus.publish(m.KeyDeclared(at=m.utcnow(), name=name, lookup_id=key_id, salt=salt, digest=digest))
+    await declare(bus, prefix_router, "m-keys", "prefix", cached_engines)
+    await prefix_router.sink.wait_for(lambda p: len(prefix_router.sink.keys_by_id) >= 2)
+    url = prefix_router.url + CHAT
+    bodies = {name: json.dumps({"model": "m-keys", "messages": [{"role": "system", "content": system_prompt(i)},
+                                                                 {"role": "user", "content": "hi"}]}).encode()
+              for i, name in enumerate(secrets)}
+    async with aiohttp.ClientSession() as http:
+        for name, body in bodies.items():
+            for _ in range(2):
+                async with http.post(url, data=body, headers={"Authorization": f"Bearer {secrets[name]}",
+                                                              "Content-Type": "application/json"}) as resp:
+                    assert resp.status == 200, await resp.text()
+    table = prefix_router.prefixes["m-keys"]
+    owners = {table.homed.owner[k] for k in table.homed}
+    assert owners == {"alice", "bob"} and pr.prompt_key(CHAT, bodies["alice"]) in table.homed.by["alice"]

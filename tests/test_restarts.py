@@ -226,3 +226,73 @@ def test_chargeback_and_idle_hours_leave_the_control_planes_outages_out(tmp_path
             assert store.query("SELECT round(gpu_hours_idle * 60, 3) FROM gpu_hours_idle_daily") == [(2 * 119.0,)]
         finally:
             store.close()
+
+
+def _asked_at(events: list[m.Event], at: datetime) -> list[m.Event]:
+    """``events`` with a router's map saying qwen-r1 was last asked for at ``at`` (before the gap)."""
+    return [*events, m.IdleMapPublished(at=at, router="rt", boot_id="b", tick=1, last_request={"qwen-r1": at})]
+
+
+def test_idle_time_leaves_the_control_planes_gap_out() -> None:
+    """Last asked 10:01, the plane down 11:00–12:00: at 13:00 nobody has asked for 119 minutes, not 179,
+    whether the stop was recorded or only the next start's last_seen says so."""
+    from llmgw.fleet import idle_rows
+
+    for recorded in (True, False):
+        c = folded(_asked_at(history(recorded=recorded), t(1)))
+        (row,) = idle_rows(c.state, t(180))
+        assert (row.idle_s, row.idle_since) == (119 * 60.0, t(1)), recorded
+        assert round(row.gpu_hours_idle, 4) == round(2 * 119 / 60, 4)
+        r = report(c.state, t(180), idle_threshold_s=60.0, history=c.history, replicas=True)
+        assert [x.idle_s for x in r.idle] == [119 * 60.0] and r.replica_list[0].idle_s == 119 * 60.0
+        assert r.model_list[0].idle_s == 119 * 60.0
+    # A moment inside a kill -9's gap, which only the next start tells: idle stops where the gap began.
+    events = _asked_at(history(recorded=False), t(1))
+    before = folded(events[:-2] + events[-1:])
+    start = events[-2]
+    assert isinstance(start, m.ControlPlaneStarted)
+    r = report(before.state, t(90), idle_threshold_s=60.0, history=before.history, next_start=start)
+    assert [x.idle_s for x in r.idle] == [59 * 60.0]
+    # Inside a recorded stop the idle time stops with it.
+    c = folded(_asked_at(history(recorded=True)[:-1], t(1)))
+    (row,) = idle_rows(c.state, t(90))
+    assert row.idle_s == 59 * 60.0
+
+
+def test_an_idle_ttl_does_not_stop_a_replica_for_the_time_the_control_plane_was_down() -> None:
+    """A 90-minute TTL, last asked 10:01, the plane down 11:00–12:00: at 12:01 the replica has been idle 60
+    minutes, so the scheduler that just started keeps it; at 13:31 (90 minutes) it stops it."""
+    from llmgw.fleet.demand import SchedulerMemory
+    from llmgw.scheduler.placement import decide
+
+    ttl = msgspec.structs.replace(QWEN, idle_ttl_s=90 * 60.0)
+    for recorded in (True, False):
+        events = [ttl if isinstance(e, m.ModelSpec) else e for e in history(recorded=recorded)]
+        events = [m.ModelDeclared(at=e.at, spec=ttl) if isinstance(e, m.ModelDeclared) else e for e in events]
+        c = folded(_asked_at(events, t(1)))
+        stops = [d.event for d in decide(c.state, SchedulerMemory(), t(121)) if isinstance(d.event, m.ReplicaStopped)]
+        assert stops == [], (recorded, stops)
+        (stop,) = [d.event for d in decide(c.state, SchedulerMemory(), t(151)) if isinstance(d.event, m.ReplicaStopped)]
+        assert stop.code == "idle" and "no request for 5400s" in stop.reason, stop
+
+
+def test_ctl_idle_leaves_the_gap_out(settings: Settings) -> None:
+    """Through the CLI, on the bus: a replica last asked for 3 h ago, the plane down for 1 h of them (kill -9)."""
+    from datetime import timedelta
+
+    now = m.utcnow()
+    ago = lambda minutes: now - timedelta(minutes=minutes)  # noqa: E731
+    events = [m.ControlPlaneStarted(at=ago(181), boot_id="b1"), inventory("n1", "ib-a", 2, ago(181)),
+              m.ModelDeclared(at=ago(181), spec=QWEN), placed("qwen-r1", QWEN, [("n1", 0), ("n1", 1)], ago(181)),
+              m.ReplicaStateChanged(at=ago(180.5), replica_id="qwen-r1", model="qwen-8b", node="n1",
+                                    state="healthy", endpoint="http://n1:8000"),
+              m.IdleMapPublished(at=ago(180), router="rt", boot_id="b", tick=1, last_request={"qwen-r1": ago(180)}),
+              m.ControlPlaneStarted(at=ago(60), boot_id="b2", previous_boot_id="b1", last_seen=ago(120))]
+    asyncio.run(publish_fresh(settings, events))
+    r = CliRunner().invoke(cli, ["ctl", "idle", "--older-than", "1m", "--replay", "--json",
+                                 "--nats-url", settings.nats_url])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["idle"]
+    asked = json.loads(r.stdout)["now"]
+    # 3 h less the hour it was down, measured at the command's own now (what it asked at)
+    assert row["idle_s"] == round((datetime.fromisoformat(asked) - ago(180)).total_seconds() - 3600, 3), row

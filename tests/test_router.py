@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from running import engines as running_engines
+from running import until
 
 from llmgw import messages as m
 from llmgw import subjects
@@ -429,3 +430,30 @@ async def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float
 
 async def idle_count(bus: Bus) -> int:
     return await bus.stream_last_seq(subjects.STREAM_USAGE)
+
+
+async def test_the_router_sends_an_engine_the_key_its_own_nodes_agent_gave_it(bus: Bus) -> None:
+    """Issue 45, finding 3: an engine refuses requests without its key; the router sends the one the agent of the
+    replica's node published, and a key another node's agent publishes for that replica is not used."""
+    key = "k" * 43
+    engine = spawn("keyed", "--api-key", key, name="K1")
+    r = Router(bus, "router-keys", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    try:
+        await place(bus, "K1", "keyed", engine.url)
+        await r.sink.wait_for(in_pool("K1"))
+        async with aiohttp.ClientSession() as http:
+            async def ask(url: str) -> int:
+                async with http.post(url + "/v1/completions", json={"model": "keyed", "prompt": "hi"}) as resp:
+                    return resp.status
+
+            assert await ask(engine.url) == 401  # straight at it, without the key
+            await bus.publish(m.EngineKeyIssued(at=now(), replica_id="K1", node="n2", key="f" * 43, endpoint=engine.url))
+            await until(lambda: r.engine_keys.applied_seq >= 1, "the router read n2's key")
+            assert r.engine_keys.key_for(engine.url) is None and await ask(r.url) == 401  # n2 does not hold K1
+            await bus.publish(m.EngineKeyIssued(at=now(), replica_id="K1", node="n1", key=key, endpoint=engine.url))
+            await until(lambda: r.engine_keys.key_for(engine.url) == key, "the router read n1's key")
+            assert await ask(r.url) == 200
+    finally:
+        await r.stop()
+        engine.stop()

@@ -48,3 +48,33 @@ def test_up_with_real_engines_points_at_the_demo_model_not_a_14b() -> None:
 
     assert "./models/tiny" in look_line("real") and "14B" not in look_line("real")
     assert "Qwen/Qwen2.5-14B-Instruct" in look_line("fake")
+
+
+def test_up_help_names_xdg_data_home_and_the_data_dir_follows_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43, smaller: `up --help` omitted $XDG_DATA_HOME, where the data went when it was set."""
+    from llmgw.config import data_dir
+
+    r = CliRunner().invoke(cli, ["up", "--help"], terminal_width=200)
+    assert r.exit_code == 0 and "$LLMGW_DATA_DIR, else $XDG_DATA_HOME/llmgw, else ~/.local/share/llmgw" in r.output
+    monkeypatch.delenv("LLMGW_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert data_dir() == tmp_path / "llmgw"
+
+
+def test_the_demo_models_the_readme_writes_in_the_checkout_are_ignored_by_git(tmp_path: Path) -> None:
+    """Issue 43, smaller: `llmgw demo-model ./models/tiny` (the README's) left an untracked folder in the checkout."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    assert git is not None
+    paths = ["models/tiny/model.gguf", "models/tiny-hf/config.json", "models/tiny/loras/sql.gguf"]
+    r = subprocess.run([git, "-C", str(root), "check-ignore", "--no-index", *paths],
+                       capture_output=True, text=True, check=False)
+    assert r.stdout.split() == paths, r.stdout + r.stderr
+    # and nothing the repository holds is under it (examples/models is the walkthrough's, tracked)
+    r = subprocess.run([git, "-C", str(root), "check-ignore", "--no-index", "examples/models/Qwen__Qwen3-8B/config.json"],
+                       capture_output=True, text=True, check=False)
+    assert r.stdout == ""

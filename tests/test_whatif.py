@@ -331,3 +331,30 @@ async def test_a_window_whose_usage_aged_out_starts_where_the_usage_does_and_say
     since, until = (datetime.fromisoformat(report[k]) for k in ("since", "until"))
     held = (until - since).total_seconds() / 3600  # the one replica, up all along: only the window's part counts
     assert abs(report["recorded"]["total"]["gpu_hours"] - held) < 0.01
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_gpu_hours_and_idle_leave_a_control_plane_gap_out(recorded: bool) -> None:
+    """LONE with the control plane down from 1 h to 1 h 30 (a recorded stop, or a kill -9 that the next start's
+    last_seen tells): nothing in the gap was stored, and no policy holds or idles GPU-hours in it."""
+    down, up = T0 + timedelta(hours=1), T0 + timedelta(hours=1, minutes=30)
+    events = [(s, e) for s, e in history([spec("lone")], LONE, hours=3) if not down <= e.at < up]
+    start = m.ControlPlaneStarted(at=up, boot_id="b2", previous_boot_id="b1", last_seen=None if recorded else down)
+    cut = next(i for i, (_, e) in enumerate(events) if e.at >= up)
+    events[cut:cut] = [*([(subjects.STREAM_CONTROL, m.ControlPlaneStopped(at=down, boot_id="b1"))] if recorded else []),
+                       (subjects.STREAM_CONTROL, start)]
+    since, until = T0 + timedelta(seconds=60), T0 + timedelta(hours=3)
+    out = replayed(events, since, until, [_lone("never", None), _lone("15m", 900.0), _lone("1h", 3600.0)])
+    whole = replayed(history([spec("lone")], LONE, hours=3), since, until, [_lone("never", None)])
+    never = out.asked_total["never"]
+    assert never.gpu_hours == out.recorded_total.gpu_hours == round((10_740 - 1800) / 3600, 3)
+    # Idle from 2400 s to 7000 s: the half hour down inside it is not idle (of the 0.9 of its card vLLM books).
+    assert out.recorded_total.idle_gpu_hours == never.idle_gpu_hours == round(
+        whole.recorded_total.idle_gpu_hours - 0.5 * 0.9, 3)
+    # 15m: stopped at 1500 s and woken at 2400, it would idle-stop at 3302, before the gap: as without one.
+    assert out.asked_total["15m"].gpu_hours == round((1440 + 902 + 902) / 3600, 3)
+    # 1h: idle from 2400 s, 20 minutes of it before the gap and 40 after would be 7800 s, but 7000 asks first,
+    # so it stops only an hour after that, at 10,600 s, and never wakes (without the gap left out it stopped at
+    # 6000 and woke at 7000).
+    hour = out.asked_total["1h"]
+    assert (hour.gpu_hours, hour.cold_starts) == (round((10_740 - 1800 - 200) / 3600, 3), 0)

@@ -6,6 +6,8 @@ one-token completion), reads what it reserved, reports ``starting`` → ``health
 its endpoint) through the agent's outbox, sees its exit from the process (a pidfd, never
 its pipes), ends its whole process group, and restarts it with back-off until
 ``EngineConfig.max_restarts``, then reports ``failed`` with what its output said failed.
+Each start gives the engine a new API key (in its environment, never its command line), published
+first for the routers alone (``EngineKeyIssued``): nothing reaches the engine around the router.
 
 Over 600 lines: one engine's whole life (start, health, what it reserved and holds, exit, restart)
 reads in one class; split, each half would carry the other's process and its state.
@@ -18,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -35,6 +38,7 @@ from llmgw.agent.turns import StartTurns
 from llmgw.bus import Outbox
 from llmgw.engine.argv import (
     JOINED_MARKERS,
+    api_key_env,
     default_commands,
     engine_argv,
     engine_env,
@@ -228,6 +232,10 @@ class EngineRun:
         self.check_problem, self.check_refused = "", False  # the last health check: what went wrong, and whether 4xx
         self.memory_of: MemoryProbe | None = None  # the agent's NVML, when it runs this supervisor
         self.http: Upstream | None = None  # the supervisor's client; a run started alone makes its own
+        # Engines' API keys by the address the agent checks them at: the supervisor's, shared with its client.
+        self.engine_keys: dict[str, str] = {}
+        self.api_key = ""  # this start's
+        self._check_base = ""
         self.turns: StartTurns | None = None  # the node's start order for shared GPUs (the supervisor's)
         # What its engine holds here: last read, last reported (MiB), its KV figure, and over-bookings.
         self.used_mib, self._reported_mib, self._kv_tokens = 0, 0, 0
@@ -312,6 +320,7 @@ class EngineRun:
         env = dict(os.environ, **self.config.env, **extra_env)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in self.placed.gpus if g.node == self.node)
         self.endpoint = f"http://{self.config.advertise_host}:{self.port}"
+        self._new_key(env)
         self.tail.clear()
         self.procs, self._ended = [], set()
         pumps: list[asyncio.Task[None]] = []
@@ -334,6 +343,19 @@ class EngineRun:
             if i < len(argvs) - 1 and not await self._joined():  # the Ray head is up before vLLM starts
                 break
         return pumps
+
+    def _new_key(self, env: dict[str, str]) -> None:
+        """A new API key for this start, in the engine's environment; the routers learn it before the engine
+        starts (the outbox delivers in order, so before its endpoint), the agent's own checks send it too."""
+        self.engine_keys.pop(self._check_base, None)  # the last start's address
+        self.api_key = secrets.token_urlsafe(32)
+        env.update(api_key_env(self.placed.spec, self.api_key, simulate=self.config.simulate))
+        self._check_base = f"http://{self.config.check_host}:{self.port}"
+        self.engine_keys[self._check_base] = self.api_key
+        if self.rank == 0:  # the head serves; the other parts of a replica over nodes take no requests
+            self.outbox.put(m.EngineKeyIssued(at=m.utcnow(), replica_id=self.replica_id, node=self.node,
+                                              key=self.api_key, endpoint=self.endpoint,
+                                              restarts=min(self.restarts, 1_000_000)))
 
     async def _pump_to(self, proc: asyncio.subprocess.Process, sink: RotatingLog | None) -> None:
         try:
@@ -461,7 +483,7 @@ class EngineRun:
 
     async def _http(self) -> Upstream:
         if self.http is None:
-            self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
+            self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S), keys=lambda ep: self.engine_keys.get(ep))
         await self.http.start()  # started once; again is a no-op
         return self.http
 
@@ -622,3 +644,4 @@ class EngineRun:
         finally:
             self._turn_done()
             await asyncio.shield(self.stop())
+            self.engine_keys.pop(self._check_base, None)

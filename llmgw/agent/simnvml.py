@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.agent.nvml import GPU_LOST, THERMAL, Finding, GpuEvent, GpuStatic, GpuUse, ecc_finding
+from llmgw.engine.argv import API_KEY_ENV, FAKE_API_KEY_ENV
 from llmgw.fleetfile import FleetNode
 
 # (pid, GPU indexes, MiB it holds on each): a fake engine as the driver would see its allocations.
@@ -54,6 +55,20 @@ def metrics_url(pid: int) -> str | None:
         return None
     host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def engine_key(pid: int) -> str | None:
+    """The API key the engine process ``pid`` was started with (its environment, as the agent set it)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    names = {*(n.encode() + b"=" for n in API_KEY_ENV.values()), FAKE_API_KEY_ENV.encode() + b"="}
+    for item in env:
+        name, eq, value = item.partition(b"=")
+        if eq and name + b"=" in names and value:
+            return value.decode(errors="replace")
+    return None
 
 
 def _number(pattern: re.Pattern[str], text: str) -> float | None:
@@ -174,7 +189,9 @@ class SimNvml:
         text = None
         if url is not None:
             try:
-                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - http on this host
+                key = engine_key(pid)  # llama-server's /metrics asks for it
+                ask = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+                with urllib.request.urlopen(ask, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - http on this host
                     text = resp.read(1 << 20).decode(errors="replace")
             except (OSError, ValueError):
                 text = None

@@ -122,7 +122,9 @@ class EngineSupervisor:
         self.files_ready: Callable[[m.ModelSpec], Awaitable[str | None]] | None = None
         self.files_held: Callable[[m.ModelSpec], bool] | None = None  # whether they are here already
         # One HTTP client for every engine's health checks and readings (llmgw/engine/upstream.py, as the router's).
-        self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S))
+        # Each engine's API key, by the address this agent checks it at (``EngineRun.engine_keys``).
+        self.engine_keys: dict[str, str] = {}
+        self.http = Upstream(Timeouts(connect_s=5.0, read_s=CHECK_S), keys=self.engine_keys.get)
         self._versions = VersionCache(self.config.version_cache)
 
     def known_versions(self) -> dict[str, str]:
@@ -242,6 +244,7 @@ class EngineSupervisor:
             if rid not in self._tasks and (head or not worker):
                 run = EngineRun(self.node, placed, self.config, outbox, head_address=head)
                 run.memory_of, run.http, run.turns = self.memory_of, self.http, self.turns
+                run.engine_keys = self.engine_keys
                 self.runs[rid] = run
                 self._tasks[rid] = asyncio.create_task(self._when_files_ready(run), name=f"engine-{rid}")
 

@@ -25,6 +25,7 @@ MIN_SERVER_VERSION = (2, 12, 3)
 
 P = s.PREFIX
 FLEET, CONTROL, USAGE, HEARTBEAT = s.STREAM_FLEET, s.STREAM_CONTROL, s.STREAM_USAGE, s.STREAM_HEARTBEAT
+ENGINE_KEYS = s.STREAM_ENGINE_KEYS
 ALL_STREAMS = tuple(spec.name for spec in s.STREAMS)
 LEASE_STREAM = f"KV_{s.SCHEDULER_LEASE_BUCKET}"
 SNAPSHOT_STREAM = f"OBJ_{s.SNAPSHOT_BUCKET}"
@@ -120,7 +121,8 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         # Its own node's facts only: lost/returned are the liveness monitor's (the scheduler's).
         pub += [s.fleet(node, "inventory"), s.fleet(node, "health"), s.heartbeat(node),
                 s.fleet(node, "files"), s.fleet(node, "download"), s.fleet(node, "evicted"),  # what its disk holds
-                f"{P}.control.replica.*.state.{s.token(node)}", f"{P}.control.replica.*.overbooked.{s.token(node)}"]
+                f"{P}.control.replica.*.state.{s.token(node)}", f"{P}.control.replica.*.overbooked.{s.token(node)}",
+                f"{P}.enginekey.*.{s.token(node)}"]  # its engines' API keys: written, never read back
         # Engines follow placements; the fleet stream holds the node's own last health.
         pub += _read(CONTROL, FLEET)
         sub += [s.agent_fault(node)]  # fault injection (simulated), or an operator's `clear`
@@ -134,6 +136,7 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         # The other routers' maps too: each key's quota counts what it asked through any router.
         pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", f"{P}.usage.{tok}.adapter", *_read(CONTROL, USAGE),
                 s.js_api("DIRECT.GET", USAGE, f"{P}.usage.{tok}.idle")]
+        pub += _read(ENGINE_KEYS)  # the engines' API keys: the one role that reads them, to reach the engines
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]
     elif role == "projector":
         pub += [*_read(*s.HISTORY_STREAMS, HEARTBEAT), *_info(*ALL_STREAMS), *_snapshots_write()]  # heartbeats: GPU use
@@ -187,6 +190,12 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>", f"{P}.usage.>", f"{P}.agent.>"]
     else:
         raise ConfigError(f"unknown role {role!r}; one of {', '.join((*ROLES, 'agent'))}")
+    if role != "router":  # the engine keys' stream: routers read it, agents write their own node's, no one else
+        deny_pub += [x for x in _read(ENGINE_KEYS) if x not in _info(ENGINE_KEYS)]
+        deny_pub += [s.js_api("DIRECT.GET", ENGINE_KEYS, ">"), s.js_api("DIRECT.GET", ENGINE_KEYS),
+                     s.js_stream("MSG.GET", ENGINE_KEYS)]
+    if role != "agent":
+        deny_pub += [f"{P}.enginekey.>"]
     if role != "projector":
         pub += _snapshots_read()  # every fold may start from a snapshot; only the projector writes them
         deny_pub += [f"$O.{s.SNAPSHOT_BUCKET}.>"]

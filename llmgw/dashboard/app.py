@@ -16,9 +16,9 @@ after a bound. The login cookie holds a random session id, never the key.
 
 Who may open it: a key of the ``--api-keys`` file (the router's), or a live ``ctl key`` with
 scope ``viewer`` or ``admin`` (read from the whole control stream). While neither exists the
-page is open to whoever reaches it. Tenants' names and usage are shown to an admin alone (a
-file key counts as one): a viewer, or anyone on an open page, sees the fleet and how many keys
-are near their limits, not whose.
+page is open to whoever reaches it. Tenants' names and usage, and where engines listen, are shown
+to an admin alone (a file key counts as one): a viewer, or anyone on an open page, sees the fleet
+and how many keys are near their limits, not whose.
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ SCOPES = ("viewer", "admin")  # the ctl key scopes that open the dashboard
 SCOPE: web.RequestKey[str | None] = web.RequestKey("llmgw_dashboard_scope", object)  # type: ignore[arg-type]
 
 
-def public(event: m.Event) -> Any:
-    """An event as ``/api/status`` lists it: its fields, a key's salt and digest left out."""
+def public(event: m.Event, *, admin: bool = False) -> Any:
+    """An event as ``/api/status`` lists it: a key's salt and digest left out, where engines listen but to an admin."""
     doc = msgspec.to_builtins(event)
-    if type(event) is m.KeyDeclared:
-        for name in KEY_SECRETS:
+    if type(event) is m.KeyDeclared or (not admin and type(event) is m.ReplicaStateChanged):
+        for name in KEY_SECRETS if type(event) is m.KeyDeclared else ("endpoint", "head_address"):
             doc.pop(name, None)
     return doc
 
@@ -461,12 +461,12 @@ class Dashboard:
         if not self.clients:
             await self.refresh()
         report, events = self.report, list(reversed(self.events))
-        if request[SCOPE] != "admin":  # tenants' names and usage, and the keys' records, an admin's alone
+        if not (admin := request[SCOPE] == "admin"):  # tenants, keys' records, engines' addresses: an admin's alone
             if report is not None:
-                report = msgspec.structs.replace(report, tenants=(), near_limits=())
-            events = [e for e in events if not isinstance(e, m.KeyDeclared | m.KeyRevoked)]
-        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(report),
-                "events": [public(e) for e in events], "scope": request[SCOPE]}
+                report = msgspec.structs.replace(report, tenants=(), near_limits=(), replica_list=tuple(
+                    msgspec.structs.replace(r, endpoint="") for r in report.replica_list))
+        body = {"live": self.ok, "problem": self.why, "report": msgspec.to_builtins(report), "scope": request[SCOPE],
+                "events": [public(e, admin=admin) for e in events if admin or type(e) not in (m.KeyDeclared, m.KeyRevoked)]}
         return web.json_response(body, dumps=lambda x: json.dumps(x, default=str))
 
     def _refusal(self, client: str) -> web.Response | None:

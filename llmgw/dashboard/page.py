@@ -287,8 +287,11 @@ BAD_MODEL_STATES = ("failing", "failed", "unplaceable", "unhealthy")
 
 def attention_section(r: m.StatusReport, *, tenants: bool = True) -> Safe:
     """What needs someone, in one short list at the top of the page (never below the fold): lost nodes,
-    unhealthy GPUs, models that do not serve, keys at 80 % of their tokens for today."""
-    items: list[Safe] = [el("li", f"node {n} lost", cls="bad") for n in sorted(r.lost_nodes)]
+    unhealthy GPUs, models that do not serve, keys at 80 % of their tokens for today; first of all, a control
+    plane that is down (a dashboard outside ``llmgw up`` while it is away, or a moment inside its gap)."""
+    items: list[Safe] = [el("li", f"control plane down since {clock(r.control_plane_since)} UTC: nothing serves and "
+                                  "no GPU-hours count until it starts again", cls="bad")] if r.control_plane == "down" else []
+    items += [el("li", f"node {n} lost", cls="bad") for n in sorted(r.lost_nodes)]
     for n in r.node_gpus:
         items += [el("li", f"{n.node} GPU {i} unhealthy: {why}", cls="bad") for i, why in sorted(n.unhealthy.items())]
     for s in r.model_list:
@@ -351,6 +354,11 @@ def timeline_entry(event: m.Event) -> tuple[str, str, str]:
             return sev, rid, f"{state} on {node}" + (f": {detail}" if detail else "")
         case m.ReplicaStopped(replica_id=rid, reason=why):
             return "info", rid, f"stopped: {why}"
+        case m.ControlPlaneStopped(reason=why):
+            return "bad", "control plane", f"stopped ({why or 'no reason given'}): nothing serves until it starts again"
+        case m.ControlPlaneStarted(last_seen=seen):
+            return "good", "control plane", "started" + (
+                f"; down since {clock(seen)} UTC (a stop nothing recorded)" if seen is not None else "")
     return "info", "", type(event).__name__
 
 

@@ -153,6 +153,20 @@ def engine_env(spec: m.ModelSpec, *, simulate: bool = False) -> dict[str, str]:
     return {}
 
 
+# Where each engine reads its API key from: its environment, not its command line, which `ps` shows every
+# user of the node. vLLM reads VLLM_API_KEY (its --api-key wins over it), llama-server LLAMA_API_KEY (the
+# env of its --api-key); the fake engine FAKE_API_KEY_ENV (its --api-key). Each then refuses a request
+# without ``Authorization: Bearer <key>`` with 401: vLLM on /v1/… (not /health, /metrics), llama-server on
+# everything but /health (/v1/models, /props and /metrics included).
+API_KEY_ENV = {"vllm": "VLLM_API_KEY", "llama.cpp": "LLAMA_API_KEY"}
+FAKE_API_KEY_ENV = "LLMGW_FAKE_API_KEY"
+
+
+def api_key_env(spec: m.ModelSpec, key: str, *, simulate: bool = False) -> dict[str, str]:
+    """The environment that gives a replica's engine its API key."""
+    return {FAKE_API_KEY_ENV if simulate else API_KEY_ENV.get(spec.engine, FAKE_API_KEY_ENV): key}
+
+
 def vllm_flags(version: str) -> list[str]:
     """The flags of ``VLLM_FLAGS`` that vLLM ``version`` has; none for a version not recorded."""
     if not version:

@@ -17,6 +17,7 @@ header) and /stats counts requests per adapter.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import selectors
 import socket
@@ -143,6 +144,7 @@ class EngineOptions:
     max_cpu_loras: int = 0  # vLLM's cache of loaded adapter weights (below max_loras: max_loras)
     lora_load_ms: float = 0.0  # time to load one adapter, at load and when read again
     attached: tuple[str, ...] = field(default_factory=tuple)  # llama.cpp's --lora adapters, ids in this order
+    api_key: str = ""  # refuse /v1/… without ``Authorization: Bearer <key>``, as vLLM's --api-key does ("": open)
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,18 @@ class FakeEngine:
         await reader.read()  # until it goes away
         os._exit(4)
 
+    @web.middleware
+    async def _authorized(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """vLLM's AuthenticationMiddleware: /v1/… needs the key (compared in constant time); /health and
+        /metrics do not."""
+        if self.opts.api_key and request.path.startswith("/v1"):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.opts.api_key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._count])
+        app = web.Application(middlewares=[self._authorized, self._count])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)

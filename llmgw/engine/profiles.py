@@ -7,18 +7,21 @@ and was fitted on public start-up logs of that range (``tests/data/vllm_observed
 the figures in docs/benchmarks.md):
 
 * the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
-  (0.11 to 0.15 warmed top-p/top-k too: ~10 copies on their logs; 0.16-0.20 ~5; 0.21-0.28 ~1.75;
-  0.29+ ~3.75).
-  Up to 0.10 it differed by card: ~4.5 copies with a small card's batch (the A100 logs), 9.5 with
+  (0.11 to 0.15 warmed top-p/top-k too: ~10 copies on their logs; 0.16-0.20 ~5; 0.21-0.28 ~1.5;
+  0.29+ ~3.5).
+  Up to 0.10 it differed by card: ~5 copies with a small card's batch (the A100 and A10 logs), 9.5 with
   a large card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
 * memory outside torch that the profile counts (``non_torch_gib``), as its logs print it;
 
 The copies are fitted, not chosen: ``benchmarks/calibration.py --fit`` prints what the fit gives,
 and the figures here are that; its table scores them in sample and leave-one-source-out.
 * the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
-  larger ones, and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
+  larger ones (from 0.21 every card profiles 8,192 tokens; only the sequences differ), and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
 * where CUDA graphs live: before 0.20 they are captured after the cache is sized, out of
-  the 1 - utilization slack; from 0.20 vLLM profiles them and takes them from the budget (its
+  the 1 - utilization slack (from 0.10 with the profiling run's activation free again beside it:
+  Qwen3-30B-A3B-FP8 at tp 2 on L40S under 0.10.2 at 0.95 and Qwen3-VL-30B-A3B at tp 4 on RTX 3090s
+  under 0.11.0, which captured 1.92 GiB beside 1.86 of slack, started; Qwen3-30B-A3B at tp 4 on A10s
+  under 0.8.5 at 0.9 sized its cache and died capturing, vLLM issue 17469); from 0.20 vLLM profiles them and takes them from the budget (its
   message says "default since v0.21.0", but 0.20.2's logs already print the subtraction).
 
 llama.cpp has one profile: its compute buffer does not depend on the build.
@@ -59,6 +62,18 @@ class EngineProfile:
     tokens_by_concurrency: bool = False
     # gpt-oss's mxfp4 experts on Hopper: the OAI Triton kernels (from 0.11), else Marlin's padding (0.10.1).
     mxfp4_hopper_triton: bool = True
+    # Where graphs are captured after the cache is sized: the first version whose profiling run's activation is free
+    # again when it captures (the budget counted it, the cache never took it), so that the capture may use it too.
+    capture_reuses_profile_since: tuple[int, ...] = (0, 10)
+
+    def capture_reuses_profile(self, version: str) -> bool:
+        """Whether this version captures its CUDA graphs into memory that its profiling run's activation held (a
+        version the range does not name: the newest of the range, ``self.version``)."""
+        try:
+            v = parse_version(version) if version else parse_version(self.version)
+        except PlanError:
+            v = parse_version(self.version)
+        return v >= self.capture_reuses_profile_since
 
     @property
     def name(self) -> str:
@@ -89,7 +104,7 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     # sampler_copies / large_sampler_copies: what benchmarks/calibration.py's fit gives on the set (a grid by a
     # quarter, least squares in units of each row's tolerance); non_torch_gib: the median the logs print on one GPU,
     # 0.13 (no range has two sources that print their own). tests/test_calibration.py checks that the fit still gives these.
-    EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=4.5, large_sampler_copies=9.5,
+    EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=5.0, large_sampler_copies=9.5,
                   mxfp4_hopper_triton=False),
     EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=10.25),
     # 0.12-0.15 still warmed the sampler as 0.11 did (an RTX A5000 log of 0.13.0, an H200 one of 0.15.1);
@@ -99,12 +114,16 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     EngineProfile("vllm", (0, 16), (0, 20), "0.19.1", sampler_copies=4.75),
     EngineProfile("vllm", (0, 20), (0, 21), "0.20.2", sampler_copies=5.0, graphs_in_budget=True,
                   tokens_by_concurrency=True),
-    # ~1.75 copies: Qwen3-32B at tp 2 on a 96 GB card under 0.27.1 left 1.66 GiB beside weights and KV in all,
+    # ~1.5 copies: Qwen3-32B at tp 2 on a 96 GB card under 0.27.1 left 1.66 GiB beside weights and KV in all,
     # less than 3 copies of 1,024 sequences' logits alone (1.74 GiB).
-    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=1.75, graphs_in_budget=True,
-                  tokens_by_concurrency=True),
-    EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.75, graphs_in_budget=True,
-                  default_util=0.92, a100_is_small=False, tokens_by_concurrency=True),
+    # From 0.21 a card under 70 GiB profiles 8,192 batched tokens too (with 256 sequences): 0.26.0 on an A40
+    # prints "1.01 GiB for peak activation" for Llama-3.1-8B with 256 sequences, its forward pass at 8,192 tokens
+    # (0.25 at 2,048), and Qwen3-8B on an RTX A5000 under 0.21.0 reads 0.76 GiB high at 2,048, 0.11 at 8,192.
+    # (Read from the logs; 0.19.0 on RTX 3090s still profiled 2,048.)
+    EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=1.5, graphs_in_budget=True,
+                  tokens_by_concurrency=True, small_batch=(8192, 256)),
+    EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.5, graphs_in_budget=True,
+                  default_util=0.92, a100_is_small=False, tokens_by_concurrency=True, small_batch=(8192, 256)),
 )
 LLAMACPP_PROFILE = EngineProfile("llama.cpp", (0,), None, "", default_util=0.9)
 NEWEST = VLLM_PROFILES[-1]

@@ -5,10 +5,15 @@ request would cost a connector, a DNS cache and a TLS context each time, and
 keep-alive connections to the engines are what keeps added latency low. The
 router proxies through it; an agent's engine supervisor checks health and reads
 what an engine reserved through its own, with a total bound per check.
+
+Every engine llmgw starts asks for its own API key (``EngineKeyIssued``): ``keys`` says which key an
+endpoint takes, and every request through this client to that endpoint carries it as
+``Authorization: Bearer <key>`` (proxied requests, health checks, metrics, adapter loads alike).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -46,8 +51,11 @@ class Timeouts:
 class Upstream:
     """A shared aiohttp session towards the engines."""
 
-    def __init__(self, timeouts: Timeouts | None = None, *, max_connections: int = 0) -> None:
+    def __init__(self, timeouts: Timeouts | None = None, *, max_connections: int = 0,
+                 keys: Callable[[str], str | None] | None = None) -> None:
         self.timeouts = timeouts or Timeouts()
+        # The API key an endpoint's engine takes (None: none known, the request goes without).
+        self.keys = keys
         self._max = max_connections
         self._session: aiohttp.ClientSession | None = None
         # Parsed once per (endpoint, route): yarl parsing is a visible share of a proxied request.
@@ -79,12 +87,19 @@ class Upstream:
             url = self._urls[(endpoint, route)] = URL(endpoint + route)
         return url
 
+    def _with_key(self, endpoint: str, headers: dict[str, str] | None) -> dict[str, str] | None:
+        key = self.keys(endpoint) if self.keys is not None else None
+        if key is None:
+            return headers
+        return {**(headers or {}), "Authorization": f"Bearer {key}"}
+
     def post(self, endpoint: str, route: str, body: bytes, headers: dict[str, str], *,
              total_s: float | None = None) -> aiohttp.client._RequestContextManager:
         """POST ``body`` to ``endpoint + route``; await it for the response once headers arrived.
         ``total_s`` bounds the whole exchange (a health check), on top of the session's timeouts."""
         assert self._session is not None, "Upstream.start() was not awaited"
         url = self._url(endpoint, route)
+        headers = self._with_key(endpoint, headers) or {}
         if total_s is None:
             return self._session.post(url, data=body, headers=headers)
         return self._session.post(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=total_s))
@@ -93,6 +108,7 @@ class Upstream:
         """GET ``endpoint + route`` (health, metrics, props), bounded like ``post``."""
         assert self._session is not None, "Upstream.start() was not awaited"
         url = self._url(endpoint, route)
+        headers = self._with_key(endpoint, None)
         if total_s is None:
-            return self._session.get(url)
-        return self._session.get(url, timeout=aiohttp.ClientTimeout(total=total_s))
+            return self._session.get(url, headers=headers)
+        return self._session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=total_s))

@@ -49,7 +49,8 @@ from llmgw.fleet.files import NodeFiles, fold_files
 # 16: when a replica last stopped on each GPU (``FleetState.released``: status drops NVML samples older).
 # 17: the control plane's own stops and starts (``FleetState.plane_*``), and the models' history closes the
 # GPU-time of the replicas it holds over a gap the control plane was down.
-FOLD_VERSION = 17
+# 18: the control plane's latest gaps (``FleetState.plane_gaps``): idle time leaves them out.
+FOLD_VERSION = 18
 
 OBSERVED_MIB_MAX = 256 * m.MIB_MAX  # a node's GPUs at most; an agent's larger figure is ignored
 
@@ -193,6 +194,8 @@ class FleetState:
     plane_boot: str = ""
     plane_started_at: datetime | None = None
     plane_down_since: datetime | None = None
+    # Its latest gaps (from, to), oldest first, PLANE_GAPS_KEPT at most: nobody could ask for anything in them.
+    plane_gaps: list[tuple[datetime, datetime]] = field(default_factory=list)
 
     # --- derived views, computed when asked ----------------------------------
 
@@ -298,6 +301,19 @@ class FleetState:
         if placed is not None:
             serving = [t for t in serving if t >= placed]
         return min(serving) if serving else None
+
+    def down_s(self, since: datetime, until: datetime) -> float:
+        """Seconds of [since, until] the control plane was down: its latest gaps, and the one it is in."""
+        gaps = self.plane_gaps if self.plane_down_since is None else [*self.plane_gaps, (self.plane_down_since, until)]
+        return sum(max(0.0, (min(b, until) - max(a, since)).total_seconds()) for a, b in gaps)
+
+    def idle_s(self, replica_id: str, now: datetime) -> float | None:
+        """How long nobody has asked for a replica at ``now`` (``idle_since`` on), less the time the control
+        plane was down in between, when nobody could; None when no router knows."""
+        since = self.idle_since(replica_id)
+        if since is None:
+            return None
+        return max(0.0, (now - since).total_seconds() - self.down_s(since, now))
 
 
 def booking_mib(spec: m.ModelSpec, card_mib: int) -> int:
@@ -503,6 +519,9 @@ def apply(state: FleetState, event: m.Event, seq: int = 0, moved: list[str] | No
             if state.plane_down_since is None:
                 state.plane_down_since = event.at
         case m.ControlPlaneStarted():
+            if (gap := plane_gap(state.plane_down_since, state.plane_started_at, event)) is not None:
+                state.plane_gaps.append(gap)
+                del state.plane_gaps[:-PLANE_GAPS_KEPT]
             state.plane_boot, state.plane_started_at, state.plane_down_since = event.boot_id, event.at, None
         case m.NodeCordoned():
             state.cordoned[event.node] = event
@@ -634,6 +653,8 @@ def plane_gap(down_since: datetime | None, started_at: datetime | None,
         begin = max(begin, started_at)
     return (begin, event.at) if begin < event.at else None
 
+
+PLANE_GAPS_KEPT = 32  # an idle time older than this many restarts counts the older gaps in
 
 KEY_USAGE_DAYS = 8  # today and the seven before: the dashboard's "7 days"
 ASKED_DAYS = 30  # how long the fold remembers when a model or adapter was last asked for

@@ -115,7 +115,7 @@ def idle_rows(state: FleetState, now: datetime | None) -> list[IdleRow]:
     rows = []
     for r in state.replicas.values():
         since = state.idle_since(r.replica_id) if now is not None else None
-        idle = max(0.0, (now - since).total_seconds()) if since is not None and now is not None else None
+        idle = state.idle_s(r.replica_id, now) if since is not None and now is not None else None
         age = max(0.0, (now - r.placed_at).total_seconds()) if now is not None else None
         rows.append(IdleRow(r.replica_id, r.model, r.nodes, len(r.gpus), r.state, idle, since, age))
     return sorted(rows, key=lambda x: (x.idle_s is None, -x.gpus * (1.0 if x.idle_s is None else x.idle_s), x.replica_id))
@@ -146,7 +146,7 @@ def _idle(state: FleetState, replica_id: str, now: datetime | None) -> tuple[flo
     since = state.idle_since(replica_id) if now is not None else None
     if since is None or now is None:
         return None, None
-    return max(0.0, (now - since).total_seconds()), since
+    return state.idle_s(replica_id, now), since
 
 
 def replica_rows(state: FleetState, now: datetime | None, model: str | None = None) -> tuple[m.ReplicaRow, ...]:
@@ -308,7 +308,8 @@ def report(state: FleetState, now: datetime | None = None, idle_threshold_s: flo
     now = state.as_of if now is None else now
     down = plane_down(state, now, next_start)
     held = state.held_gpus()
-    idle, unknown = idle_replicas(state, now, idle_threshold_s)
+    # Down since a moment the fold cannot know of (a kill -9's, from the next start): idle stops counting there.
+    idle, unknown = idle_replicas(state, now if down is None or now is None else min(now, down), idle_threshold_s)
     unplaceable = tuple(
         m.UnplaceableModel(name=v.spec.name, reason=v.unplaceable_reason, since=_utc(v.unplaceable_at))
         for _, v in sorted(state.models.items())

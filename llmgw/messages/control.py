@@ -223,6 +223,28 @@ class ReplicaStateChanged(Event, tag="ReplicaStateChanged", frozen=True, kw_only
     observed_memory_mib: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
+# An engine's API key: URL-safe, what ``secrets.token_urlsafe(32)`` gives (43 characters); bounded at decode.
+EngineKey = Annotated[str, msgspec.Meta(min_length=32, max_length=128, pattern=r"^[A-Za-z0-9_-]+\Z")]
+
+
+class EngineKeyIssued(Event, tag="EngineKeyIssued", frozen=True, kw_only=True):
+    """An agent gave a replica's engine on its node a new API key, before starting it (each start a new one).
+
+    Published on its own stream (``llmgw.enginekey.<replica>.<node>``, the latest per subject), which only
+    routers (and admin) may read: the key is what lets a request past the router, so no other role learns it.
+    """
+
+    replica_id: Ref
+    node: Ref
+    key: EngineKey
+    endpoint: Label  # where the router reaches that engine (ReplicaStateChanged's, once it is healthy)
+    # Which start of the engine it is for (the agent's restart count), so that a reader keeps the newest.
+    restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+
+
+EngineKeyEvent = EngineKeyIssued
+
+
 # A replica whose engine uses more than this over what it booked is reported (``ReplicaOverBooked``).
 OVERBOOK_MARGIN = 0.10
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from llmgw.messages.base import ErrorReply
-from llmgw.messages.control import ControlEvent
+from llmgw.messages.control import ControlEvent, EngineKeyEvent
 from llmgw.messages.fleet import FleetEvent, HeartbeatEvent
 from llmgw.messages.usage import UsageEvent
 
@@ -23,6 +23,8 @@ FLEET_DECODER = msgspec.json.Decoder(FleetEvent)
 HEARTBEAT_DECODER = msgspec.json.Decoder(HeartbeatEvent)
 USAGE_DECODER = msgspec.json.Decoder(UsageEvent)
 CONTROL_DECODER = msgspec.json.Decoder(ControlEvent)
+# Not in AnyEvent: an engine key is read only where it is used (the router), never by a reader of every stream.
+ENGINE_KEY_DECODER = msgspec.json.Decoder(EngineKeyEvent)
 ANY_DECODER = msgspec.json.Decoder(AnyEvent)
 ERROR_DECODER = msgspec.json.Decoder(ErrorReply)
 

@@ -45,11 +45,13 @@ from llmgw.planner.memory import (
     VLLM_BLOCK,
     KvShape,
     Precision,
+    capture_headroom,
     cuda_graph_bytes_per_gpu,
     engine_kv_tokens,
     gib,
     layout,
     precision,
+    profile_activation_bytes,
     sizes,
 )
 
@@ -120,27 +122,30 @@ EAGER_COST = ("--enforce-eager captures no CUDA graphs: each decode step launche
 
 
 def _graph_plan(info: m.ModelInfo, kv: KvShape, mem: float, util: float, weights: float, overhead: float,
-                graphs: float, want: int, profile: EngineProfile) -> tuple[str, float, float, str | None]:
+                graphs: float, want: int, profile: EngineProfile, freed: float = 0.0) -> tuple[str, float, float, str | None]:
     """Where the CUDA graphs of a vLLM candidate go: (mode, utilization, bytes left for KV, note).
 
     From 0.20 vLLM takes them from the budget itself. Before, it captures them after sizing the
-    cache, out of the slack beside the CUDA context; where the slack cannot hold them the engine
-    would die at start-up, so the plan lowers the utilization until it does (when the cache
-    still holds ``want`` tokens), or runs eagerly without graphs.
+    cache, out of what the budget leaves (``capture_headroom``: the slack beside the CUDA context,
+    and ``freed``, the profiling run's activation, where the version captures into it); where that
+    cannot hold them the engine would die at start-up, so the plan lowers the utilization until it
+    does (when the cache still holds ``want`` tokens), or runs eagerly without graphs.
     """
     budget = util * mem
     if profile.graphs_in_budget:
         return "budget", util, budget - weights - overhead - graphs, None
-    slack = mem - budget - CUDA_CONTEXT_BYTES
-    if graphs <= slack:
+    room = capture_headroom(mem, util, freed)
+    if graphs <= room:
         return "slack", util, budget - weights - overhead, None
-    short = (f"the {gib(max(0.0, slack))} GiB of slack beside the CUDA context (1 - {util:g} of the card) cannot "
-             f"hold {profile.name}'s CUDA graphs (~{gib(graphs)} GiB per GPU), which it captures after sizing the cache")
-    charged_util = int((mem - graphs - CUDA_CONTEXT_BYTES) / mem * 100) / 100
+    beside = f" and the {gib(freed)} GiB its profiling run freed" if freed else ""
+    short = (f"the {gib(max(0.0, room))} GiB free when {profile.name} captures its CUDA graphs after sizing the cache "
+             f"(the slack beside the CUDA context, 1 - {util:g} of the card{beside}) cannot hold them "
+             f"(~{gib(graphs)} GiB per GPU): the engine would size its cache and die capturing them")
+    charged_util = int((mem - graphs - CUDA_CONTEXT_BYTES + freed) / mem * 100) / 100
     charged = charged_util * mem - weights - overhead
     if charged_util > 0 and kv.bytes_for(want) <= charged:
         return "charged", charged_util, charged, (
-            f"{short}: planned at --gpu-memory-utilization {charged_util:g}, which leaves them room and costs "
+            f"{short}; planned at --gpu-memory-utilization {charged_util:g}, which leaves them room and costs "
             f"{gib(budget - charged_util * mem)} GiB of KV cache per GPU; or keep {util:g} with {EAGER_COST}")
     return "eager", util, budget - weights - overhead, (
         f"{short}, and a utilization that leaves them room leaves too little KV cache for {want:,} tokens: "
@@ -178,8 +183,10 @@ def evaluate(info: m.ModelInfo, p: Precision, split: Split, *, context: int | No
     graphs = cuda_graph_bytes_per_gpu(info, tp, pp, seqs) if p.engine == "vllm" else 0.0
     want = (context or default_context(info)) * slots
     if p.engine == "vllm":
+        freed = profile_activation_bytes(overhead - lora_bytes, profile, tp, pp) \
+            if profile.capture_reuses_profile(version) else 0.0
         mode, util, kv_budget, graph_note = _graph_plan(info, kv, mem, asked_util, weights, overhead, graphs, want,
-                                                        profile)
+                                                        profile, freed)
     else:
         mode, util, kv_budget, graph_note = "", asked_util, asked_util * mem - weights - overhead, None
     eager = mode == "eager"

@@ -35,7 +35,8 @@ spreads over, on one node):
     buffers when tp x pp > 1.
   - CUDA graphs (``cuda_graph_bytes_per_gpu``): from vLLM 0.20 profiled and taken from the
     budget; before, captured after the cache is sized, out of the slack, which must then
-    hold them beside the CUDA context (~0.5 GiB). The planner (``llmgw.planner``) charges
+    hold them beside the CUDA context (~0.5 GiB), from 0.10 with the profiling run's activation
+    free again (``capture_headroom``). The planner (``llmgw.planner``) charges
     them or proposes ``--enforce-eager`` where the slack cannot.
   llama.cpp: a CUDA context of 0.5 GiB and its compute buffer with its
   ``n_ubatch`` of 512 tokens in fp32.
@@ -670,6 +671,20 @@ def cuda_graph_bytes_per_gpu(info: m.ModelInfo, tp: int, pp: int = 1, max_num_se
     split = GRAPH_ALLREDUCE_BYTES if tp * pp > 1 else 0
     return (GRAPH_BASE_BYTES + len(layers) * capture * info.hidden_size * GRAPH_BYTES_PER_ELEMENT
             + moe_layers * GRAPH_MOE_LAYER_BYTES * capture // GRAPH_CAPTURE_MAX + split)
+
+
+def profile_activation_bytes(overhead: float, profile: EngineProfile, tp: int, pp: int = 1) -> float:
+    """The part of ``overhead_bytes_per_gpu`` that the profiling run's activation held, not what stays allocated
+    (memory outside torch, the all-reduce's buffers)."""
+    allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
+    return max(0.0, overhead - int(profile.non_torch_gib * GIB) - allreduce)
+
+
+def capture_headroom(memory: float, util: float, freed: float = 0.0) -> float:
+    """What a vLLM that captures its CUDA graphs after sizing its cache has free when it captures: the card beyond
+    its budget, less the CUDA context (outside the budget), plus ``freed``, the profiling run's activation where
+    the version captures into it (``EngineProfile.capture_reuses_profile``)."""
+    return memory - util * memory - CUDA_CONTEXT_BYTES + freed
 
 
 def gib(b: float) -> float:

@@ -33,6 +33,7 @@ from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.engine.upstream import Upstream
 from llmgw.fleet.pool import Adapter, Pool, Replica
+from llmgw.router.openai_api import with_field
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class Adapters:
         rep.outstanding -= 1
         self.finished(rep.replica_id, name)
 
-    async def choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None) -> Chosen | None:
+    async def choose(self, name: str, adapter: Adapter, body: bytes, exclude: Replica | None = None,
+                     lora_sent: bool = True) -> Chosen | None:
         """A replica of the base holding ``name`` (loaded there first if need be), taken, and the request
         counted as using ``name`` there until ``finished``; None: no replica of the base is healthy (the
         caller wakes it). AdapterError when it cannot be served at all."""
@@ -111,7 +113,7 @@ class Adapters:
                                    f"no healthy replica of {adapter.base} has adapter {name!r} attached yet (its "
                                    "replicas roll to attach it); retry shortly")
             rep = min(holders, key=lambda r: r.outstanding)
-            return Chosen(self._hold(rep, name), lora_body(body, rep.adapters, name, adapter.scale))
+            return Chosen(self._hold(rep, name), lora_body(body, rep.adapters, name, adapter.scale, lora_sent))
         if len(self.held) > 2 * len(self.pool.replicas) + 16:
             self.drop_gone()  # stopped replicas' entries: bounded by the pool, not by every replica ever run
         for rep in reps:
@@ -257,10 +259,11 @@ class Adapters:
             log.warning("router %s: could not publish %s (%s)", self.name, type(event).__name__, e)
 
 
-def lora_body(body: bytes, attached: tuple[str, ...], name: str, scale: float) -> bytes:
-    """The request with llama-server's ``lora`` field: ``name`` at ``scale``, every other attached adapter at 0."""
-    data = msgspec.json.decode(body)
-    if not isinstance(data, dict):
-        return body
-    data["lora"] = [{"id": i, "scale": scale if a == name else 0.0} for i, a in enumerate(attached)]
-    return msgspec.json.encode(data)
+def lora_body(body: bytes, attached: tuple[str, ...], name: str, scale: float, present: bool = True) -> bytes:
+    """The request with llama-server's ``lora`` field: ``name`` at ``scale``, every other attached adapter at 0.
+
+    ``present``: the body may hold a ``lora`` already (the client's, or one set before a
+    retry); without one, the field is put in without parsing the body (``openai_api.with_field``).
+    """
+    value = msgspec.json.encode([{"id": i, "scale": scale if a == name else 0.0} for i, a in enumerate(attached)])
+    return with_field(body, "lora", value, present)

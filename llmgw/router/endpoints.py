@@ -23,7 +23,7 @@ from llmgw.fleet import snapshots
 from llmgw.fleet.fold import Checkpoint, Memories, fold_batch
 from llmgw.fleet.pool import Declared, Pool, Replica
 
-__all__ = ["Declared", "EndpointSink", "Pool", "Replica"]
+__all__ = ["Declared", "EndpointSink", "EngineKeys", "Pool", "Replica"]
 
 log = logging.getLogger(__name__)
 _KEY_EVENTS = (m.KeyDeclared, m.KeyRevoked)
@@ -117,3 +117,69 @@ class EndpointSink:
 
         async with asyncio.timeout(within):
             await waiter()
+
+
+class EngineKeys:
+    """The engines' API keys (``EngineKeyIssued``), followed from their stream, by endpoint: what
+    ``Upstream`` sends each engine as ``Authorization``. Only routers may read that stream.
+
+    A key is taken only from the agent of the node that serves the replica (its head, once the pool knows
+    it): another node's agent cannot make this router send a replica's engine a key of its choosing.
+    """
+
+    MAX_ENDPOINTS = 100_000  # endpoints come and go; the oldest are forgotten past this
+
+    def __init__(self, bus: Bus, pool: Pool) -> None:
+        self.bus, self.pool = bus, pool
+        self._by_endpoint: dict[str, dict[str, m.EngineKeyIssued]] = {}  # endpoint -> node -> its latest
+        self._endpoint_of: dict[tuple[str, str], str] = {}  # (replica, node) -> the endpoint of its latest key
+        self.applied_seq = 0
+        self.skipped = 0
+        self.caught_up = asyncio.Event()
+
+    def key_for(self, endpoint: str) -> str | None:
+        """The key the engine at ``endpoint`` takes; None when this router knows none."""
+        found = self._by_endpoint.get(endpoint)
+        if not found:
+            return None
+        for node, issued in found.items():
+            rep = self.pool.replicas.get(issued.replica_id)
+            if rep is None or not rep.nodes or rep.nodes[0] == node:
+                return issued.key
+        return None
+
+    def _skipped(self, raw: RawMsg, error: Exception) -> None:
+        self.skipped += 1
+
+    def apply(self, subject: str, issued: m.EngineKeyIssued) -> bool:
+        """Keep a key reported on its own subject (the node's agent), in place of that engine's last one."""
+        if subject != subjects.engine_key(issued.replica_id, issued.node):
+            self.skipped += 1
+            return False
+        old = self._endpoint_of.pop((issued.replica_id, issued.node), None)
+        if old is not None and (held := self._by_endpoint.get(old)) is not None:
+            held.pop(issued.node, None)
+            if not held:
+                del self._by_endpoint[old]
+        while len(self._endpoint_of) >= self.MAX_ENDPOINTS:
+            (rid, node), ep = next(iter(self._endpoint_of.items()))
+            del self._endpoint_of[(rid, node)]
+            if (held := self._by_endpoint.get(ep)) is not None and held.pop(node, None) is not None and not held:
+                del self._by_endpoint[ep]
+        self._by_endpoint.setdefault(issued.endpoint, {})[issued.node] = issued
+        self._endpoint_of[(issued.replica_id, issued.node)] = issued.endpoint
+        return True
+
+    async def run(self) -> None:
+        """Follow forever from the stream's start (it keeps only each engine's latest); cancel to stop."""
+        target = await self.bus.stream_last_seq(subjects.STREAM_ENGINE_KEYS)
+        if target <= self.applied_seq:
+            self.caught_up.set()
+        follower = self.bus.follow(subjects.STREAM_ENGINE_KEYS, m.ENGINE_KEY_DECODER, self.applied_seq + 1,
+                                   who="router", on_skip=self._skipped)
+        async for batch in follower.batches():
+            for d in batch:
+                self.apply(d.raw.subject, d.event)
+            self.applied_seq = follower.last_seq
+            if self.applied_seq >= target:
+                self.caught_up.set()

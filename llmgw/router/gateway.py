@@ -8,7 +8,8 @@
   slot by its key's priority (``_admit``); one for a parked model is held by
   ``wake.Wake``, then goes on here like any other. What it used is added up for
   the next idle map (``ticks``): no I/O, no lock.
-* Bodies pass through untouched, but that a stream is asked for its usage
+* A body is read once (``openai_api.Head``: model, limits, the prompt as raw slices) and
+  passes through untouched, but that a stream is asked for its usage
   (``openai_api.usage_asked``); streams are written on chunk by chunk.
 * A keyed request holds the tokens it may use from being taken to its end (``HOLD``,
   ``quotas.reserve``, ``_settle``), so parallel requests cannot overspend a day.
@@ -80,6 +81,7 @@ class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the r
 
 # The load of an adapter a request waited for, as a header of its answer (``x-llmgw-adapter-load-ms``).
 LORA_LOAD: web.RequestKey[dict[str, str]] = web.RequestKey("llmgw_lora_load", dict)
+LORA_IN: web.RequestKey[bool] = web.RequestKey("llmgw_lora_in", bool)  # whether the body may hold a `lora` field
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
 _ENC = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
@@ -127,7 +129,8 @@ class Gateway:
 
     # --- choosing and admitting ---------------------------------------------------
 
-    def acquire(self, model: str, exclude: Replica | None = None, key: int | None = None) -> Replica | None:
+    def acquire(self, model: str, exclude: Replica | None = None, key: int | None = None,
+                caller: str = ANONYMOUS_CALLER) -> Replica | None:
         """A healthy replica of ``model`` for a request, or None; never awaits.
 
         With a prompt ``key`` (the model routes by prefix), where that prefix is homed, within
@@ -140,7 +143,7 @@ class Gateway:
             table = self.prefixes.get(model)
             if table is None:
                 table = self.prefixes[model] = prefixroute.PrefixTable()
-            chosen = prefixroute.pick(table, key, reps, exclude)
+            chosen = prefixroute.pick(table, key, reps, exclude, caller=caller)
             if chosen is not None:
                 return self._take(chosen)
         n = len(reps)
@@ -160,28 +163,34 @@ class Gateway:
                     request: web.Request | None = None) -> tuple[Replica | None, bytes]:
         """The replica for a request and the body to send it: an adapter's holder (``adapters``), or a
         replica of the model; a llama.cpp replica with adapters attached gets every one at scale 0."""
+        sent = request.get(LORA_IN, True) if request is not None else True  # may the body hold a `lora`?
         if lora is not None:
-            chosen = await self.adapters.choose(model, lora, body, exclude)
+            chosen = await self.adapters.choose(model, lora, body, exclude, sent)
             if chosen is None:
                 return None, body
+            if request is not None:
+                request[LORA_IN] = True  # what is sent from here on holds one
             if picked is not None:
                 picked.append(chosen.replica.replica_id)
             if chosen.loaded_s and request is not None:  # the adapter's load it waited for, in its answer
                 request[LORA_LOAD] = {"x-llmgw-adapter-load-ms": f"{chosen.loaded_s * 1000:.1f}"}
             return chosen.replica, chosen.body
-        rep = self.acquire(model, exclude=exclude, key=key) if exclude is not None else self.acquire(model, key=key)
+        who = request.get(KEY) if request is not None else None  # whose prefixes these are (prefix.Callers)
+        rep = self.acquire(model, exclude, key, who.name if who is not None else ANONYMOUS_CALLER)
         if rep is not None and rep.adapters:
-            body = lora_body(body, rep.adapters, "", 0.0)
+            body = lora_body(body, rep.adapters, "", 0.0, sent)
+            if request is not None:
+                request[LORA_IN] = True
         return rep, body
 
     async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
-                     key: int | None, picked: list[str]) -> tuple[Replica | None, bytes]:
+                     key: int | None, picked: list[str], request: web.Request) -> tuple[Replica | None, bytes]:
         """Another replica after ``rep`` could not be reached (the same once more when there is none), and the
         body to send it (a llama.cpp replica's ``lora`` list is its own)."""
         try:
-            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked)
+            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked, request=request)
             if other is None:
-                other, sent = await self._pick(model, lora, body, key, picked=picked)
+                other, sent = await self._pick(model, lora, body, key, picked=picked, request=request)
         except AdapterError:
             return None, body
         return other, sent
@@ -192,7 +201,7 @@ class Gateway:
             self.idle.last[rep.replica_id] = time.time()
         return rep
 
-    def routing_key(self, model: str, route: str, body: bytes) -> int | None:
+    def routing_key(self, model: str, route: str, body: bytes | api.Head) -> int | None:
         """The prompt's key when ``model`` routes by prefix (its declaration says so), else None."""
         declared = self.pool.declared.get(model)
         if declared is not None and declared.routing != "prefix":
@@ -363,6 +372,7 @@ class Gateway:
                 return api.error(400, f"request body is not a valid JSON object with a string `model` ({e})",
                               "invalid_request_error", "invalid_json")
             model, stream = head.model, head.stream
+            request[LORA_IN] = head.sent_lora()
             if not model:
                 status = 400
                 self.metrics.error("", "bad_request")
@@ -389,7 +399,7 @@ class Gateway:
             if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
                 body = api.usage_asked(body, head)
             resp = await self._forward(request, route, model, stream, body, t0,
-                                       self.routing_key(model, route, body), strip_usage=strip_usage)
+                                       self.routing_key(model, route, head), strip_usage=strip_usage)
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -508,7 +518,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked)
+                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked, request)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",

@@ -10,20 +10,38 @@ from aiohttp import web
 _ENC = msgspec.json.Encoder()
 
 
+_ABSENT = msgspec.Raw(b"")
+
+
 class Head(msgspec.Struct):
-    """The only fields the router reads from a request body."""
+    """The only fields the router reads from a request body: one pass over it, nothing else decoded.
+
+    msgspec reads the body once, as its C parser skips what no field names, and keeps
+    ``messages`` and ``prompt`` as raw slices of the body, so a 30 MB prompt is never made
+    into a string: the routing key reads its first KiB from those slices
+    (``prefix.prompt_key``), and the body is rewritten, where it must be, without being
+    parsed again (``usage_asked``, ``adapters.lora_body``). A key the body repeats is read
+    as its last, as the engines read it (Python's json, nlohmann's).
+    """
 
     model: str = ""
     stream: bool = False
-    # Read, never judged: the engine answers a malformed one as it sees fit.
-    stream_options: Any = None
+    # Read, never judged: the engine answers a malformed one as it sees fit. UNSET: not in the body.
+    stream_options: Any = msgspec.UNSET
     max_tokens: Any = None  # what a request may cost is reserved from its key's quota (llmgw/router/quotas.py)
     max_completion_tokens: Any = None
     n: Any = None
+    lora: msgspec.Raw = _ABSENT  # llama-server's adapters; only whether the client sent one is read
+    # Chat messages, each a raw slice; another type is the engine's to refuse (and no routing key).
+    messages: list[msgspec.Raw] | str | int | float | bool | dict[str, msgspec.Raw] | None = None
+    prompt: msgspec.Raw = _ABSENT  # a completion's prompt, raw
 
     def wants_usage(self) -> bool:
         """Whether the client asked for the usage chunk (``stream_options.include_usage``)."""
         return isinstance(self.stream_options, dict) and self.stream_options.get("include_usage") is True
+
+    def sent_lora(self) -> bool:
+        return len(self.lora) > 0
 
     def completion_cap(self) -> int | None:
         """The most completion tokens the request may be answered with, when it says (``max_tokens`` × ``n``)."""
@@ -38,6 +56,28 @@ class Head(msgspec.Struct):
 HEAD = msgspec.json.Decoder(Head)
 _TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _USAGE_ASKED = b'"stream_options":{"include_usage":true}'
+_SPACE = b" \t\r\n"
+
+
+def with_field(body: bytes, name: str, value: bytes, present: bool) -> bytes:
+    """``body`` with its top-level ``name`` set to the JSON ``value``, everything else as sent.
+
+    Not ``present`` (the head says the body has no such key), the field is put before the
+    object's closing brace: one copy, nothing parsed. Present, the top level is read once as
+    raw values and written back with ``name`` replaced (a repeated key then once, as the
+    engine would have read it: its last).
+    """
+    if not present:
+        end = body.rindex(b"}")
+        i = end - 1
+        while i > 0 and body[i] in _SPACE:
+            i -= 1
+        comma = b"" if body[i] == ord("{") else b","
+        view = memoryview(body)
+        return b"".join((view[:end], comma, b'"', name.encode(), b'":', value, view[end:]))
+    top = _TOP.decode(body)
+    top[name] = msgspec.Raw(value)
+    return _ENC.encode(top)
 
 
 def usage_asked(body: bytes, head: Head) -> bytes:
@@ -45,19 +85,11 @@ def usage_asked(body: bytes, head: Head) -> bytes:
 
     The router counts every stream's tokens, so it asks for them as vLLM and llama-server
     take it (``stream_options.include_usage``) and takes the chunk out of what the client
-    reads (``without_usage_chunks``). Without ``stream_options`` the field is put before
-    the object's closing brace, so nothing of the body is parsed again or copied twice; with
-    it (``{"include_usage": false}``, other options), the top level is read once as raw
-    values and written back with ``include_usage`` set, the client's other options kept.
+    reads (``without_usage_chunks``). The client's other options are kept.
     """
-    if head.stream_options is None and b'"stream_options"' not in body:
-        end = body.rindex(b"}")
-        opened = body[:end].rstrip().endswith(b"{")
-        return body[:end] + (b"" if opened else b",") + _USAGE_ASKED + body[end:]
-    top = _TOP.decode(body)
     options = head.stream_options if isinstance(head.stream_options, dict) else {}
-    top["stream_options"] = msgspec.Raw(_ENC.encode({**options, "include_usage": True}))
-    return _ENC.encode(top)
+    return with_field(body, "stream_options", _ENC.encode({**options, "include_usage": True}),
+                      head.stream_options is not msgspec.UNSET)
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:

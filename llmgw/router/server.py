@@ -39,7 +39,7 @@ from llmgw.errors import ConfigError, LlmgwError
 from llmgw.router import access, spans
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
-from llmgw.router.endpoints import EndpointSink, Pool, Replica
+from llmgw.router.endpoints import EndpointSink, EngineKeys, Pool, Replica
 from llmgw.router.gateway import ROUTES, Gateway
 from llmgw.router.idle import IdleFor, IdleTracker
 from llmgw.router.journal import Journal
@@ -138,7 +138,8 @@ class Router:
             self.spans = spans.Spans(tracer_provider or spans.otlp_provider(otlp_endpoint or "", name))
         self.pool = Pool()
         self.sink = EndpointSink(bus, self.pool)
-        self.upstream = Upstream(timeouts)
+        self.engine_keys = EngineKeys(bus, self.pool)  # what each engine takes as its Authorization
+        self.upstream = Upstream(timeouts, keys=self.engine_keys.key_for)
         self.idle = IdleTracker()  # written per request, collected per tick; its tick count paces the wishes
         self.prefixes: dict[str, prefixroute.PrefixTable] = {}  # per model routed by prefix: homed per request, expired per tick
         self.metrics = Metrics(self.pool, lambda: self.sink.bad_events, lambda: self.ticks.idle_maps)
@@ -177,7 +178,7 @@ class Router:
     def release(self, rep: Replica) -> None:
         self.gateway.release(rep)
 
-    def routing_key(self, model: str, route: str, body: bytes) -> int | None:
+    def routing_key(self, model: str, route: str, body: bytes | api.Head) -> int | None:
         """The prompt's key when ``model`` routes by prefix (its declaration says so), else None."""
         return self.gateway.routing_key(model, route, body)
 
@@ -236,6 +237,7 @@ class Router:
         await self.ticks.take_up_journal()  # before any map of this boot: its first one carries them
         # The pool keeps routing to what it knew meanwhile; the sink resumes where it stopped.
         self._tasks.append(asyncio.create_task(self._retrying("control stream", self.sink.run), name="router-endpoints"))
+        self._tasks.append(asyncio.create_task(self._retrying("engine keys", self.engine_keys.run), name="router-keys"))
         self._tasks.append(asyncio.create_task(self._retrying("usage stream", self.ticks.follow_usage),
                                                name="router-usage"))
         if self.idle_tracking:
@@ -243,6 +245,7 @@ class Router:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait_caught_up):
                 await self.sink.caught_up.wait()
+                await self.engine_keys.caught_up.wait()  # an endpoint it routes to, it can reach
         if self.idle_tracking:
             await self.ticks.recall()
         # handler_cancellation: a client that goes away cancels the upstream request.

@@ -451,10 +451,10 @@ def decide(state: FleetState, memory: SchedulerMemory, now: datetime,
             continue
         ttl = model.spec.idle_ttl_s
         if ttl is not None and ttl > 0:
-            since = state.idle_since(replica.replica_id)
+            idle = state.idle_s(replica.replica_id, now)  # the control plane's gaps left out: nobody could ask
             # Unknown idle time is never idle: without a router's word, nothing is stopped.
-            if since is not None and (now - since).total_seconds() >= ttl:
-                stop(replica, "idle", f"idle: no request for {(now - since).total_seconds():.0f}s (idle_ttl {ttl:g}s)")
+            if idle is not None and idle >= ttl:
+                stop(replica, "idle", f"idle: no request for {idle:.0f}s (idle_ttl {ttl:g}s)")
                 parked_now[replica.model] += 1
                 continue
         live[replica.model].append(replica)

@@ -17,7 +17,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw.fleet.files import FETCHING_DETAIL
 from llmgw.fleet.history import cause_of, percentile
-from llmgw.fleet.state import FleetState
+from llmgw.fleet.state import FleetState, plane_gap
 
 IDLE_STRETCH_S = 60.0  # shorter gaps between requests are traffic, not idleness (a router tick is 10 s)
 DEFAULT_START_S = 30.0  # an engine's start-up when the ledger knows none in the whole fleet
@@ -84,16 +84,61 @@ class _Acc:
 class Meter:
     """GPU-time held and idle, cold starts, waits and unplaceable time, per model, within [since, until]."""
 
-    def __init__(self, since: datetime, wishes: bool = False) -> None:
+    def __init__(self, since: datetime, wishes: bool = False, plane: FleetState | None = None) -> None:
         """``wishes``: holds come from routers' wishes, each saying how many wait in all (the recorded
-        history's), which a router's ``WakeAnswered`` replaces with what it measured."""
+        history's), which a router's ``WakeAnswered`` replaces with what it measured. ``plane``: the fold at
+        ``since``, for whether the control plane is down then and when it last started."""
         self.since = since
+        # The control plane's gaps in the window, and since when it is down now: no GPU is held, and no
+        # replica idles, inside one (``_pieces``).
+        self.gaps: list[tuple[datetime, datetime]] = []
+        self.down_since = plane.plane_down_since if plane is not None else None
+        self.plane_started = plane.plane_started_at if plane is not None else None
         self.wishes = wishes
         self.estimated: dict[str, list[float]] = {}  # per model, the waits a wake's wishes gave
         self.open: dict[str, _Open] = {}
         self.acc: dict[str, _Acc] = {}
         self.unplaceable: dict[str, datetime] = {}
         self.held: dict[str, list[tuple[datetime, int]]] = {}  # model → requests held (when, how many)
+
+    def plane(self, event: m.ControlPlaneStopped | m.ControlPlaneStarted) -> None:
+        """The control plane stopped, or started again: the gap it closes (``plane_gap``) counts for nothing."""
+        if type(event) is m.ControlPlaneStopped:
+            self.down_since = self.down_since or event.at
+            return
+        assert isinstance(event, m.ControlPlaneStarted)
+        gap = plane_gap(self.down_since, self.plane_started, event)
+        self.down_since, self.plane_started = None, event.at
+        if gap is not None:
+            self.gaps.append(gap)
+
+    def gap_before(self, event: m.ControlPlaneStarted) -> datetime | None:
+        """Where the gap this start closes began, or None: the policies decide nothing after it."""
+        gap = plane_gap(self.down_since, self.plane_started, event)
+        return gap[0] if gap is not None else None
+
+    def _pieces(self, a: datetime, b: datetime) -> list[tuple[datetime, datetime]]:
+        """[a, b] less the control plane's gaps (and the one it is in)."""
+        if not self.gaps and self.down_since is None:
+            return [(a, b)] if b > a else []
+        gaps = self.gaps if self.down_since is None else [*self.gaps, (self.down_since, max(b, self.down_since))]
+        out = [(a, b)] if b > a else []
+        for g0, g1 in gaps:
+            kept = []
+            for x, y in out:
+                if g1 <= x or g0 >= y:
+                    kept.append((x, y))
+                    continue
+                if x < g0:
+                    kept.append((x, g0))
+                if g1 < y:
+                    kept.append((g1, y))
+            out = kept
+        return out
+
+    def _up_s(self, a: datetime, b: datetime) -> float:
+        """Seconds of [a, b] the control plane was up."""
+        return sum((y - x).total_seconds() for x, y in self._pieces(a, b))
 
     def _a(self, model: str) -> _Acc:
         a = self.acc.get(model)
@@ -122,8 +167,7 @@ class Meter:
         o = self.open.get(rid)
         if o is None or o.active is None or t <= o.active:
             return
-        gap = (t - o.active).total_seconds()
-        if gap >= IDLE_STRETCH_S:
+        if (t - o.active).total_seconds() >= IDLE_STRETCH_S and (gap := self._up_s(o.active, t)) >= IDLE_STRETCH_S:
             self.acc[o.model].idle_s += gap * o.share
         o.active = t
 
@@ -133,11 +177,12 @@ class Meter:
             return
         a = self.acc[o.model]
         end = max(at, o.since)
-        start_s, end_s = (o.since - self.since).total_seconds(), (end - self.since).total_seconds()
-        if end_s > start_s:
+        mib = sum(mib for _, _, mib, _ in o.gpus)
+        for x, y in self._pieces(o.since, end):
+            start_s, end_s = (x - self.since).total_seconds(), (y - self.since).total_seconds()
             a.held.extend(((node, index), start_s, end_s) for node, index, _, _ in o.gpus)
-            a.mib_s += (end - o.since).total_seconds() * sum(mib for _, _, mib, _ in o.gpus)
-        if o.active is not None and (gap := (end - o.active).total_seconds()) >= IDLE_STRETCH_S:
+            a.mib_s += (end_s - start_s) * mib
+        if o.active is not None and (gap := self._up_s(o.active, end)) >= IDLE_STRETCH_S:
             a.idle_s += gap * o.share
 
     def stopped(self, rid: str, at: datetime) -> None:
@@ -190,7 +235,7 @@ class Meter:
     def placeable(self, model: str, at: datetime) -> None:
         since = self.unplaceable.pop(model, None)
         if since is not None:
-            self._a(model).unplaceable_s += max((at - since).total_seconds(), 0.0)
+            self._a(model).unplaceable_s += self._up_s(since, at)
 
     def close(self, until: datetime) -> dict[str, Figures]:
         for rid in list(self.open):
@@ -256,6 +301,8 @@ def meter_event(meter: Meter, event: m.Event, state: FleetState | None = None) -
         meter.placeable(event.name, event.at)  # type: ignore[attr-defined]
     elif kind is m.ModelDeclared:
         meter.placeable(event.spec.name, event.at)  # type: ignore[attr-defined]
+    elif kind is m.ControlPlaneStopped or kind is m.ControlPlaneStarted:
+        meter.plane(event)  # type: ignore[arg-type]
 
 
 # --- engines' start-up, from the ledger -----------------------------------------------------------------------------

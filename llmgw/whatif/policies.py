@@ -135,7 +135,7 @@ class Sim:
         self.state = self.c.state
         self.memory = self.c.demand
         self.seq = {s: start.cursor.positions.get(s, 0) for s in subjects.HISTORY_STREAMS}
-        self.meter = Meter(since)
+        self.meter = Meter(since, plane=self.state)
         self.starts = starts
         self.pending: list[tuple[datetime, int, m.Event]] = []  # (when, order, state report) heap
         self._order = 0
@@ -273,6 +273,12 @@ class Sim:
             self.healthy_at.setdefault(event.replica_id, event.at)
         self._dirty(event.at)
 
+    def plane(self, event: m.Event) -> None:
+        """The control plane stopped or started: as every control event, and at a start its due passes run."""
+        self._control(event)
+        if type(event) is m.ControlPlaneStarted:
+            self.now = max(self.now, event.at)
+
     def _serving(self, model: str, at: datetime) -> None:
         """Keep the stretches in which the model had a healthy replica: when a request would have waited."""
         n = sum(1 for r in self.state.replicas.values() if r.model == model and r.state == "healthy")
@@ -310,8 +316,9 @@ class Sim:
     # --- time ---
 
     def advance(self, t: datetime) -> None:
-        """Everything due before ``t``: engines' reports, then decisions, in time order."""
-        while True:
+        """Everything due before ``t``: engines' reports, then decisions, in time order; nothing while the
+        control plane is down (what is due then is done when it starts again)."""
+        while self.state.plane_down_since is None:
             due = [x for x in (self.pending[0][0] if self.pending else None,
                                self.dirty_at + timedelta(seconds=DEBOUNCE_S) if self.dirty_at else None,
                                self.expiry_at) if x is not None]
@@ -388,7 +395,9 @@ class Sim:
             ttl = model.spec.idle_ttl_s if model is not None else None
             if ttl:
                 since = self.state.idle_since(r.replica_id)
-                if since is not None and (t := since + timedelta(seconds=ttl)) > self.now:
+                # The control plane's gaps since then do not count towards the TTL (``FleetState.idle_s``).
+                if since is not None and (t := since + timedelta(
+                        seconds=ttl + self.state.down_s(since, self.now))) > self.now:
                     soonest = t if soonest is None or t < soonest else soonest
         for name, at in self.memory.failed_at.items():
             t = at + timedelta(seconds=scheduler.backoff_s(self.memory.failures.get(name, 0)))
@@ -534,7 +543,7 @@ class Replay:
         self.since = since
         self.state = start.state if live is None else live
         self.starts = StartTimes()
-        self.recorded = Meter(since, wishes=True)
+        self.recorded = Meter(since, wishes=True, plane=start.state)
         self.recorded_decisions: list[tuple[str, str, datetime]] = []
         self.rid_model: dict[str, str] = {r: v.model for r, v in start.state.replicas.items()}
         for rid, r in start.state.replicas.items():
@@ -563,9 +572,12 @@ class Replay:
         at = event.at
         if at > self.now:
             self.now = at
-        for sim in self.sims:
-            sim.advance(self.now)
         kind = type(event)
+        upto = self.now
+        if kind is m.ControlPlaneStarted and (began := self.recorded.gap_before(event)) is not None:  # type: ignore[arg-type]
+            upto = min(upto, began)  # a kill -9's gap, known only now: nothing was decided in it
+        for sim in self.sims:
+            sim.advance(upto)
         if kind is m.IdleMapPublished:
             self._map(event, moved)  # type: ignore[arg-type]
         elif stream == subjects.STREAM_FLEET:
@@ -606,6 +618,9 @@ class Replay:
         elif kind in (m.ModelDeclared, m.ModelScaled, m.ModelRemoved):
             for sim in self.sims:
                 sim.operator(event)
+        elif kind is m.ControlPlaneStopped or kind is m.ControlPlaneStarted:
+            for sim in self.sims:  # folded (its idle times leave the gap out), metered, and a pass at the start
+                sim.plane(event)
 
     def _forget(self, now: datetime) -> None:
         """Recorded placements older than a minute can link no replica any more."""
