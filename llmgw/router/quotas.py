@@ -30,6 +30,7 @@ up to N times that within one tick; and requests per minute likewise.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -114,8 +115,17 @@ class KeyCounts:
         return self.tokens if day == self.day else 0
 
 
+_DAY_S = 86_400
+
+
+@functools.lru_cache(maxsize=4)
+def _day_name(day: int) -> str:
+    return datetime.fromtimestamp(day * _DAY_S, UTC).strftime("%Y-%m-%d")
+
+
 def utc_day(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+    """``at``'s UTC date (``2026-12-03``), formatted once a day rather than per request (Unix days are 86,400 s)."""
+    return _day_name(int(at // _DAY_S))
 
 
 def to_midnight(at: float) -> float:
