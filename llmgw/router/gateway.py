@@ -413,16 +413,16 @@ class Gateway:
             access.trace(request).ended(model, stream, status)
             if (hold := request.get(HOLD)) is not None:
                 self._settle(hold)
-            if status == CLIENT_CLOSED:
-                self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
-                                   "client_closed")
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
-            self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
+            if status == CLIENT_CLOSED:
+                self.metrics.error(label, "client_closed")
+            took = time.perf_counter() - t0
+            self.metrics.observe(label, route, status, stream, took)
             if label:
                 who = request.get(KEY)
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
-                           label).add_request(status, time.perf_counter() - t0)
+                           label).add_request(status, took)
 
     def _settle(self, hold: Reservation) -> None:
         """A keyed request ended: its tokens held are given back; served with no count from its engine
