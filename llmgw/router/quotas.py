@@ -74,15 +74,17 @@ def estimate(body_bytes: int, completion_cap: int | None, embeddings: bool = Fal
 class KeyCounts:
     """One key's requests over the last minute (per second) and tokens today (UTC)."""
 
-    __slots__ = ("buckets", "day", "tokens")
+    __slots__ = ("buckets", "day", "tokens", "total")
 
     def __init__(self) -> None:
         self.buckets: deque[list[float]] = deque()  # [second, requests], oldest first
+        self.total = 0.0  # what the buckets hold, kept as they change: not summed per request
         self.day = ""
         self.tokens = 0
 
     def add_requests(self, at: float, n: int) -> None:
         second = math.floor(at / BUCKET_S) * BUCKET_S
+        self.total += n
         if self.buckets and self.buckets[-1][0] == second:
             self.buckets[-1][1] += n
         elif not self.buckets or second > self.buckets[-1][0]:
@@ -99,8 +101,8 @@ class KeyCounts:
     def requests(self, now: float) -> tuple[int, float]:
         """Requests in the last minute, and seconds until the oldest of them leaves it."""
         while self.buckets and self.buckets[0][0] <= now - WINDOW_S:
-            self.buckets.popleft()
-        total = int(sum(n for _, n in self.buckets))
+            self.total -= self.buckets.popleft()[1]
+        total = int(self.total)
         wait = self.buckets[0][0] + WINDOW_S - now if self.buckets else 0.0
         return total, max(wait, 1.0)
 
