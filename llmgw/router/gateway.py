@@ -340,10 +340,13 @@ class Gateway:
                 status = 413
                 return self._too_large()
             try:
-                # A client that stops halfway through its body (slow-loris) must not hold a
-                # connection and a handler forever.
-                async with asyncio.timeout(self.body_timeout_s):
+                if request.content.is_eof():  # all of it came with the head (most bodies): nothing to wait for
                     body = await self._read_body(request)
+                else:
+                    # A client that stops halfway through its body (slow-loris) must not hold a
+                    # connection and a handler forever.
+                    async with asyncio.timeout(self.body_timeout_s):
+                        body = await self._read_body(request)
             except TimeoutError:
                 status = 408
                 self.metrics.error("", "body_timeout")
