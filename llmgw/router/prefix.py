@@ -436,6 +436,7 @@ class PrefixTable:
         self._members: tuple[Any, ...] = ()  # the healthy replicas the ring and ``_by_id`` were made of
         self._by_id: dict[str, Any] = {}
         self._members_ids: tuple[str, ...] = ()
+        self._seen: tuple[int, ...] = ()
 
     def ring(self, replica_ids: tuple[str, ...]) -> Ring:
         if self._ring is None or replica_ids != self._ring_of:
@@ -445,11 +446,12 @@ class PrefixTable:
     def over(self, reps: Sequence[R]) -> tuple[Ring, dict[str, R]]:
         """The ring over ``reps`` and them by id, made again only when the healthy replicas change
         (the same objects, compared by identity: no sort, no dict per request)."""
-        members = tuple(reps)
-        if members != self._members or self._ring is None or self._ring_of != self._members_ids:
-            self._by_id = {r.replica_id: r for r in members}
+        seen = tuple(map(id, reps))  # the objects' ids: ``_members`` holds them, so none is reused meanwhile
+        if seen != self._seen or self._ring is None or self._ring_of != self._members_ids:
+            self._members = tuple(reps)
+            self._by_id = {r.replica_id: r for r in self._members}
             self._members_ids = tuple(sorted(self._by_id))
-            self._members = members
+            self._seen = seen
         return self.ring(self._members_ids), self._by_id
 
     def home(self, key: int, ring: Ring) -> str | None:
