@@ -4,6 +4,7 @@
     python benchmarks/router.py                # fuller runs, 3 rounds, 100,000-request memory run
     python benchmarks/router.py --memory-only --memory-requests 100000
     python benchmarks/router.py --quick --keys 10000   # 10,000 keys on the bus, one used by every request
+    python benchmarks/router.py --quick --before ../before   # and the router of another checkout, side by side
 
 Starts its own nats-server, two fake engines (instant; realistic: 20 ms before
 the reply, 5 ms between chunks), one pass-through proxy per engine, and two
@@ -15,6 +16,9 @@ With ``--keys N``, N API keys are declared on the bus (each with a requests-per-
 and a tokens-per-day limit no run reaches) and every request carries one of them: the
 routers check it, count it against its quotas and add it to the per-key ledger (the
 pass-through ignores it).
+With ``--before DIR``, a third router runs the code of another checkout (``git worktree add
+--detach ../before main``), beside this one, so that a change's before and after are measured
+in the same run, on the same box, in the same minutes.
 """
 
 from __future__ import annotations
@@ -117,8 +121,10 @@ class Proc:
             self.proc.stdout.close()
 
 
-def start_proc(name: str, cmd: list[str]) -> Proc:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+def start_proc(name: str, cmd: list[str], tree: str | None = None) -> Proc:
+    """Start ``cmd``; with ``tree``, with that checkout's ``llmgw`` ahead of the installed one."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd=tree)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode().strip()
     if not line.startswith("http"):
@@ -238,6 +244,12 @@ async def run(args: argparse.Namespace) -> None:
         router_on = start_proc("router", [*cli, "--name", "bench-on", "--tick", "10"])
         router_off = start_proc("router-notrack", [*cli, "--name", "bench-off", "--no-idle-tracking"])
         procs += [router_on, router_off]
+        before: list[tuple[str, str, Proc | None]] = []
+        if args.before:
+            router_before = start_proc("router-before", [*cli, "--name", "bench-before", "--tick", "10"],
+                                       args.before)
+            procs.append(router_before)
+            before = [("router, before", router_before.url, router_before)]
 
         q = args.quick
         sizes = {  # (engine, concurrency) -> requests per target per round
@@ -249,9 +261,10 @@ async def run(args: argparse.Namespace) -> None:
         rounds = args.rounds
         targets = {
             "instant": [("direct", instant.url, None), ("pass-through", pass_i.url, pass_i),
-                        ("router", router_on.url, router_on), ("router, idle off", router_off.url, router_off)],
+                        ("router", router_on.url, router_on), *before,
+                        ("router, idle off", router_off.url, router_off)],
             "realistic": [("direct", realistic.url, None), ("pass-through", pass_r.url, pass_r),
-                          ("router", router_on.url, router_on)],
+                          ("router", router_on.url, router_on), *before],
         }
         rows: list[list[str]] = []
         conn = aiohttp.TCPConnector(limit=0)
@@ -305,7 +318,7 @@ async def run(args: argparse.Namespace) -> None:
             print("| " + " | ".join(row) + " |")
         print()
         print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; rounds: {rounds}; "
-              f"keys on the bus: {args.keys:,}")
+              f"keys on the bus: {args.keys:,}" + (f"; before: {args.before}" if args.before else ""))
         print(f"router RSS over {total} requests: {rss0:.1f} MiB → {rss_mid:.1f} MiB (half) → {rss1:.1f} MiB")
     finally:
         for p in procs:
@@ -323,11 +336,15 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="only the memory run")
     parser.add_argument("--keys", type=int, default=0, metavar="N",
                         help="declare N API keys on the bus; every request carries one (default: none, anonymous)")
+    parser.add_argument("--before", metavar="DIR",
+                        help="also run the router of the llmgw checkout in DIR (its 'before'), side by side")
     parser.add_argument("--passthrough-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.passthrough_proxy:
         passthrough_main(args.passthrough_proxy)
         return
+    if args.before:
+        args.before = str(Path(args.before).resolve())
     if args.memory_requests is None:
         args.memory_requests = 20_000 if args.quick else 100_000
     import uvloop

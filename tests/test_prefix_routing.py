@@ -135,6 +135,24 @@ def test_a_hot_prefix_spills_past_the_load_bound_and_a_retry_takes_the_next() ->
     assert retry is not None and retry is not home
 
 
+def test_the_healthy_set_changing_in_place_is_seen_by_the_next_pick() -> None:
+    """The pool edits its list of healthy replicas in place; the table's ring and replicas follow it."""
+    reps = [Rep("r0"), Rep("r1")]
+    table = pr.PrefixTable()
+    keys = [pr._hash64(system_prompt(i).encode()) for i in range(20)]
+    for k in keys:
+        pr.pick(table, k, reps, now=0.0)
+    assert {pr.pick(table, k, reps, now=0.0).replica_id for k in keys} == {"r0", "r1"}  # type: ignore[union-attr]
+    gone = reps.pop(0)  # r0 leaves; r2 comes, in the same list object
+    reps.append(Rep("r2"))
+    picked = [pr.pick(table, k, reps, now=0.0) for k in keys]
+    assert all(p is not None and p is not gone and p in reps for p in picked)
+    assert {p.replica_id for p in picked if p is not None} == {"r1", "r2"}
+    again = Rep("r1")  # r1 replaced by another object of the same id (and fields): that object is picked
+    reps[0] = again
+    assert any(pr.pick(table, k, reps, now=0.0) is again for k in keys)
+
+
 def test_prompts_seen_once_have_no_home_and_are_routed_by_load() -> None:
     reps = [Rep("a", 3), Rep("b", 1), Rep("c", 2)]
     table = pr.PrefixTable()

@@ -70,7 +70,9 @@ class Upstream:
             connector = aiohttp.TCPConnector(limit=self._max, limit_per_host=0, keepalive_timeout=30,
                                              enable_cleanup_closed=False)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, auto_decompress=False,
+                # No cookie jar: an engine's cookie is not the router's to keep and send with the next
+                # client's request, and filtering the jar is per-request work for nothing.
+                connector=connector, timeout=self._timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import queue
 import re
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -59,19 +59,18 @@ def request_id(given: str | None) -> str:
     """The client's id when it is a valid one, else a new one."""
     if given and len(given) <= m.REQUEST_ID_MAX and _VALID.match(given):
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # what uuid4().hex draws, without building a UUID per request
 
 
 class Trace:
     """What one request's line will say, noted as its path learns it (times from ``t0``, perf_counter)."""
 
-    __slots__ = ("at", "at_ns", "engine_ms", "error", "id", "logged", "model", "queue_s", "replica",
+    __slots__ = ("at_ns", "engine_ms", "error", "id", "logged", "model", "queue_s", "replica",
                  "replica_span", "span", "spans", "status", "stream", "t0", "ttft_s", "usage", "wake_s")
 
     def __init__(self, rid: str, spans: Spans | None = None) -> None:
         self.id = rid
         self.at_ns = time.time_ns()
-        self.at = datetime.fromtimestamp(self.at_ns / 1e9, UTC)
         self.t0 = time.perf_counter()
         self.model = ""
         self.replica = ""
@@ -87,6 +86,11 @@ class Trace:
         self.span: Any = None
         self.replica_span: Any = None
         self.engine_ms: dict[str, float] = {}  # what the engine said its parts took (llama-server's timings)
+
+    @property
+    def at(self) -> datetime:
+        """When the request came (made only for a line that is written: most requests' traces are not read)."""
+        return datetime.fromtimestamp(self.at_ns / 1e9, UTC)
 
     def counted(self, usage: Usage) -> None:
         """The engine's ``usage`` (and its timings, when it gave them)."""

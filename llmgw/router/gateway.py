@@ -340,10 +340,13 @@ class Gateway:
                 status = 413
                 return self._too_large()
             try:
-                # A client that stops halfway through its body (slow-loris) must not hold a
-                # connection and a handler forever.
-                async with asyncio.timeout(self.body_timeout_s):
+                if request.content.is_eof():  # all of it came with the head (most bodies): nothing to wait for
                     body = await self._read_body(request)
+                else:
+                    # A client that stops halfway through its body (slow-loris) must not hold a
+                    # connection and a handler forever.
+                    async with asyncio.timeout(self.body_timeout_s):
+                        body = await self._read_body(request)
             except TimeoutError:
                 status = 408
                 self.metrics.error("", "body_timeout")
@@ -413,16 +416,16 @@ class Gateway:
             access.trace(request).ended(model, stream, status)
             if (hold := request.get(HOLD)) is not None:
                 self._settle(hold)
-            if status == CLIENT_CLOSED:
-                self.metrics.error(model if model in self.pool.known_models or model in self.pool.adapters else "",
-                                   "client_closed")
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
-            self.metrics.observe(label, route, status, stream, time.perf_counter() - t0)
+            if status == CLIENT_CLOSED:
+                self.metrics.error(label, "client_closed")
+            took = time.perf_counter() - t0
+            self.metrics.observe(label, route, status, stream, took)
             if label:
                 who = request.get(KEY)
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
-                           label).add_request(status, time.perf_counter() - t0)
+                           label).add_request(status, took)
 
     def _settle(self, hold: Reservation) -> None:
         """A keyed request ended: its tokens held are given back; served with no count from its engine

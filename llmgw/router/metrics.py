@@ -11,7 +11,7 @@ Every metric is listed in docs/router.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -177,6 +177,11 @@ class Metrics:
         self._held_s = Histogram("llmgw_router_wake_wait_seconds",
                                  "How long a held request waited for its model to wake, by model.",
                                  ["model"], buckets=WAKE_BUCKETS, registry=r)
+        # Each label set's children, looked up once: ``labels()`` takes a lock and builds a tuple every call.
+        # Bounded as the labels are (known models, routes, status codes).
+        self._answered: dict[tuple[str, str, int, bool], tuple[Any, Any]] = {}
+        self._counted: dict[str, tuple[Any, Any, Any]] = {}
+        self._first: dict[str, Any] = {}
         if pool is not None:
             r.register(_PoolCollector(pool, bad_events, idle_maps))
         if process:
@@ -186,16 +191,27 @@ class Metrics:
             GCCollector(registry=r)
 
     def observe(self, model: str, route: str, status: int, stream: bool, seconds: float) -> None:
-        self._requests.labels(model, route, str(status)).inc()
-        self._latency.labels(model, "true" if stream else "false").observe(seconds)
+        children = self._answered.get((model, route, status, stream))
+        if children is None:
+            children = self._answered[(model, route, status, stream)] = (
+                self._requests.labels(model, route, str(status)), self._latency.labels(model, "true" if stream else "false"))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def first_token(self, model: str, seconds: float) -> None:
-        self._ttft.labels(model).observe(seconds)
+        child = self._first.get(model)
+        if child is None:
+            child = self._first[model] = self._ttft.labels(model)
+        child.observe(seconds)
 
     def tokens(self, model: str, usage: Usage) -> None:
-        self._prompt.labels(model).inc(usage.prompt_tokens)
-        self._completion.labels(model).inc(usage.completion_tokens)
-        self._cached.labels(model).inc(usage.cached_tokens)
+        children = self._counted.get(model)
+        if children is None:
+            children = self._counted[model] = (self._prompt.labels(model), self._completion.labels(model),
+                                               self._cached.labels(model))
+        children[0].inc(usage.prompt_tokens)
+        children[1].inc(usage.completion_tokens)
+        children[2].inc(usage.cached_tokens)
 
     def wish(self, model: str) -> None:
         self._wishes.labels(model).inc()

@@ -52,7 +52,7 @@ import time
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -433,11 +433,26 @@ class PrefixTable:
         self._ring: Ring | None = None
         self._ring_of: tuple[str, ...] = ()
         self._homes: Homes | None = None
+        self._members: tuple[Any, ...] = ()  # the healthy replicas the ring and ``_by_id`` were made of
+        self._by_id: dict[str, Any] = {}
+        self._members_ids: tuple[str, ...] = ()
+        self._seen: tuple[int, ...] = ()
 
     def ring(self, replica_ids: tuple[str, ...]) -> Ring:
         if self._ring is None or replica_ids != self._ring_of:
             self._ring, self._ring_of, self._homes = Ring(replica_ids), replica_ids, None
         return self._ring
+
+    def over(self, reps: Sequence[R]) -> tuple[Ring, dict[str, R]]:
+        """The ring over ``reps`` and them by id, made again only when the healthy replicas change
+        (the same objects, compared by identity: no sort, no dict per request)."""
+        seen = tuple(map(id, reps))  # the objects' ids: ``_members`` holds them, so none is reused meanwhile
+        if seen != self._seen or self._ring is None or self._ring_of != self._members_ids:
+            self._members = tuple(reps)
+            self._by_id = {r.replica_id: r for r in self._members}
+            self._members_ids = tuple(sorted(self._by_id))
+            self._seen = seen
+        return self.ring(self._members_ids), self._by_id
 
     def home(self, key: int, ring: Ring) -> str | None:
         if key not in self.homed:
@@ -478,10 +493,10 @@ def pick(table: PrefixTable, key: int, reps: Sequence[R], exclude: R | None = No
     A retry (``exclude``: the replica that failed) takes the next one clockwise and is
     not counted as another sighting of its key.
     """
-    by_id = {r.replica_id: r for r in reps if r is not exclude}
+    ring, everyone = table.over(reps)
+    by_id = everyone if exclude is None else {rid: r for rid, r in everyone.items() if r is not exclude}
     if not by_id:
         return None
-    ring = table.ring(tuple(sorted(r.replica_id for r in reps)))
     if exclude is None:
         table.note(key, time.monotonic() if now is None else now, caller)  # homed at its second sighting
     home = table.home(key, ring)

@@ -30,6 +30,7 @@ up to N times that within one tick; and requests per minute likewise.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -73,15 +74,17 @@ def estimate(body_bytes: int, completion_cap: int | None, embeddings: bool = Fal
 class KeyCounts:
     """One key's requests over the last minute (per second) and tokens today (UTC)."""
 
-    __slots__ = ("buckets", "day", "tokens")
+    __slots__ = ("buckets", "day", "tokens", "total")
 
     def __init__(self) -> None:
         self.buckets: deque[list[float]] = deque()  # [second, requests], oldest first
+        self.total = 0.0  # what the buckets hold, kept as they change: not summed per request
         self.day = ""
         self.tokens = 0
 
     def add_requests(self, at: float, n: int) -> None:
         second = math.floor(at / BUCKET_S) * BUCKET_S
+        self.total += n
         if self.buckets and self.buckets[-1][0] == second:
             self.buckets[-1][1] += n
         elif not self.buckets or second > self.buckets[-1][0]:
@@ -98,8 +101,8 @@ class KeyCounts:
     def requests(self, now: float) -> tuple[int, float]:
         """Requests in the last minute, and seconds until the oldest of them leaves it."""
         while self.buckets and self.buckets[0][0] <= now - WINDOW_S:
-            self.buckets.popleft()
-        total = int(sum(n for _, n in self.buckets))
+            self.total -= self.buckets.popleft()[1]
+        total = int(self.total)
         wait = self.buckets[0][0] + WINDOW_S - now if self.buckets else 0.0
         return total, max(wait, 1.0)
 
@@ -114,8 +117,17 @@ class KeyCounts:
         return self.tokens if day == self.day else 0
 
 
+_DAY_S = 86_400
+
+
+@functools.lru_cache(maxsize=4)
+def _day_name(day: int) -> str:
+    return datetime.fromtimestamp(day * _DAY_S, UTC).strftime("%Y-%m-%d")
+
+
 def utc_day(at: float) -> str:
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+    """``at``'s UTC date (``2026-12-03``), formatted once a day rather than per request (Unix days are 86,400 s)."""
+    return _day_name(int(at // _DAY_S))
 
 
 def to_midnight(at: float) -> float:
