@@ -14,7 +14,33 @@ from llmgw.errors import BusError
 
 
 async def fresh_streams(bus: Bus) -> None:
-    """Delete llmgw's streams, the scheduler lease and the fold snapshots, then declare the streams again."""
+    """Delete llmgw's streams, the scheduler lease and the fold snapshots, then declare the streams again.
+
+    A stream deleted and declared again within milliseconds can come back holding its old messages
+    (seen under load with two test workers: a test's heartbeat stream at sequence 8 with the last
+    test's agent's beats in it), so each is checked empty, and the whole is done again if one is not.
+    """
+    for attempt in range(25):
+        await _delete_all(bus)
+        try:
+            await bus.ensure_streams(lease_ttl_s=1.0)  # the scheduler tests' leases: a dead leader's passes at once
+        except BusError as e:
+            # nats-server may still be removing the deleted stream's files: "error creating
+            # store for stream (code 10049)" for a moment. Operators never delete and
+            # re-create a stream within milliseconds; the tests do it before every test.
+            if "10049" not in str(e) or attempt == 24:
+                raise
+            await asyncio.sleep(0.2)
+            continue
+        held = [spec.name for spec in subjects.STREAMS if await bus.stream_last_seq(spec.name)]
+        if not held:
+            return
+        if attempt == 24:
+            raise AssertionError(f"streams not empty after being deleted and declared again: {held}")
+        await asyncio.sleep(0.2)
+
+
+async def _delete_all(bus: Bus) -> None:
     for spec in subjects.STREAMS:
         try:
             await bus.js.delete_stream(spec.name)
@@ -28,17 +54,6 @@ async def fresh_streams(bus: Bus) -> None:
         await bus.js.delete_object_store(subjects.SNAPSHOT_BUCKET)
     except nats.js.errors.NotFoundError:
         pass
-    for attempt in range(25):
-        try:
-            await bus.ensure_streams(lease_ttl_s=1.0)  # the scheduler tests' leases: a dead leader's passes at once
-            return
-        except BusError as e:
-            # nats-server may still be removing the deleted stream's files: "error creating
-            # store for stream (code 10049)" for a moment. Operators never delete and
-            # re-create a stream within milliseconds; the tests do it before every test.
-            if "10049" not in str(e) or attempt == 24:
-                raise
-            await asyncio.sleep(0.2)
 
 
 async def stored(bus: Bus, stream: str, limit_s: float = 30.0) -> list[m.AnyEvent]:
