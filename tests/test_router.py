@@ -443,14 +443,21 @@ async def test_the_router_sends_an_engine_the_key_its_own_nodes_agent_gave_it(bu
         await place(bus, "K1", "keyed", engine.url)
         await r.sink.wait_for(in_pool("K1"))
         async with aiohttp.ClientSession() as http:
+            said: list[dict[str, object]] = []
+
             async def ask(url: str) -> int:
                 async with http.post(url + "/v1/completions", json={"model": "keyed", "prompt": "hi"}) as resp:
+                    said.append(await resp.json())
                     return resp.status
 
             assert await ask(engine.url) == 401  # straight at it, without the key
             await bus.publish(m.EngineKeyIssued(at=now(), replica_id="K1", node="n2", key="f" * 43, endpoint=engine.url))
             await until(lambda: r.engine_keys.applied_seq >= 1, "the router read n2's key")
-            assert r.engine_keys.key_for(engine.url) is None and await ask(r.url) == 401  # n2 does not hold K1
+            # n2 does not hold K1: the engine refuses the router, which is the router's problem, not the client's
+            # key: a 502 that says so, never the engine's 401 passed on as if the client's key were refused.
+            assert r.engine_keys.key_for(engine.url) is None and await ask(r.url) == 502
+            error = said[-1]["error"]
+            assert isinstance(error, dict) and error["code"] == "upstream_refused" and "engine key" in error["message"]
             await bus.publish(m.EngineKeyIssued(at=now(), replica_id="K1", node="n1", key=key, endpoint=engine.url))
             await until(lambda: r.engine_keys.key_for(engine.url) == key, "the router read n1's key")
             assert await ask(r.url) == 200

@@ -577,6 +577,13 @@ class Gateway:
                                           f"of {_size_text(self.max_body_bytes)}; send less, or set the router's "
                                           "--max-body to the engine's limit so that the router refuses such bodies",
                                      "invalid_request_error", "request_too_large")
+                if up.status == 401:
+                    # The client's key was the router's to check; an engine refuses only the router's own
+                    # (its agent's key for this start not read yet, or something else on that port).
+                    self.metrics.error(model, "upstream_refused")
+                    return api.error(502, f"replica {rep.replica_id} of {model} refused this router's engine key "
+                                          f"(its agent's key for this start is not the one the router holds); "
+                                          "retry shortly", "server_error", "upstream_refused")
                 return web.Response(status=up.status, body=data, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"),
                     "x-llmgw-replica": rep.replica_id, **request.get(LORA_LOAD, {}),
