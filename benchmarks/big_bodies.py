@@ -123,17 +123,22 @@ def start(cmd: list[str], env: dict[str, str] | None = None,
     return proc, line
 
 
+async def timed_post(session: aiohttp.ClientSession, url: str, body: bytes, who: str) -> float:
+    """One chat request with ``body``, answered in full; seconds it took (a non-200 ends the run)."""
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        answer = await resp.read()
+        if resp.status != 200:
+            raise SystemExit(f"{who}: HTTP {resp.status}: {answer[:200]!r}")
+    return time.perf_counter() - t0
+
+
 async def probe(session: aiohttp.ClientSession, url: str, n: int) -> list[float]:
     body = m.ENCODER.encode({"model": "m", "messages": [{"role": "user", "content": "hello"}]})
     out: list[float] = []
     for _ in range(n):
-        t0 = time.perf_counter()
-        async with session.post(url + "/v1/chat/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
-            await resp.read()
-            if resp.status != 200:
-                raise SystemExit(f"probe: HTTP {resp.status}")
-        out.append(time.perf_counter() - t0)
+        out.append(await timed_post(session, url, body, "probe"))
         await asyncio.sleep(0.002)  # a client that waits between requests, not a closed loop
     return out
 
@@ -141,13 +146,7 @@ async def probe(session: aiohttp.ClientSession, url: str, n: int) -> list[float]
 async def big_client(session: aiohttp.ClientSession, url: str, body: bytes, stop: asyncio.Event,
                      times: list[float]) -> None:
     while not stop.is_set():
-        t0 = time.perf_counter()
-        async with session.post(url + "/v1/chat/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
-            await resp.read()
-            if resp.status != 200:
-                raise SystemExit(f"big body: HTTP {resp.status}: {(await resp.read())[:200]!r}")
-        times.append(time.perf_counter() - t0)
+        times.append(await timed_post(session, url, body, "big body"))
 
 
 async def measure(url: str, args: argparse.Namespace, big: bytes,
