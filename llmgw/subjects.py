@@ -171,6 +171,25 @@ def replica(replica_id: str, kind: str, node: str | None = None) -> str:
     return f"{base}.{token(node)}" if node is not None else base
 
 
+def agent_control() -> tuple[str, ...]:
+    """What an agent reads of the control stream: models declared, removed, pinned and prefetched, and
+    placements and stops; the server delivers nothing else (``bus.Follower(filter_subjects=…)``).
+
+    Keys, scaling, unplaceable verdicts, cordons and every node's state reports are the readers'
+    (routers, scheduler, projector), not an agent's: at 300 nodes each agent that read them all cost
+    the bus 300 copies of every key and state report. The one state an agent needs, a multi-node
+    replica's head address, it reads on ``head_states``.
+    """
+    return tuple(f"{PREFIX}.control.model.*.{kind}" for kind in ("declared", "removed", "pinned", "prefetch")) + \
+        tuple(f"{PREFIX}.control.replica.*.{kind}" for kind in ("placed", "stopped"))
+
+
+def head_states(heads: dict[str, str]) -> tuple[str, ...]:
+    """The state subjects of replicas' heads (replica → its head's node): where a worker node learns
+    the address its part of a multi-node replica joins."""
+    return tuple(replica(rid, "state", node) for rid, node in sorted(heads.items()))
+
+
 def engine_key(replica_id: str, node: str) -> str:
     """``llmgw.enginekey.<replica>.<node>``: a replica's engine key on that node (``EngineKeyIssued``)."""
     return f"{PREFIX}.enginekey.{token(replica_id)}.{token(node)}"

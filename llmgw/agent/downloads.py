@@ -41,6 +41,7 @@ from llmgw.agent.files import (
     scan_models_dir,
     source_dir_name,
 )
+from llmgw.agent.supervisor import AGENT_BYTES_IN_FLIGHT
 from llmgw.bus import Bus, Outbox
 from llmgw.engine.argv import is_repo_id
 from llmgw.errors import LlmgwError
@@ -272,13 +273,14 @@ class FileKeeper:
 
     async def _follow(self, bus: Bus) -> None:
         target = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-        follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, who=f"files on {self.node}")
+        follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, who=f"files on {self.node}",
+                              filter_subjects=subjects.agent_control(), max_bytes_in_flight=AGENT_BYTES_IN_FLIGHT)
         if target == 0:
             self.caught_up.set()
         async for batch in follower.batches():
             fold_batch(self.checkpoint, subjects.STREAM_CONTROL, [d.raw for d in batch], [d.event for d in batch],
                        keep=KEEP, before=self._note, subjects_checked=True)
-            if follower.last_seq >= target:
+            if follower.last_seq >= target or follower.drained:
                 self.caught_up.set()
 
     async def _prefetcher(self) -> None:

@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 
 # The engine supervisor folds the control stream for this node's placements: no memory beyond the state.
 ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
-ENGINES = ("vllm", "llama.cpp")  # the engines whose versions a node reports
+ENGINES = ("vllm", "llama.cpp")
+# What an agent's control reader may have on the way: at 300 simulated agents on one connection, 8 MB
+# each (the readers' default) would pass nats-server's 64 MB slow-consumer limit many times over.
+AGENT_BYTES_IN_FLIGHT = 128 << 10  # the engines whose versions a node reports
 
 
 class VersionCache:
@@ -114,6 +117,9 @@ class EngineSupervisor:
         self.refused: set[str] = set()
         self.stop_why: dict[str, str] = {}  # replica → why the control stream stopped it, for its stop report
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._reconciling = asyncio.Lock()
+        self._placed_at: dict[str, int] = {}  # worker part → the sequence of its placement
+        self._heads_changed = asyncio.Event()
         self.caught_up = asyncio.Event()
         self.memory_of: MemoryProbe | None = None  # set by the agent that runs this supervisor
         self.turns = StartTurns()  # engines sharing a GPU start one at a time
@@ -188,12 +194,15 @@ class EngineSupervisor:
             out += [(proc.pid, (index,), rss or mib) for index, mib in booked]
         return out
 
-    def _note(self, _: int, event: m.Event, _moved: list[str] | None) -> None:
+    def _note(self, seq: int, event: m.Event, _moved: list[str] | None) -> None:
         """What this node's engines need of a control event the one fold took (``fold_batch``'s hook)."""
         match event:
             case m.ReplicaPlaced() if self.node in event.nodes:
                 # Over several nodes, every node runs its part; the first node's is the head.
                 self.placed[event.replica_id] = event
+                if len(event.nodes) > 1 and event.nodes[0] != self.node:
+                    self._placed_at[event.replica_id] = seq
+                    self._heads_changed.set()
             case m.ReplicaStateChanged(replica_id=rid, node=node, head_address=address) if address:
                 placed = self.placed.get(rid)
                 if placed is not None and placed.nodes[0] == node and node != self.node:
@@ -201,12 +210,15 @@ class EngineSupervisor:
             case m.ReplicaStopped(replica_id=rid, reason=reason):
                 if self.placed.pop(rid, None) is not None:
                     self.stop_why[rid] = reason
-                self.heads.pop(rid, None)
+                if self.heads.pop(rid, None) is not None or self._placed_at.pop(rid, None) is not None:
+                    self._heads_changed.set()
                 self.refused.discard(rid)
             case m.ModelRemoved(name=name):
                 for rid in [r for r, p in self.placed.items() if p.model == name]:
                     del self.placed[rid]
                     self.stop_why[rid] = f"model {name} removed"
+                    if self._placed_at.pop(rid, None) is not None:
+                        self._heads_changed.set()
             case _:
                 pass
 
@@ -265,9 +277,15 @@ class EngineSupervisor:
         await asyncio.gather(task, return_exceptions=True)
 
     async def run(self, bus: Bus, outbox: Outbox) -> None:
-        """Follow the control stream; the agent runs this next to itself (``services=``)."""
+        """Follow the control stream; the agent runs this next to itself (``services=``).
+
+        The server delivers only what an agent needs (``subjects.agent_control``); the heads'
+        addresses of this node's multi-node parts come on a second, narrower reader (``_heads``).
+        """
         target = await bus.stream_last_seq(subjects.STREAM_CONTROL)
-        follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, who=f"engines on {self.node}")
+        follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, who=f"engines on {self.node}",
+                              filter_subjects=subjects.agent_control(), max_bytes_in_flight=AGENT_BYTES_IN_FLIGHT)
+        heads = asyncio.create_task(self._heads(bus, outbox), name=f"heads-{self.node}")
         try:
             if target == 0:
                 self.caught_up.set()
@@ -281,16 +299,61 @@ class EngineSupervisor:
                     if refused is not None:
                         log.warning("control seq %d refused: %s", d.raw.seq, refused)
                 # Reconcile only on what the whole history says, never on a prefix of it.
-                if follower.last_seq >= target:
+                if follower.last_seq >= target or follower.drained:
                     self.caught_up.set()
                 if self.caught_up.is_set():
-                    await self._reconcile(outbox)
+                    await self._reconciled(outbox)
         finally:
-            tasks = list(self._tasks.values())
+            heads.cancel()
+            tasks = [heads, *self._tasks.values()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.http.close()
+
+    async def _reconciled(self, outbox: Outbox) -> None:
+        async with self._reconciling:  # the control reader and the heads' reader both reconcile
+            await self._reconcile(outbox)
+
+    def _wanted_heads(self) -> dict[str, str]:
+        """This node's worker parts: replica → its head's node."""
+        return {rid: p.nodes[0] for rid, p in self.placed.items() if len(p.nodes) > 1 and p.nodes[0] != self.node}
+
+    async def _heads(self, bus: Bus, outbox: Outbox) -> None:
+        """Read the heads' state reports of this node's worker parts, from their placements on; read again
+        whenever the set of parts changes (a multi-node placement is rare: this reader mostly sleeps)."""
+        reading: dict[str, str] = {}
+        reader: asyncio.Task[None] | None = None
+
+        async def read(wanted: dict[str, str], start: int) -> None:
+            follower = bus.follow(subjects.STREAM_CONTROL, m.CONTROL_DECODER, start, who=f"heads for {self.node}",
+                                  filter_subjects=subjects.head_states(wanted),
+                                  max_bytes_in_flight=AGENT_BYTES_IN_FLIGHT)
+            async for batch in follower.batches():
+                for d in batch:
+                    self._note(d.raw.seq, d.event, None)  # its subject is the head's, checked by the follower
+                if batch and self.caught_up.is_set():
+                    await self._reconciled(outbox)
+
+        try:
+            while True:
+                await self._heads_changed.wait()
+                self._heads_changed.clear()
+                wanted = self._wanted_heads()
+                if wanted == reading:
+                    continue
+                if reader is not None:
+                    reader.cancel()
+                    await asyncio.gather(reader, return_exceptions=True)
+                    reader = None
+                reading = wanted
+                if wanted:
+                    start = min(self._placed_at.get(rid, 1) for rid in wanted)
+                    reader = asyncio.create_task(read(wanted, start), name=f"heads-read-{self.node}")
+        finally:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
 
     async def __call__(self, bus: Bus, outbox: Outbox) -> None:
         await self.run(bus, outbox)

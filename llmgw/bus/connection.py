@@ -588,11 +588,12 @@ class Bus:
         idle_expires_s: float = 2.0,
         max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
         purpose: str = "",
+        say_drained: bool = False,
     ) -> StreamReader:
         """A reader of ``stream``; ``purpose`` goes into its consumer's description."""
         return StreamReader(self, stream, start_seq, batch=batch, stop_at=stop_at,
                             filter_subjects=filter_subjects, idle_expires_s=idle_expires_s,
-                            max_bytes_in_flight=max_bytes_in_flight, purpose=purpose)
+                            max_bytes_in_flight=max_bytes_in_flight, purpose=purpose, say_drained=say_drained)
 
     def outbox(self, maxlen: int = 10_000, *, refusal_is_fatal: bool = False) -> Outbox:
         return Outbox(self, maxlen, refusal_is_fatal=refusal_is_fatal)

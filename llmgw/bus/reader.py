@@ -46,7 +46,8 @@ class StreamReader:
     checkpoint (not the server) is the durable cursor, so a resumed reader
     starts exactly after what was committed. Gaps in the consumer's delivery
     sequence, a deleted consumer, or silence all recreate it after the last
-    sequence handed out. Each consumer is named after the bus connection's name
+    sequence handed out. ``say_drained``: hand out one empty batch the first time nothing is left to
+    read (a filtered reader may find nothing at all). Each consumer is named after the bus connection's name
     (the process) and described with ``purpose``, so ``nats consumer ls`` and
     ``nats consumer info`` say whose it is and what for.
     """
@@ -63,8 +64,10 @@ class StreamReader:
         idle_expires_s: float,
         max_bytes_in_flight: int = READER_BYTES_IN_FLIGHT,
         purpose: str = "",
+        say_drained: bool = False,
     ) -> None:
         self.bus = bus
+        self.say_drained = say_drained
         self.purpose = purpose
         self.stream = stream
         self.next_seq = max(1, start_seq)
@@ -87,6 +90,11 @@ class StreamReader:
         self._inbox = ""
         self._sub: Any = None
         self.resets = 0
+
+    @property
+    def drained(self) -> bool:
+        """Nothing this reader matches was left on the server when its last messages came."""
+        return self._drained
 
     def _description(self) -> str:
         why = f" ({self.purpose})" if self.purpose else ""
@@ -279,6 +287,9 @@ class StreamReader:
                     await self._create_consumer()
                 if self.stop_at is not None and self._drained and not self._buf:
                     return
+                if self.say_drained and self._drained and not self._buf:
+                    self.say_drained = False
+                    yield []
                 await self._pull()
                 if not self._buf:
                     self._wake.clear()
