@@ -14,7 +14,14 @@ from typing import Any
 import click
 import msgspec
 
-from llmgw.cli.models import Ask, AskError, declaration_json, echo_declaration, planned_spec
+from llmgw.cli.models import (
+    Ask,
+    AskError,
+    declaration_json,
+    echo_declaration,
+    plan_request,
+    spec_of,
+)
 from llmgw.cli.options import echo_json, json_option, nats_options, run
 from llmgw.cli.progress import parse_duration
 from llmgw.config import Settings
@@ -133,15 +140,28 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
 
     asks = read_asks(file)
     lora = read_adapters(file)
-    specs = []
+    requests = []
     for ask in asks:
         try:
-            specs.append(planned_spec(settings, ask, fleet=fleet, models_dir=models_dir))
+            requests.append((ask.model, plan_request(ask)))
         except AskError as e:
             raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
-        except LlmgwError as e:
+    # One connection plans them all (16 questions at once) and one fold decides them: apply of 1,000
+    # models took 262 s as 1,000 commands' worth of connections and replays.
+    replies = run(ctl.plan_many(settings, requests, fleet=fleet, models_dir=models_dir))
+    specs = []
+    for ask, reply in zip(asks, replies, strict=True):
+        try:
+            if isinstance(reply, LlmgwError):
+                raise reply
+            specs.append(spec_of(ask, reply))
+        except (AskError, LlmgwError) as e:
             raise LlmgwError(f"{file}: model {ask.name!r}: {e}; nothing was applied") from None
-    done = [run(ctl.declare(settings, spec, replan=replan, asked=ask.asked)) for ask, spec in zip(asks, specs, strict=True)]
+    try:
+        done = run(ctl.declare_many(settings, [(spec, ask.asked) for ask, spec in zip(asks, specs, strict=True)],
+                                    replan=replan))
+    except LlmgwError as e:
+        raise LlmgwError(f"{file}: {e}; nothing was applied") from None
     added = [run(ctl.adapters.add(settings, a.name, a.base, a.source, models_dir)) for a in lora]
     if as_json:
         echo_json([declaration_json(d) for d in done] + [

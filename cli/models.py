@@ -84,30 +84,42 @@ class Ask(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def planned_spec(settings: Settings, ask: Ask, *, fleet: Path | None, models_dir: str | None) -> m.ModelSpec:
     """The declaration the planner makes of ``ask`` (AskError for options that contradict each other)."""
+    from llmgw import ctl
+
+    reply = run(ctl.plan(settings, ask.model, plan_request(ask), fleet=fleet, models_dir=models_dir))
+    return spec_of(ask, reply)
+
+
+def plan_request(ask: Ask) -> m.PlanRequest:
+    """What to ask the planner for ``ask`` (AskError for options that contradict each other)."""
     if ask.candidate is not None and ask.gpu_class is not None:
         raise AskError("--candidate already names the GPU class; give one or the other")
     if ask.max_lora_rank and not ask.max_adapters:
         raise AskError("--max-lora-rank sizes vLLM's LoRA slots: give --max-adapters N with it")
     if (ask.min_replicas is None) != (ask.max_replicas is None):
         raise AskError("autoscaling needs both --min-replicas and --max-replicas (or neither, for a fixed --replicas)")
-    replicas = ask.replicas
-    if ask.min_replicas is not None and ask.max_replicas is not None:
-        if ask.min_replicas > ask.max_replicas:
-            raise AskError(f"--min-replicas {ask.min_replicas} is more than --max-replicas {ask.max_replicas}")
-        replicas = min(max(replicas, ask.min_replicas), ask.max_replicas)  # where it starts; the load moves it
+    if ask.min_replicas is not None and ask.max_replicas is not None and ask.min_replicas > ask.max_replicas:
+        raise AskError(f"--min-replicas {ask.min_replicas} is more than --max-replicas {ask.max_replicas}")
     util = ask.gpu_memory_utilization
     if util is not None and not 0 < util <= 1:  # NaN too
         raise AskError(f"--gpu-memory-utilization {util:g} is not a fraction of the card: give one above 0 and at "
                        "most 1, e.g. 0.3 for a vLLM that leaves 70 % of each card to others")
-    request = m.PlanRequest(model=ask.model, precisions=(ask.precision,) if ask.precision else (),
-                            tp=(ask.tp,) if ask.tp else (), context=ask.context, all=ask.candidate is None,
-                            kv_cache_dtype=ask.kv_cache_dtype, parallel=ask.parallel,
-                            engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs,
-                            gpu_memory_utilization=util, max_adapters=ask.max_adapters,
-                            max_lora_rank=ask.max_lora_rank)
+    return m.PlanRequest(model=ask.model, precisions=(ask.precision,) if ask.precision else (),
+                         tp=(ask.tp,) if ask.tp else (), context=ask.context, all=ask.candidate is None,
+                         kv_cache_dtype=ask.kv_cache_dtype, parallel=ask.parallel,
+                         engine_version=ask.engine_version, max_num_seqs=ask.max_num_seqs,
+                         gpu_memory_utilization=util, max_adapters=ask.max_adapters,
+                         max_lora_rank=ask.max_lora_rank)
+
+
+def spec_of(ask: Ask, reply: m.PlanReply) -> m.ModelSpec:
+    """The declaration ``ask`` makes of the planner's ``reply`` (PlanError when nothing it asks for fits)."""
     from llmgw import ctl
 
-    reply = run(ctl.plan(settings, ask.model, request, fleet=fleet, models_dir=models_dir))
+    replicas = ask.replicas
+    if ask.min_replicas is not None and ask.max_replicas is not None:
+        replicas = min(max(replicas, ask.min_replicas), ask.max_replicas)  # where it starts; the load moves it
+    util = ask.gpu_memory_utilization
     pp = ask.pp
     if pp is None and ask.tp is not None and ask.candidate is None:
         pp = 1  # --tp 1 means one GPU, not one GPU on each of several nodes

@@ -57,6 +57,7 @@ from llmgw.ctl.declare import (
     Declaration,
     cordon_node,
     declare,
+    declare_many,
     inject_fault,
     key_digest,
     keys,
@@ -64,6 +65,7 @@ from llmgw.ctl.declare import (
     prepare_up,
     publish_control,
     publish_key,
+    publish_keys,
     retire_node,
     spec_changes,
     stop_idle,
@@ -74,6 +76,7 @@ from llmgw.ctl.plan import (
     local_model,
     plan,
     plan_locally,
+    plan_many,
     plan_remotely,
 )
 
@@ -106,6 +109,7 @@ _FACE = {
     "Declaration": "llmgw.ctl.declare",
     "cordon_node": "llmgw.ctl.declare",
     "declare": "llmgw.ctl.declare",
+    "declare_many": "llmgw.ctl.declare",
     "inject_fault": "llmgw.ctl.declare",
     "key_digest": "llmgw.ctl.declare",
     "keys": "llmgw.ctl.declare",
@@ -113,6 +117,7 @@ _FACE = {
     "prepare_up": "llmgw.ctl.declare",
     "publish_control": "llmgw.ctl.declare",
     "publish_key": "llmgw.ctl.declare",
+    "publish_keys": "llmgw.ctl.declare",
     "retire_node": "llmgw.ctl.declare",
     "spec_changes": "llmgw.ctl.declare",
     "stop_idle": "llmgw.ctl.declare",
@@ -123,15 +128,18 @@ _FACE = {
     "local_model": "llmgw.ctl.plan",
     "plan": "llmgw.ctl.plan",
     "plan_locally": "llmgw.ctl.plan",
+    "plan_many": "llmgw.ctl.plan",
     "plan_remotely": "llmgw.ctl.plan",
 }
 __all__ = [
     "idle_now", "list_models_now", "show_model_now",
     "CATCH_UP_S", "DERIVED", "Declaration", "Entry", "Notice", "Progress", "STATUS_WAIT_S", "access_logs", "adapters",
-    "ask_status", "choose", "connect", "cordon_node", "declare", "fetch_idle", "fetch_status", "files",
+    "ask_status", "choose", "connect", "cordon_node", "declare", "declare_many", "fetch_idle", "fetch_status", "files",
     "find_request", "first_stored", "gguf_file", "inject_fault", "involves_model", "involves_node", "key_digest", "keys",
-    "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally", "plan_remotely",
-    "prepare_up", "projector_usage", "publish_control", "publish_key", "read_entries", "replay_state", "retire_node",
+    "list_models", "live_usage", "local_model", "new_key_secret", "plan", "plan_locally", "plan_many",
+    "plan_remotely",
+    "prepare_up", "projector_usage", "publish_control", "publish_key", "publish_keys", "read_entries", "replay_state",
+    "retire_node",
     "show_model", "spec_changes", "stop_idle", "stream_heads",
 ]
 __getattr__ = lazy_face(__name__, _FACE)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,31 +109,48 @@ async def declare(settings: Settings, spec: m.ModelSpec, *, replan: bool = False
     even when the plan's derived figures moved since; ``replan`` publishes them too. ``asked``: the
     DERIVED fields the operator gave this time (``gpu_memory_utilization``), compared as inputs.
     """
+    return (await declare_many(settings, [(spec, tuple(asked))], replan=replan))[0]
+
+
+async def declare_many(settings: Settings, specs: Sequence[tuple[m.ModelSpec, Collection[str]]], *,
+                       replan: bool = False) -> list[Declaration]:
+    """``declare`` each (spec, asked), decided on one fold of what is declared and published in one
+    pipelined batch (``apply`` of 1,000 models: one replay and one round of acks, not 1,000 of each).
+
+    Every spec is checked before anything is published: one that cannot be declared publishes nothing.
+    """
     bus = await connect(settings, "llmgw-ctl-model")
     try:
         state = await replay_state(bus, (subjects.STREAM_CONTROL, subjects.STREAM_FLEET))
-        if (missing := missing_file(spec, state)) is not None:
-            raise LlmgwError(missing)
-        view = state.models.get(spec.name)
-        if view is None:
-            return Declaration(spec, (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq, new=True)
-        spec = keep_adapters(view.spec, spec, state.adapters)
-        inputs, derived = spec_changes(view.spec, spec, asked)
-        if not inputs and not (replan and derived):
-            return Declaration(view.spec, None, moved=tuple(derived))
-        from llmgw.scheduler.placement import same_run
-
-        kept = msgspec.structs.replace(spec, **{f: getattr(view.spec, f) for f in DERIVED if f not in asked})
-        if not replan and same_run(view.spec, kept):
-            # Only what the scheduler and routers read changed (replicas, autoscaling, TTL, routing): the
-            # figures stay as first declared, or a re-plan's would roll the replicas for nothing.
-            seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=kept))).seq
-            return Declaration(kept, seq, tuple(inputs), tuple(derived), kept_figures=True)
-        # An input the engine runs with changed: the new plan's figures are the ones for it.
-        seq = (await bus.publish(m.ModelDeclared(at=m.utcnow(), spec=spec))).seq
-        return Declaration(spec, seq, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
+        decided = [_decide(state, spec, tuple(asked), replan) for spec, asked in specs]
+        events = [m.ModelDeclared(at=m.utcnow(), spec=d.spec) for d in decided if d.seq is not None]
+        seqs = iter(ack.seq for ack in await bus.publish_many(events))
+        return [d if d.seq is None else dataclasses.replace(d, seq=next(seqs)) for d in decided]
     finally:
         await bus.close()
+
+
+def _decide(state: FleetState, spec: m.ModelSpec, asked: tuple[str, ...], replan: bool) -> Declaration:
+    """What declaring ``spec`` on ``state`` publishes: a Declaration whose ``seq`` is 0 where a
+    ModelDeclared of its ``spec`` is to be published, None where nothing is."""
+    if (missing := missing_file(spec, state)) is not None:
+        raise LlmgwError(missing)
+    view = state.models.get(spec.name)
+    if view is None:
+        return Declaration(spec, 0, new=True)
+    spec = keep_adapters(view.spec, spec, state.adapters)
+    inputs, derived = spec_changes(view.spec, spec, asked)
+    if not inputs and not (replan and derived):
+        return Declaration(view.spec, None, moved=tuple(derived))
+    from llmgw.scheduler.placement import same_run
+
+    kept = msgspec.structs.replace(spec, **{f: getattr(view.spec, f) for f in DERIVED if f not in asked})
+    if not replan and same_run(view.spec, kept):
+        # Only what the scheduler and routers read changed (replicas, autoscaling, TTL, routing): the
+        # figures stay as first declared, or a re-plan's would roll the replicas for nothing.
+        return Declaration(kept, 0, tuple(inputs), tuple(derived), kept_figures=True)
+    # An input the engine runs with changed: the new plan's figures are the ones for it.
+    return Declaration(spec, 0, tuple(inputs), tuple(derived), rolls=not same_run(view.spec, spec))
 
 
 def missing_file(spec: m.ModelSpec, state: FleetState) -> str | None:
@@ -214,6 +232,24 @@ async def publish_key(settings: Settings, event: m.KeyDeclared | m.KeyRevoked, *
             raise LlmgwError(f"a key named {event.name!r} exists; change it with `llmgw ctl key update "
                              f"{event.name} …`, or revoke it first")
         return (await bus.publish(event)).seq
+    finally:
+        await bus.close()
+
+
+async def publish_keys(settings: Settings, events: Sequence[m.KeyDeclared]) -> list[int]:
+    """Publish many new keys as admin in one pipelined batch (``ctl key import``); their sequences.
+
+    Decided on one fold: a name that is declared already publishes nothing at all.
+    """
+    bus = await connect(settings.with_local_login("admin"), "llmgw-ctl-key")
+    try:
+        known = (await replay_state(bus, (subjects.STREAM_CONTROL,))).keys
+        taken = [e.name for e in events if e.name in known]
+        if taken:
+            shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+            raise LlmgwError(f"{len(taken)} key name{'s exist' if len(taken) != 1 else ' exists'} already ({shown}); "
+                             "nothing was imported: drop them from the file, or `llmgw ctl key revoke` them first")
+        return [ack.seq for ack in await bus.publish_many(events)]
     finally:
         await bus.close()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,7 +12,7 @@ import msgspec
 from llmgw import messages as m
 from llmgw.config import Settings
 from llmgw.ctl.ask import connect
-from llmgw.errors import PlanError
+from llmgw.errors import LlmgwError, PlanError
 
 if TYPE_CHECKING:
     pass
@@ -30,6 +32,11 @@ def local_model(model: str, models_dir: str | None, params: int | None) -> m.Mod
 
 def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
     """What-if: plan against a fleet file, without NATS."""
+    return _local_planner(fleet_path)(model, request, models_dir)
+
+
+def _local_planner(fleet_path: Path) -> Callable[[str, m.PlanRequest, str | None], m.PlanReply]:
+    """A planner for the fleet file, read and folded once (``plan_many`` plans many models against it)."""
     from llmgw import fleetfile
     from llmgw.fleet.state import fold
     from llmgw.planner import candidates as planner
@@ -38,8 +45,13 @@ def plan_locally(model: str, fleet_path: Path, request: m.PlanRequest, models_di
     fleet = fleetfile.load(fleet_path)
     reports = fleetfile.inventories(fleet, m.utcnow())
     state = fold(reports)
-    info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
-    return planner.plan(info, state, request, engine_versions={r.node: r.vllm_version for r in reports})
+    versions = {r.node: r.vllm_version for r in reports}
+
+    def local(model: str, request: m.PlanRequest, models_dir: str | None) -> m.PlanReply:
+        info = modelinfo.load(model, models_dir_=models_dir, params=request.params)
+        return planner.plan(info, state, request, engine_versions=versions)
+
+    return local
 
 
 async def plan_remotely(settings: Settings, request: m.PlanRequest) -> m.PlanReply:
@@ -64,6 +76,48 @@ async def plan(settings: Settings, model: str, request: m.PlanRequest, *, fleet:
         return plan_locally(model, fleet, request, models_dir)
     info = local_model(model, models_dir, request.params)
     return await plan_remotely(settings, msgspec.structs.replace(request, info=info))
+
+
+async def plan_many(settings: Settings, asks: Sequence[tuple[str, m.PlanRequest]], *, fleet: Path | None = None,
+                    models_dir: str | None = None, in_flight: int = 16) -> list[m.PlanReply | LlmgwError]:
+    """``plan`` for each (model, request), in order, on one connection with ``in_flight`` questions at once
+    (``apply``'s 1,000 entries: one connection, not 1,000); a plan that failed is its error, in its place."""
+    infos: dict[tuple[str, int | None], m.ModelInfo | None] = {}
+
+    def info(model: str, params: int | None) -> m.ModelInfo | None:  # many entries share a model: read it once
+        if (model, params) not in infos:
+            infos[model, params] = local_model(model, models_dir, params)
+        return infos[model, params]
+
+    if fleet is not None:
+        local = _local_planner(fleet)
+        out: list[m.PlanReply | LlmgwError] = []
+        for model, request in asks:
+            try:
+                out.append(local(model, request, models_dir))
+            except LlmgwError as e:
+                out.append(e)
+        return out
+    from llmgw.errors import ConnectError
+    from llmgw.planner.service import ask
+
+    try:
+        bus = await connect(settings, "llmgw-ctl-plan")
+    except ConnectError as e:
+        raise ConnectError(f"{e}; or plan without NATS against a fleet file: --fleet FILE") from e
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(model: str, request: m.PlanRequest) -> m.PlanReply | LlmgwError:
+        async with slots:
+            try:
+                return await ask(bus, msgspec.structs.replace(request, info=info(model, request.params)))
+            except LlmgwError as e:
+                return e
+
+    try:
+        return list(await asyncio.gather(*(one(model, request) for model, request in asks)))
+    finally:
+        await bus.close()
 
 
 def choose(reply: m.PlanReply, *, candidate: int | None, gpu_class: str | None, engine: str | None,
