@@ -54,6 +54,6 @@ def node() -> None:
 
 @ctl.group(cls=LazyGroup, lazy={"create": "llmgw.cli.keys:create", "list": "llmgw.cli.keys:list_keys",
                                 "show": "llmgw.cli.keys:show", "update": "llmgw.cli.keys:update",
-                                "revoke": "llmgw.cli.keys:revoke"})
+                                "revoke": "llmgw.cli.keys:revoke", "import": "llmgw.cli.keys:import_keys"})
 def key() -> None:
-    """API keys as events: create (the secret is printed once), list, show, update, revoke (admin)."""
+    """API keys as events: create (the secret is printed once), import many, list, show, update, revoke (admin)."""

@@ -1,4 +1,4 @@
-"""``llmgw ctl key create|list|show|update|revoke``: API keys as events on the control stream (admin)."""
+"""``llmgw ctl key create|import|list|show|update|revoke``: API keys as events on the control stream (admin)."""
 
 from __future__ import annotations
 
@@ -178,3 +178,99 @@ def show(name: str, as_json: bool, settings: Settings) -> None:
     else:
         for k, v in row.items():
             click.echo(f"{k:20} {v}")
+
+
+MAX_IMPORT = 100_000  # keys in one file: a fleet's tenants and their clients, not a flood
+
+
+class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A ``[[key]]`` table: ``ctl key create``'s argument and options, with underscores."""
+
+    name: str
+    tenant: str = ""
+    models: tuple[str, ...] = ()
+    tokens_per_day: int | None = None
+    requests_per_minute: int | None = None
+    priority: str = "normal"
+    expires: str | None = None
+    scope: str = "client"
+
+
+def read_keys(path: Any) -> list[tuple[m.KeyDeclared, str]]:
+    """The ``[[key]]`` tables of FILE as new keys' declarations and their secrets, each checked as `create`
+    checks its options; LlmgwError naming the entry and what is wrong."""
+    import tomllib
+
+    from llmgw.cli.progress import parse_duration
+    from llmgw.errors import LlmgwError
+
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LlmgwError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be keys") from None
+    entries = doc.get("key")
+    if set(doc) - {"key"} or not isinstance(entries, list) or not entries:
+        raise LlmgwError(f"{path}: expected [[key]] tables (name, tenant, models, tokens_per_day, "
+                         "requests_per_minute, priority, expires, scope), and nothing else")
+    if len(entries) > MAX_IMPORT:
+        raise LlmgwError(f"{path} holds {len(entries)} keys; at most {MAX_IMPORT:,} in one file")
+    from llmgw import ctl
+
+    out: list[tuple[m.KeyDeclared, str]] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(entries):
+        at = f"{path}: key[{i}]"
+        try:
+            entry = msgspec.convert(raw, KeyEntry)
+            if (why := m.name_problem(entry.name, "name")) is not None:
+                raise LlmgwError(why)
+            if entry.name in seen:
+                raise LlmgwError(f"a second key named {entry.name!r}; each key once")
+            seen.add(entry.name)
+            expires = None if entry.expires is None else \
+                m.utcnow() + timedelta(seconds=parse_duration(entry.expires, "expires"))
+            secret, key_id, salt, digest = ctl.new_key_secret()
+            event = msgspec.convert(dict(
+                at=m.utcnow(), name=entry.name, lookup_id=key_id, salt=salt, digest=digest, tenant=entry.tenant,
+                models=entry.models, tokens_per_day=entry.tokens_per_day,
+                requests_per_minute=entry.requests_per_minute, priority=entry.priority, expires_at=expires,
+                scope=entry.scope), m.KeyDeclared, from_attributes=True)
+        except (msgspec.ValidationError, click.BadParameter, LlmgwError) as e:
+            why = e.message if isinstance(e, click.BadParameter) else str(e)
+            raise LlmgwError(f"{at}: {why}; the keys are `ctl key create`'s options with underscores") from None
+        out.append((event, secret))
+    return out
+
+
+@click.command("import")
+@click.argument("file", type=click.Path(dir_okay=False))
+@json_option
+@nats_options
+def import_keys(file: str, as_json: bool, settings: Settings) -> None:
+    """Create every key of FILE at once; their secrets are printed once, a `NAME<TAB>SECRET` line each.
+
+    FILE holds [[key]] tables whose keys are `create`'s options with underscores (name, tenant,
+    models = [..], tokens_per_day, requests_per_minute, priority, expires = "90d", scope). One
+    name that exists already, or one bad entry, imports nothing. 10,000 keys are one batch on the
+    bus, not 10,000 commands.
+
+    \b
+    Example:
+        llmgw ctl key import keys.toml > secrets.tsv   # then hand each secret to its owner, and delete the file
+    """
+    from llmgw import ctl
+
+    keys = read_keys(file)
+    seqs = run(ctl.publish_keys(settings, [e for e, _ in keys]))
+    if as_json:
+        echo_json([{"created": _row(e), "secret": secret, "seq": seq}
+                   for (e, secret), seq in zip(keys, seqs, strict=True)])
+        return
+    click.echo("\n".join(f"{e.name}\t{secret}" for e, secret in keys))
+    click.echo(f"imported {len(keys)} key{'s' if len(keys) != 1 else ''}; every router takes them within a "
+               "second or two", err=True)

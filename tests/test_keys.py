@@ -391,3 +391,33 @@ async def test_six_normal_clients_on_a_one_slot_model_queue_and_none_is_shed(bus
     finally:
         await router.stop()
         engine.stop()
+
+
+async def test_keys_imported_from_a_file_are_one_batch_every_router_takes(
+    bus: Bus, nats_url: str, served: tuple[Router, Router], tmp_path: Path
+) -> None:
+    f = tmp_path / "keys.toml"
+    f.write_text("".join(f'[[key]]\nname = "k{i}"\ntenant = "t{i % 3}"\nrequests_per_minute = 600\n'
+                         'expires = "30d"\n\n' for i in range(300)))
+    r = await invoke(nats_url, "ctl", "key", "import", str(f))
+    assert r.exit_code == 0, r.output
+    lines = [line.split("\t") for line in r.stdout.splitlines()]
+    assert [name for name, _ in lines] == [f"k{i}" for i in range(300)]
+    keys = [e for e in await stored(bus, subjects.STREAM_CONTROL) if isinstance(e, m.KeyDeclared)]
+    assert [k.name for k in keys] == [f"k{i}" for i in range(300)] and keys[7].tenant == "t1"
+    secrets = dict(lines)
+    assert all(k.digest == ctl.key_digest(k.salt, secrets[k.name]) for k in keys)
+    assert not any(s.encode() in msgspec.json.encode(k) for k, s in zip(keys, secrets.values(), strict=True))
+    for router in served:
+        await until_status(router, secrets["k299"], 200)
+    # A name that exists, a bad entry: nothing at all is imported.
+    f.write_text('[[key]]\nname = "new"\n\n[[key]]\nname = "k5"\n')
+    again = await invoke(nats_url, "ctl", "key", "import", str(f))
+    assert again.exit_code == 1 and "1 key name exists already (k5)" in again.output and "nothing was imported" in again.output
+    f.write_text('[[key]]\nname = "new"\n\n[[key]]\nname = "x"\nrequests_per_minute = 0\n')
+    bad = await invoke(nats_url, "ctl", "key", "import", str(f))
+    assert bad.exit_code == 1 and "key[1]" in bad.output and "requests_per_minute" in bad.output
+    f.write_text("[[key]]\nname = \"../etc\"\n")
+    named = await invoke(nats_url, "ctl", "key", "import", str(f))
+    assert named.exit_code == 1 and "key[0]" in named.output
+    assert len([e for e in await stored(bus, subjects.STREAM_CONTROL) if isinstance(e, m.KeyDeclared)]) == 300
