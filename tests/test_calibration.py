@@ -149,3 +149,18 @@ def test_a_pip_install_of_0_11_0_runs_gpt_oss_on_hopper_through_marlin() -> None
     assert r.kv_ok, (r.kv, r.observed_kv)
     assert held[str(r.row["source"])].kv_ok, (held[str(r.row["source"])].kv, r.observed_kv)
     assert r.fits is False and r.observed_fits is False
+
+
+def test_lmcaches_table_of_h100_splits_reads_in_band() -> None:
+    """LMCache's FAQ table (LMCache PR 1769, merged 2025-10-10: "Qwen/Qwen3-32B (tp=2 on H100) | 33.66 GB × 2 (or
+    275,760 tokens)", "meta-llama/Llama-3.1-70B (tp=4 on H100) | 32.06 GB × 4 (or 420,208 tokens)", Qwen3-8B 50.32 GB)
+    is a second source for 0.11 on Hopper beside llm-d's table, with a tp 4 split and 131,072 tokens of context. Each
+    row reads in band in sample and held out (LMCache's rows held out together), and its token count is the planner's."""
+    held = {(str(r.row["source"]), r.row["model"]): r for r in calibration.leave_one_source_out()}
+    rows = [r for r in calibration.evaluate_all() if str(r.row["source"]).endswith("LMCache/LMCache/pull/1769")]
+    assert sorted((r.row["model"], r.row["tp"]) for r in rows) == [
+        ("Qwen/Qwen3-32B", 2), ("Qwen/Qwen3-8B", 1), ("meta-llama/Llama-3.1-70B", 4)]
+    for r in rows:
+        h = held[(str(r.row["source"]), r.row["model"])]
+        assert r.kv_ok and h.kv_ok and r.fits and h.fits, (r.row["model"], r.kv, h.kv, r.observed_kv)
+        assert r.counted_tokens is not None and abs(r.counted_tokens - r.row["kv_tokens"]) <= 0.02 * r.row["kv_tokens"]
