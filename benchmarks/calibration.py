@@ -103,6 +103,14 @@ def _batch(row: dict[str, Any], profile: Any) -> tuple[int, int]:
     return tokens, seqs
 
 
+def _as_installed(row: dict[str, Any], profile: Any) -> Any:
+    """The profile as the row's install ran it: ``mxfp4_backend: marlin`` where its vLLM lacked ``triton_kernels``
+    (a pip install of 0.11.0: the wheel did not depend on it until vllm PR 27370), so Hopper fell back to Marlin."""
+    if row.get("mxfp4_backend") == "marlin" and profile.mxfp4_hopper_triton:
+        return dataclasses.replace(profile, mxfp4_hopper_triton=False)
+    return profile
+
+
 def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     """One row: what the planner predicts for its model, card, split and settings, next to what vLLM printed
     (``profile``: plan with these factors instead of the version's profile)."""
@@ -120,11 +128,12 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     from llmgw.engine.profiles import profile_for
 
     if row.get("weights_only"):  # the log gives the weights alone (no card size or KV figure)
-        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu, profile_for("vllm", str(row.get("vllm_version") or ""))) / GIB
+        installed = _as_installed(row, profile_for("vllm", str(row.get("vllm_version") or "")))
+        r.weights = M.weight_bytes_per_gpu(info, p, tp, pp, gpu, installed) / GIB
         return r
 
     mem_gib = float(row["gpu_memory_gib"])
-    profile = profile or profile_for("vllm", str(row.get("vllm_version") or ""))
+    profile = _as_installed(row, profile or profile_for("vllm", str(row.get("vllm_version") or "")))
     tokens, seqs = _batch(row, profile)
     weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs))
     captured = 0.0 if row.get("enforce_eager") else M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs)

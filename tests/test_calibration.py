@@ -74,19 +74,18 @@ def test_the_profiles_hold_what_the_fit_gives() -> None:
 
 
 def test_leave_one_source_out_is_scored_beside_in_sample() -> None:
-    """Every KV row is also planned with factors fitted without its own source's rows; the figures are in the table.
-    One held-out verdict is wrong today (docs/benchmarks.md): Qwen3-32B on one H100 under 0.11.0 at 16,000 tokens
-    (llm-d's table), which needs 3.9 GiB of its 4.45 and reads 3.49 when all eight of llm-d's rows are held out and
-    0.11 rests on the four others; any other wrong held-out verdict fails."""
+    """Every KV row is also planned with factors fitted without its own source's rows; the figures are in the table,
+    and every held-out verdict is right. (Until vllm#27508 ran its pip install's Marlin layout, Qwen3-32B on one H100
+    under 0.11.0 at 16,000 tokens, llm-d's table, read 3.49 GiB of the 3.9 it needs with llm-d's rows held out.)"""
     held = [r for r in calibration.leave_one_source_out() if not r.excluded]
     table = calibration.table(calibration.evaluate_all(), held)
     assert "Leave one source out:" in table
     verdicts = [r for r in held if r.fits is not None]
     wrong = [(r.row["model"], r.row.get("vllm_version"), round(float(r.kv or 0), 2)) for r in verdicts
              if r.fits != r.observed_fits]
-    assert verdicts and [(model, version) for model, version, _ in wrong] in ([], [("Qwen/Qwen3-32B", "0.11.0")]), wrong
+    assert verdicts and wrong == [], wrong
     kv = [r for r in held if r.kv_ok is not None]
-    assert sum(bool(r.kv_ok) for r in kv) >= 0.85 * len(kv)
+    assert sum(bool(r.kv_ok) for r in kv) >= 0.9 * len(kv)
 
 
 def test_the_kv_tokens_vllm_prints_are_the_tokens_the_planner_counts() -> None:
@@ -132,3 +131,36 @@ def test_a_capture_the_utilization_cannot_hold_is_a_start_that_fails() -> None:
     assert r.observed_fits is False and r.fits is False and r.capture_ok is False and r.kv_ok
     assert r.kv is not None and r.kv > 0  # the cache was sized: the graphs, not the cache, stop it
     assert [h.fits for h in held.values() if str(h.row["source"]).endswith("vllm/issues/17469")] == [False]
+
+
+def test_a_pip_install_of_0_11_0_runs_gpt_oss_on_hopper_through_marlin() -> None:
+    """vLLM 0.11.0 ran gpt-oss's mxfp4 experts through the OAI Triton kernels on Hopper only where ``triton_kernels``
+    was installed beside it: its Docker image had it (llm-d's table: 64.38 GiB of weights, 3.33 GiB of KV for
+    gpt-oss-120b on one H100 at 0.95); a pip install did not until vllm PR 27370 ("users have to install
+    triton_kernels manually", merged 2025-10-22, after 0.11.0) and fell back to Marlin, which pads the experts wider.
+    vllm issue 27508 ran 0.11.0 from a conda env's site-packages (/opt/conda/envs/vllm_env/lib/python3.13/...) at
+    the same card and utilization and printed "Available KV cache memory: 1.71 GiB": Marlin's 1.5 GiB more weights,
+    not more sampler copies. The row reads in band, in sample and held out."""
+    held = {str(r.row["source"]): r for r in calibration.leave_one_source_out()}
+    rows = [r for r in calibration.evaluate_all() if str(r.row["source"]).endswith("vllm/issues/27508")]
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.row.get("mxfp4_backend") == "marlin"
+    assert r.kv_ok, (r.kv, r.observed_kv)
+    assert held[str(r.row["source"])].kv_ok, (held[str(r.row["source"])].kv, r.observed_kv)
+    assert r.fits is False and r.observed_fits is False
+
+
+def test_lmcaches_table_of_h100_splits_reads_in_band() -> None:
+    """LMCache's FAQ table (LMCache PR 1769, merged 2025-10-10: "Qwen/Qwen3-32B (tp=2 on H100) | 33.66 GB × 2 (or
+    275,760 tokens)", "meta-llama/Llama-3.1-70B (tp=4 on H100) | 32.06 GB × 4 (or 420,208 tokens)", Qwen3-8B 50.32 GB)
+    is a second source for 0.11 on Hopper beside llm-d's table, with a tp 4 split and 131,072 tokens of context. Each
+    row reads in band in sample and held out (LMCache's rows held out together), and its token count is the planner's."""
+    held = {(str(r.row["source"]), r.row["model"]): r for r in calibration.leave_one_source_out()}
+    rows = [r for r in calibration.evaluate_all() if str(r.row["source"]).endswith("LMCache/LMCache/pull/1769")]
+    assert sorted((r.row["model"], r.row["tp"]) for r in rows) == [
+        ("Qwen/Qwen3-32B", 2), ("Qwen/Qwen3-8B", 1), ("meta-llama/Llama-3.1-70B", 4)]
+    for r in rows:
+        h = held[(str(r.row["source"]), r.row["model"])]
+        assert r.kv_ok and h.kv_ok and r.fits and h.fits, (r.row["model"], r.kv, h.kv, r.observed_kv)
+        assert r.counted_tokens is not None and abs(r.counted_tokens - r.row["kv_tokens"]) <= 0.02 * r.row["kv_tokens"]

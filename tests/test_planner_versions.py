@@ -59,7 +59,7 @@ def test_profiles_cover_every_version_once_and_say_what_changed() -> None:
         assert a.until == b.since  # no gap, no overlap
     assert [p.default_util for p in VLLM_PROFILES] == [0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.92]
     assert [p.graphs_in_budget for p in VLLM_PROFILES] == [False, False, False, False, True, True, True]
-    assert [p.sampler_copies for p in VLLM_PROFILES] == [5.0, 10.25, 9.75, 4.75, 5.0, 1.5, 3.5]
+    assert [p.sampler_copies for p in VLLM_PROFILES] == [5.0, 9.75, 9.75, 4.75, 5.0, 1.5, 3.5]
     assert profile_for("llama.cpp", "4567").engine == "llama.cpp"
     with pytest.raises(PlanError, match="no version number"):
         parse_version("latest")
@@ -116,7 +116,7 @@ def test_the_default_utilization_is_the_versions() -> None:
 
 def test_a_24gb_card_under_newer_vllm_keeps_its_cache() -> None:
     """vLLM 0.17 on a 24 GB card used 0.5-0.6 GiB beside weights and KV where the planner charged 0.11's
-    1.3-1.5: 256 sequences x ~5 sampler copies now (0.16-0.20's logs), not 0.11's ~10 (the fitted 10.25)."""
+    1.3-1.5: 256 sequences x ~5 sampler copies now (0.16-0.20's logs), not 0.11's ~10 (the fitted 9.75)."""
     info = model(LLAMA8)
     state = fleet(node("n1", "fa", cls="RTX3090-24GB", count=1, mem=RTX3090_MIB))
     req = m.PlanRequest(model=info.name, precisions=("fp8",), gpu_memory_utilization=0.75)
@@ -130,7 +130,7 @@ def test_a_24gb_card_under_newer_vllm_keeps_its_cache() -> None:
 def test_vllm_0_10_warms_a_large_cards_sampler_as_0_11_does() -> None:
     """gpt-oss-120b on one H100 under vLLM 0.10.1 with every default (vllm issue 23278): weights 65.97 GiB
     and -2.14 GiB of KV cache, so it refused to start. A large card's 1,024 sequences held ~9.5 vocab-sized
-    copies there (0.11: 10.25); a small card's batch (the A100 logs of 0.10.1, the A10 one of 0.8.5) ~5 (the fitted figures)."""
+    copies there (0.11: 9.75); a small card's batch (the A100 logs of 0.10.1, the A10 one of 0.8.5) ~5 (the fitted figures)."""
     from llmgw.engine.profiles import profile_for
 
     info = modelinfo.load_dir(Path(__file__).resolve().parent / "data" / "calibration" / "openai__gpt-oss-120b",

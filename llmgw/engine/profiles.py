@@ -7,7 +7,8 @@ and was fitted on public start-up logs of that range (``tests/data/vllm_observed
 the figures in docs/benchmarks.md):
 
 * the sampler's dummy pass: ``max_num_seqs`` x vocab x fp32, ``sampler_copies`` times over
-  (0.11 to 0.15 warmed top-p/top-k too: ~10 copies on their logs; 0.16-0.20 ~5; 0.21-0.28 ~1.5;
+  (0.11 to 0.15 warmed top-p/top-k too: 9.75 copies on their logs, the ~9.6-9.9 llm-d's 0.11.0 table prints as
+  its activation peak at 1,024 sequences; 0.16-0.20 ~5; 0.21-0.28 ~1.5;
   0.29+ ~3.5).
   Up to 0.10 it differed by card: ~5 copies with a small card's batch (the A100 and A10 logs), 9.5 with
   a large card's (an H100 log of 0.10.1), so a profile may say ``large_sampler_copies``;
@@ -106,7 +107,7 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
     # 0.13 (no range has two sources that print their own). tests/test_calibration.py checks that the fit still gives these.
     EngineProfile("vllm", (0, 8), (0, 11), "0.10.1", sampler_copies=5.0, large_sampler_copies=9.5,
                   mxfp4_hopper_triton=False),
-    EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=10.25),
+    EngineProfile("vllm", (0, 11), (0, 12), "0.11.0", sampler_copies=9.75),
     # 0.12-0.15 still warmed the sampler as 0.11 did (an RTX A5000 log of 0.13.0, an H200 one of 0.15.1);
     # from 0.16 ~5 copies (0.16.0 on L40S, 0.17.1 on MI300X, 0.19.1 on an A100 40GB, 0.20.2 on an RTX PRO 6000).
     # 0.20 already takes the CUDA graphs from the budget (its logs print the "equivalent to" line; 0.19.1's do not).
