@@ -10,6 +10,7 @@ the embedded nats-server (from /proc).
 
     .venv/bin/python benchmarks/replay.py                 # embedded nats-server, 1M events
     .venv/bin/python benchmarks/replay.py --events 200000 # quicker
+    .venv/bin/python benchmarks/replay.py --events 300000 --rounds 3  # the projector ÷ fold-only ratio
 
 Prints figures; asserts nothing (timing belongs here, not in tests).
 """
@@ -159,6 +160,11 @@ class Cpu:
         return ", ".join(parts)
 
 
+def load() -> str:
+    """The 1, 5 and 15 minute load averages: how much else this machine was running."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 async def fresh(bus: Bus) -> None:
     """Empty streams (a server given by --nats-url may hold an earlier run's): delete them, declare them again."""
     for spec in subjects.STREAMS:
@@ -210,7 +216,8 @@ async def main(args: argparse.Namespace) -> None:
             sizes = now
         print(f"published {n:,} events in {secs:.1f}s ({n / secs:,.0f}/s); stored {sum(sizes.values()):,} "
               "(identical events are stored once): "
-              + ", ".join(f"{k.removeprefix('LLMGW_').lower()} {v:,}" for k, v in sizes.items()))
+              + ", ".join(f"{k.removeprefix('LLMGW_').lower()} {v:,}" for k, v in sizes.items())
+              + f"; load average {load()}")
 
         server_pid = server.proc.pid if server is not None and server.proc is not None else None
         plain = await Bus.connect(settings, "llmgw-bench-plain", fast_reads=False)
@@ -226,33 +233,47 @@ async def main(args: argparse.Namespace) -> None:
         print(f"raw read:  {raw_n:,} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msgs/s (Bus.reader's fast lane, no decode); "
               f"CPU per event: {cpu.per_event(raw_n)}")
 
-        # The same read, decode and fold with no store: what is left for DuckDB.
-        cpu = Cpu(server_pid)
-        start = time.perf_counter()
-        folder = Projector(bus, None)
-        await folder.run_once()
-        fold_s = time.perf_counter() - start
-        print(f"fold only: {folder.folded:,} events in {fold_s:.2f}s = {folder.folded / fold_s:,.0f} events/s "
-              f"(read, decode, fold; no DuckDB); CPU per event: {cpu.per_event(folder.folded)}")
+        # The same read, decode and fold with no store (what is left for DuckDB), then the projector
+        # into a new file, alternated round by round: the ratio of each pair is measured side by side.
+        folds, projs, ratios = [], [], []
+        for r in range(1, args.rounds + 1):
+            cpu = Cpu(server_pid)
+            start = time.perf_counter()
+            folder = Projector(bus, None)
+            await folder.run_once()
+            fold_s = time.perf_counter() - start
+            fold_rate = folder.folded / fold_s
+            print(f"fold only: {folder.folded:,} events in {fold_s:.2f}s = {fold_rate:,.0f} events/s "
+                  f"(read, decode, fold; no DuckDB); CPU per event: {cpu.per_event(folder.folded)}")
 
-        db = work / "bench.duckdb"
-        store = Store(db)
-        cpu = Cpu(server_pid)
-        start = time.perf_counter()
-        # Fold snapshots at ``llmgw project``'s cadence, so that a kept history serves ``--at`` as a real one does.
-        projector = Projector(bus, store, writer_process=not args.writer_thread,
-                              commit_interval_s=args.commit_interval,
-                              fold_snapshot_events=args.fold_snapshot_events or None,
-                              fold_snapshot_interval_s=snapshots.DEFAULT_INTERVAL_S)
-        state = (await projector.run_once()).state
-        proj_s = time.perf_counter() - start
-        store.close()
-        proj_rate = projector.folded / proj_s
-        print(f"projector: {projector.folded:,} events in {proj_s:.2f}s = {proj_rate:,.0f} events/s "
-              f"({proj_rate / nats_rate:.0%} of nats-py's raw read, {proj_rate / raw_rate:.0%} of the fast lane's) "
-              f"into {db.stat().st_size / 2**20:,.0f} MiB of DuckDB")
-        print(f"           {len(state.nodes)} nodes, {len(state.replicas)} replicas, {len(state.routers)} routers; "
-              f"CPU per event: {cpu.per_event(projector.folded)}")
+            db = work / "bench.duckdb"
+            for old in (db, db.with_name(db.name + ".wal")):
+                old.unlink(missing_ok=True)
+            store = Store(db)
+            cpu = Cpu(server_pid)
+            start = time.perf_counter()
+            # Fold snapshots at ``llmgw project``'s cadence, so that a kept history serves ``--at`` as a real one does.
+            projector = Projector(bus, store, writer_process=not args.writer_thread,
+                                  commit_interval_s=args.commit_interval,
+                                  fold_snapshot_events=args.fold_snapshot_events or None,
+                                  fold_snapshot_interval_s=snapshots.DEFAULT_INTERVAL_S)
+            state = (await projector.run_once()).state
+            proj_s = time.perf_counter() - start
+            store.close()
+            proj_rate = projector.folded / proj_s
+            print(f"projector: {projector.folded:,} events in {proj_s:.2f}s = {proj_rate:,.0f} events/s "
+                  f"({proj_rate / nats_rate:.0%} of nats-py's raw read, {proj_rate / raw_rate:.0%} of the fast lane's) "
+                  f"into {db.stat().st_size / 2**20:,.0f} MiB of DuckDB")
+            print(f"           {len(state.nodes)} nodes, {len(state.replicas)} replicas, {len(state.routers)} routers; "
+                  f"CPU per event: {cpu.per_event(projector.folded)}")
+            folds.append(fold_rate)
+            projs.append(proj_rate)
+            ratios.append(proj_rate / fold_rate)
+            print(f"round {r}:   projector ÷ fold only {ratios[-1]:.2f}; load average {load()}")
+        if args.rounds > 1:
+            print(f"medians of {args.rounds} rounds: fold only {statistics.median(folds):,.0f} events/s, projector "
+                  f"{statistics.median(projs):,.0f} events/s, projector ÷ fold only {statistics.median(ratios):.2f} "
+                  f"(each round's: {' / '.join(f'{x:.2f}' for x in ratios)})")
 
         store = Store(db)
         live = Projector(bus, store)
@@ -311,6 +332,7 @@ if __name__ == "__main__":
     p.add_argument("--busy", type=int, default=6, help="replicas that get requests each tick")
     p.add_argument("--window", type=int, default=10_000, help="publishes between flushes")
     p.add_argument("--status-runs", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=1, help="fold only and projector, alternated, this many times")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--writer-thread", action="store_true", help="commit in a thread instead of a child process")
     p.add_argument("--commit-interval", type=float, default=1.0, help="seconds between commits (as llmgw project)")

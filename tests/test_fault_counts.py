@@ -106,3 +106,53 @@ def test_ctl_status_shows_each_nodes_gpu_faults_in_the_last_day(settings: Settin
     assert json.loads(out.output)["gpu_faults"] == {"h100-a-03": 2}
     text = ctl(settings, "ctl", "status", "--replay")
     assert "node h100-a-03: 2 GPU faults in 24h" in text.output, text.output
+
+
+def _swept_every_time(faults: dict[str, list[datetime]], uuid: str, at: datetime) -> None:
+    """record_fault as it was: every GPU's list swept at every fault (the reference it must still equal)."""
+    times = faults.setdefault(uuid, [])
+    times.append(at)
+    if len(times) > FAULTS_KEPT:
+        del times[: len(times) - FAULTS_KEPT]
+    cutoff = at - timedelta(days=FAULT_DAYS)
+    for key in list(faults):
+        kept = [t for t in faults[key] if t > cutoff]
+        if not kept:
+            del faults[key]
+        elif len(kept) < len(faults[key]):
+            faults[key] = kept
+
+
+def test_the_faults_kept_are_those_of_a_sweep_at_every_fault_out_of_order_trimmed_and_resumed() -> None:
+    import random
+
+    from llmgw.fleet.fold import Checkpoint, decode_state, encode
+    from llmgw.fleet.state import FleetState, record_fault
+
+    rng = random.Random(46)
+    state, reference = FleetState(), {}
+    trimmed = forgotten = 0
+    at = T0
+    for i in range(3000):
+        # Mostly forward, sometimes back (publishers' clocks), bursts on one card (trimmed at FAULTS_KEPT),
+        # and gaps longer than FAULT_DAYS that make everything go.
+        at += timedelta(minutes=rng.choice((0.1, 1, 5, 90)) * rng.random())
+        if rng.random() < 0.002:
+            at += timedelta(days=FAULT_DAYS + 1)
+        when = at - timedelta(days=rng.random() * 8) if rng.random() < 0.1 else at
+        uuid = "GPU-hot" if rng.random() < 0.3 else f"GPU-{rng.randrange(40)}"
+        before = sum(map(len, reference.values()))
+        record_fault(state, uuid, when)
+        _swept_every_time(reference, uuid, when)
+        assert state.faults == reference, i
+        trimmed += len(reference.get(uuid, ())) == FAULTS_KEPT
+        forgotten += sum(map(len, reference.values())) <= before
+        if i % 700 == 350:  # resumed from a checkpoint: the map is a new object, measured afresh
+            state = decode_state(encode(Checkpoint(state=state))).state
+        if i == 2000:  # or replaced wholesale, by a map with a fault in it that the next one makes go
+            reference["GPU-old"] = [when - timedelta(days=FAULT_DAYS, hours=1)]
+            state.faults = {k: list(v) for k, v in reference.items()}
+            record_fault(state, "GPU-hot", when)
+            _swept_every_time(reference, "GPU-hot", when)
+            assert state.faults == reference and "GPU-old" not in reference
+    assert trimmed and forgotten > trimmed  # both ways of forgetting were exercised
