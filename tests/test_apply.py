@@ -155,3 +155,18 @@ async def test_a_change_to_only_the_autoscaling_knobs_keeps_the_declared_figures
     assert "changed qwen: context 16,384 → 32,768\n" in longer.output
     assert "the scheduler rolls it" in longer.output
     assert "  the plan's figures for it: gib_per_gpu" in longer.output and "kv_tokens" in longer.output
+
+
+async def test_many_entries_are_planned_on_one_connection_and_declared_in_one_batch_in_file_order(
+        bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    f = tmp_path / "many.toml"
+    f.write_text("".join(f'[[model]]\nname = "m{i:03d}"\nmodel = "Qwen/Qwen2.5-14B-Instruct"\nprecision = "bf16"\n'
+                         f'tp = 1\ngpu_class = "H100-80GB"\ncontext = {8192 + 1024 * (i % 3)}\n\n' for i in range(60)))
+    first = await invoke(nats_url, *apply_args(f))
+    assert first.exit_code == 0, first.output
+    declared = [e for e in await control(bus) if isinstance(e, m.ModelDeclared)]
+    assert [e.spec.name for e in declared] == [f"m{i:03d}" for i in range(60)]
+    assert [e.spec.context for e in declared[:3]] == [8192, 9216, 10240]
+    again = await invoke(nats_url, *apply_args(f))
+    assert again.exit_code == 0 and "0 declared or changed, 60 unchanged" in again.output
+    assert len(await control(bus)) == 60
