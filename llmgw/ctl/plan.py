@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +97,8 @@ async def plan_many(settings: Settings, asks: Sequence[tuple[str, m.PlanRequest]
             except LlmgwError as e:
                 out.append(e)
         return out
+    import asyncio  # not at the top: ``ctl status`` binds this module and runs no event loop
+
     from llmgw.errors import ConnectError
     from llmgw.planner.service import ask
 
