@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 
 # The engine supervisor folds the control stream for this node's placements: no memory beyond the state.
 ENGINES_KEEP = Memories(history=False, demand=False, observed=False, pool=False, lost=False)
-ENGINES = ("vllm", "llama.cpp")
+ENGINES = ("vllm", "llama.cpp")  # the engines whose versions a node reports
 # What an agent's control reader may have on the way: at 300 simulated agents on one connection, 8 MB
 # each (the readers' default) would pass nats-server's 64 MB slow-consumer limit many times over.
-AGENT_BYTES_IN_FLIGHT = 128 << 10  # the engines whose versions a node reports
+AGENT_BYTES_IN_FLIGHT = 128 << 10
 
 
 class VersionCache:
