@@ -40,6 +40,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from llmgw.bus.server import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 LLMGW = [sys.executable, "-m", "llmgw"]
 SCARCE = 10  # nodes of H200s, the class most models ask for: one model each fits, the rest wait, unplaceable
@@ -159,14 +161,6 @@ async def control_consumers(url: str, password: str) -> dict[bool, int]:
                 return counts
     finally:
         await nc.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

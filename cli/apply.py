@@ -22,7 +22,7 @@ from llmgw.cli.models import (
     plan_request,
     spec_of,
 )
-from llmgw.cli.options import echo_json, json_option, nats_options, run
+from llmgw.cli.options import echo_json, json_option, nats_options, read_toml, run
 from llmgw.cli.progress import parse_duration
 from llmgw.config import Settings
 from llmgw.errors import LlmgwError
@@ -33,14 +33,7 @@ MAX_ENTRIES = 1000
 
 def read_asks(path: Path) -> list[Ask]:
     """The ``[[model]]`` entries of a declarations file; LlmgwError naming the entry and the key for a bad one."""
-    try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise LlmgwError(f"{path} is not valid TOML: {e}") from None
-    except RecursionError:  # the parser recurses per level of nested arrays and inline tables
-        raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be declarations") from None
+    doc = read_toml(path, "declarations")
     extra = set(doc) - {"model", "adapter"}
     if extra:
         raise LlmgwError(f"{path}: unknown top-level key(s) {', '.join(sorted(extra))}; declarations are [[model]] "

@@ -9,7 +9,7 @@ import click
 import msgspec
 
 from llmgw import messages as m
-from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, run
+from llmgw.cli.options import checked_name, echo_json, json_option, nats_options, read_toml, run
 from llmgw.config import Settings
 
 LIMIT = click.IntRange(1, 10**15)
@@ -199,20 +199,10 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def read_keys(path: Any) -> list[tuple[m.KeyDeclared, str]]:
     """The ``[[key]]`` tables of FILE as new keys' declarations and their secrets, each checked as `create`
     checks its options; LlmgwError naming the entry and what is wrong."""
-    import tomllib
-
     from llmgw.cli.progress import parse_duration
     from llmgw.errors import LlmgwError
 
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise LlmgwError(f"{path} is not valid TOML: {e}") from None
-    except RecursionError:
-        raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be keys") from None
+    doc = read_toml(path, "keys")
     entries = doc.get("key")
     if set(doc) - {"key"} or not isinstance(entries, list) or not entries:
         raise LlmgwError(f"{path}: expected [[key]] tables (name, tenant, models, tokens_per_day, "

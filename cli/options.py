@@ -8,6 +8,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -159,6 +160,22 @@ def checked_model_name(ctx: click.Context, param: click.Parameter, value: str | 
     if value is not None and (why := name_problem(value, param.human_readable_name, model=True)) is not None:
         raise click.BadParameter(why, ctx=ctx, param=param)
     return value
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file of ``what`` (declarations, keys) as a dict; LlmgwError saying why it cannot be read."""
+    import tomllib
+
+    from llmgw.errors import LlmgwError
+
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise LlmgwError(f"cannot read {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LlmgwError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:  # the parser recurses per level of nested arrays and inline tables
+        raise LlmgwError(f"{path}: its arrays or inline tables are nested too deeply to be {what}") from None
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")

@@ -304,7 +304,6 @@ class EngineSupervisor:
                 if self.caught_up.is_set():
                     await self._reconciled(outbox)
         finally:
-            heads.cancel()
             tasks = [heads, *self._tasks.values()]
             for t in tasks:
                 t.cancel()
