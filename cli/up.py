@@ -371,13 +371,16 @@ def _default_models_dir() -> str | None:
               help="Run the embedded NATS without logins, as before: any local process may publish as any part.")
 @click.option("--api-keys", "api_keys", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Key file (sha256 hex digests, one per line) for the router and the dashboard; off when absent.")
+@click.option("--open-dashboard", is_flag=True,
+              help="The dashboard without a login: anyone who reaches its port sees the fleet. Without it (and "
+                   "without --api-keys) the dashboard asks for the key `up` keeps in <data dir>/dashboard.key.")
 def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str | None, router_listen: str,
        router_tick: float, heartbeat_s: float, lost_after: float, quarantine_faults: int, quarantine_window: float,
        models_dir: str | None, no_example: bool,
        engine_startup_s: float, wake_timeout: float, router_access_log: str | None, dashboard_listen: str,
        engines: str, engine_cmds: tuple[str, ...],
        allowed_args: tuple[str, ...], model_paths: tuple[Path, ...],
-       insecure: bool, api_keys: Path | None) -> None:
+       insecure: bool, api_keys: Path | None, open_dashboard: bool) -> None:
     """Run a whole control plane here: NATS, projector, planner, scheduler, router (and simulated agents).
 
     Example:
@@ -481,8 +484,15 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
                         "--wake-timeout", f"{wake_timeout:g}", "--quota-journal", str(root / f"{ROUTER_NAME}.journal"),
                         *keys, *(["--access-log", access_log] if access_log else [])]),
         ]
+        board_key: Path | None = None  # the key file a closed dashboard asks for, when up made it
         if dashboard_listen != "off":
-            parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *keys]))
+            board_keys = keys
+            if not api_keys and not open_dashboard:  # closed like the bus: a login up makes once
+                from llmgw.apikeys import dashboard_login
+
+                board_key, digests = dashboard_login(root)
+                board_keys = ["--api-keys", str(digests)]
+            parts.append(("dashboard", ["dashboard", "--listen", dashboard_listen, *board_keys]))
         if fleet_path is not None:
             parts.append(("agents", ["agent", "--simulate", str(fleet_path.resolve()), "--heartbeat-s", f"{heartbeat_s:g}",
                                      "--engine-startup-s", f"{engine_startup_s:g}", "--engines", engines,
@@ -506,7 +516,9 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
         board = next((c for c in children if c.name == "dashboard"), None)
         if board is not None:
             board_url = _router_url(board)
-            click.echo(f"dashboard: {board_url}" if board_url else
+            login = (f"  (log in with the key in {board_key})" if board_key else
+                     "  (OPEN: --open-dashboard, no login)" if open_dashboard and not api_keys else "")
+            click.echo(f"dashboard: {board_url}{login}" if board_url else
                        f"dashboard: not serving ({board.tail(1) or 'no output'}); see {board.log_path}")
         shown = [*(["engines: engines/<replica>.log"] if fleet_path is not None else []),
                  *([f"requests: {Path(access_log).name if Path(access_log).parent == logs else access_log}"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import secrets
 from pathlib import Path
 
 from llmgw.errors import ConfigError
@@ -37,3 +39,32 @@ def load_api_keys(path: str | Path) -> frozenset[str]:
 def hash_key(key: str) -> str:
     """The digest an API key file stores for ``key``."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+DASHBOARD_KEY = "dashboard.key"  # in ``llmgw up``'s data directory: the secret, for whoever runs it
+DASHBOARD_DIGEST = "dashboard.sha256"  # beside it: its digest, the dashboard's --api-keys file
+
+
+def dashboard_login(data_dir: Path) -> tuple[Path, Path]:
+    """The key ``llmgw up``'s dashboard asks for, made once per data directory: (key file, digest file).
+
+    The key file is the owner's alone (0600, as the bus's logins are); a later ``up`` keeps it, so a
+    browser's session and a script's key outlive restarts. Delete both files to make a new one.
+    """
+    key_path, digest_path = data_dir / DASHBOARD_KEY, data_dir / DASHBOARD_DIGEST
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        key = key_path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        key = f"dashboard-{secrets.token_urlsafe(32)}"  # not llmgw-…: that is a ctl key's form
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(key + "\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the dashboard's key {key_path} ({e}); delete it and {digest_path} "
+                          "to make a new one") from e
+    if not key:
+        raise ConfigError(f"{key_path} is empty; delete it and {digest_path} to make a new one")
+    digest_path.write_text(f"# the digest of {key_path.name} (llmgw up's dashboard login)\n{hash_key(key)}\n",
+                           encoding="ascii")
+    return key_path, digest_path
