@@ -91,6 +91,17 @@ def usage_idle(router: str) -> str:
     return f"{PREFIX}.usage.{token(router)}.idle"
 
 
+USAGE_IDLE_ALL = f"{PREFIX}.usage.*.idle"  # every router's idle maps (what a router's quotas follow)
+
+
+def usage_day(router: str) -> str:
+    """``llmgw.usage.<router>.day``: what a router's maps of the day said each key used (``KeyDayTotals``)."""
+    return f"{PREFIX}.usage.{token(router)}.day"
+
+
+USAGE_DAY_ALL = f"{PREFIX}.usage.*.day"
+
+
 def usage_adapter(router: str) -> str:
     """``llmgw.usage.<router>.adapter``: adapters a router loaded into (or unloaded from) replicas."""
     return f"{PREFIX}.usage.{token(router)}.adapter"
@@ -134,7 +145,7 @@ def disagrees(subject: str, event: m.Event) -> str | None:
     try:
         if kind is m.ReplicaStateChanged:  # the most frequent with a node: built here, not matched
             expected = replica(event.replica_id, "state", event.node)  # type: ignore[attr-defined]
-        elif kind is m.IdleMapPublished:  # the most frequent of all
+        elif kind is m.IdleMapPublished or kind is m.MapCallers:  # the most frequent of all
             expected = usage_idle(event.router)  # type: ignore[attr-defined]
         else:
             expected = subject_for(event)
@@ -233,6 +244,8 @@ def subject_for(event: m.Event) -> str:
             return usage_wanted(router)
         case m.AdapterLoaded(router=router) | m.AdapterUnloaded(router=router):
             return usage_adapter(router)
+        case m.KeyDayTotals(router=router):
+            return usage_day(router)
         case m.NodeCordoned(node=node):
             return f"{PREFIX}.control.node.{token(node)}.cordoned"
         case m.ControlPlaneStarted():

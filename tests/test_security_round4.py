@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,6 +25,7 @@ from test_keys import declared
 from test_snapshots import _forge, restarted_router
 
 from llmgw import messages as m
+from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.clientsockets import unreadable
 from llmgw.dashboard.app import Dashboard
@@ -30,6 +33,7 @@ from llmgw.fleet.fold import Checkpoint
 from llmgw.fleet.replay import replay
 from llmgw.projections.export import export_parquet
 from llmgw.projections.store import Store
+from llmgw.router.quotas import utc_day
 from llmgw.router.server import Router
 
 SECRET = "sk-llmgw-0123456789abcdef-THE-SECRET-PART"
@@ -158,6 +162,58 @@ async def test_a_snapshot_whose_keys_are_the_streams_is_used(bus: Bus) -> None:
     sink = await restarted_router(bus)
     assert sink.started_from == honest
     assert {k.name for k in sink.keys_by_id.values()} == {"kept"}
+
+
+_, DAILY = declared("daily", tokens_per_day=1000)
+
+
+def _todays_map(router: str, tokens: int, at: datetime | None = None) -> m.IdleMapPublished:
+    """What another router's (or an earlier boot's) map says ``daily`` used today."""
+    return m.IdleMapPublished(at=at or m.utcnow(), router=router, boot_id=f"{router}-earlier", tick=1,
+                              callers={"daily": {"k": m.KeyUse(requests=1, prompt_tokens=tokens)}})
+
+
+def _totals(router: str, tokens: int) -> m.KeyDayTotals:
+    return m.KeyDayTotals(at=m.utcnow(), router=router, boot_id=f"{router}-earlier", day=utc_day(time.time()),
+                          tokens={"daily": tokens})
+
+
+async def _tokens_today_at_start(bus: Bus) -> int:
+    """What a router starting now counts of ``daily``'s day, once it has read the usage stream."""
+    r = Router(bus, "rt-late", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    try:
+        await until(r.ticks.usage_caught_up.is_set, "the late router read the usage stream")
+        counts = r.quotas.counts.get("daily")
+        return 0 if counts is None else counts.tokens_today(utc_day(time.time()))
+    finally:
+        await r.stop()
+
+
+async def test_a_snapshot_cannot_give_a_key_its_day_back(bus: Bus) -> None:
+    """A forged snapshot's usage of today (``key_usage``, which no control message vouches for) is never
+    where a router starts its day: it reads the day's maps from the usage stream."""
+    await fresh_streams(bus)
+    await publish(bus, [*small_fleet()[:17], DAILY, _todays_map("rt-a", 600), _todays_map("rt-b", 400)])
+    await _forge(bus, lambda c: c.state.key_usage.pop("daily"))
+    assert await _tokens_today_at_start(bus) == 1000
+
+
+async def test_a_router_starting_counts_each_routers_day_totals_and_the_maps_after_them(bus: Bus) -> None:
+    """Each router's last ``KeyDayTotals`` and only its maps after them (not a day of maps); a router that
+    says no totals (an earlier version) for its last minute; this router's own name's day is published
+    again at its start, with what its earlier boots' maps said."""
+    await fresh_streams(bus)
+    hours_ago = m.utcnow() - timedelta(hours=2)
+    await publish(bus, [*small_fleet()[:17], DAILY,
+                        _todays_map("rt-a", 600, hours_ago), _totals("rt-a", 600),  # the map is in its totals
+                        _todays_map("rt-a", 250), _totals("rt-late", 30), _todays_map("rt-late", 20),
+                        _todays_map("rt-old", 100)])
+    assert await _tokens_today_at_start(bus) == 600 + 250 + 30 + 20 + 100
+    got = await bus.last_message(subjects.STREAM_USAGE, subjects.usage_day("rt-late"))
+    assert got is not None
+    said = m.USAGE_DECODER.decode(got[1])
+    assert isinstance(said, m.KeyDayTotals) and said.tokens == {"daily": 50}  # its earlier boots' 30 + 20
 
 
 # --- finding 9: key salts and digests stay with the readers of control that need them ---------------

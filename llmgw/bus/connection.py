@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 from collections.abc import Awaitable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from llmgw.bus import deferred  # noqa: F401 - before nats: it hides aiohttp from nats-py's import
@@ -44,7 +45,7 @@ from llmgw.bus.keyvalue import KeyValueBucket
 from llmgw.bus.objects import ObjectBucket
 from llmgw.bus.oneshot import describe_connect_error, tls_context
 from llmgw.bus.outbox import Outbox
-from llmgw.bus.reader import StreamReader
+from llmgw.bus.reader import StreamReader, consumer_name
 from llmgw.config import Settings
 from llmgw.errors import (
     BusError,
@@ -376,6 +377,75 @@ class Bus:
             raise BusError(f"JetStream did not answer for stream {stream}") from e
         created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
         return int(info.state.last_seq), created
+
+    async def seq_at_time(self, stream: str, when: datetime) -> int:
+        """The first sequence ``stream`` stored at or after ``when`` (its last + 1 when none is).
+
+        JetStream finds it by the stored messages' times, on the server: a consumer created to start there
+        (``by_start_time``) says where, before it delivers anything, and is deleted at once. Any
+        role that reads the stream may ask (nats.conf's consumer grants).
+        """
+        name, at = consumer_name(self.name, stream), when.astimezone(UTC).isoformat()
+        config = {"name": name, "deliver_policy": "by_start_time", "opt_start_time": at,
+                  "ack_policy": "none", "mem_storage": True, "num_replicas": 1, "inactive_threshold": int(5e9),
+                  "description": f"{self.name}: where {stream} stands at {at}"}
+        subject = subjects.js_consumer("CREATE", stream, name)
+        body = json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()
+        try:
+            msg = await self.guarded(subject, self.nc.request(subject, body, timeout=self.settings.request_timeout_s))
+        except _RETRYABLE as e:
+            raise BusError(f"JetStream did not answer where {stream} stands at {at}") from e
+        resp = json.loads(msg.data)
+        if resp.get("error"):
+            err = resp["error"]
+            raise BusError(f"cannot find where {stream} stands at {at}: "
+                           f"{err.get('description')} (code {err.get('err_code')})")
+        with contextlib.suppress(*_RETRYABLE):
+            await self.nc.request(subjects.js_consumer("DELETE", stream, name), b"", timeout=1)
+        return int(resp["delivered"]["stream_seq"]) + 1
+
+    async def last_per_subject(self, stream: str, subjects_: str) -> list[tuple[int, str, bytes]]:
+        """The latest message of every subject ``subjects_`` (a wildcard) matches: (sequence, subject, payload).
+
+        One consumer that delivers the last message per subject (``last_per_subject``), pulled once
+        with ``no_wait`` and deleted: what a router starting reads of every router's day totals.
+        """
+        name = consumer_name(self.name, stream)
+        config = {"name": name, "deliver_policy": "last_per_subject", "filter_subject": subjects_,
+                  "ack_policy": "none", "mem_storage": True, "num_replicas": 1, "inactive_threshold": int(5e9),
+                  "description": f"{self.name}: the last {subjects_} of {stream}"}
+        create = subjects.js_consumer("CREATE", stream, name) + "." + subjects_
+        body = json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()
+        what = f"the last {subjects_} of {stream}"
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            try:
+                msg = await self.guarded(create, self.nc.request(create, body, timeout=self.settings.request_timeout_s))
+            except _RETRYABLE as e:
+                raise BusError(f"JetStream did not answer for {what}") from e
+            resp = json.loads(msg.data)
+            if resp.get("error"):
+                err = resp["error"]
+                raise BusError(f"cannot read {what}: {err.get('description')} (code {err.get('err_code')})")
+            out: list[tuple[int, str, bytes]] = []
+            left = int(resp.get("num_pending", 0))
+            if left:
+                await self.nc.publish(subjects.js_consumer("MSG.NEXT", stream, name),
+                                      json.dumps({"batch": left, "no_wait": True}).encode(), reply=inbox)
+            while len(out) < left:
+                try:
+                    got = await sub.next_msg(timeout=self.settings.request_timeout_s)
+                except nats.errors.TimeoutError as e:
+                    raise BusError(f"JetStream stopped sending {what} ({len(out)} of {left})") from e
+                if not got.reply:  # a status (404: no more, 408: expired): what was there has come
+                    break
+                out.append((int(got.metadata.sequence.stream), got.subject, got.data))
+            return out
+        finally:
+            await sub.unsubscribe()
+            with contextlib.suppress(*_RETRYABLE):
+                await self.nc.request(subjects.js_consumer("DELETE", stream, name), b"", timeout=1)
 
     async def purge_subject(self, stream: str, subject: str) -> None:
         """Drop every message of ``subject`` from ``stream`` (admin's: only admin may purge)."""

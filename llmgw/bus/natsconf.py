@@ -134,7 +134,9 @@ def permissions(role: str, node: str | None = None, user: str | None = None) -> 
         tok = s.token(node) if node else "*"
         # Its own last idle map, read back at start so that idle time survives a restart.
         # The other routers' maps too: each key's quota counts what it asked through any router.
-        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", f"{P}.usage.{tok}.adapter", *_read(CONTROL, USAGE),
+        # Its keys' use of the day (``.day``), which a router starting reads instead of a day of maps.
+        pub += [f"{P}.usage.{tok}.idle", f"{P}.usage.{tok}.wanted", f"{P}.usage.{tok}.adapter", f"{P}.usage.{tok}.day",
+                *_read(CONTROL, USAGE),
                 s.js_api("DIRECT.GET", USAGE, f"{P}.usage.{tok}.idle")]
         pub += _read(ENGINE_KEYS)  # the engines' API keys: the one role that reads them, to reach the engines
         deny_pub += [f"{P}.fleet.>", f"{P}.heartbeat.>", f"{P}.control.>"]

@@ -83,6 +83,33 @@ class IdleMapPublished(Event, tag="IdleMapPublished", frozen=True, kw_only=True)
                        msgspec.Meta(max_length=100_000)] = {}
 
 
+class MapCallers(Event, tag="IdleMapPublished", frozen=True, kw_only=True):
+    """What a router's quotas read of an idle map: whose map, and who asked what (``callers``).
+
+    The same bytes as ``IdleMapPublished``; the replicas' times, loads and cache use are passed
+    over undecoded (a router starting reads a day of maps: their timestamps were most of it).
+    """
+
+    router: Name
+    boot_id: Label
+    callers: Annotated[dict[Ref, Annotated[dict[Ref, KeyUse], msgspec.Meta(max_length=4096)]],
+                       msgspec.Meta(max_length=100_000)] = {}
+
+
+class KeyDayTotals(Event, tag="KeyDayTotals", frozen=True, kw_only=True):
+    """What one router's maps of ``day`` (UTC) said each key used, up to this message (``.day``).
+
+    Published at a router's start, every few minutes and at its stop, so that a router starting
+    reads each router's last totals and only the maps after them, not a whole day of maps. Only a
+    router's own login may publish on its subject: no fold snapshot ever says what a key used.
+    """
+
+    router: Name
+    boot_id: Label
+    day: Annotated[str, msgspec.Meta(pattern=r"^\d{4}-\d{2}-\d{2}$")]
+    tokens: Annotated[dict[Ref, _TokenCount], msgspec.Meta(max_length=100_000)] = {}
+
+
 class ModelWanted(Event, tag="ModelWanted", frozen=True, kw_only=True):
     """A router holds requests for a declared model that has no healthy replica.
 
@@ -136,7 +163,7 @@ class AdapterUnloaded(Event, tag="AdapterUnloaded", frozen=True, kw_only=True):
     reason: Label = ""
 
 
-UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered | AdapterLoaded | AdapterUnloaded
+UsageEvent = IdleMapPublished | ModelWanted | WakeAnswered | AdapterLoaded | AdapterUnloaded | KeyDayTotals
 
 
 # --- not on the bus: the router's access log, one JSON line per request ---------

@@ -11,7 +11,7 @@ import msgspec
 from llmgw.messages.base import ErrorReply
 from llmgw.messages.control import ControlEvent, EngineKeyEvent
 from llmgw.messages.fleet import FleetEvent, HeartbeatEvent
-from llmgw.messages.usage import UsageEvent
+from llmgw.messages.usage import MapCallers, UsageEvent
 
 AnyEvent = FleetEvent | HeartbeatEvent | UsageEvent | ControlEvent
 
@@ -22,6 +22,7 @@ ENCODER = msgspec.json.Encoder()
 FLEET_DECODER = msgspec.json.Decoder(FleetEvent)
 HEARTBEAT_DECODER = msgspec.json.Decoder(HeartbeatEvent)
 USAGE_DECODER = msgspec.json.Decoder(UsageEvent)
+MAP_CALLERS_DECODER = msgspec.json.Decoder(MapCallers)  # idle maps, as a router's quotas read them
 CONTROL_DECODER = msgspec.json.Decoder(ControlEvent)
 # Not in AnyEvent: an engine key is read only where it is used (the router), never by a reader of every stream.
 ENGINE_KEY_DECODER = msgspec.json.Decoder(EngineKeyEvent)

@@ -2,10 +2,11 @@
 
 A router counts its own requests as it takes them and its tokens as the engines
 report them, and adds what every other router's idle maps say (``callers``, read
-from the usage stream as they are published). A router starting takes up the
-newest fold snapshot's tokens of the day and every map after it, its own earlier
-ones included, and what its journal holds past its last stored map
-(``llmgw/router/journal.py``), so neither a restart nor a crash opens a window. A
+from the usage stream as they are published). A router starting counts each router's
+last day totals and the maps after them (``llmgw/router/days.py``), its own earlier
+boots' included, and what its journal holds past its last stored map
+(``llmgw/router/journal.py``), before it answers, so neither a restart nor a crash
+opens a window, and no fold snapshot says what a key used. A
 request over a key's limit is refused with 429: ``rate_limit_exceeded`` (requests per
 minute, or a day's tokens all reserved by requests in flight) or ``insufficient_quota``
 (tokens per day, UTC), as OpenAI's own API names them, with ``Retry-After``.
@@ -194,20 +195,34 @@ class Quotas:
         """An answer to ``key`` ended with ``tokens`` (prompt + completion)."""
         self._of(key).add_tokens(utc_day(now), tokens)
 
-    def other_map(self, event: m.IdleMapPublished) -> None:
-        """A map of another router (or of this one before it restarted): what its keys asked counts here too."""
+    def other_map(self, event: m.IdleMapPublished | m.MapCallers, *, tokens: bool = True) -> None:
+        """A map of another router (or of this one before it restarted): what its keys asked counts here too.
+
+        ``tokens=False``: its requests only (a map a router's day totals already hold, read for the minute).
+        """
         if not event.callers:
             return
         at = event.at.timestamp()
+        day, recent = utc_day(at), at > time.time() - WINDOW_S  # a map of hours ago fills no minute
+        counts = self.counts
         for key, per in event.callers.items():
-            self.counted(key, at, sum(u.requests for u in per.values()),
-                         sum(u.prompt_tokens + u.completion_tokens for u in per.values()))
+            c = counts.get(key) or self._of(key)
+            requests = used = 0
+            for u in per.values():
+                requests += u.requests
+                used += u.prompt_tokens + u.completion_tokens
+            if recent:
+                c.add_requests(at, requests)
+            if tokens:
+                c.add_tokens(day, used)
 
-    def counted(self, key: str, at: float, requests: int, tokens: int) -> None:
-        """What a map (or the journal, for a map a crash kept from the bus) says ``key`` asked at ``at``."""
+    def counted(self, key: str, at: float, requests: int, tokens: int, *, day: str = "") -> None:
+        """What a map (or the journal, for a map a crash kept from the bus; or a router's day totals, of
+        ``day``) says ``key`` asked at ``at``."""
         c = self._of(key)
-        c.add_requests(at, requests)
-        c.add_tokens(utc_day(at), tokens)
+        if requests and at > time.time() - WINDOW_S:  # hours ago fills no minute
+            c.add_requests(at, requests)
+        c.add_tokens(day or utc_day(at), tokens)
 
 
 class KeyUseCounter:

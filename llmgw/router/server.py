@@ -246,6 +246,7 @@ class Router:
             async with asyncio.timeout(wait_caught_up):
                 await self.sink.caught_up.wait()
                 await self.engine_keys.caught_up.wait()  # an endpoint it routes to, it can reach
+                await self.ticks.usage_caught_up.wait()  # a key's day and minute, before its first request
         if self.idle_tracking:
             await self.ticks.recall()
         # handler_cancellation: a client that goes away cancels the upstream request.

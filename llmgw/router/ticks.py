@@ -8,9 +8,11 @@
   cumulative).
 * With the map go the wakes answered since the last one and, while a model stays
   parked, its wish again (``wake.Wake``); prefixes nobody sent lately expire.
-* At start the router takes up its own last map from before it (re)started, read
-  once for the idle recall and the quota start alike, and then follows every
-  router's maps on the usage stream: what a key asked anywhere counts here too.
+* At start the router takes up its own last map from before it (re)started (the idle
+  recall) and every key's day so far (``llmgw/router/days.py``: each router's day
+  totals and the maps after them), and then follows every router's maps on the usage
+  stream: what a key asked anywhere counts here too. Its own day totals go out at its
+  start, every ``TOTALS_EVERY_S`` after a map, and at its stop.
 * With a journal (``llmgw/router/journal.py``), each map marks where it cut it and a
   stored one cuts it there; at start what no stored map carries is taken up
   (``take_up_journal``), so a router killed mid-tick loses none of that tick's counts.
@@ -31,6 +33,7 @@ from llmgw.bus import Bus
 from llmgw.errors import LlmgwError
 from llmgw.router import journal as journaling
 from llmgw.router import prefix as prefixroute
+from llmgw.router.days import TOTALS_EVERY_S, OwnDay, take_up_day
 from llmgw.router.endpoints import EndpointSink, Pool
 from llmgw.router.idle import IdleTracker
 from llmgw.router.journal import Journal
@@ -62,10 +65,13 @@ class Ticks:
         self.journal = self.key_use.journal = journal  # … each count also a line there, until a stored map carries it
         # Per replica answered since the last published map: [model, prompt tokens, cached tokens].
         self.cache_use: dict[str, list[Any]] = {}
-        # This router's last idle map from before this boot, read once for both recall and _quota_start.
+        # This router's last idle map from before this boot, read once for the idle recall.
         self._before: tuple[int, bytes] | None = None
         self._before_read = False
         self._before_lock = asyncio.Lock()
+        self.usage_caught_up = asyncio.Event()  # the day's use stored at start is counted
+        self.own_day = OwnDay()  # what this router's name published of today, for its day totals
+        self._publishing = asyncio.Lock()  # a map, what it took off and the totals after it: in that order
         self._usage_seq = 0  # the next usage stream sequence to read; 0: not started (where to start is found first)
 
     async def run(self) -> None:
@@ -82,9 +88,12 @@ class Ticks:
 
     async def publish_idle_map(self) -> m.IdleMapPublished:
         """Publish this tick's idle map now (and a wish for each model still waiting); return the map."""
-        event = self._idle_map()
-        await self.bus.publish(event, timeout=max(1.0, self.tick_s))
-        self._published(event)
+        async with self._publishing:
+            event = self._idle_map()
+            await self.bus.publish(event, timeout=max(1.0, self.tick_s))
+            self._published(event)
+            if not self.own_day.sent_at or time.monotonic() - self.own_day.sent_at >= TOTALS_EVERY_S:
+                await self._publish_totals(max(1.0, self.tick_s))
         now = time.monotonic()
         for table in self.prefixes.values():
             table.expire(now)  # prefixes nobody sent for prefixroute.WINDOW_S
@@ -95,9 +104,11 @@ class Ticks:
 
     async def publish_last(self) -> None:
         """The map a stopping router leaves: the requests since the last tick, and the wakes answered since."""
-        event = self._idle_map()
-        await self.bus.publish(event, timeout=2.0)
-        self._published(event)
+        async with self._publishing:
+            event = self._idle_map()
+            await self.bus.publish(event, timeout=2.0)
+            self._published(event)
+            await self._publish_totals(2.0)
         for answered in self.wake.ledger.drain(self.name, self.boot_id):  # the ledger's router part too
             await self.bus.publish(answered, timeout=2.0)
 
@@ -116,9 +127,19 @@ class Ticks:
             self.journal.mapped(self.boot_id, event.tick)
         return msgspec.structs.replace(event, **changes) if changes else event
 
+    async def _publish_totals(self, timeout: float) -> None:  # noqa: ASYNC109 - the bus's publish timeout
+        """This router's day so far (``KeyDayTotals``), once its earlier boots' part is known; none while it
+        has nothing to say and has said nothing (a router no key has used needs no totals)."""
+        if not self.own_day.known or (not self.own_day.tokens and not self.own_day.sent_at):
+            return
+        await self.bus.publish(self.own_day.totals(self.name, self.boot_id, time.time()), timeout=timeout)
+        self.own_day.sent_at = time.monotonic()
+
     def _published(self, event: m.IdleMapPublished) -> None:
         """What a published map carried is taken off; a map not published leaves it for the next."""
         self.idle_maps += 1
+        if event.callers:
+            self.own_day.add(utc_day(event.at.timestamp()), event.callers)
         if self.journal is not None:
             self.journal.published(event.tick)
         for key, per in event.callers.items():
@@ -213,36 +234,31 @@ class Ticks:
             return self._before
 
     async def _quota_start(self) -> int:
-        """Where the quotas' reading of the usage stream starts, having taken up what came before it.
+        """What every key used today and in the last minute, through any router, counted; this router's
+        day totals published with its earlier boots' part; returns where the live follow starts.
 
-        From the newest fold snapshot: its per-key tokens of today, and every map after it (its
-        own earlier ones too: a restart mid-minute or mid-day keeps every window). Without one,
-        from this router's own last map (the last tick of its own use, and the others' since).
+        Its earlier boots count too (a restart mid-minute or mid-day keeps every window). Never a
+        fold snapshot's ``key_usage``: nothing vouches for it (security round 4).
         """
-        from llmgw.fleet import snapshots
-
-        found = await snapshots.newest(self.bus, f"router {self.name}", (subjects.STREAM_USAGE,))
-        if found is not None:
-            c = found[0]
-            today = utc_day(time.time())
-            for key, days in c.state.key_usage.items():
-                if today in days:
-                    self.quotas.used(key, days[today][1], time.time())
-            return c.cursor.positions.get(subjects.STREAM_USAGE, 0) + 1
-        own = await self._last_map_before()
-        return own[0] if own is not None else await self.bus.stream_last_seq(subjects.STREAM_USAGE) + 1
+        end = await take_up_day(self.bus, self.name, self.boot_id, self.quotas, self.own_day)
+        async with self._publishing:
+            await self._publish_totals(max(1.0, self.tick_s))
+        return end + 1
 
     async def follow_usage(self) -> None:
         """The routers' maps, as they are published: what each key asked anywhere counts here too.
 
         Reads until the bus fails; called again, it goes on after the last map it read.
+        ``usage_caught_up`` is set once the maps stored when it started are read.
         """
         if not self._usage_seq:
             self._usage_seq = await self._quota_start()
-        follower = self.bus.follow(subjects.STREAM_USAGE, m.USAGE_DECODER, self._usage_seq, who=f"router {self.name}",
-                                   keep=lambda raw: raw.subject.endswith(".idle"))
+        follower = self.bus.follow(subjects.STREAM_USAGE, m.MAP_CALLERS_DECODER, self._usage_seq,
+                                   who=f"router {self.name}", filter_subjects=(subjects.USAGE_IDLE_ALL,))
         async for batch in follower.batches():
             for d in batch:
-                if type(d.event) is m.IdleMapPublished and d.event.boot_id != self.boot_id:
+                if d.event.callers and d.event.boot_id != self.boot_id:
                     self.quotas.other_map(d.event)  # (this boot's own use is counted as it happens)
             self._usage_seq = follower.last_seq + 1
+            if follower.drained:
+                self.usage_caught_up.set()
