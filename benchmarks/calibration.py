@@ -103,6 +103,13 @@ def _batch(row: dict[str, Any], profile: Any) -> tuple[int, int]:
     return tokens, seqs
 
 
+def cold(row: dict[str, Any]) -> bool:
+    """Whether the row's start compiled its graphs (``compile: cold``, or unstated: the planner's own assumption, a
+    replica's first start) rather than loading them (``compile: warm``, its log: "Directly load the compiled graph");
+    an eager start compiles nothing."""
+    return row.get("compile", "cold") == "cold" and not row.get("enforce_eager")
+
+
 def _as_installed(row: dict[str, Any], profile: Any) -> Any:
     """The profile as the row's install ran it: ``mxfp4_backend: marlin`` where its vLLM lacked ``triton_kernels``
     (a pip install of 0.11.0: the wheel did not depend on it until vllm PR 27370), so Hopper fell back to Marlin."""
@@ -135,7 +142,7 @@ def evaluate(row: dict[str, Any], profile: Any = None) -> Result:
     mem_gib = float(row["gpu_memory_gib"])
     profile = _as_installed(row, profile or profile_for("vllm", str(row.get("vllm_version") or "")))
     tokens, seqs = _batch(row, profile)
-    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs))
+    weights, overhead, kv = M.sizes(info, p, tp, pp, kv_dtype, gpu, profile=profile, batch=(tokens, seqs), cold=cold(row))
     captured = 0.0 if row.get("enforce_eager") else M.cuda_graph_bytes_per_gpu(info, tp, pp, seqs)
     graphs = captured if profile.graphs_in_budget else 0.0
     util = float(row["gpu_memory_utilization"])
@@ -258,7 +265,7 @@ def terms(row: dict[str, Any]) -> Terms | None:
     tp, pp = int(row.get("tp") or 1), int(row.get("pp") or 1)
     tokens, seqs = _batch(row, zero)
     allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
-    fwd = (M.overhead_bytes_per_gpu(info, "vllm", tp, pp, profile=zero, batch=(tokens, seqs))
+    fwd = (M.overhead_bytes_per_gpu(info, "vllm", tp, pp, profile=zero, batch=(tokens, seqs), cold=False)
            - M.vision_profile_bytes(info, tokens, tp) - allreduce)
     return Terms(r, fwd / GIB, seqs * info.vocab_size * 4 / GIB, tokens >= profile.large_batch[0], source_of(row))
 

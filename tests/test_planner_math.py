@@ -396,9 +396,12 @@ def test_candidates_sorted_fewest_gpus_then_best_precision() -> None:
     keys = [(c.gpus, M.RANK[c.precision]) for c in reply.candidates]
     assert keys == sorted(keys) and all(c.fits for c in reply.candidates)
     assert reply.candidates[0].gpus == 1 and reply.candidates[0].precision == "q6_K"  # fp8 leaves 0.8 GiB of KV
-    # vLLM 0.29's smaller sampler peak and 0.92 utilization leave fp8 on one H100 room for 8k.
-    newest = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192)).candidates[0]
-    assert (newest.gpus, newest.precision, newest.gpu_memory_utilization) == (1, "fp8", 0.92)
+    # vLLM 0.29's 0.92 utilization would leave fp8 on one H100 room for 8k on a warm start, but a replica's first start
+    # compiles its graphs, and that transient (1.09 GiB on one GPU) leaves it short: vLLM's first pick takes two.
+    newest = P.plan(model(LLAMA70), EXAMPLE_FLEET, m.PlanRequest(model="l", context=8192)).candidates
+    assert (newest[0].gpus, newest[0].precision) == (1, "q6_K")
+    first_vllm = next(c for c in newest if c.engine == "vllm")
+    assert (first_vllm.gpus, first_vllm.gpu_memory_utilization) == (2, 0.92)
 
 
 def test_candidate_builds_the_declaration() -> None:

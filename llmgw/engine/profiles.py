@@ -17,7 +17,9 @@ the figures in docs/benchmarks.md):
 The copies are fitted, not chosen: ``benchmarks/calibration.py --fit`` prints what the fit gives,
 and the figures here are that; its table scores them in sample and leave-one-source-out.
 * the defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` and which cards get the
-  larger ones (from 0.21 every card profiles 8,192 tokens; only the sequences differ), and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
+  larger ones (a card under 70 GiB profiles 2,048 tokens in every range: the compile ranges its logs print end
+  there), and the default ``--gpu-memory-utilization`` (0.92 from 0.29);
+* from 0.21, a first start's torch.compile transient on one GPU (``cold_compile_gib``, ``COLD_COMPILE_GIB``);
 * where CUDA graphs live: before 0.20 they are captured after the cache is sized, out of
   the 1 - utilization slack (from 0.10 with the profiling run's activation free again beside it:
   Qwen3-30B-A3B-FP8 at tp 2 on L40S under 0.10.2 at 0.95 and Qwen3-VL-30B-A3B at tp 4 on RTX 3090s
@@ -38,6 +40,13 @@ from llmgw.errors import PlanError
 GIB = 1024**3
 MIB = 1024**2
 LARGE_CARD_BYTES = 70 * GIB
+# What a cold start's first torch.compile leaves in the profiled peak from 0.21 (the V2 model runner compiles inside
+# the profiling run; a warm start loads the compiled artifact instead): measured, not fitted, as the median of the two
+# public logs that print the same start cold and warm: roy6n23/vllm-tp2-profiling's 0.30.0 H100 (Llama-3.1-8B,
+# 52.52 GiB of KV cold, 53.70 warm: 1.18) and alexostapiuk11/coldstart-recon-worker's 0.27.1 fixture (1.18 GiB of
+# activation cold, 0.19 warm: 0.99). The cold logs beside them agree: Qwen3-14B on an L40S under 0.29.0 at 2,048
+# batched tokens holds 1.48 GiB of activation where its forward pass is ~0.3.
+COLD_COMPILE_GIB = 1.09
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class EngineProfile:
     # Where graphs are captured after the cache is sized: the first version whose profiling run's activation is free
     # again when it captures (the budget counted it, the cache never took it), so that the capture may use it too.
     capture_reuses_profile_since: tuple[int, ...] = (0, 10)
+    # A first start's torch.compile, which runs inside the profiling run where no compiled artifact is cached yet: its
+    # transient lands in the profiled peak (see COLD_COMPILE_GIB). 0: not seen in this range's logs.
+    cold_compile_gib: float = 0.0
 
     def capture_reuses_profile(self, version: str) -> bool:
         """Whether this version captures its CUDA graphs into memory that its profiling run's activation held (a
@@ -117,14 +129,14 @@ VLLM_PROFILES: tuple[EngineProfile, ...] = (
                   tokens_by_concurrency=True),
     # ~1.5 copies: Qwen3-32B at tp 2 on a 96 GB card under 0.27.1 left 1.66 GiB beside weights and KV in all,
     # less than 3 copies of 1,024 sequences' logits alone (1.74 GiB).
-    # From 0.21 a card under 70 GiB profiles 8,192 batched tokens too (with 256 sequences): 0.26.0 on an A40
-    # prints "1.01 GiB for peak activation" for Llama-3.1-8B with 256 sequences, its forward pass at 8,192 tokens
-    # (0.25 at 2,048), and Qwen3-8B on an RTX A5000 under 0.21.0 reads 0.76 GiB high at 2,048, 0.11 at 8,192.
-    # (Read from the logs; 0.19.0 on RTX 3090s still profiled 2,048.)
+    # A card under 70 GiB still profiles 2,048 batched tokens (the 0.26.0 A40 logs and the 0.29.0 L40S ones print
+    # "compile range (1, 2048)"); what 0.26.0's A40 log holds beyond that forward pass ("1.01 GiB for peak activation"
+    # for Llama-3.1-8B, 0.25 of forward pass) is its first start's compile, COLD_COMPILE_GIB.
     EngineProfile("vllm", (0, 21), (0, 29), "0.28.0", sampler_copies=1.5, graphs_in_budget=True,
-                  tokens_by_concurrency=True, small_batch=(8192, 256)),
+                  tokens_by_concurrency=True, cold_compile_gib=COLD_COMPILE_GIB),
     EngineProfile("vllm", (0, 29), None, "0.31.0", sampler_copies=3.5, graphs_in_budget=True,
-                  default_util=0.92, a100_is_small=False, tokens_by_concurrency=True, small_batch=(8192, 256)),
+                  default_util=0.92, a100_is_small=False, tokens_by_concurrency=True, cold_compile_gib=COLD_COMPILE_GIB,
+                  non_torch_gib=0.27),
 )
 LLAMACPP_PROFILE = EngineProfile("llama.cpp", (0,), None, "", default_util=0.9)
 NEWEST = VLLM_PROFILES[-1]

@@ -625,9 +625,11 @@ def _ffn_width(info: m.ModelInfo) -> int:
 
 
 def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int = 1, *,
-                           profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None) -> float:
+                           profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None,
+                           cold: bool = True) -> float:
     """Activation peak and the memory outside torch that vLLM counts, from this rank's share, as the
-    engine version's ``profile`` counts them; ``batch`` is (max_num_batched_tokens, max_num_seqs)."""
+    engine version's ``profile`` counts them; ``batch`` is (max_num_batched_tokens, max_num_seqs). ``cold``: a start
+    with no compiled artifact cached (a new replica's first), whose torch.compile transient the profile counts."""
     if engine == "llama.cpp":
         compute = LLAMACPP_UBATCH * 4 * (info.vocab_size + 4 * info.hidden_size + 3 * _ffn_width(info))
         return CUDA_CONTEXT_BYTES + compute
@@ -646,7 +648,9 @@ def overhead_bytes_per_gpu(info: m.ModelInfo, engine: m.Engine, tp: int, pp: int
     activation = max(tokens * 2 * width, int(profile.copies(tokens) * seqs * info.vocab_size * 4))
     activation += vision_profile_bytes(info, tokens, tp)
     allreduce = int(profile.allreduce_gib * GIB) if tp * pp > 1 else 0
-    return activation + int(profile.non_torch_gib * GIB) + allreduce
+    # On one GPU only: a split start prints the same cold and warm (roy6n23's tp 2 boots, every one 61.29 GiB).
+    compile_transient = int(profile.cold_compile_gib * GIB) if cold and tp * pp == 1 else 0
+    return activation + compile_transient + int(profile.non_torch_gib * GIB) + allreduce
 
 
 def vision_profile_bytes(info: m.ModelInfo, batched_tokens: int, tp: int = 1) -> int:
@@ -692,10 +696,12 @@ def gib(b: float) -> float:
 
 @lru_cache(maxsize=4096)
 def sizes(info: m.ModelInfo, p: Precision, tp: int, pp: int, kv_dtype: str = "auto", gpu_class: str = "", *,
-          profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None) -> tuple[float, float, KvShape]:
+          profile: EngineProfile = NEWEST, batch: tuple[int, int] | None = None,
+          cold: bool = True) -> tuple[float, float, KvShape]:
     """Weights, overhead and KV shape per GPU: they depend on the split, the engine version's profile, its
-    batch (max_num_batched_tokens, max_num_seqs) and the card (for mxfp4 experts, the kernels vLLM picks on it)."""
+    batch (max_num_batched_tokens, max_num_seqs) and the card (for mxfp4 experts, the kernels vLLM picks on it);
+    ``cold``: plan the start that compiles (a replica's first), not one that loads its compiled graphs."""
     kv_bytes = 1 if kv_dtype.startswith("fp8") else KV_DTYPE_BYTES
     return (weight_bytes_per_gpu(info, p, tp, pp, gpu_class, profile),
-            overhead_bytes_per_gpu(info, p.engine, tp, pp, profile=profile, batch=batch),
+            overhead_bytes_per_gpu(info, p.engine, tp, pp, profile=profile, batch=batch, cold=cold),
             kv_shape(info, p.engine, tp, pp, kv_bytes))
