@@ -218,8 +218,8 @@ async def _run_agents(ports: list[tuple[str, NvmlPort, str | None, str]], settin
                    "is more].")
 @click.option("--allow-engine-arg", "allowed_args", multiple=True, metavar="FLAG",
               help="Start engines with this argument although the allow-list refuses it (an address, a key, a path, "
-                   "remote code), repeatable; write it with = (--allow-engine-arg=--log-file). docs/reliability.md, "
-                   "\"What cli may start\".")
+                   "remote code), repeatable; write it with = (--allow-engine-arg=--log-file). docs/production.md, "
+                   "\"What a cli login may make agents start\".")
 @click.option("--allow-model-path", "model_paths", multiple=True, metavar="DIR", envvar="LLMGW_ALLOW_MODEL_PATH",
               type=click.Path(file_okay=False, path_type=Path),
               help="A directory engines may read model files from besides --models-dir and --hf-cache, repeatable "

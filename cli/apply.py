@@ -7,7 +7,6 @@ either (the same file applied twice restarts nothing), and one that changed roll
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,15 @@ from llmgw.messages import name_problem
 MAX_ENTRIES = 1000
 
 
-def read_asks(path: Path) -> list[Ask]:
-    """The ``[[model]]`` entries of a declarations file; LlmgwError naming the entry and the key for a bad one."""
+def read_declarations(path: Path) -> tuple[list[Ask], list[AdapterEntry]]:
+    """A declarations file's ``[[model]]`` and ``[[adapter]]`` entries, from one read of it; LlmgwError naming
+    the entry and the key for a bad one."""
     doc = read_toml(path, "declarations")
+    return read_asks(doc, path), read_adapters(doc, path)
+
+
+def read_asks(doc: dict[str, Any], path: Path) -> list[Ask]:
+    """The ``[[model]]`` entries of a declarations file (``doc``, as ``read_toml`` read it from ``path``)."""
     extra = set(doc) - {"model", "adapter"}
     if extra:
         raise LlmgwError(f"{path}: unknown top-level key(s) {', '.join(sorted(extra))}; declarations are [[model]] "
@@ -82,9 +87,9 @@ class AdapterEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base: str
 
 
-def read_adapters(path: Path) -> list[AdapterEntry]:
-    """The ``[[adapter]]`` entries of a declarations file (read after ``read_asks`` has checked the file)."""
-    entries = tomllib.loads(path.read_text()).get("adapter", [])
+def read_adapters(doc: dict[str, Any], path: Path) -> list[AdapterEntry]:
+    """The ``[[adapter]]`` entries of a declarations file (after ``read_asks`` has checked its top level)."""
+    entries = doc.get("adapter", [])
     if not isinstance(entries, list):
         raise LlmgwError(f"{path}: adapter must be [[adapter]] tables")
     if len(entries) > MAX_ENTRIES:
@@ -131,8 +136,7 @@ def apply(file: Path, replan: bool, fleet: Path | None, models_dir: str | None, 
     """
     from llmgw import ctl
 
-    asks = read_asks(file)
-    lora = read_adapters(file)
+    asks, lora = read_declarations(file)
     requests = []
     for ask in asks:
         try:

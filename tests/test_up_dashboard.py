@@ -33,7 +33,8 @@ def status(url: str, key: str | None = None) -> tuple[int, dict[str, object]]:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, {}
+        with e:  # its answer's socket, closed
+            return e.code, {}
 
 
 @pytest.mark.slow
