@@ -93,25 +93,25 @@ async def take_up_day(bus: Bus, name: str, boot_id: str, quotas: Quotas, own: Ow
     now = time.time()
     today = utc_day(now)
     minute = await bus.seq_at_time(subjects.STREAM_USAGE, datetime.fromtimestamp(now - WINDOW_S, UTC))
-    for router, (seq, totals) in last.items():
+    # Every read first, then the counts: a read that fails leaves the quotas as they were for the retry.
+    maps: list[tuple[m.MapCallers, bool]] = []  # (map, whether its tokens count: no totals hold them)
+    for router, (seq, _) in last.items():
+        # Its maps after its totals, whole; and those of the last minute before them, for the minute.
+        maps += [(seen, map_seq > seq)
+                 for map_seq, seen in await _maps(bus, who, subjects.usage_idle(router), min(seq + 1, minute), end)
+                 if seen.router == router and seen.boot_id != boot_id]
+    # Routers that never said their day (an earlier version): their last minute.
+    maps += [(seen, True) for _, seen in await _maps(bus, who, subjects.USAGE_IDLE_ALL, minute, end)
+             if seen.router not in last and seen.boot_id != boot_id]
+    for router, (_, totals) in last.items():
         if totals.day == today:
             for key, tokens in totals.tokens.items():
                 quotas.counted(key, 0.0, 0, tokens, day=today)
             if router == name:
                 own.day, own.tokens = today, dict(totals.tokens)
-        # Its maps after its totals, whole; and those of the last minute before them, for the minute.
-        for map_seq, seen in await _maps(bus, who, subjects.usage_idle(router), min(seq + 1, minute), end):
-            if seen.router != router or seen.boot_id == boot_id:
-                continue
-            after = map_seq > seq
-            quotas.other_map(seen, tokens=after)
-            if after and router == name:
-                own.add(utc_day(seen.at.timestamp()), seen.callers)
-    # Routers that never said their day (an earlier version): their last minute.
-    for _, seen in await _maps(bus, who, subjects.USAGE_IDLE_ALL, minute, end):
-        if seen.router not in last and seen.boot_id != boot_id:
-            quotas.other_map(seen)
-            if seen.router == name:
-                own.add(utc_day(seen.at.timestamp()), seen.callers)
+    for seen, whole in maps:
+        quotas.other_map(seen, tokens=whole)
+        if whole and seen.router == name:
+            own.add(utc_day(seen.at.timestamp()), seen.callers)
     own.known = True
     return end
