@@ -132,7 +132,11 @@ class Ticks:
         has nothing to say and has said nothing (a router no key has used needs no totals)."""
         if not self.own_day.known or (not self.own_day.tokens and not self.own_day.sent_at):
             return
-        await self.bus.publish(self.own_day.totals(self.name, self.boot_id, time.time()), timeout=timeout)
+        try:
+            await self.bus.publish(self.own_day.totals(self.name, self.boot_id, time.time()), timeout=timeout)
+        except LlmgwError as e:  # nothing is lost: a start reads the maps after the last totals stored
+            log.warning("router %s: day totals not published (%s); after the next map again", self.name, e)
+            return
         self.own_day.sent_at = time.monotonic()
 
     def _published(self, event: m.IdleMapPublished) -> None:
@@ -233,18 +237,6 @@ class Ticks:
                 self._before_read = True
             return self._before
 
-    async def _quota_start(self) -> int:
-        """What every key used today and in the last minute, through any router, counted; this router's
-        day totals published with its earlier boots' part; returns where the live follow starts.
-
-        Its earlier boots count too (a restart mid-minute or mid-day keeps every window). Never a
-        fold snapshot's ``key_usage``: nothing vouches for it (security round 4).
-        """
-        end = await take_up_day(self.bus, self.name, self.boot_id, self.quotas, self.own_day)
-        async with self._publishing:
-            await self._publish_totals(max(1.0, self.tick_s))
-        return end + 1
-
     async def follow_usage(self) -> None:
         """The routers' maps, as they are published: what each key asked anywhere counts here too.
 
@@ -252,7 +244,11 @@ class Ticks:
         ``usage_caught_up`` is set once the maps stored when it started are read.
         """
         if not self._usage_seq:
-            self._usage_seq = await self._quota_start()
+            # Every key's day and minute, through any router; never a fold snapshot's key_usage, which
+            # nothing vouches for (security round 4). Then this router's day with its earlier boots' part.
+            self._usage_seq = await take_up_day(self.bus, self.name, self.boot_id, self.quotas, self.own_day) + 1
+            async with self._publishing:
+                await self._publish_totals(max(1.0, self.tick_s))
         follower = self.bus.follow(subjects.STREAM_USAGE, m.MAP_CALLERS_DECODER, self._usage_seq,
                                    who=f"router {self.name}", filter_subjects=(subjects.USAGE_IDLE_ALL,))
         async for batch in follower.batches():
