@@ -106,7 +106,7 @@ class KeyDayTotals(Event, tag="KeyDayTotals", frozen=True, kw_only=True):
 
     router: Name
     boot_id: Label
-    day: Annotated[str, msgspec.Meta(pattern=r"^\d{4}-\d{2}-\d{2}$")]
+    day: Annotated[str, msgspec.Meta(pattern=r"^\d{4}-\d{2}-\d{2}$", max_length=10)]
     tokens: Annotated[dict[Ref, _TokenCount], msgspec.Meta(max_length=100_000)] = {}
 
 
