@@ -135,7 +135,7 @@ def check_ports(binds: list[tuple[str, str]]) -> None:
 def _router_url(router: Child, within_s: float = 10.0) -> str:
     """The URL the router (or dashboard) printed on its first line (the real port when its --listen said 0)."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    while True:  # within_s 0: look once
         try:
             with open(router.log_path, "rb") as f:
                 f.seek(router.offset)
@@ -144,10 +144,9 @@ def _router_url(router: Child, within_s: float = 10.0) -> str:
             first = []
         if first and first[0].startswith("http"):
             return first[0].strip()
-        if router.proc is not None and router.proc.poll() is not None:
+        if (router.proc is not None and router.proc.poll() is not None) or time.monotonic() >= deadline:
             return ""
         time.sleep(0.1)
-    return ""
 
 
 @dataclass
@@ -427,7 +426,9 @@ def up(fleet_path: Path | None, data_dir: Path | None, port: int, nats_url: str 
 
     def rotated(*_: object) -> None:  # logrotate signals `up`: the router holds the access log open
         for c in children:
-            if c.name == "router" and c.proc is not None and c.proc.poll() is None:
+            # Only to a router that serves (it printed its URL after its handler was in place): before
+            # that SIGUSR1 would end it, and the log it is about to open is the new one anyway.
+            if c.name == "router" and c.proc is not None and c.proc.poll() is None and _router_url(c, 0):
                 c.proc.send_signal(signal.SIGUSR1)
 
     signal.signal(signal.SIGUSR1, rotated)  # from the start: SIGUSR1's default would end `up`

@@ -321,15 +321,15 @@ class Router:
 async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: object) -> None:
     """Run a router until cancelled (the CLI's and ``llmgw up``'s entry point)."""
     router = Router(bus, name, **kwargs)  # type: ignore[arg-type]
-    url = await router.start(host, port)
-    print(url, flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGTERM (a supervisor stopping us) ends as cleanly as Ctrl-C: the last map is published.
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
     if router.access_log is not None:  # logrotate's postrotate: `kill -USR1` reopens the access log
-        loop.add_signal_handler(signal.SIGUSR1, router.access_log.reopen)
+        loop.add_signal_handler(signal.SIGUSR1, router.access_log.reopen)  # before the URL: `up` waits for it
+    url = await router.start(host, port)  # (a start that fails has stopped what it started)
     try:
+        print(url, flush=True)
         await stopping.wait()
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
