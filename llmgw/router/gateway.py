@@ -320,6 +320,7 @@ class Gateway:
         """Pass one OpenAI request to a replica and its answer back."""
         t0 = time.perf_counter()
         model, stream, status = "", False, 500
+        picked: list[str] = []  # replicas an adapter's request was given, each one ``finished`` at the end
         try:
             if not self._authorized(request, call):
                 status = 401
@@ -391,8 +392,8 @@ class Gateway:
             strip_usage = stream and not head.wants_usage()
             if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
                 body = api.usage_asked(body, head)
-            resp = await self._forward(request, call, route, model, stream, body, t0,
-                                       self.routing_key(model, route, head), strip_usage=strip_usage)
+            resp = await self._send(request, call, route, model, stream, body, t0,
+                                    self.routing_key(model, route, head), strip_usage, picked)
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -403,6 +404,8 @@ class Gateway:
             status = CLIENT_CLOSED
             raise
         finally:
+            for rid in picked:
+                self.adapters.finished(rid, model)
             call.trace.ended(model, stream, status)
             if (hold := call.hold) is not None:
                 self._settle(hold)
@@ -445,15 +448,6 @@ class Gateway:
         big.force_close()  # what is left of that body must not be read as a request
         return big
 
-
-    async def _forward(self, request: web.BaseRequest, call: Call, route: str, model: str, stream: bool,
-                       body: bytes, t0: float, key: int | None = None, strip_usage: bool = False) -> web.StreamResponse:
-        picked: list[str] = []  # replicas an adapter's request was given, each one ``finished`` at the end
-        try:
-            return await self._send(request, call, route, model, stream, body, t0, key, strip_usage, picked)
-        finally:
-            for rid in picked:
-                self.adapters.finished(rid, model)
 
     async def _send(self, request: web.BaseRequest, call: Call, route: str, model: str, stream: bool, body: bytes,
                     t0: float, key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -52,6 +53,7 @@ from llmgw.router.wake import Wake
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
+GC_YOUNG = 10_000  # allocations between two young-generation collections in a router's process (Python's: 700)
 SHUTDOWN_S = 60.0  # how long a stopping router lets answers under way finish (aiohttp's runner's default)
 
 # Non-HTTP bytes (TLS to the HTTP port, scanners): aiohttp logs those at debug only, and so do we.
@@ -306,8 +308,17 @@ class Router:
 
 async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: object) -> None:
     """Run a router until cancelled (the CLI's and ``llmgw up``'s entry point)."""
+    # The router's own process: with 64 requests in flight it holds thousands of young containers
+    # (aiohttp's requests, parsers, futures, each request's own), and at Python's 700 a gen0 collection
+    # ran every few requests and walked them all again: tens of µs a request at c=64 (docs/benchmarks.md,
+    # issue 46). At 10,000 most die by their count before a collection sees them.
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     router = Router(bus, name, **kwargs)  # type: ignore[arg-type]
     url = await router.start(host, port)
+    # What the router holds once started (modules, the pool and keys caught up) mostly lives as long as it:
+    # set aside from the collector (freed by its count all the same), a full collection walks only what
+    # came after, so its pause does not grow with the number of keys.
+    gc.freeze()
     print(url, flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
