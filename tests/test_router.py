@@ -464,3 +464,29 @@ async def test_the_router_sends_an_engine_the_key_its_own_nodes_agent_gave_it(bu
     finally:
         await r.stop()
         engine.stop()
+
+
+async def test_a_request_retried_on_another_replica_carries_that_replicas_key(bus: Bus) -> None:
+    """The engine's headers are built once per request and completed with each replica's key as it is
+    asked (``Upstream.post``): a retry after a dead replica sends the live one's key, not the dead one's."""
+    live_key, dead_key = "l" * 43, "d" * 43
+    engine = spawn("retried", "--api-key", live_key, name="R2")
+    dead = "http://127.0.0.1:9"  # discard: nothing listens, so every connect is refused
+    r = Router(bus, "router-retry-keys", tick_s=3600)
+    await r.start("127.0.0.1", 0)
+    try:
+        await place(bus, "R1", "retried", dead)
+        await place(bus, "R2", "retried", engine.url)
+        await r.sink.wait_for(in_pool("R1", "R2"))
+        await bus.publish(m.EngineKeyIssued(at=now(), replica_id="R1", node="n1", key=dead_key, endpoint=dead))
+        await bus.publish(m.EngineKeyIssued(at=now(), replica_id="R2", node="n1", key=live_key, endpoint=engine.url))
+        await until(lambda: r.engine_keys.key_for(dead) == dead_key and r.engine_keys.key_for(engine.url) == live_key,
+                    "the router read both keys")
+        async with aiohttp.ClientSession() as http:
+            for _ in range(4):  # ties rotate: the dead replica is asked first in some of them
+                async with http.post(r.url + "/v1/completions", json={"model": "retried", "prompt": "hi"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-llmgw-replica"] == "R2"
+    finally:
+        await r.stop()
+        engine.stop()

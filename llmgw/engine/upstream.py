@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
+USER_AGENT = "llmgw"  # what engines see in their logs (aiohttp's own would name Python and aiohttp)
+
 # Errors that mean the request never reached an engine that could answer it:
 # nothing was sent to the client yet, so another replica may try.
 # A connect timeout (aiohttp >= 3.10 tells it apart from a read timeout) counts too.
@@ -73,7 +75,10 @@ class Upstream:
                 # No cookie jar: an engine's cookie is not the router's to keep and send with the next
                 # client's request, and filtering the jar is per-request work for nothing.
                 connector=connector, timeout=self._timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                # Said once here, not skipped: aiohttp's skip_auto_headers builds and copies a header
+                # map on every request. An answer must come back as the engine wrote it (identity):
+                # the router passes its bytes on and never decompresses them.
+                headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
             )
 
     async def close(self) -> None:
@@ -98,10 +103,17 @@ class Upstream:
     def post(self, endpoint: str, route: str, body: bytes, headers: dict[str, str], *,
              total_s: float | None = None) -> aiohttp.client._RequestContextManager:
         """POST ``body`` to ``endpoint + route``; await it for the response once headers arrived.
-        ``total_s`` bounds the whole exchange (a health check), on top of the session's timeouts."""
+        ``total_s`` bounds the whole exchange (a health check), on top of the session's timeouts.
+
+        ``headers`` is the caller's, completed here (not copied) with the key ``endpoint`` takes:
+        a retry on another replica sends that one's key, or none."""
         assert self._session is not None, "Upstream.start() was not awaited"
         url = self._url(endpoint, route)
-        headers = self._with_key(endpoint, headers) or {}
+        key = self.keys(endpoint) if self.keys is not None else None
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        elif "Authorization" in headers:
+            del headers["Authorization"]
         if total_s is None:
             return self._session.post(url, data=body, headers=headers)
         return self._session.post(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=total_s))

@@ -13,8 +13,9 @@ Where a request is routed:
   prompt's prefix is homed, within a load bound. The homes are kept per model in
   ``prefix.PrefixTable``, expired once a tick (``ticks``).
 
-Where one request is found again: ``access`` gives it its id (``x-request-id``, sent on to the
-engine) and writes its access-log line (``--access-log``; ``ctl request ID`` reads it);
+Where one request is found again: ``routes.Front``, the listener's one handler, gives it its id
+(``access``: ``x-request-id``, sent on to the engine) and its access-log line (``--access-log``;
+``ctl request ID`` reads it);
 ``spans`` makes its OpenTelemetry spans (``--otlp-endpoint``, the ``otel`` extra).
 """
 

@@ -3,12 +3,12 @@
 * **The id.** A client's ``x-request-id`` when it is one (``REQUEST_ID_PATTERN``: 1 to 128 of
   letters, digits and ``._:/+=@-``), else a new one (32 hex digits): an id that could break a
   header, a log line or a shell is replaced, never passed on. Every answer carries it as
-  ``x-request-id`` (``stamp``, as the answer's head is written, so a stream's too), an error's
+  ``x-request-id`` (stamped by ``routes`` on every answer it is given, by ``gateway`` on a stream's head), an error's
   body as ``error.request_id``, and the engine gets it as ``X-Request-Id`` (vLLM and
   llama-server take it).
 * **The line.** For each request on an OpenAI route, one JSON line (``messages.AccessLine``):
-  the gateway notes what it learns on the request's ``Trace`` (``trace``), and the middleware
-  writes the line once the answer's last byte is out. ``AccessLog`` hands lines to a writer
+  the gateway notes what it learns on the request's ``Trace`` (on its ``Call``), and the front
+  (``routes``) writes the line once the answer's last byte is out. ``AccessLog`` hands lines to a writer
   thread through a bounded queue, so the event loop never waits on a slow disk; past
   ``MAX_PENDING`` lines waiting (a disk that stalled), new ones are dropped and counted.
   ``reopen`` (SIGUSR1, for logrotate) makes the thread reopen the file before its next write.
@@ -25,7 +25,6 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import IO, TYPE_CHECKING, Any
@@ -41,14 +40,12 @@ from llmgw.messages.usage import ANONYMOUS_CALLER
 
 if TYPE_CHECKING:
     from llmgw.router.metrics import Usage
+    from llmgw.router.quotas import Reservation
     from llmgw.router.spans import Spans
 
 log = logging.getLogger(__name__)
 
 HEADER = "x-request-id"
-# The declared key a request came with (the gateway's ``_authorized``); a string key warns on aiohttp 3.14
-# (NotAppKeyWarning). Here, beside the request's id, because the access line names it too.
-KEY: web.RequestKey[m.KeyDeclared] = web.RequestKey("llmgw_key", m.KeyDeclared)
 MAX_PENDING = 100_000  # lines waiting for the disk before new ones are dropped (about 40 MB)
 _VALID = re.compile(m.REQUEST_ID_PATTERN)
 _ENC = msgspec.json.Encoder()
@@ -106,22 +103,21 @@ class Trace:
         self.model, self.stream, self.status, self.logged = model, stream, status, True
 
 
-TRACE: web.RequestKey[Trace] = web.RequestKey("llmgw_trace", Trace)
-_NOWHERE = Trace("-")  # what a request that never went through the middleware notes to (tests that call a room)
+class Call:
+    """One request's state, as its path learns it: its trace, its key, the tokens it holds, its adapter's load.
 
+    One slotted object, made once per request, passed along: not aiohttp's request mapping, whose
+    every ``get`` is a Python call through ``Mapping.get``.
+    """
 
-def trace(request: web.Request | None) -> Trace:
-    """The request's trace (one that nothing reads, for a request without one)."""
-    if request is None:
-        return _NOWHERE
-    return request.get(TRACE, _NOWHERE)
+    __slots__ = ("hold", "key", "lora_in", "lora_load", "trace")
 
-
-def engine_headers(request: web.Request, headers: dict[str, str]) -> dict[str, str]:
-    """``headers`` and the request's id (and its replica span's ``traceparent``), as the engine is sent them."""
-    tr = trace(request)
-    traced = tr.spans.engine(tr, request.path) if tr.spans is not None else {}
-    return {**headers, "X-Request-Id": tr.id, **traced}
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.key: m.KeyDeclared | None = None  # the declared key it came with (the gateway's ``_authorized``)
+        self.hold: Reservation | None = None  # a keyed request's tokens held (``quotas.reserve``)
+        self.lora_in = True  # whether the body it sends may hold a ``lora`` field
+        self.lora_load: dict[str, str] | None = None  # the adapter load it waited for (``x-llmgw-adapter-load-ms``)
 
 
 def with_request_id(resp: web.StreamResponse, rid: str) -> str:
@@ -152,14 +148,8 @@ def stamp_unrouted(resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
-async def stamp(request: web.Request, resp: web.StreamResponse) -> None:
-    """``on_response_prepare``: every answer's head carries its request's id."""
-    resp.headers[HEADER] = trace(request).id
-
-
-def _who(request: web.Request, static_keys: bool, status: int) -> tuple[str, str]:
+def _who(request: web.BaseRequest, key: m.KeyDeclared | None, static_keys: bool, status: int) -> tuple[str, str]:
     """Who asked, never a secret: a declared key's name and tenant, an --api-keys key's digest prefix, or ``-``."""
-    key = request.get(KEY)
     if key is not None:
         return key.name, key.tenant
     scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
@@ -173,38 +163,10 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-def middleware(access: AccessLog | None, router: str, static_keys: bool,
-               spans: Spans | None = None) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The id for every request, the id in every error body, and (with ``access``) the line once answered
-    (with ``spans``, the request's spans end with it)."""
-
-    @web.middleware
-    async def traced(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                     ) -> web.StreamResponse:
-        tr = Trace(request_id(request.headers.get(HEADER)), spans)
-        request[TRACE] = tr
-        resp: web.StreamResponse | None = None
-        try:
-            resp = await handler(request)
-            if not resp.prepared:
-                tr.error = with_request_id(resp, tr.id) or tr.error
-            return resp
-        finally:
-            if tr.logged and (access is not None or spans is not None):
-                line = _line(tr, request, router, static_keys)
-                if access is not None:
-                    access.write(line)
-                if spans is not None:
-                    try:
-                        spans.end(tr, line)
-                    except Exception as e:  # a tracer's failure must not become the request's  # noqa: BLE001
-                        log.warning("router %s: spans of request %s not ended: %s", router, tr.id, e)
-
-    return traced
-
-
-def _line(tr: Trace, request: web.Request, router: str, static_keys: bool) -> m.AccessLine:
-    key, tenant = _who(request, static_keys, tr.status)
+def line_of(call: Call, request: web.BaseRequest, router: str, static_keys: bool) -> m.AccessLine:
+    """The access-log line of a request once answered (what its spans end with too)."""
+    tr = call.trace
+    key, tenant = _who(request, call.key, static_keys, tr.status)
     prompt, completion, cached = tr.usage or (0, 0, 0)
     return m.AccessLine(at=tr.at, id=tr.id, router=router, route=request.path[:256], caller=key[:256],
                         tenant=tenant, model=tr.model[:256], replica=tr.replica, status=tr.status,

@@ -229,7 +229,7 @@ class Adapters:
     async def _call(self, rep: Replica, route: str, body: dict[str, str], ok_also: tuple[int, ...] = ()) -> None:
         try:
             async with asyncio.timeout(LOAD_TIMEOUT_S):
-                async with self.upstream.post(rep.endpoint, route, msgspec.json.encode(body), _JSON) as resp:
+                async with self.upstream.post(rep.endpoint, route, msgspec.json.encode(body), dict(_JSON)) as resp:
                     text = (await resp.read())[:500].decode(errors="replace")
         except (OSError, TimeoutError) as e:
             raise AdapterError(502, "adapter_load_failed",

@@ -11,7 +11,7 @@
 * A body is read once (``openai_api.Head``: model, limits, the prompt as raw slices) and
   passes through untouched, but that a stream is asked for its usage
   (``openai_api.usage_asked``); streams are written on chunk by chunk.
-* A keyed request holds the tokens it may use from being taken to its end (``HOLD``,
+* A keyed request holds the tokens it may use from being taken to its end (``Call.hold``,
   ``quotas.reserve``, ``_settle``), so parallel requests cannot overspend a day.
 * The body limit (``--max-body``) is the router's own, checked before anything is
   forwarded: against Content-Length when there is one, and while reading otherwise
@@ -34,7 +34,7 @@ import hmac
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -47,10 +47,9 @@ from llmgw.clientsockets import unreadable
 from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
 from llmgw.fleet.pool import Adapter
 from llmgw.messages.usage import ANONYMOUS_CALLER
-from llmgw.router import access
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
-from llmgw.router.access import KEY
+from llmgw.router.access import HEADER, Call
 from llmgw.router.adapters import AdapterError, Adapters, lora_body
 from llmgw.router.endpoints import EndpointSink, Pool, Replica
 from llmgw.router.idle import IdleTracker
@@ -66,7 +65,6 @@ USAGE_TAIL_BYTES = 64 * 1024  # how much of a stream's end is kept to find the e
 PRIORITIES = ("high", "normal", "low")  # the order a freed slot goes in (ctl key --priority)
 QUEUE_PER_SLOT = 2  # requests queued per slot of a model's replicas before low ones are shed
 QUEUE_MAX_PER_SLOT = 32  # … and before a normal or high one hears the queue is full
-HOLD: web.RequestKey[Reservation] = web.RequestKey("llmgw_hold", Reservation)  # a keyed request's tokens held
 _NO_SALT = "00" * 16  # for a key id nobody has: the digest is still computed (same cost)
 _NO_DIGEST = "0" * 64
 
@@ -79,12 +77,9 @@ class _ClientGone(Exception):  # noqa: N818 - a control-flow signal inside the r
         self.resp = resp
 
 
-# The load of an adapter a request waited for, as a header of its answer (``x-llmgw-adapter-load-ms``).
-LORA_LOAD: web.RequestKey[dict[str, str]] = web.RequestKey("llmgw_lora_load", dict)
-LORA_IN: web.RequestKey[bool] = web.RequestKey("llmgw_lora_in", bool)  # whether the body may hold a `lora` field
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
 _ENC = msgspec.json.Encoder()
-_JSON = {"Content-Type": "application/json"}
+_NO_LOAD: dict[str, str] = {}
 
 
 def _size_text(n: int) -> str:
@@ -160,37 +155,37 @@ class Gateway:
 
     async def _pick(self, model: str, lora: Adapter | None, body: bytes, key: int | None,
                     exclude: Replica | None = None, picked: list[str] | None = None,
-                    request: web.Request | None = None) -> tuple[Replica | None, bytes]:
+                    call: Call | None = None) -> tuple[Replica | None, bytes]:
         """The replica for a request and the body to send it: an adapter's holder (``adapters``), or a
         replica of the model; a llama.cpp replica with adapters attached gets every one at scale 0."""
-        sent = request.get(LORA_IN, True) if request is not None else True  # may the body hold a `lora`?
+        sent = call.lora_in if call is not None else True  # may the body hold a `lora`?
         if lora is not None:
             chosen = await self.adapters.choose(model, lora, body, exclude, sent)
             if chosen is None:
                 return None, body
-            if request is not None:
-                request[LORA_IN] = True  # what is sent from here on holds one
+            if call is not None:
+                call.lora_in = True  # what is sent from here on holds one
             if picked is not None:
                 picked.append(chosen.replica.replica_id)
-            if chosen.loaded_s and request is not None:  # the adapter's load it waited for, in its answer
-                request[LORA_LOAD] = {"x-llmgw-adapter-load-ms": f"{chosen.loaded_s * 1000:.1f}"}
+            if chosen.loaded_s and call is not None:  # the adapter's load it waited for, in its answer
+                call.lora_load = {"x-llmgw-adapter-load-ms": f"{chosen.loaded_s * 1000:.1f}"}
             return chosen.replica, chosen.body
-        who = request.get(KEY) if request is not None else None  # whose prefixes these are (prefix.Callers)
+        who = call.key if call is not None else None  # whose prefixes these are (prefix.Callers)
         rep = self.acquire(model, exclude, key, who.name if who is not None else ANONYMOUS_CALLER)
         if rep is not None and rep.adapters:
             body = lora_body(body, rep.adapters, "", 0.0, sent)
-            if request is not None:
-                request[LORA_IN] = True
+            if call is not None:
+                call.lora_in = True
         return rep, body
 
     async def _other(self, model: str, lora: Adapter | None, body: bytes, rep: Replica,
-                     key: int | None, picked: list[str], request: web.Request) -> tuple[Replica | None, bytes]:
+                     key: int | None, picked: list[str], call: Call) -> tuple[Replica | None, bytes]:
         """Another replica after ``rep`` could not be reached (the same once more when there is none), and the
         body to send it (a llama.cpp replica's ``lora`` list is its own)."""
         try:
-            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked, request=request)
+            other, sent = await self._pick(model, lora, body, key, exclude=rep, picked=picked, call=call)
             if other is None:
-                other, sent = await self._pick(model, lora, body, key, picked=picked, request=request)
+                other, sent = await self._pick(model, lora, body, key, picked=picked, call=call)
         except AdapterError:
             return None, body
         return other, sent
@@ -267,16 +262,16 @@ class Gateway:
                 queue.remove(fut)
         return "" if outcome == "go" else outcome
 
-    def _count_tokens(self, rep: Replica, model: str, usage: Usage, request: web.Request | None = None) -> None:
+    def _count_tokens(self, rep: Replica, model: str, usage: Usage, call: Call) -> None:
         """An answer's ``usage``: the metrics, the replica's share and the key's, for the next map."""
         self.metrics.tokens(model, usage)
-        access.trace(request).counted(usage)
-        if request is not None and (hold := request.get(HOLD)) is not None:
+        call.trace.counted(usage)
+        if (hold := call.hold) is not None:
             hold.counted = True
-        if request is not None and (who := request.get(KEY)) is not None:
+        if (who := call.key) is not None:
             key_use_of(self._key_use, who.name, model).add_tokens(usage)
             self.quotas.used(who.name, usage.prompt_tokens + usage.completion_tokens, time.time())
-        elif request is not None:  # no key: the anonymous caller's, so that usage and chargeback add up
+        else:  # no key: the anonymous caller's, so that usage and chargeback add up
             key_use_of(self._key_use, ANONYMOUS_CALLER, model).add_tokens(usage)
         if self.idle_tracking and usage.prompt_tokens:
             use = self._cache_use.setdefault(rep.replica_id, [model, 0, 0])
@@ -285,8 +280,8 @@ class Gateway:
 
     # --- handlers -----------------------------------------------------------------
 
-    def _authorized(self, request: web.Request) -> bool:
-        """Whether the request may go on; its key's name, if any, is kept on it (``llmgw_key``)."""
+    def _authorized(self, request: web.BaseRequest, call: Call | None = None) -> bool:
+        """Whether the request may go on; its declared key, if any, is kept on its ``call``."""
         scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
         token = token.strip() if scheme.lower() == "bearer" else ""  # auth schemes are case-insensitive (RFC 9110)
         if token.startswith(m.KEY_PREFIX):
@@ -295,7 +290,8 @@ class Gateway:
             key = self._declared_key(token)
             if key is None:
                 return False
-            request[KEY] = key
+            if call is not None:
+                call.key = key
             return True
         if self.keys and token:
             digest = hashlib.sha256(token.encode()).hexdigest()
@@ -320,18 +316,13 @@ class Gateway:
             return None
         return key
 
-    def handler(self, route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await self.proxy(request, route)
-
-        return handle
-
-    async def proxy(self, request: web.Request, route: str) -> web.StreamResponse:
+    async def proxy(self, request: web.BaseRequest, call: Call, route: str) -> web.StreamResponse:
         """Pass one OpenAI request to a replica and its answer back."""
         t0 = time.perf_counter()
         model, stream, status = "", False, 500
+        picked: list[str] = []  # replicas an adapter's request was given, each one ``finished`` at the end
         try:
-            if not self._authorized(request):
+            if not self._authorized(request, call):
                 status = 401
                 self.metrics.error("", "unauthorized")
                 return api.unauthorized()
@@ -375,13 +366,13 @@ class Gateway:
                 return api.error(400, f"request body is not a valid JSON object with a string `model` ({e})",
                               "invalid_request_error", "invalid_json")
             model, stream = head.model, head.stream
-            request[LORA_IN] = head.sent_lora()
+            call.lora_in = head.sent_lora()
             if not model:
                 status = 400
                 self.metrics.error("", "bad_request")
                 return api.error(400, "the request has no `model`; name one of GET /v1/models",
                               "invalid_request_error", "missing_model", "model")
-            key: m.KeyDeclared | None = request.get(KEY)
+            key = call.key
             if key is not None and key.models and model not in key.models:
                 status = 403
                 self.metrics.error("", "forbidden_model")
@@ -396,13 +387,13 @@ class Gateway:
                     return api.error(429, why, "requests" if code == "rate_limit_exceeded" else "insufficient_quota",
                                      code, headers={"Retry-After": str(math.ceil(wait))})
                 self.quotas.took(key.name, now)
-                request[HOLD] = self.quotas.reserve(key.name, model, *estimate(len(body), head.completion_cap(),
+                call.hold = self.quotas.reserve(key.name, model, *estimate(len(body), head.completion_cap(),
                                                                                route == "/v1/embeddings"))
             strip_usage = stream and not head.wants_usage()
             if strip_usage:  # every stream's tokens are counted: the engine is asked, the client never sees it
                 body = api.usage_asked(body, head)
-            resp = await self._forward(request, route, model, stream, body, t0,
-                                       self.routing_key(model, route, head), strip_usage=strip_usage)
+            resp = await self._send(request, call, route, model, stream, body, t0,
+                                    self.routing_key(model, route, head), strip_usage, picked)
             status = resp.status
             return resp
         except _ClientGone as gone:
@@ -413,8 +404,10 @@ class Gateway:
             status = CLIENT_CLOSED
             raise
         finally:
-            access.trace(request).ended(model, stream, status)
-            if (hold := request.get(HOLD)) is not None:
+            for rid in picked:
+                self.adapters.finished(rid, model)
+            call.trace.ended(model, stream, status)
+            if (hold := call.hold) is not None:
                 self._settle(hold)
             # Only known models become labels: a client must not grow the metrics at will.
             label = model if model in self.pool.known_models or model in self.pool.adapters else ""
@@ -423,7 +416,7 @@ class Gateway:
             took = time.perf_counter() - t0
             self.metrics.observe(label, route, status, stream, took)
             if label:
-                who = request.get(KEY)
+                who = call.key
                 key_use_of(self._key_use, who.name if who is not None else ANONYMOUS_CALLER,
                            label).add_request(status, took)
 
@@ -436,7 +429,7 @@ class Gateway:
                 Usage(prompt_tokens=hold.prompt, completion_tokens=hold.completion))
             self.quotas.used(hold.key, hold.tokens, time.time())
 
-    async def _read_body(self, request: web.Request) -> bytes | None:
+    async def _read_body(self, request: web.BaseRequest) -> bytes | None:
         """The body as the engine will get it (decompressed), or None once it passes the limit."""
         parts: list[bytes] = []
         size = 0
@@ -456,21 +449,12 @@ class Gateway:
         return big
 
 
-    async def _forward(self, request: web.Request, route: str, model: str, stream: bool,
-                       body: bytes, t0: float, key: int | None = None, strip_usage: bool = False) -> web.StreamResponse:
-        picked: list[str] = []  # replicas an adapter's request was given, each one ``finished`` at the end
-        try:
-            return await self._send(request, route, model, stream, body, t0, key, strip_usage, picked)
-        finally:
-            for rid in picked:
-                self.adapters.finished(rid, model)
-
-    async def _send(self, request: web.Request, route: str, model: str, stream: bool, body: bytes, t0: float,
-                    key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
-        who: m.KeyDeclared | None = request.get(KEY)
+    async def _send(self, request: web.BaseRequest, call: Call, route: str, model: str, stream: bool, body: bytes,
+                    t0: float, key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
+        who = call.key
         lora = self.pool.adapters.get(model)  # a LoRA adapter: served by its base's replicas that hold it
         target = lora.base if lora is not None else model
-        tr, queued = access.trace(request), time.perf_counter()
+        tr, queued = call.trace, time.perf_counter()
         refused = await self._admit(target, who.priority if who is not None else "normal")
         tr.queue_s = time.perf_counter() - queued
         if refused:
@@ -482,7 +466,7 @@ class Gateway:
                              f"model {model!r} is at capacity and {why}; retry after {RETRY_AFTER_S}s",
                              "server_error", "model_at_capacity", "model", headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            rep, body = await self._pick(model, lora, body, key, picked=picked, request=request)
+            rep, body = await self._pick(model, lora, body, key, picked=picked, call=call)
         except AdapterError as e:
             self.metrics.error(model, e.code)
             return api.error(e.status, str(e), "server_error", e.code, "model",
@@ -500,7 +484,7 @@ class Gateway:
             state, held_since = await self.wake.hold(target)
             tr.wake_s = time.perf_counter() - held
             try:
-                rep, body = (await self._pick(model, lora, body, key, picked=picked, request=request)
+                rep, body = (await self._pick(model, lora, body, key, picked=picked, call=call)
                              if state == "serving"
                              else (None, body))
             except AdapterError as e:
@@ -511,7 +495,10 @@ class Gateway:
             self.wake.ledger.released(target, rep.replica_id, held_since, time.time())
             woken = True
         retried = False
-        headers = access.engine_headers(request, _JSON)
+        # The engine's headers, built once: one dict, completed with the engine's key by ``upstream.post``.
+        headers = {"Content-Type": "application/json", "X-Request-Id": tr.id}
+        if tr.spans is not None:
+            headers.update(tr.spans.engine(tr, request.path))
         while True:
             try:
                 tr.replica = rep.replica_id
@@ -521,7 +508,7 @@ class Gateway:
                 self.metrics.error(model, "upstream_connect")
                 # Another replica if there is one; else the same once more, since a kept-alive
                 # connection the engine had just closed fails the same way as a dead engine.
-                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked, request)
+                other, body = (None, body) if retried else await self._other(model, lora, body, rep, key, picked, call)
                 if other is None:
                     return api.error(502, f"replica {rep.replica_id} of {model} could not be reached ({type(e).__name__}) "
                                        "and no other replica could take the request; retry shortly",
@@ -548,7 +535,7 @@ class Gateway:
                 self.adapters.forget(rep, model)
                 retried = True
                 try:
-                    rep, body = await self._pick(model, lora, body, key, picked=picked)
+                    rep, body = await self._pick(model, lora, body, key, picked=picked, call=call)
                 except AdapterError as e:
                     return api.error(e.status, str(e), "server_error", e.code, "model")
                 if rep is None:
@@ -556,7 +543,7 @@ class Gateway:
                 continue
             try:
                 if stream and up.status == 200:
-                    return await self._pipe(request, up, rep, model, t0, strip_usage)
+                    return await self._pipe(request, call, up, rep, model, t0, strip_usage)
                 try:
                     data = await up.read()
                 except READ_ERRORS as e:
@@ -564,10 +551,10 @@ class Gateway:
                     self.metrics.error(model, "upstream_broken")
                     return api.error(502, f"replica {rep.replica_id} of {model} broke off its answer ({type(e).__name__})",
                                   "server_error", "upstream_broken")
-                if up.status == 200 and (hold := request.get(HOLD)) is not None:
+                if up.status == 200 and (hold := call.hold) is not None:
                     hold.served = True
                 if up.status == 200 and (usage := usage_of(data)) is not None:
-                    self._count_tokens(rep, model, usage, request)
+                    self._count_tokens(rep, model, usage, call)
                 if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
                     # An engine whose own limit is below the router's (aiohttp's 1 MiB, a proxy's)
                     # answers in plain text; the client still gets an error it can read.
@@ -586,7 +573,7 @@ class Gateway:
                                           "retry shortly", "server_error", "upstream_refused")
                 return web.Response(status=up.status, body=data, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"),
-                    "x-llmgw-replica": rep.replica_id, **request.get(LORA_LOAD, {}),
+                    "x-llmgw-replica": rep.replica_id, **(call.lora_load or _NO_LOAD),
                 })
             except BaseException:
                 up.close()  # a client gone or a write failed: never reuse a half-read connection
@@ -595,7 +582,7 @@ class Gateway:
                 up.release()
                 self.release(rep)
 
-    async def _pipe(self, request: web.Request, up: aiohttp.ClientResponse, rep: Replica,
+    async def _pipe(self, request: web.BaseRequest, call: Call, up: aiohttp.ClientResponse, rep: Replica,
                     model: str, t0: float, strip_usage: bool = False) -> web.StreamResponse:
         """Write the engine's stream on as it arrives; a break becomes an error event, not a hang.
 
@@ -609,7 +596,7 @@ class Gateway:
         resp = web.StreamResponse(status=up.status, headers={
             "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
-            "x-llmgw-replica": rep.replica_id, **request.get(LORA_LOAD, {}),
+            "x-llmgw-replica": rep.replica_id, HEADER: call.trace.id, **(call.lora_load or _NO_LOAD),
         })
         read = up.content.readany
         tail: deque[bytes] = deque()
@@ -622,7 +609,7 @@ class Gateway:
             nonlocal counted
             counted = True
             if (usage := usage_of_stream(b"".join(tail))) is not None:
-                self._count_tokens(rep, model, usage, request)
+                self._count_tokens(rep, model, usage, call)
 
         try:
             await resp.prepare(request)
@@ -632,7 +619,7 @@ class Gateway:
                 try:
                     chunk = await read()
                 except READ_ERRORS as e:
-                    access.trace(request).error = "upstream_broken"
+                    call.trace.error = "upstream_broken"
                     await self._broken(resp, up, rep, model, e)
                     return resp
                 if not chunk:
@@ -644,11 +631,11 @@ class Gateway:
                     return resp
                 if first:
                     first = False
-                    access.trace(request).first_byte()
+                    call.trace.first_byte()
                     self.metrics.first_token(model, time.perf_counter() - t0)
-                    if (who := request.get(KEY)) is not None:
+                    if (who := call.key) is not None:
                         key_use_of(self._key_use, who.name, model).add_ttft(time.perf_counter() - t0)
-                    if (hold := request.get(HOLD)) is not None:
+                    if (hold := call.hold) is not None:
                         hold.served = True
                 edge = tail[-1][-8:] if tail else b""  # "[DONE]" cut in two by the network
                 tail.append(chunk)
@@ -704,7 +691,7 @@ class Gateway:
         return api.error(404, f"the model `{model}` does not exist; GET /v1/models lists the models served",
                       "invalid_request_error", "model_not_found", "model")
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.BaseRequest) -> web.Response:
         if not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
@@ -714,12 +701,11 @@ class Gateway:
                  for name, a in sorted(self.pool.adapters.items()) if a.base in listed]
         return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, request: web.BaseRequest, name: str) -> web.Response:
         """One model of GET /v1/models (the OpenAI client's ``models.retrieve``), or a 404."""
         if not self._authorized(request):
             self.metrics.error("", "unauthorized")
             return api.unauthorized()
-        name = request.match_info["model"]
         listed = self.pool.listed()
         if (a := self.pool.adapters.get(name)) is not None and a.base in listed:
             return web.Response(body=_ENC.encode(api.model_object(name, listed[a.base], self.pool.created(a.base),
@@ -731,7 +717,7 @@ class Gateway:
         return web.Response(body=_ENC.encode(api.model_object(name, state, self.pool.created(name))),
                             content_type="application/json")
 
-    async def no_route(self, request: web.Request) -> web.Response:
+    async def no_route(self, request: web.BaseRequest) -> web.Response:
         """Any path or method the router does not serve: an OpenAI-style 404 or 405, so clients show why."""
         path = request.path
         allowed = METHODS.get(path) or ("GET" if path.startswith("/v1/models/") else None)
@@ -743,7 +729,7 @@ class Gateway:
         return api.error(405, f"{request.method} is not allowed on {path}; use {allowed}",
                       "invalid_request_error", "method_not_allowed", headers={"Allow": allow})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: web.BaseRequest) -> web.Response:
         """Readiness: 503 until caught up. Without NATS it still serves what it knew (200), but
         says ``degraded``: it can neither see replicas come and go nor publish idle maps."""
         ready = self.sink.caught_up.is_set()
@@ -754,7 +740,7 @@ class Gateway:
                 "control_seq": self.sink.applied_seq}
         return web.Response(status=200 if ready else 503, body=_ENC.encode(body), content_type="application/json")
 
-    async def render_metrics(self, request: web.Request) -> web.Response:
+    async def render_metrics(self, request: web.BaseRequest) -> web.Response:
         """Prometheus text, or OpenMetrics when the scraper's Accept header asks for it."""
         body, content_type = self.metrics.render(request.headers.get("Accept"))
         return web.Response(body=body, headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"})

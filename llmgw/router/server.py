@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -40,17 +41,20 @@ from llmgw.router import access, spans
 from llmgw.router import openai_api as api
 from llmgw.router import prefix as prefixroute
 from llmgw.router.endpoints import EndpointSink, EngineKeys, Pool, Replica
-from llmgw.router.gateway import ROUTES, Gateway
+from llmgw.router.gateway import Gateway
 from llmgw.router.idle import IdleFor, IdleTracker
 from llmgw.router.journal import Journal
 from llmgw.router.metrics import Metrics
 from llmgw.router.quotas import Quotas
+from llmgw.router.routes import Front
 from llmgw.router.ticks import Ticks
 from llmgw.router.wake import Wake
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 32 * 1024 * 1024  # engines behind take more (vLLM has no limit): the router's is the one that counts
+GC_YOUNG = 10_000  # allocations between two young-generation collections in a router's process (Python's: 700)
+SHUTDOWN_S = 60.0  # how long a stopping router lets answers under way finish (aiohttp's runner's default)
 
 # Non-HTTP bytes (TLS to the HTTP port, scanners): aiohttp logs those at debug only, and so do we.
 _NOT_HTTP: tuple[type[BaseException], ...] = (
@@ -165,7 +169,7 @@ class Router:
         self.wakes = self.wake.ledger
         self._key_use = self.ticks.key_use
         self._tasks: list[asyncio.Task[None]] = []
-        self._runner: web.AppRunner | None = None
+        self._server: web.Server | None = None
         self._listener: asyncio.Server | None = None
         self.url = ""
 
@@ -213,22 +217,6 @@ class Router:
 
     # --- lifecycle ----------------------------------------------------------------
 
-    def app(self) -> web.Application:
-        gw = self.gateway
-        app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[access.middleware(self.access_log, self.name, bool(self.keys),
-                                                             self.spans)])
-        app.on_response_prepare.append(access.stamp)  # every answer's head, a stream's too, carries its id
-        for route in ROUTES:
-            app.router.add_post(route, gw.handler(route))
-        app.router.add_get("/v1/models", gw.models)
-        app.router.add_get("/v1/models/{model:.+}", gw.model)  # model names may hold a slash (Org/Name)
-        app.router.add_get("/health", gw.health)
-        app.router.add_get("/metrics", gw.render_metrics)
-        # Last, so it only takes what nothing above matched: a route-less request costs the others nothing.
-        app.router.add_route("*", "/{path:.*}", gw.no_route)
-        return app
-
     async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_caught_up: float = 10.0) -> str:
         """Follow the control stream, start ticking, listen; returns the base URL."""
         if self.access_log is not None:
@@ -249,12 +237,11 @@ class Router:
                 await self.ticks.usage_caught_up.wait()  # a key's day and minute, before its first request
         if self.idle_tracking:
             await self.ticks.recall()
+        # aiohttp's low-level server, one handler (routes.Front): no Application, router, middleware or signal.
         # handler_cancellation: a client that goes away cancels the upstream request.
-        self._runner = web.AppRunner(self.app(), handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        server = self._runner.server
-        assert server is not None
         loop = asyncio.get_running_loop()
+        front = Front(self.gateway, self.access_log, self.name, bool(self.keys), self.spans)
+        server = self._server = web.Server(front, handler_cancellation=True, loop=loop)
 
         def connection() -> _Connection:
             # keepalive_timeout: aiohttp closes a connection that has not sent a whole request
@@ -291,9 +278,11 @@ class Router:
         if self._listener is not None:
             self._listener.close()  # no new connections; the runner's cleanup closes the open ones
             self._listener = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:  # as aiohttp's runner does: idle connections closed, answers finished
+            await asyncio.sleep(0)
+            self._server.pre_shutdown()
+            await self._server.shutdown(SHUTDOWN_S)
+            self._server = None
         await self.upstream.close()
         if self.access_log is not None:
             await self.access_log.close()  # after the last request's line
@@ -320,6 +309,11 @@ class Router:
 
 async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: object) -> None:
     """Run a router until cancelled (the CLI's and ``llmgw up``'s entry point)."""
+    # The router's own process: with 64 requests in flight it holds thousands of young containers
+    # (aiohttp's requests, parsers, futures, each request's own), and at Python's 700 a gen0 collection
+    # ran every few requests and walked them all again: tens of µs a request at c=64 (docs/benchmarks.md,
+    # issue 46). At 10,000 most die by their count before a collection sees them.
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     router = Router(bus, name, **kwargs)  # type: ignore[arg-type]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -328,6 +322,10 @@ async def serve_router(bus: Bus, name: str, host: str, port: int, **kwargs: obje
     if router.access_log is not None:  # logrotate's postrotate: `kill -USR1` reopens the access log
         loop.add_signal_handler(signal.SIGUSR1, router.access_log.reopen)  # before the URL: `up` waits for it
     url = await router.start(host, port)  # (a start that fails has stopped what it started)
+    # What the router holds once started (modules, the pool and keys caught up) mostly lives as long as it:
+    # set aside from the collector (freed by its count all the same), a full collection walks only what
+    # came after, so its pause does not grow with the number of keys.
+    gc.freeze()
     try:
         print(url, flush=True)
         await stopping.wait()
