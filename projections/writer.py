@@ -99,7 +99,14 @@ class ProcessWriter:
         )
         self._proc.start()
         child.close()
-        self._check(timeout=60)
+        # Its start (a Python that imports DuckDB and opens the file: ~0.3 s) is waited for at the first
+        # batch, not here: the reader folds meanwhile, on the other core.
+        self._started = False
+
+    def _ready(self) -> None:
+        if not self._started:
+            self._check(timeout=60)
+            self._started = True
 
     def _check(self, timeout: float | None = None) -> None:
         if timeout is not None and not self._conn.poll(timeout):
@@ -118,6 +125,7 @@ class ProcessWriter:
 
     def commit(self, batch: Batch, checkpoint: bytes) -> None:
         """Send one batch and wait for its commit (called from the projector's writer thread)."""
+        self._ready()
         try:
             self._conn.send_bytes(_ENCODER.encode((batch.rows, batch.raw, batch.events, checkpoint)))
         except OSError as e:  # BrokenPipeError, ConnectionResetError: nobody reads the pipe any more
@@ -126,6 +134,7 @@ class ProcessWriter:
 
     def usage(self, by: str, since_days: int) -> list[tuple]:
         """``Store.usage`` in the child, after every commit sent before (called from the writer thread)."""
+        self._ready()
         try:
             self._conn.send_bytes(_QUERY + _ENCODER.encode((by, since_days)))
             reply = self._conn.recv()
