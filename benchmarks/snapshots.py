@@ -182,7 +182,10 @@ async def worst_targets(bus: Bus, lo: int, hi: int) -> list[tuple[str, list[str]
     ends = sorted({h.newest_ns for h in (await snapshots.list_headers(bus)).values()} | {hi})
     out = []
     for end in ends:
-        at_ns = end - 10**9  # a second before it: the snapshot at ``end`` does not serve this moment
+        # A millisecond before it: the snapshot at ``end`` does not serve this moment, and nearly every event
+        # up to it is folded. (A second before fell in the pause between two published chunks, where a
+        # snapshot cut at the chunk's end has nothing left to fold.)
+        at_ns = end - 10**6
         if at_ns > lo:
             pct = (at_ns - lo) / (hi - lo) * 100
             at = datetime.fromtimestamp(at_ns / 1e9, UTC).isoformat()

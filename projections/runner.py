@@ -24,7 +24,7 @@ import msgspec
 
 from llmgw import messages as m
 from llmgw import subjects
-from llmgw.bus import Bus, RawMsg, windows
+from llmgw.bus import Bus, RawMsg, split_window, windows
 from llmgw.errors import BusError, PermissionDeniedError, ProjectionError
 from llmgw.fleet import gpuuse, snapshots
 from llmgw.fleet import status as status_report
@@ -293,6 +293,12 @@ class Projector:
         fresh = self.folded - folded
         return fresh > 0 and (fresh >= every or time.monotonic() - when >= self.fold_snapshot_interval_s)
 
+    def _till_fold_snapshot(self) -> int:
+        """How many more events fold before a snapshot is due by count (any number: none is): a catch-up
+        cuts its windows there, or one lands at the end of the window that passes it, thousands later."""
+        every = self.fold_snapshot_events
+        return 1 << 62 if every is None else max(1, every - (self.folded - self._fold_snapshot_at[0]))
+
     async def _maybe_fold_snapshot(self, blob: bytes | None = None) -> None:
         """Put the state on the bus when a snapshot is due (``blob``: the state just encoded, if it was).
 
@@ -457,9 +463,11 @@ class Projector:
             return
         async with contextlib.aclosing(windows(readers)) as merged:  # type: ignore[type-var]
             async for window in merged:
-                for stream, msgs in window:
-                    self.ingest(stream, msgs)
-                await self._maybe_commit()
+                while window:  # cut where a fold snapshot falls due (``_till_fold_snapshot``)
+                    head, window = split_window(window, self._till_fold_snapshot())
+                    for stream, msgs in head:
+                        self.ingest(stream, msgs)
+                    await self._maybe_commit()
 
     async def _read_from_position(self, stream: str, stop_at: int | None) -> None:
         await self._check_same_stream(stream)

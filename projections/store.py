@@ -1,10 +1,9 @@
 """The DuckDB store: schema, row batches, and the checkpoint; the only module importing duckdb.
 
-One ``commit`` writes a batch's history rows (derived in SQL from the raw
-payloads; undecodable ones through the appender), rebuilds the current views
-from the folded state, and records the stream positions and
-an encoded FleetState, all in one transaction. A resumed projector loads that
-state and those positions and goes on exactly where the commit left it.
+One ``commit`` writes a batch's history rows (derived in SQL from the raw payloads; undecodable
+ones through the appender), rebuilds the current views from the folded state, and records the
+stream positions and an encoded FleetState, all in one transaction. A resumed projector loads
+that state and those positions and goes on exactly where the commit left it.
 
 Over 600 lines: it is the only module that imports duckdb, and the schema's SQL, the
 migrations and the one commit that writes rows and positions together are one
@@ -66,7 +65,8 @@ STOP_CODE = "CASE " + " ".join(f"WHEN {{reason}} LIKE '{prefix}%' THEN '{code}'"
 # with the staged columns: stream, seq, ts and x, the extracted fields): the commit's stage, or, to
 # fill a file of schema 5 in place, every event it holds. A placement's GPUs come from its payload
 # (``mib`` 0, from before sharing: the whole card, as the ``gpus`` table has it); a stop frees the
-# GPUs of the replica's latest placement before it, once (a second stop of one placement adds nothing);
+# GPUs of the replica's latest placement before it, once (a second stop of one placement adds nothing; it
+# reads only the bookings of the replicas the batch stops: the whole table grows with the history);
 # a replica's report of what its engine holds is kept where the fold would keep it.
 _BOOKINGS = """
 INSERT INTO gpu_bookings
@@ -80,16 +80,18 @@ FROM (SELECT stream, seq, ts, x[8] AS replica_id, x[5] AS model, g.node AS node,
             FROM {source} WHERE x[1] = 'ReplicaPlaced')) s
 LEFT JOIN gpus c ON c.gpu_uuid = s.gpu_uuid;
 INSERT INTO gpu_bookings
+WITH stops AS (SELECT stream, seq, ts, x[8] AS replica_id FROM {source} WHERE x[1] = 'ReplicaStopped'),
+     mine AS MATERIALIZED (SELECT * FROM gpu_bookings WHERE replica_id IN (SELECT replica_id FROM stops))
 SELECT f.stream, f.seq, f.ts, b.node, b.gpu_index, b.gpu_uuid, b.replica_id, b.model, 'stopped', b.booked_mib,
        b.memory_mib
 FROM (SELECT arg_min(stream, seq) AS stream, min(seq) AS seq, arg_min(ts, seq) AS ts, replica_id, placed_seq
-      FROM (SELECT s.stream, s.seq, s.ts, s.x[8] AS replica_id,
-                   (SELECT max(p.seq) FROM gpu_bookings p
-                    WHERE p.event = 'placed' AND p.replica_id = s.x[8] AND p.seq < s.seq) AS placed_seq
-            FROM {source} s WHERE s.x[1] = 'ReplicaStopped')
+      FROM (SELECT s.stream, s.seq, s.ts, s.replica_id,
+                   (SELECT max(p.seq) FROM mine p
+                    WHERE p.event = 'placed' AND p.replica_id = s.replica_id AND p.seq < s.seq) AS placed_seq
+            FROM stops s)
       WHERE placed_seq IS NOT NULL GROUP BY replica_id, placed_seq) f
-JOIN gpu_bookings b ON b.event = 'placed' AND b.replica_id = f.replica_id AND b.seq = f.placed_seq
-WHERE NOT EXISTS (SELECT 1 FROM gpu_bookings q
+JOIN mine b ON b.event = 'placed' AND b.replica_id = f.replica_id AND b.seq = f.placed_seq
+WHERE NOT EXISTS (SELECT 1 FROM mine q
                   WHERE q.event = 'stopped' AND q.replica_id = f.replica_id AND q.seq > f.placed_seq);
 INSERT INTO replica_memory
 SELECT stream, seq, ts, x[8], x[5], x[3], x[19]::BIGINT, 'state'
@@ -266,19 +268,18 @@ def _from_stage(chunks: list[Chunk]) -> str:
             + (_CARDS_KNOWN if control or fleet else "") + _CLEAR_STAGE)
 
 Chunk = tuple[str, str, str, str, str]  # stream, seqs, subjects, stored ns, payloads (see _STAGE_CHUNK)
+Raw = tuple[list[int], list[str], list[int], list[bytes]]  # a stream's messages as those four columns
 
 
 @dataclass
 class Batch:
     """Everything one commit writes: history, the state it leads to, positions.
 
-    ``raw`` collects, per stream, the messages of decoded events as columns
-    (sequence, subject, stored ns, payload); ``pack`` joins each into a chunk
-    of four strings, which is all a commit hands DuckDB for them.
-    """
+    ``raw`` collects, per stream, the messages of decoded events as columns (sequence, subject, stored
+    ns, payload); ``pack`` joins each into a chunk of four strings, all a commit hands DuckDB for them."""
 
     rows: dict[str, list[tuple[Any, ...]]] = field(default_factory=lambda: {"unprojected_events": []})
-    raw: dict[str, tuple[list[int], list[str], list[int], list[bytes]]] = field(default_factory=dict)
+    raw: dict[str, Raw] = field(default_factory=dict)
     chunks: list[Chunk] = field(default_factory=list)
     events: int = 0
 
@@ -354,13 +355,11 @@ _IDLE_ENCODER = msgspec.json.Encoder()
 def idle_payload(event: m.IdleMapPublished, prev: RouterView | None, moved: list[str] | None = None) -> bytes:
     """An idle map as DuckDB gets it: a change per replica whose entry appeared, moved, or vanished.
 
-    ``prev`` is the router's map this one follows. Repeating an unchanged entry
-    every tick would write routers × replicas rows per tick; the changes carry
-    the same history and an idle stretch is the gap between two of them. A busy
-    fleet changes tens of entries a tick, so Python only finds which (the fold
-    has the previous map at hand) and encodes them in one call; DuckDB turns
-    them into idle_history rows and computes ``idle_s``. ``moved`` is the map's
-    ``requests_moved``, which the fold computed already.
+    ``prev`` is the router's map this one follows. Repeating an unchanged entry every tick would write
+    routers × replicas rows per tick; the changes carry the same history and an idle stretch is the gap
+    between two of them. A busy fleet changes tens of entries a tick, so Python only finds which (the
+    fold has the previous map at hand) and encodes them in one call; DuckDB turns them into idle_history
+    rows and computes ``idle_s``. ``moved`` is the map's ``requests_moved``, which the fold computed already.
     """
     last, serving = event.last_request, event.serving_since
     if prev is not None and prev.boot_id == event.boot_id:
@@ -450,7 +449,7 @@ class Store:
     """One DuckDB database (a file, or ``:memory:``) owned by one projector."""
 
     def __init__(self, path: str | Path, *, lock_wait_s: float = 3.0,
-                 flush_interval_s: float = WAL_FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = WAL_FLUSH_INTERVAL_S, threads: int | None = None) -> None:
         self.path = str(path)
         self.flush_interval_s = flush_interval_s
         self._flushed = time.monotonic()
@@ -463,20 +462,22 @@ class Store:
                 "`llmgw project --once --db mine.duckdb`"
             ) from e
         self.con.execute("SET TimeZone = 'UTC'")
-        # A commit of a busy second is ~25 MB of WAL. At DuckDB's default threshold (16 MB)
-        # every commit checkpoints, recompressing the half-filled row groups it appended
-        # to: a third of the projector's DuckDB time. Checkpointing every ~10 commits
-        # writes a row group about once; a crash replays at most this much WAL.
-        self.con.execute("SET checkpoint_threshold = '256MB'")
+        if threads is not None:  # DuckDB's default: one per core
+            self.con.execute(f"SET threads = {int(threads)}")
+        # A commit of a busy second is ~25 MB of WAL. At DuckDB's default threshold (16 MB) every commit
+        # checkpoints, recompressing the half-filled row groups it appended to: a third of the projector's
+        # DuckDB time. Every ~3 commits costs no more CPU than every ~10 (256 MB), and a catch-up's
+        # checkpoints then run during the read, where at 256 MB the whole history waited for the close
+        # (0.8 s after a 300k read, issue 46). A crash replays at most this much WAL.
+        self.con.execute("SET checkpoint_threshold = '64MB'")
         self._create_schema()
         self.con.execute(STAGING)
 
     def _create_schema(self) -> None:
         """The tables, views and comments; a file of another schema version is refused first.
 
-        Its tables would not have the columns the views read, and the operator must
-        hear what to do, not DuckDB's binder error.
-        """
+        Its tables would not have the columns the views read, and the operator must hear what to do,
+        not DuckDB's binder error."""
         con = self.con
         found = con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
                             "AND schema_name = 'main' AND table_name = 'projector_state'").fetchone()

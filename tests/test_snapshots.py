@@ -25,9 +25,9 @@ from llmgw import subjects
 from llmgw.bus import Bus
 from llmgw.config import Settings
 from llmgw.fleet import snapshots
-from llmgw.fleet.fold import Checkpoint, encode, encode_state
+from llmgw.fleet.fold import EVERY, Checkpoint, encode, encode_state
 from llmgw.fleet.pool import Pool
-from llmgw.fleet.replay import replay
+from llmgw.fleet.replay import STATUS_KEEPS, replay
 from llmgw.fleet.state import FOLD_VERSION
 from llmgw.fleet.status import idle_rows, report
 from llmgw.projections.runner import Projector
@@ -134,6 +134,40 @@ async def test_a_due_snapshot_waits_its_turn_rather_than_being_skipped(bus: Bus,
     # Due every 30 events, taken at the end of the read window (20 events here) that passes them.
     assert written == len(folded) >= 12, (written, folded)
     assert all(b - a < 60 for a, b in zip([0, *folded], folded, strict=False)), folded
+
+
+async def test_status_at_a_moment_folds_only_the_memories_its_report_reads(bus: Bus, tmp_path: Path) -> None:
+    # `ctl status --at` folded the scheduler's, planner's, routers' and liveness memories too, a sixth of
+    # its fold, and reports none of them (issue 46): the report is the same without them.
+    await fresh_streams(bus)
+    events = [*small_fleet(), *(random_event(i % 8, 100 + i, i, i // 3) for i in range(80))]
+    await publish(bus, [e for e in events if not isinstance(e, bytes)])
+    assert await project(bus, tmp_path / "p.duckdb", 25) >= 2  # --at starts from a snapshot with every memory
+    last = await bus.stream_last_seq(subjects.STREAM_CONTROL)
+    for seq in range(1, last + 1, 7):
+        reports = []
+        for keep in (STATUS_KEEPS, EVERY):
+            c = await replay(bus, at_seq=(subjects.STREAM_CONTROL, seq), keep=keep)
+            reports.append(m.encode(report(c.state, c.state.as_of, 60.0, c.cursor, history=c.history, replicas=True)))
+        assert reports[0] == reports[1], seq
+    assert STATUS_KEEPS.history and not (STATUS_KEEPS.demand or STATUS_KEEPS.pool or STATUS_KEEPS.observed)
+
+
+async def test_a_catch_up_snapshots_at_the_cadence_however_large_its_read_windows(bus: Bus, tmp_path: Path) -> None:
+    # A rebuild reads windows of thousands of events: a snapshot taken only between two of them lands up
+    # to a window past its cadence (33k events after the one before at 25k, issue 46), and an --at just
+    # before it folds that much more. The window is cut at the stored time where the snapshot falls due.
+    await fresh_streams(bus)
+    await publish(bus, [random_event(0 if i % 2 else 3, i, i, i) for i in range(600)])  # fleet and control
+    store = Store(tmp_path / "p.duckdb")
+    try:
+        await Projector(bus, store, commit_every=1000, batch=200, fold_snapshot_events=30).run_once()
+    finally:
+        store.close()
+    folded = sorted(sum(h.positions.values()) for h in (await snapshots.list_headers(bus)).values())
+    assert len(folded) >= 19 and all(30 <= b - a <= 32 for a, b in zip([0, *folded], folded[:-1], strict=False)), folded
+    with_snap, from_one = await both_ways(bus, at_seq=(subjects.STREAM_CONTROL, 150))
+    assert with_snap == from_one
 
 
 async def test_the_projector_writes_snapshots_that_a_replay_starts_from(bus: Bus, tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         FrameParser,
         RawMsg,
     )
-    from llmgw.bus.merge import windows
+    from llmgw.bus.merge import split_window, windows
     from llmgw.bus.oneshot import OneShot, speaks
     from llmgw.bus.outbox import Outbox
     from llmgw.bus.reader import StreamReader
@@ -57,6 +57,7 @@ _FACE = {
     "FrameParser": "llmgw.bus.frames",
     "RawMsg": "llmgw.bus.frames",
     "windows": "llmgw.bus.merge",
+    "split_window": "llmgw.bus.merge",
     "OneShot": "llmgw.bus.oneshot",
     "speaks": "llmgw.bus.oneshot",
     "Outbox": "llmgw.bus.outbox",
@@ -65,5 +66,6 @@ _FACE = {
     "natsconf": "llmgw.bus.natsconf",
 }
 __all__ = ["READER_BYTES_IN_FLIGHT", "Ack", "Bus", "Decoded", "EmbeddedServer", "Follower", "Frame", "FrameHandler",
-           "FrameParser", "OneShot", "Outbox", "RawMsg", "StreamReader", "natsconf", "speaks", "windows"]
+           "FrameParser", "OneShot", "Outbox", "RawMsg", "StreamReader", "natsconf", "speaks",
+           "split_window", "windows"]
 __getattr__ = lazy_face(__name__, _FACE)

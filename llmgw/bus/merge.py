@@ -12,8 +12,10 @@ window whole stands at a moment that existed after every one of them.
 from __future__ import annotations
 
 import contextlib
+from bisect import bisect_right
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
+from itertools import accumulate
 
 from llmgw.bus.frames import RawMsg
 from llmgw.bus.reader import StreamReader
@@ -66,3 +68,31 @@ async def windows(readers: Mapping[str, StreamReader], cut_ns: Mapping[str, int]
                     window.append((stream, run))
             # Never empty: the stream whose buffer ends at ``end`` drains whole (times only grow).
             yield window
+
+
+
+Window = list[tuple[str, list[RawMsg]]]
+
+
+def split_window(window: Window, n: int) -> tuple[Window, Window]:
+    """``window`` cut at a stored time: the messages stored by the time the ``n``-th was (at least ``n`` of
+    them, and every one stored by then from every stream, so itself a moment that existed), and the rest.
+
+    The projector cuts a window where a fold snapshot falls due, so that one lands every so many events
+    however large the windows a catch-up reads. Each stream's messages are cut by its time so far, as
+    ``windows`` orders them.
+    """
+    if n >= sum(len(msgs) for _, msgs in window):
+        return window, []
+    so_far = [list(accumulate((x.ts_ns for x in msgs), max)) for _, msgs in window]
+    times = sorted(t for ts in so_far for t in ts)
+    end = times[max(n, 1) - 1]
+    head: Window = []
+    tail: Window = []
+    for (stream, msgs), ts in zip(window, so_far, strict=True):
+        k = bisect_right(ts, end)  # times so far only grow
+        if k:
+            head.append((stream, msgs[:k]))
+        if k < len(msgs):
+            tail.append((stream, msgs[k:]))
+    return head, tail

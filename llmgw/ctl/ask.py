@@ -101,10 +101,12 @@ async def _replayed_report(bus: Bus, threshold_s: float, *, at: datetime | None 
                            model: str = "", use_snapshots: bool = True,
                            notice: Notice | None = None) -> m.StatusReport:
     """The report the status service gives, from the streams folded here: the same fold, the same history."""
+    from llmgw.fleet.replay import STATUS_KEEPS
     from llmgw.fleet.replay import replay as fold_streams
     from llmgw.fleet.status import report
 
-    c = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots, warn=notice)
+    c = await fold_streams(bus, at=at, at_seq=at_seq, progress=progress, use_snapshots=use_snapshots, warn=notice,
+                           keep=STATUS_KEEPS)
     if at is not None and not c.cursor.positions:  # nothing stored by then: before the history, or none yet
         first = await first_stored(bus)
         if first is not None and at < first:

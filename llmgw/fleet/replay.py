@@ -18,7 +18,7 @@ from llmgw import messages as m
 from llmgw import subjects
 from llmgw.errors import ProjectionError
 from llmgw.fleet import snapshots
-from llmgw.fleet.fold import Checkpoint, fold_batch
+from llmgw.fleet.fold import EVERY, Checkpoint, Memories, fold_batch
 from llmgw.fleet.snapshots import Warn
 from llmgw.fleet.state import Cursor
 
@@ -29,19 +29,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None] | None
+# What ``fleet.status.report`` reads of a fold beyond the state: the models' history. A fold only for a
+# report (``ctl status --replay``/``--at``) keeps no other memory: the scheduler's, planner's and routers'
+# were a sixth of its fold (issue 46).
+STATUS_KEEPS = Memories(history=True, demand=False, observed=False, pool=False, lost=False)
 
 
 async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int] | None = None,
                  streams: tuple[str, ...] = subjects.HISTORY_STREAMS, progress: Progress = None,
                  use_snapshots: bool = True, warn: Warn | None = None,
-                 upto: dict[str, int] | None = None) -> Checkpoint:
+                 upto: dict[str, int] | None = None, keep: Memories = EVERY) -> Checkpoint:
     """The fold of ``streams`` as stored now, or as of ``at`` / right after ``at_seq`` (STREAM, SEQ).
 
     It starts from the newest fold snapshot that lies wholly before that target
     (``use_snapshots=False``: from sequence 1); ``warn`` hears why a snapshot was skipped.
     The models' history and the services' memory come with it (``Checkpoint``).
     ``upto`` (stream → sequence) stops each stream there instead: a projector whose checkpoint
-    predates them folds them again up to its cursor.
+    predates them folds them again up to its cursor. ``keep``: the memories folded (a snapshot brings
+    every one as of its position; those not kept stay there).
     """
     at_ns = int(at.timestamp() * 1e9) if at is not None else None
     if at_seq is not None:
@@ -80,7 +85,7 @@ async def replay(bus: Bus, *, at: datetime | None = None, at_seq: tuple[str, int
             for stream, msgs in window:
                 stored, events = _decoded(cursor, stream, msgs)
                 if events:
-                    fold_batch(checkpoint, stream, stored, events)
+                    fold_batch(checkpoint, stream, stored, events, keep=keep)
                 done += len(msgs)
             if progress is not None:
                 progress(done, total)
