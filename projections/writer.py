@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -43,11 +44,12 @@ _QUERY_DECODER = msgspec.msgpack.Decoder(tuple[str, int])
 # waits cost CPU). One thread commits ~50k events/s here, more than the reader folds (issue 46).
 WRITER_NICE = 10
 WRITER_THREADS = 1
+_STOPS = {signal.SIGINT, signal.SIGTERM}  # what `llmgw up` sends the projector's group to stop it
 
 
 def _main(path: str, conn: Connection, copy_path: str | None, copy_interval_s: float) -> None:
     die_with_parent()  # Linux only; elsewhere the pipe's EOF ends the child
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOPS:
         signal.signal(sig, signal.SIG_IGN)  # the parent decides when to stop
     with contextlib.suppress(OSError):
         os.nice(WRITER_NICE)
@@ -97,11 +99,22 @@ class ProcessWriter:
             target=_main, args=(str(path), child, str(copy_path) if copy_path else None, copy_interval_s),
             name="llmgw-duckdb-writer", daemon=True,
         )
-        self._proc.start()
+        # A stop sent to the group while the child's Python starts would end it before _main ignores it:
+        # ignored across the spawn (SIG_IGN survives fork and exec), as only the main thread may set it;
+        # elsewhere the start is waited for here, as before (issue 46 moved that wait to the first batch).
+        ignoring = threading.current_thread() is threading.main_thread()
+        kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOPS} if ignoring else {}
+        try:
+            self._proc.start()
+        finally:
+            for sig, handler in kept.items():
+                signal.signal(sig, handler)
         child.close()
         # Its start (a Python that imports DuckDB and opens the file: ~0.3 s) is waited for at the first
         # batch, not here: the reader folds meanwhile, on the other core.
         self._started = False
+        if not ignoring:
+            self._ready()
 
     def _ready(self) -> None:
         if not self._started:
