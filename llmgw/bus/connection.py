@@ -378,6 +378,30 @@ class Bus:
         created = info.created.isoformat() if isinstance(info.created, datetime) else str(info.created or "")
         return int(info.state.last_seq), created
 
+    async def _consumer_once(self, stream: str, what: str, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A consumer made for one question about ``stream`` (``what``): its name and JetStream's answer to
+        its creation. Unacknowledged, in memory, gone after 5 s idle; the caller deletes it (``_drop``)."""
+        name = consumer_name(self.name, stream)
+        config = {**config, "name": name, "ack_policy": "none", "mem_storage": True, "num_replicas": 1,
+                  "inactive_threshold": int(5e9), "description": f"{self.name}: {what}"}
+        subject = subjects.js_consumer("CREATE", stream, name)
+        if "filter_subject" in config:  # as nats.conf grants it: CREATE.<stream>.<name>.<filter>
+            subject += "." + config["filter_subject"]
+        body = json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()
+        try:
+            msg = await self.guarded(subject, self.nc.request(subject, body, timeout=self.settings.request_timeout_s))
+        except _RETRYABLE as e:
+            raise BusError(f"JetStream did not answer for {what}") from e
+        resp = json.loads(msg.data)
+        if resp.get("error"):
+            err = resp["error"]
+            raise BusError(f"cannot read {what}: {err.get('description')} (code {err.get('err_code')})")
+        return name, resp
+
+    async def _drop(self, stream: str, consumer: str) -> None:
+        with contextlib.suppress(*_RETRYABLE):
+            await self.nc.request(subjects.js_consumer("DELETE", stream, consumer), b"", timeout=1)
+
     async def seq_at_time(self, stream: str, when: datetime) -> int:
         """The first sequence ``stream`` stored at or after ``when`` (its last + 1 when none is).
 
@@ -385,23 +409,10 @@ class Bus:
         (``by_start_time``) says where, before it delivers anything, and is deleted at once. Any
         role that reads the stream may ask (nats.conf's consumer grants).
         """
-        name, at = consumer_name(self.name, stream), when.astimezone(UTC).isoformat()
-        config = {"name": name, "deliver_policy": "by_start_time", "opt_start_time": at,
-                  "ack_policy": "none", "mem_storage": True, "num_replicas": 1, "inactive_threshold": int(5e9),
-                  "description": f"{self.name}: where {stream} stands at {at}"}
-        subject = subjects.js_consumer("CREATE", stream, name)
-        body = json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()
-        try:
-            msg = await self.guarded(subject, self.nc.request(subject, body, timeout=self.settings.request_timeout_s))
-        except _RETRYABLE as e:
-            raise BusError(f"JetStream did not answer where {stream} stands at {at}") from e
-        resp = json.loads(msg.data)
-        if resp.get("error"):
-            err = resp["error"]
-            raise BusError(f"cannot find where {stream} stands at {at}: "
-                           f"{err.get('description')} (code {err.get('err_code')})")
-        with contextlib.suppress(*_RETRYABLE):
-            await self.nc.request(subjects.js_consumer("DELETE", stream, name), b"", timeout=1)
+        at = when.astimezone(UTC).isoformat()
+        name, resp = await self._consumer_once(stream, f"where {stream} stands at {at}",
+                                               {"deliver_policy": "by_start_time", "opt_start_time": at})
+        await self._drop(stream, name)
         return int(resp["delivered"]["stream_seq"]) + 1
 
     async def last_per_subject(self, stream: str, subjects_: str) -> list[tuple[int, str, bytes]]:
@@ -410,24 +421,13 @@ class Bus:
         One consumer that delivers the last message per subject (``last_per_subject``), pulled once
         with ``no_wait`` and deleted: what a router starting reads of every router's day totals.
         """
-        name = consumer_name(self.name, stream)
-        config = {"name": name, "deliver_policy": "last_per_subject", "filter_subject": subjects_,
-                  "ack_policy": "none", "mem_storage": True, "num_replicas": 1, "inactive_threshold": int(5e9),
-                  "description": f"{self.name}: the last {subjects_} of {stream}"}
-        create = subjects.js_consumer("CREATE", stream, name) + "." + subjects_
-        body = json.dumps({"stream_name": stream, "config": config, "action": "create"}).encode()
         what = f"the last {subjects_} of {stream}"
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
+        name = ""
         try:
-            try:
-                msg = await self.guarded(create, self.nc.request(create, body, timeout=self.settings.request_timeout_s))
-            except _RETRYABLE as e:
-                raise BusError(f"JetStream did not answer for {what}") from e
-            resp = json.loads(msg.data)
-            if resp.get("error"):
-                err = resp["error"]
-                raise BusError(f"cannot read {what}: {err.get('description')} (code {err.get('err_code')})")
+            name, resp = await self._consumer_once(stream, what, {"deliver_policy": "last_per_subject",
+                                                                  "filter_subject": subjects_})
             out: list[tuple[int, str, bytes]] = []
             left = int(resp.get("num_pending", 0))
             if left:
@@ -444,8 +444,8 @@ class Bus:
             return out
         finally:
             await sub.unsubscribe()
-            with contextlib.suppress(*_RETRYABLE):
-                await self.nc.request(subjects.js_consumer("DELETE", stream, name), b"", timeout=1)
+            if name:
+                await self._drop(stream, name)
 
     async def purge_subject(self, stream: str, subject: str) -> None:
         """Drop every message of ``subject`` from ``stream`` (admin's: only admin may purge)."""
