@@ -106,7 +106,7 @@ async def take_up_day(bus: Bus, name: str, boot_id: str, quotas: Quotas, own: Ow
     for router, (_, totals) in last.items():
         if totals.day == today:
             for key, tokens in totals.tokens.items():
-                quotas.counted(key, 0.0, 0, tokens, day=today)
+                quotas.used(key, tokens, now)  # today's, as an answer's tokens are
             if router == name:
                 own.day, own.tokens = today, dict(totals.tokens)
     for seen, whole in maps:

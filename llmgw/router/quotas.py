@@ -216,13 +216,12 @@ class Quotas:
             if tokens:
                 c.add_tokens(day, used)
 
-    def counted(self, key: str, at: float, requests: int, tokens: int, *, day: str = "") -> None:
-        """What a map (or the journal, for a map a crash kept from the bus; or a router's day totals, of
-        ``day``) says ``key`` asked at ``at``."""
+    def counted(self, key: str, at: float, requests: int, tokens: int) -> None:
+        """What a map (or the journal, for a map a crash kept from the bus) says ``key`` asked at ``at``."""
         c = self._of(key)
         if requests and at > time.time() - WINDOW_S:  # hours ago fills no minute
             c.add_requests(at, requests)
-        c.add_tokens(day or utc_day(at), tokens)
+        c.add_tokens(utc_day(at), tokens)
 
 
 class KeyUseCounter:
