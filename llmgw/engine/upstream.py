@@ -1,10 +1,10 @@
 """The one outbound HTTP edge towards engines: the router's proxying and the agents' health checks.
 
-One aiohttp ClientSession for the whole process, created once: a session per
-request would cost a connector, a DNS cache and a TLS context each time, and
-keep-alive connections to the engines are what keeps added latency low. The
-router proxies through it; an agent's engine supervisor checks health and reads
-what an engine reserved through its own, with a total bound per check.
+Two clients, each created once per process (keep-alive connections to the engines are what
+keeps added latency low): the router proxies requests through ``proxy``, on llmgw's own
+HTTP/1.1 client (``http1``: aiohttp's client was the largest single cost of a proxied request);
+everything else (an agent's health checks and reads of what an engine reserved, the router's
+adapter loads and lists) goes through one aiohttp ClientSession, with a total bound per call.
 
 Every engine llmgw starts asks for its own API key (``EngineKeyIssued``): ``keys`` says which key an
 endpoint takes, and every request through this client to that endpoint carries it as
@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
-USER_AGENT = "llmgw"  # what engines see in their logs (aiohttp's own would name Python and aiohttp)
+from llmgw.engine.http1 import USER_AGENT, Answer, Client, EngineBrokeOff, EngineUnreachable
+
+__all__ = ["CONNECT_ERRORS", "READ_ERRORS", "USER_AGENT", "Answer", "Timeouts", "Upstream"]
 
 # Errors that mean the request never reached an engine that could answer it:
 # nothing was sent to the client yet, so another replica may try.
@@ -28,6 +30,7 @@ _CONNECT_TIMEOUT: tuple[type[BaseException], ...] = (
     (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
 )
 CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    EngineUnreachable,
     aiohttp.ClientConnectorError,
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
@@ -36,6 +39,7 @@ CONNECT_ERRORS: tuple[type[BaseException], ...] = (
 
 # Errors while reading an answer that has begun.
 READ_ERRORS: tuple[type[BaseException], ...] = (
+    EngineBrokeOff,
     aiohttp.ClientPayloadError,
     aiohttp.ClientConnectionError,
     TimeoutError,
@@ -60,6 +64,7 @@ class Upstream:
         self.keys = keys
         self._max = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._proxy: Client | None = None
         # Parsed once per (endpoint, route): yarl parsing is a visible share of a proxied request.
         self._urls: dict[tuple[str, str], URL] = {}
         self._timeout = aiohttp.ClientTimeout(
@@ -80,8 +85,13 @@ class Upstream:
                 # the router passes its bytes on and never decompresses them.
                 headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"},
             )
+        if self._proxy is None:
+            self._proxy = Client(self.timeouts.connect_s, self.timeouts.read_s)
 
     async def close(self) -> None:
+        if self._proxy is not None:
+            await self._proxy.close()
+            self._proxy = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -99,6 +109,17 @@ class Upstream:
         if key is None:
             return headers
         return {**(headers or {}), "Authorization": f"Bearer {key}"}
+
+    async def proxy(self, endpoint: str, route: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """A client's request on its way to an engine: POST ``body`` to ``endpoint + route``, the answer
+        once its head came (``http1``). ``headers`` is completed with the engine's key, as by ``post``."""
+        assert self._proxy is not None, "Upstream.start() was not awaited"
+        key = self.keys(endpoint) if self.keys is not None else None
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        elif "Authorization" in headers:
+            del headers["Authorization"]
+        return await self._proxy.post(endpoint, route, body, headers)
 
     def post(self, endpoint: str, route: str, body: bytes, headers: dict[str, str], *,
              total_s: float | None = None) -> aiohttp.client._RequestContextManager:

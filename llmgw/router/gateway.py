@@ -44,7 +44,7 @@ from aiohttp import web
 from llmgw import messages as m
 from llmgw.bus import Bus
 from llmgw.clientsockets import unreadable
-from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Upstream
+from llmgw.engine.upstream import CONNECT_ERRORS, READ_ERRORS, Answer, Upstream
 from llmgw.fleet.pool import Adapter
 from llmgw.messages.usage import ANONYMOUS_CALLER
 from llmgw.router import openai_api as api
@@ -495,14 +495,14 @@ class Gateway:
             self.wake.ledger.released(target, rep.replica_id, held_since, time.time())
             woken = True
         retried = False
-        # The engine's headers, built once: one dict, completed with the engine's key by ``upstream.post``.
+        # The engine's headers, built once: one dict, completed with the engine's key by ``upstream.proxy``.
         headers = {"Content-Type": "application/json", "X-Request-Id": tr.id}
         if tr.spans is not None:
             headers.update(tr.spans.engine(tr, request.path))
         while True:
             try:
                 tr.replica = rep.replica_id
-                up = await self.upstream.post(rep.endpoint, route, body, headers)
+                up = await self.upstream.proxy(rep.endpoint, route, body, headers)
             except CONNECT_ERRORS as e:
                 self.release(rep)
                 self.metrics.error(model, "upstream_connect")
@@ -555,7 +555,7 @@ class Gateway:
                     hold.served = True
                 if up.status == 200 and (usage := usage_of(data)) is not None:
                     self._count_tokens(rep, model, usage, call)
-                if up.status == 413 and not up.headers.get("Content-Type", "").startswith("application/json"):
+                if up.status == 413 and not up.content_type.startswith("application/json"):
                     # An engine whose own limit is below the router's (aiohttp's 1 MiB, a proxy's)
                     # answers in plain text; the client still gets an error it can read.
                     self.metrics.error(model, "too_large")
@@ -572,7 +572,7 @@ class Gateway:
                                           f"(its agent's key for this start is not the one the router holds); "
                                           "retry shortly", "server_error", "upstream_refused")
                 return web.Response(status=up.status, body=data, headers={
-                    "Content-Type": up.headers.get("Content-Type", "application/json"),
+                    "Content-Type": up.content_type or "application/json",
                     "x-llmgw-replica": rep.replica_id, **(call.lora_load or _NO_LOAD),
                 })
             except BaseException:
@@ -582,7 +582,7 @@ class Gateway:
                 up.release()
                 self.release(rep)
 
-    async def _pipe(self, request: web.BaseRequest, call: Call, up: aiohttp.ClientResponse, rep: Replica,
+    async def _pipe(self, request: web.BaseRequest, call: Call, up: Answer, rep: Replica,
                     model: str, t0: float, strip_usage: bool = False) -> web.StreamResponse:
         """Write the engine's stream on as it arrives; a break becomes an error event, not a hang.
 
@@ -594,11 +594,11 @@ class Gateway:
         otherwise: a client (openai's) closes as soon as it reads ``[DONE]``, before the body's end.
         """
         resp = web.StreamResponse(status=up.status, headers={
-            "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
+            "Content-Type": up.content_type or "text/event-stream",
             "Cache-Control": "no-cache",
             "x-llmgw-replica": rep.replica_id, HEADER: call.trace.id, **(call.lora_load or _NO_LOAD),
         })
-        read = up.content.readany
+        read = up.readany
         tail: deque[bytes] = deque()
         kept = 0
         held = b""  # an unfinished event, while usage-only events are taken out
@@ -655,7 +655,7 @@ class Gateway:
             if not counted:  # the client left (or the handler was cancelled): what was served still counts
                 count()
 
-    async def _broken(self, resp: web.StreamResponse, up: aiohttp.ClientResponse, rep: Replica,
+    async def _broken(self, resp: web.StreamResponse, up: Answer, rep: Replica,
                       model: str, e: BaseException) -> None:
         """End a stream the engine broke off with an error event the client's SDK raises."""
         up.close()
