@@ -70,7 +70,6 @@ async def windows(readers: Mapping[str, StreamReader], cut_ns: Mapping[str, int]
             yield window
 
 
-
 Window = list[tuple[str, list[RawMsg]]]
 
 

@@ -448,7 +448,6 @@ class Gateway:
         big.force_close()  # what is left of that body must not be read as a request
         return big
 
-
     async def _send(self, request: web.BaseRequest, call: Call, route: str, model: str, stream: bool, body: bytes,
                     t0: float, key: int | None, strip_usage: bool, picked: list[str]) -> web.StreamResponse:
         who = call.key
