@@ -7,7 +7,8 @@
     python benchmarks/router.py --quick --before ../before   # and the router of another checkout, side by side
 
 Starts its own nats-server, two fake engines (instant; realistic: 20 ms before
-the reply, 5 ms between chunks), one pass-through proxy per engine, and two
+the reply, 5 ms between chunks), two pass-through proxies per engine (the floor, on
+aiohttp's client, and the same on llmgw's HTTP/1.1 client, the router's own), and two
 routers (idle tracking on and off), all as separate processes. Every scenario
 runs the targets back to back so the ratios are side by side. CPU per request
 is the proxy process's on-CPU time (all threads, /proc/<pid>/task/*/schedstat)
@@ -51,13 +52,19 @@ HERE = str(Path(__file__).resolve())
 # --- the floor: the thinnest pass-through proxy this box can run in Python -----------
 
 
-def passthrough_main(upstream: str) -> None:
-    """A few lines of aiohttp: one shared session, bodies and streams copied as they come."""
+def passthrough_main(upstream: str, lean: bool = False) -> None:
+    """A few lines of aiohttp: one shared session, bodies and streams copied as they come.
+
+    With ``lean``, the same on llmgw's own HTTP/1.1 client (``llmgw/engine/http1.py``), the router's
+    way to its engines: the floor of a proxy built the way the router now is."""
     import uvloop
     from aiohttp import web
 
+    from llmgw.engine.http1 import Client
+
     async def main() -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        client = Client(connect_s=5, read_s=300)
 
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
@@ -72,8 +79,24 @@ def passthrough_main(upstream: str) -> None:
                     return resp
                 return web.Response(status=up.status, body=await up.read(), content_type=up.content_type)
 
+        async def handle_lean(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            up = await client.post(upstream, request.path, body, {"Content-Type": "application/json"})
+            try:
+                if up.content_type.startswith("text/event-stream"):
+                    resp = web.StreamResponse(status=up.status, headers={"Content-Type": "text/event-stream"})
+                    await resp.prepare(request)
+                    while chunk := await up.readany():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                    return resp
+                return web.Response(status=up.status, body=await up.read(),
+                                    headers={"Content-Type": up.content_type or "application/json"})
+            finally:
+                up.release()
+
         app = web.Application()
-        app.router.add_post("/{tail:.*}", handle)
+        app.router.add_post("/{tail:.*}", handle_lean if lean else handle)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -131,6 +154,12 @@ def start_proc(name: str, cmd: list[str], tree: str | None = None) -> Proc:
         proc.kill()
         raise SystemExit(f"{name} did not start (exit {proc.wait()})")
     return Proc(name, proc, line)
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (--pin)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
 
 
 def engine_proc(e: EngineProcess, name: str) -> Proc:
@@ -224,7 +253,9 @@ async def run(args: argparse.Namespace) -> None:
         here = HERE
         pass_i = start_proc("pass-instant", [sys.executable, here, "--passthrough-proxy", instant.url])
         pass_r = start_proc("pass-realistic", [sys.executable, here, "--passthrough-proxy", realistic.url])
-        procs += [pass_i, pass_r]
+        lean_i = start_proc("lean-instant", [sys.executable, here, "--passthrough-proxy", instant.url, "--lean"])
+        lean_r = start_proc("lean-realistic", [sys.executable, here, "--passthrough-proxy", realistic.url, "--lean"])
+        procs += [pass_i, pass_r, lean_i, lean_r]
         settings = Settings(nats_url=server.url)
         async with await Bus.connect(settings, "bench") as bus:
             await bus.ensure_streams()
@@ -244,16 +275,23 @@ async def run(args: argparse.Namespace) -> None:
         router_on = start_proc("router", [*cli, "--name", "bench-on", "--tick", "10"])
         router_off = start_proc("router-notrack", [*cli, "--name", "bench-off", "--no-idle-tracking"])
         procs += [router_on, router_off]
+        if args.pin:  # the proxies on the second CPU, engines, load and NATS on the first
+            for p in procs:
+                pin(p.proc.pid, {1})
+            for pid in (instant.proc.pid, realistic.proc.pid, *([server.proc.pid] if server.proc else []), os.getpid()):
+                pin(pid, {0})
         before: list[tuple[str, str, Proc | None]] = []
         if args.before:
             router_before = start_proc("router-before", [*cli, "--name", "bench-before", "--tick", "10"],
                                        args.before)
             procs.append(router_before)
+            if args.pin:
+                pin(router_before.proc.pid, {1})
             before = [("router, before", router_before.url, router_before)]
 
         q = args.quick
         sizes = {  # (engine, concurrency) -> requests per target per round
-            ("instant", 1): 300 if q else 2000,
+            ("instant", 1): 1000 if q else 2000,  # a round of 300 (0.2 s) swung by ±30 %
             ("instant", 64): 1500 if q else 15000,
             ("realistic", 1): 30 if q else 200,
             ("realistic", 64): 640 if q else 3200,
@@ -261,9 +299,11 @@ async def run(args: argparse.Namespace) -> None:
         rounds = args.rounds
         targets = {
             "instant": [("direct", instant.url, None), ("pass-through", pass_i.url, pass_i),
+                        ("pass-through, http1", lean_i.url, lean_i),
                         ("router", router_on.url, router_on), *before,
                         ("router, idle off", router_off.url, router_off)],
             "realistic": [("direct", realistic.url, None), ("pass-through", pass_r.url, pass_r),
+                          ("pass-through, http1", lean_r.url, lean_r),
                           ("router", router_on.url, router_on), *before],
         }
         rows: list[list[str]] = []
@@ -318,6 +358,7 @@ async def run(args: argparse.Namespace) -> None:
             print("| " + " | ".join(row) + " |")
         print()
         print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; rounds: {rounds}; "
+              f"{'pinned; ' if args.pin else ''}"
               f"keys on the bus: {args.keys:,}" + (f"; before: {args.before}" if args.before else ""))
         print(f"router RSS over {total} requests: {rss0:.1f} MiB → {rss_mid:.1f} MiB (half) → {rss1:.1f} MiB")
     finally:
@@ -339,9 +380,12 @@ def main() -> None:
     parser.add_argument("--before", metavar="DIR",
                         help="also run the router of the llmgw checkout in DIR (its 'before'), side by side")
     parser.add_argument("--passthrough-proxy", metavar="UPSTREAM", help=argparse.SUPPRESS)
+    parser.add_argument("--pin", action="store_true",
+                        help="proxies and routers on CPU 1, engines, NATS and the load on CPU 0 (two CPUs or more)")
+    parser.add_argument("--lean", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.passthrough_proxy:
-        passthrough_main(args.passthrough_proxy)
+        passthrough_main(args.passthrough_proxy, args.lean)
         return
     if args.before:
         args.before = str(Path(args.before).resolve())
