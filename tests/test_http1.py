@@ -17,7 +17,7 @@ import uvloop
 from llmgw.engine import http1
 from llmgw.engine.http1 import Client, EngineBrokeOff, EngineUnreachable
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Handler = Callable[["Engine", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 JSON = b'{"ok":true}'
 
@@ -43,7 +43,7 @@ class Engine:
         async def on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self.connections += 1
             try:
-                await self.handler(reader, writer)
+                await self.handler(self, reader, writer)
             except (ConnectionError, asyncio.IncompleteReadError):
                 pass
             finally:
@@ -74,10 +74,10 @@ def answer(body: bytes, *extra: bytes) -> bytes:
         len(body), b"".join(h + b"\r\n" for h in extra), body)
 
 
-def keep_answering(engine: list[Engine], *extra: bytes) -> Handler:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def keep_answering(*extra: bytes) -> Handler:
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            body = await engine[0].request(reader)
+            body = await e.request(reader)
             writer.write(answer(b'{"echo":%d}' % len(body), *extra))
     return handler
 
@@ -86,11 +86,21 @@ async def post(c: Client, url: str, body: bytes = b'{"model":"m"}', **headers: s
     return await c.post(url, "/v1/chat/completions", body, {"Content-Type": "application/json", **headers})
 
 
+async def bodies(e: Engine, n: int) -> list[bytes]:
+    """``n`` requests to ``e`` one after the other, each answer read whole and released."""
+    c = Client(connect_s=2, read_s=5)
+    got = []
+    for _ in range(n):
+        a = await post(c, e.url)
+        got.append(await a.read())
+        a.release()
+    await c.close()
+    return got
+
+
 def test_answers_come_back_whole_and_their_connection_is_reused(run: Any) -> None:
     async def go() -> None:
-        box: list[Engine] = []
-        async with Engine(keep_answering(box)) as e:
-            box.append(e)
+        async with Engine(keep_answering()) as e:
             c = Client(connect_s=2, read_s=5)
             for body in (b"{}", b'{"model":"x"}', b"[" + b"1," * 10_000 + b"1]"):  # the last one written apart
                 a = await post(c, e.url, body)
@@ -108,15 +118,14 @@ def test_answers_come_back_whole_and_their_connection_is_reused(run: Any) -> Non
 
 def test_a_chunked_stream_is_read_as_it_comes(run: Any) -> None:
     events = [b"data: {\"i\":%d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
-    box: list[Engine] = []
     go_on = asyncio.Event
 
     async def go() -> None:
         step = go_on()
 
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while True:
-                await box[0].request(reader)
+                await e.request(reader)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
                 for ev in events:
                     writer.write(b"%x\r\n%s\r\n" % (len(ev), ev))
@@ -126,7 +135,6 @@ def test_a_chunked_stream_is_read_as_it_comes(run: Any) -> None:
                 writer.write(b"0\r\n\r\n")
 
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=5)
             for _ in range(2):
                 a = await post(c, e.url)
@@ -144,51 +152,32 @@ def test_a_chunked_stream_is_read_as_it_comes(run: Any) -> None:
 
 
 def test_an_answer_without_a_length_ends_with_its_connection_which_is_not_reused(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + JSON)
         await writer.drain()
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
-            c = Client(connect_s=2, read_s=5)
-            for _ in range(2):
-                a = await post(c, e.url)
-                assert await a.read() == JSON
-                a.release()
+            assert await bodies(e, 2) == [JSON, JSON]
             assert e.connections == 2
-            await c.close()
     run(go())
 
 
 def test_connection_close_is_honoured(run: Any) -> None:
-    box: list[Engine] = []
-
     async def go() -> None:
-        async with Engine(keep_answering(box, b"Connection: close")) as e:
-            box.append(e)
-            c = Client(connect_s=2, read_s=5)
-            for _ in range(3):
-                a = await post(c, e.url)
-                assert await a.read() == b'{"echo":13}'
-                a.release()
+        async with Engine(keep_answering(b"Connection: close")) as e:
+            assert await bodies(e, 3) == [b'{"echo":13}'] * 3
             assert e.connections == 3
-            await c.close()
     run(go())
 
 
 def test_a_refused_connection_and_a_dropped_request_are_unreachable(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)  # read, then closed without a byte of answer
+    async def hang_up(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)  # read, then closed without a byte of answer
 
     async def go() -> None:
         async with Engine(hang_up) as e:
-            box.append(e)
             url = e.url
             c = Client(connect_s=2, read_s=5)
             with pytest.raises(EngineUnreachable, match="before answering"):
@@ -200,7 +189,6 @@ def test_a_refused_connection_and_a_dropped_request_are_unreachable(run: Any) ->
 
 
 def test_an_answer_cut_short_or_not_http_is_a_broken_one(run: Any) -> None:
-    box: list[Engine] = []
     replies = [
         b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + JSON,  # 11 of 100 bytes
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",  # no last chunk
@@ -208,14 +196,13 @@ def test_an_answer_cut_short_or_not_http_is_a_broken_one(run: Any) -> None:
         b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (http1.MAX_HEAD_BYTES + 1) + b"\r\n\r\n",
     ]
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)
-        writer.write(replies[box[0].connections - 1])
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)
+        writer.write(replies[e.connections - 1])
         await writer.drain()
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=5)
             for why in ("before its answer ended", "before its answer ended", "not HTTP/1.1", "head is over"):
                 with pytest.raises(EngineBrokeOff, match=why):
@@ -229,17 +216,14 @@ def test_an_answer_cut_short_or_not_http_is_a_broken_one(run: Any) -> None:
 
 
 def test_an_engine_silent_past_read_s_times_out_before_and_within_its_answer(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)
-        if box[0].connections == 2:
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)
+        if e.connections == 2:
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
         await asyncio.sleep(10)
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=0.3)
             with pytest.raises(TimeoutError):
                 await post(c, e.url)
@@ -253,53 +237,34 @@ def test_an_engine_silent_past_read_s_times_out_before_and_within_its_answer(run
 
 
 def test_an_interim_answer_is_skipped(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            await box[0].request(reader)
+            await e.request(reader)
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(JSON))
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
-            c = Client(connect_s=2, read_s=5)
-            for _ in range(2):
-                a = await post(c, e.url)
-                assert (a.status, await a.read()) == (200, JSON)
-                a.release()
+            assert await bodies(e, 2) == [JSON, JSON]
             assert e.connections == 1
-            await c.close()
     run(go())
 
 
 def test_bytes_after_an_answer_mean_its_connection_is_not_reused(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
-            await box[0].request(reader)
+            await e.request(reader)
             writer.write(answer(JSON) + answer(b'{"smuggled":1}'))
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
-            c = Client(connect_s=2, read_s=5)
-            for _ in range(2):
-                a = await post(c, e.url)
-                assert await a.read() == JSON  # never the second answer, on this request or the next
-                a.release()
+            assert await bodies(e, 2) == [JSON, JSON]  # never the second answer, on this request or the next
             assert e.connections == 2
-            await c.close()
     run(go())
 
 
 def test_a_header_that_would_split_the_head_is_refused_before_anything_is_sent(run: Any) -> None:
-    box: list[Engine] = []
-
     async def go() -> None:
-        async with Engine(keep_answering(box)) as e:
-            box.append(e)
+        async with Engine(keep_answering()) as e:
             c = Client(connect_s=2, read_s=5)
             for bad in ({"X-Request-Id": "a\r\nX-Admin: 1"}, {"X-Evil\r\nX-Admin": "1"}, {"Authorization": "Bearer k\n"}):
                 with pytest.raises(ValueError, match="split"):
@@ -311,12 +276,11 @@ def test_a_header_that_would_split_the_head_is_refused_before_anything_is_sent(r
 
 
 def test_a_slow_reader_pauses_its_engine_and_is_not_timed_out_for_it(run: Any) -> None:
-    box: list[Engine] = []
     piece = bytes(range(256)) * 256  # 64 KiB
     pieces = 64  # 4 MiB in all
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(pieces):
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -326,7 +290,6 @@ def test_a_slow_reader_pauses_its_engine_and_is_not_timed_out_for_it(run: Any) -
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=0.3)
             a = await post(c, e.url)
             got, most = bytearray(), 0
@@ -345,19 +308,17 @@ def test_a_slow_reader_pauses_its_engine_and_is_not_timed_out_for_it(run: Any) -
 
 
 def test_a_request_cancelled_waiting_closes_its_connection(run: Any) -> None:
-    box: list[Engine] = []
     closed = asyncio.Event
 
     async def go() -> None:
         ended = closed()
 
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await box[0].request(reader)
+        async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await e.request(reader)
             await reader.read()  # until the client closes
             ended.set()
 
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=5)
             task = asyncio.ensure_future(post(c, e.url))
             await asyncio.sleep(0.1)
@@ -370,16 +331,13 @@ def test_a_request_cancelled_waiting_closes_its_connection(run: Any) -> None:
 
 
 def test_an_idle_connection_the_engine_closed_is_not_used_again(run: Any) -> None:
-    box: list[Engine] = []
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await box[0].request(reader)
+    async def handler(e: Engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await e.request(reader)
         writer.write(answer(JSON))  # kept alive, by what it says, and closed at once all the same
         await writer.drain()
 
     async def go() -> None:
         async with Engine(handler) as e:
-            box.append(e)
             c = Client(connect_s=2, read_s=5)
             for _ in range(3):
                 a = await post(c, e.url)
