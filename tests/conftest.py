@@ -4,6 +4,9 @@ JetStream, a temporary store) and real DuckDB files in ``tmp_path``.
 ``LLMGW_TEST_DOCKER=1`` runs the NATS container through testcontainers instead,
 where a Docker engine exists; without one the binary is used, and the session
 header says which.
+
+Every async test runs on uvloop, the loop every llmgw process runs on
+(``pytest_asyncio_loop_factories`` below): the two loops' transports differ.
 """
 
 from __future__ import annotations
@@ -115,3 +118,10 @@ def duckdb_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def fleet_file() -> Path:
     return EXAMPLES / "fleet.toml"
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Every async test on uvloop, the loop every llmgw process runs on (``cli/options.run``)."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
