@@ -384,7 +384,11 @@ class Client:
             if len(self._where) > 10_000:  # endpoints come and go; never grow without bound
                 self.close_idle()
                 self._where.clear()
-            where = self._where[endpoint] = _Endpoint(endpoint)
+            try:
+                where = _Endpoint(endpoint)
+            except ValueError as e:  # an endpoint no agent of ours publishes: this replica cannot be reached
+                raise EngineUnreachable(str(e)) from e
+            self._where[endpoint] = where
         return where
 
     async def _connect(self, where: _Endpoint) -> _Conn:
