@@ -110,15 +110,20 @@ class Upstream:
             return headers
         return {**(headers or {}), "Authorization": f"Bearer {key}"}
 
-    async def proxy(self, endpoint: str, route: str, body: bytes, headers: dict[str, str]) -> Answer:
-        """A client's request on its way to an engine: POST ``body`` to ``endpoint + route``, the answer
-        once its head came (``http1``). ``headers`` is completed with the engine's key, as by ``post``."""
-        assert self._proxy is not None, "Upstream.start() was not awaited"
+    def _complete(self, endpoint: str, headers: dict[str, str]) -> None:
+        """``headers`` completed in place with the key ``endpoint`` takes: a retry on another replica
+        sends that one's key, or none."""
         key = self.keys(endpoint) if self.keys is not None else None
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
         elif "Authorization" in headers:
             del headers["Authorization"]
+
+    async def proxy(self, endpoint: str, route: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """A client's request on its way to an engine: POST ``body`` to ``endpoint + route``, the answer
+        once its head came (``http1``). ``headers`` is completed with the engine's key, as by ``post``."""
+        assert self._proxy is not None, "Upstream.start() was not awaited"
+        self._complete(endpoint, headers)
         return await self._proxy.post(endpoint, route, body, headers)
 
     def post(self, endpoint: str, route: str, body: bytes, headers: dict[str, str], *,
@@ -130,11 +135,7 @@ class Upstream:
         a retry on another replica sends that one's key, or none."""
         assert self._session is not None, "Upstream.start() was not awaited"
         url = self._url(endpoint, route)
-        key = self.keys(endpoint) if self.keys is not None else None
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        elif "Authorization" in headers:
-            del headers["Authorization"]
+        self._complete(endpoint, headers)
         if total_s is None:
             return self._session.post(url, data=body, headers=headers)
         return self._session.post(url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=total_s))
